@@ -1,0 +1,81 @@
+// CUDA implementation of marlin::gemm: checks, device guard, stream, buffers, then the kernel
+// plan and launch from marlin_gemm.cu. Never synchronises with the host.
+#include <ATen/cuda/CUDAContext.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <torch/library.h>
+
+#include "../gemm_checks.h"
+#include "marlin_gemm.h"
+
+namespace marlin {
+namespace {
+
+at::Tensor gemm_cuda(const at::Tensor& a, const at::Tensor& b_q, const at::Tensor& b_scales,
+                     const std::optional<at::Tensor>& b_zeros, const std::optional<at::Tensor>& workspace,
+                     std::optional<int64_t> tile_k, std::optional<int64_t> tile_n) {
+  const GemmShape sh = check_gemm_args(a, b_q, b_scales, b_zeros, workspace, tile_k, tile_n);
+  const c10::cuda::OptionalCUDAGuard guard(a.device());
+  const cudaDeviceProp* prop = at::cuda::getCurrentDeviceProperties();
+  TORCH_CHECK(prop->major >= 8, "marlin.gemm: needs a GPU of compute capability 8.0 or newer (Ampere+), but ",
+              prop->name, " is ", prop->major, ".", prop->minor);
+  TORCH_CHECK(sh.m <= (int64_t{1} << 30) && sh.k <= (int64_t{1} << 30) && sh.n <= (int64_t{1} << 30),
+              "marlin.gemm: dimensions beyond 2^30 are not supported (M = ", sh.m, ", K = ", sh.k, ", N = ", sh.n, ")");
+
+  at::Tensor c = at::empty({sh.m, sh.n}, a.options());
+  if (sh.m == 0) return c;
+
+  // The kernel streams rows of `a` with 16-byte copies: last dim contiguous, rows 16-byte aligned.
+  at::Tensor a_use = a;
+  const bool a_ok = a.stride(1) == 1 && a.stride(0) % 8 == 0 && a.stride(0) >= sh.k &&
+                    reinterpret_cast<uintptr_t>(a.data_ptr()) % 16 == 0;
+  if (!a_ok) a_use = a.contiguous();
+  if (reinterpret_cast<uintptr_t>(a_use.data_ptr()) % 16 != 0) a_use = a.clone();
+
+  GemmArgs args;
+  args.a = a_use.data_ptr();
+  args.b_q = b_q.data_ptr();
+  args.scales = b_scales.data_ptr();
+  args.c = c.data_ptr();
+  args.m = static_cast<int>(sh.m);
+  args.n = static_cast<int>(sh.n);
+  args.k = static_cast<int>(sh.k);
+  args.lda = a_use.stride(0);
+  args.groups = static_cast<int>(sh.groups);
+  args.sms = prop->multiProcessorCount;
+  args.max_smem = static_cast<int>(prop->sharedMemPerBlockOptin);
+  TORCH_CHECK(reinterpret_cast<uintptr_t>(args.b_q) % 16 == 0 && reinterpret_cast<uintptr_t>(args.scales) % 16 == 0,
+              "marlin.gemm: b_q and b_scales must be 16-byte aligned (got a view with an offset?)");
+
+  GemmPlan plan;
+  const std::string why = plan_gemm(args, tile_k.value_or(0), tile_n.value_or(0), &plan);
+  TORCH_CHECK(why.empty(), why);
+
+  at::Tensor locks;
+  if (workspace.has_value()) {
+    TORCH_CHECK(workspace->numel() >= plan.grid, "marlin.gemm: workspace.numel() = ", workspace->numel(),
+                ", expected at least ", max_locks(args.sms), " (marlin.ops.workspace_size)");
+    locks = *workspace;
+  } else {
+    locks = at::zeros({max_locks(args.sms)}, a.options().dtype(at::kInt));
+  }
+  args.locks = locks.data_ptr<int>();
+  at::Tensor partial;
+  if (plan.needs_partial) {
+    partial = at::empty({static_cast<int64_t>(plan.partial_floats)}, a.options().dtype(at::kFloat));
+    args.partial = partial.data_ptr<float>();
+  } else {
+    args.partial = nullptr;
+  }
+
+  const std::string err = launch_gemm(args, plan, at::cuda::getCurrentCUDAStream());
+  TORCH_CHECK(err.empty(), err);
+  return c;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(marlin, CUDA, m) { m.impl("gemm", &gemm_cuda); }
+
+}  // namespace marlin

@@ -1,0 +1,55 @@
+// Plain C++ interface between the torch host wrapper (gemm_cuda.cpp) and the CUDA kernels
+// (marlin_gemm.cu). No torch headers here, so that nvcc can compile-check the kernels alone.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <string>
+
+namespace marlin {
+
+// One entry of the tile table: a block computes a (16 * m_blocks) x (16 * tile_n) piece of C,
+// streaming (16 * tile_k) rows of K per pipeline stage.
+struct TileConfig {
+  int tile_k;  // rows of K per stage: 128 or 64
+  int tile_n;  // columns of N per block: 128 or 256
+};
+
+struct GemmArgs {
+  const void* a;        // fp16 [m, k], rows lda halves apart, 16-byte aligned
+  const void* b_q;      // int32 [k / 16, 2 n], Marlin layout (marlin/packing.py)
+  const void* scales;   // fp16 [groups, n]
+  void* c;              // fp16 [m, n], contiguous
+  float* partial;       // fp32 reduction slots, partial_floats() of them (may be null if unused)
+  int* locks;           // int32, >= grid entries, all zero; left all zero on return
+  int m, n, k;
+  long long lda;        // row stride of a, in halves (multiple of 8)
+  int groups;           // rows of scales: 1 (per column) or k / 128
+  int sms;              // multiprocessors of the device
+  int max_smem;         // opt-in shared memory per block of the device, bytes
+};
+
+// What plan() decided: printed in errors and benchmarks.
+struct GemmPlan {
+  TileConfig tile{0, 0};
+  int m_blocks = 0;      // 16-row blocks of M per slice (1..4)
+  int m_slices = 0;      // slices of 16 * m_blocks rows
+  int grid = 0;          // blocks launched
+  int tiles_per_block = 0;
+  int smem_bytes = 0;
+  bool needs_partial = false;  // some column of tiles is split over blocks
+  std::size_t partial_floats = 0;
+};
+
+// Picks the tile configuration and partition. tile_k/tile_n <= 0 means "choose from the table".
+// Returns an empty string on success, else a message naming what is unsupported.
+std::string plan_gemm(const GemmArgs& args, int tile_k, int tile_n, GemmPlan* plan);
+
+// Launches the planned kernel on `stream`. Returns an empty string or an error message.
+std::string launch_gemm(const GemmArgs& args, const GemmPlan& plan, cudaStream_t stream);
+
+// The locks the kernel may use: one per block, at most this many.
+int max_locks(int sms);
+
+}  // namespace marlin

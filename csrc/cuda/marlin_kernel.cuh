@@ -1,0 +1,364 @@
+// The dense MARLIN kernel: C[M, N] = A[M, K] (fp16) @ dequant(B) (INT4, fp16 scales).
+//
+// Design (paper section 3), in the order the data flows:
+//  * Work unit: a tile of (16 * TK) rows of K by (16 * TN) columns of N of B, for one slice of
+//    16 * TM rows of A. A "column" is the stack of K tiles that produce one (slice, N-tile) of C.
+//  * Striped partition: the columns' tiles are numbered column by column; block b takes the
+//    contiguous range [b T, (b + 1) T), so a stripe may end in one column and go on at the top
+//    of the next. Columns shared by several blocks are reduced serially, bottom block first, in
+//    fp32 through a slot of `partial`, ordered by a lock that the last block resets to zero.
+//  * Pipeline: STAGES shared-memory stages filled with cp.async (weights with L2 evict-first),
+//    and the next k16 sub-step's operands loaded into registers while the current one runs.
+//    The stage loop is unrolled so that every shared-memory address is static.
+//  * Warps: NG = TN / 4 warp columns of 64 N each, KW = 8 / NG warps along K; each warp does
+//    every KW-th k16 block of a stage. At the end of a column the KW partial results are added
+//    in shared memory.
+//  * Math: activations stored XOR-swizzled and read with ldmatrix (no bank conflicts); one
+//    16-byte read per lane gives 8 nibbles for each of 4 16x16 blocks, dequantized two at a
+//    time by lop3 + magic-number subtraction, scaled by the group scale (fp16), and fed to
+//    mma.m16n8k16 with fp32 accumulators. Per-column scales are applied to the fp32 result.
+#pragma once
+
+#include <cuda_fp16.h>
+
+#include <cstdint>
+
+#include "ptx.cuh"
+
+namespace marlin {
+
+constexpr int kThreads = 256;
+constexpr int kWarps = kThreads / 32;
+
+struct KernelParams {
+  const int4* a;       // fp16 [m, k]
+  const int4* b;       // packed weights, int32 [k / 16, 2 n]
+  const int4* s;       // fp16 scales [groups, n]
+  half* c;             // fp16 [m, n]
+  float4* partial;     // fp32 reduction slots
+  int* locks;          // one per block
+  int m, n, k;
+  long long lda_int4;  // row stride of a in 16-byte units
+  int m_slices;
+  int tiles_per_block;
+};
+
+template <int TM, int TK, int TN, int STAGES, int GROUP_BLOCKS>
+struct KernelShape {
+  static constexpr int kNG = TN / 4;         // warp columns (64 N each)
+  static constexpr int kKW = kWarps / kNG;   // warps along K
+  static constexpr int kSub = TK / kKW;      // k16 sub-steps per warp per stage
+  static constexpr bool kGrouped = GROUP_BLOCKS > 0;
+
+  // shared memory per stage, in int4 (16 bytes)
+  static constexpr int kARowInt4 = TK * 2;           // one row of the A stage: 16 TK halves
+  static constexpr int kAStage = 16 * TM * kARowInt4;
+  static constexpr int kBStage = TK * TN * 8;        // TK x (TN / 4) chunks of 32 int4
+  static constexpr int kSStage = kGrouped ? TN * 2 : 0;  // one scale row of 16 TN halves
+  static constexpr int kStageInt4 = kAStage + kBStage + kSStage;
+  static constexpr int kPipeInt4 = STAGES * kStageInt4;
+
+  // end-of-column reduction among the KW warps of a warp column: floats per thread
+  static constexpr int kAccFloats = TM * 8 * 4;
+  static constexpr int kRedInt4 = (kKW / 2) * kNG * 32 * (kAccFloats / 4);
+  // output staging: (16 TM) rows of 16 TN halves plus 8 halves of padding
+  static constexpr int kCRowHalves = 16 * TN + 8;
+  static constexpr int kCInt4 = 16 * TM * kCRowHalves / 8;
+
+  static constexpr int kSmemInt4 =
+      kPipeInt4 > kRedInt4 ? (kPipeInt4 > kCInt4 ? kPipeInt4 : kCInt4) : (kRedInt4 > kCInt4 ? kRedInt4 : kCInt4);
+  static constexpr int kSmemBytes = kSmemInt4 * 16;
+  // fp32 values one split column needs in `partial`
+  static constexpr int kPartialFloats = 16 * TM * 16 * TN;
+
+  static_assert(TN % 4 == 0 && kWarps % kNG == 0, "TN must split into whole warp columns");
+  static_assert(TK % kKW == 0 && kSub >= 1, "TK must split over the K warps");
+  static_assert((STAGES * kSub) % 2 == 0, "register double buffer needs an even sub-step count");
+  static_assert(kARowInt4 >= 8, "XOR swizzle needs 8 int4 per A row");
+  static_assert(!kGrouped || GROUP_BLOCKS % TK == 0, "a stage must not straddle scale groups");
+  static_assert((kKW & (kKW - 1)) == 0, "K warps must be a power of two for the tree reduction");
+};
+
+template <int TM, int TK, int TN, int STAGES, int GROUP_BLOCKS>
+__global__ void __launch_bounds__(kThreads, 1) marlin_gemm_kernel(const KernelParams p) {
+  using S = KernelShape<TM, TK, TN, STAGES, GROUP_BLOCKS>;
+  constexpr int NG = S::kNG, KW = S::kKW, SUB = S::kSub;
+  extern __shared__ int4 smem[];
+
+  const int tid = threadIdx.x;
+  const int lane = tid % 32;
+  const int warp = tid / 32;
+  const int wn = warp % NG;  // which 64-column group of the tile
+  const int wk = warp / NG;  // which k16 blocks of a stage (wk, wk + KW, ...)
+
+  const int k_tiles = p.k / (16 * TK);
+  const int n_tiles = p.n / (16 * TN);
+  const int total = p.m_slices * n_tiles * k_tiles;
+  const int T = p.tiles_per_block;
+  int pos = blockIdx.x * T;
+  const int end = min(pos + T, total);
+
+  const int b_row_int4 = p.n / 4;  // one packed row (16 rows of K) = 2 n int32
+
+  // ---- static shared-memory offsets, computed once (the paper precomputes them in registers)
+  // cp.async targets of this thread in a stage
+  constexpr int kALoads = (S::kAStage + kThreads - 1) / kThreads;
+  constexpr int kBLoads = S::kBStage / kThreads;
+  static_assert(S::kBStage % kThreads == 0, "B stage must split evenly over threads");
+  int a_sh_wr[kALoads], a_row[kALoads], a_col[kALoads];
+#pragma unroll
+  for (int i = 0; i < kALoads; i++) {
+    const int idx = tid + i * kThreads;
+    a_row[i] = idx / S::kARowInt4;
+    a_col[i] = idx % S::kARowInt4;
+    a_sh_wr[i] = a_row[i] * S::kARowInt4 + (a_col[i] ^ (a_row[i] % 8));
+  }
+  // ldmatrix source of this lane for m-block i, sub-step u
+  int a_sh_rd[SUB][TM];
+#pragma unroll
+  for (int u = 0; u < SUB; u++) {
+#pragma unroll
+    for (int i = 0; i < TM; i++) {
+      const int row = 16 * i + lane % 16;
+      const int col = 2 * (wk + KW * u) + lane / 16;
+      a_sh_rd[u][i] = row * S::kARowInt4 + (col ^ (row % 8));
+    }
+  }
+
+  // ---- registers
+  float acc[TM][8][4];
+  uint32_t a_frag[2][TM][4];
+  int4 b_frag[2];
+  int4 s_frag[2];
+
+  auto zero_acc = [&]() {
+#pragma unroll
+    for (int i = 0; i < TM; i++)
+#pragma unroll
+      for (int j = 0; j < 8; j++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) acc[i][j][e] = 0.f;
+  };
+
+  // Walk over this block's segments: each is the part of one column it owns.
+  while (pos < end) {
+    const int col = pos / k_tiles;
+    const int kt0 = pos % k_tiles;
+    const int iters = min(k_tiles - kt0, end - pos);
+    const int m_slice = col / n_tiles;
+    const int nt = col % n_tiles;
+    const int row0 = m_slice * 16 * TM;
+    const int rows = min(16 * TM, p.m - row0);
+
+    // blocks that share this column, in stripe order; the bottom one reduces first
+    const int first_block = (col * k_tiles) / T;
+    const int last_block = (col * k_tiles + k_tiles - 1) / T;
+    const int n_parts = last_block - first_block + 1;
+    const int rank = last_block - static_cast<int>(blockIdx.x);
+
+    // global sources for tile t of this segment
+    const int4* a_src[kALoads];
+    bool a_ok[kALoads];
+#pragma unroll
+    for (int i = 0; i < kALoads; i++) {
+      const bool in_stage = (kALoads * kThreads == S::kAStage) || (tid + i * kThreads < S::kAStage);
+      a_ok[i] = in_stage && a_row[i] < rows;
+      const int r = a_ok[i] ? a_row[i] : 0;
+      a_src[i] = p.a + (row0 + r) * p.lda_int4 + kt0 * S::kARowInt4 + a_col[i];
+    }
+    const int4* b_src = p.b + static_cast<long long>(kt0) * TK * b_row_int4 + nt * NG * 32;
+    const int4* s_src = nullptr;
+    if constexpr (S::kGrouped) s_src = p.s + nt * TN * 2;
+
+    auto fetch_stage = [&](int stage, int t) {
+      if (t < iters) {
+        int4* sh = smem + stage * S::kStageInt4;
+#pragma unroll
+        for (int i = 0; i < kALoads; i++) {
+          if ((kALoads * kThreads == S::kAStage) || (tid + i * kThreads < S::kAStage))
+            cp_async16_zfill(sh + a_sh_wr[i], a_src[i] + t * S::kARowInt4, a_ok[i]);
+        }
+        int4* sh_b = sh + S::kAStage;
+        const int4* src = b_src + static_cast<long long>(t) * TK * b_row_int4;
+#pragma unroll
+        for (int i = 0; i < kBLoads; i++) {
+          const int idx = tid + i * kThreads;
+          const int kb = idx / (NG * 32);
+          const int off = idx % (NG * 32);
+          cp_async16_evict_first(sh_b + idx, src + kb * b_row_int4 + off);
+        }
+        if constexpr (S::kGrouped) {
+          if (tid < TN * 2) {
+            const int group = ((kt0 + t) * TK) / GROUP_BLOCKS;
+            cp_async16(sh + S::kAStage + S::kBStage + tid, s_src + static_cast<long long>(group) * (p.n / 8) + tid);
+          }
+        }
+      }
+      cp_async_commit();
+    };
+
+    auto wait_stage = [&]() {
+      cp_async_wait<STAGES - 2>();
+      __syncthreads();
+    };
+
+    auto fetch_regs = [&](int buf, int stage, int u) {
+      const int4* sh = smem + stage * S::kStageInt4;
+#pragma unroll
+      for (int i = 0; i < TM; i++) ldmatrix_x4(a_frag[buf][i], sh + a_sh_rd[u][i]);
+      const int kb = wk + KW * u;
+      b_frag[buf] = sh[S::kAStage + (kb * NG + wn) * 32 + lane];
+      if constexpr (S::kGrouped) s_frag[buf] = sh[S::kAStage + S::kBStage + wn * 8 + lane / 4];
+    };
+
+    auto compute = [&](int buf) {
+      const uint32_t* w = reinterpret_cast<const uint32_t*>(&b_frag[buf]);
+      const half* sc = reinterpret_cast<const half*>(&s_frag[buf]);
+#pragma unroll
+      for (int j = 0; j < 4; j++) {
+        uint32_t lo[2], hi[2];
+        dequant_int4x8(w[j], lo, hi);
+        if constexpr (S::kGrouped) {
+          scale_frag(lo, sc[2 * j]);
+          scale_frag(hi, sc[2 * j + 1]);
+        }
+#pragma unroll
+        for (int i = 0; i < TM; i++) {
+          mma_16816(a_frag[buf][i], lo, acc[i][2 * j]);
+          mma_16816(a_frag[buf][i], hi, acc[i][2 * j + 1]);
+        }
+      }
+    };
+
+    // ---- main loop
+    zero_acc();
+#pragma unroll
+    for (int s = 0; s < STAGES - 1; s++) fetch_stage(s, s);
+    wait_stage();
+    fetch_regs(0, 0, 0);
+
+    int t = 0;
+    while (t < iters) {
+#pragma unroll
+      for (int stage = 0; stage < STAGES; stage++) {
+#pragma unroll
+        for (int u = 0; u < SUB; u++) {
+          const int buf = (stage * SUB + u) % 2;
+          if (u == SUB - 1) {
+            fetch_stage((stage + STAGES - 1) % STAGES, t + STAGES - 1);
+            wait_stage();
+            fetch_regs(buf ^ 1, (stage + 1) % STAGES, 0);
+          } else {
+            fetch_regs(buf ^ 1, stage, u + 1);
+          }
+          compute(buf);
+        }
+        t++;
+        if (t == iters) break;
+      }
+    }
+    cp_async_wait<0>();
+    __syncthreads();
+
+    // ---- reduce the KW warps of each warp column into warp row wk == 0 (tree, in smem)
+    if constexpr (KW > 1) {
+      float4* red = reinterpret_cast<float4*>(smem);
+      constexpr int kAcc4 = S::kAccFloats / 4;
+#pragma unroll
+      for (int half_kw = KW / 2; half_kw >= 1; half_kw /= 2) {
+        if (wk >= half_kw && wk < 2 * half_kw) {
+          float4* dst = red + ((wk - half_kw) * NG + wn) * kAcc4 * 32 + lane;
+#pragma unroll
+          for (int i = 0; i < TM; i++)
+#pragma unroll
+            for (int j = 0; j < 8; j++)
+              dst[(i * 8 + j) * 32] = make_float4(acc[i][j][0], acc[i][j][1], acc[i][j][2], acc[i][j][3]);
+        }
+        __syncthreads();
+        if (wk < half_kw) {
+          const float4* src = red + (wk * NG + wn) * kAcc4 * 32 + lane;
+#pragma unroll
+          for (int i = 0; i < TM; i++)
+#pragma unroll
+            for (int j = 0; j < 8; j++) {
+              const float4 v = src[(i * 8 + j) * 32];
+              acc[i][j][0] += v.x;
+              acc[i][j][1] += v.y;
+              acc[i][j][2] += v.z;
+              acc[i][j][3] += v.w;
+            }
+        }
+        __syncthreads();
+      }
+    }
+
+    // ---- serial fp32 reduction with the other blocks of this column
+    if (n_parts > 1) {
+      const int slot = first_block;
+      if (tid == 0) {
+        while (load_acquire(p.locks + slot) != rank) {
+        }
+      }
+      __syncthreads();
+      if (wk == 0) {
+        float4* part = p.partial + static_cast<long long>(slot) * (S::kPartialFloats / 4) + wn * 32 + lane;
+#pragma unroll
+        for (int i = 0; i < TM; i++)
+#pragma unroll
+          for (int j = 0; j < 8; j++) {
+            float4* q = part + (i * 8 + j) * NG * 32;
+            if (rank > 0) {
+              const float4 v = __ldcg(q);
+              acc[i][j][0] += v.x;
+              acc[i][j][1] += v.y;
+              acc[i][j][2] += v.z;
+              acc[i][j][3] += v.w;
+            }
+            if (rank < n_parts - 1) __stcg(q, make_float4(acc[i][j][0], acc[i][j][1], acc[i][j][2], acc[i][j][3]));
+          }
+        __threadfence();
+      }
+      __syncthreads();
+      if (tid == 0) store_release(p.locks + slot, rank == n_parts - 1 ? 0 : rank + 1);
+    }
+
+    // ---- the top block of a column writes C: scale, round to fp16, stage, 16-byte stores
+    if (n_parts == 1 || rank == n_parts - 1) {
+      half* c_sh = reinterpret_cast<half*>(smem);
+      if (wk == 0) {
+        const int g = lane / 4, c4 = lane % 4;
+#pragma unroll
+        for (int j = 0; j < 8; j++) {
+          const int col_in_tile = wn * 64 + 8 * j + 2 * c4;
+          float s0 = 1.f, s1 = 1.f;
+          if constexpr (!S::kGrouped) {
+            const half2 sv = *reinterpret_cast<const half2*>(reinterpret_cast<const half*>(p.s) + nt * 16 * TN + col_in_tile);
+            s0 = __low2float(sv);
+            s1 = __high2float(sv);
+          }
+#pragma unroll
+          for (int i = 0; i < TM; i++) {
+            const int r = 16 * i + g;
+            *reinterpret_cast<half2*>(c_sh + r * S::kCRowHalves + col_in_tile) =
+                __floats2half2_rn(acc[i][j][0] * s0, acc[i][j][1] * s1);
+            *reinterpret_cast<half2*>(c_sh + (r + 8) * S::kCRowHalves + col_in_tile) =
+                __floats2half2_rn(acc[i][j][2] * s0, acc[i][j][3] * s1);
+          }
+        }
+      }
+      __syncthreads();
+      constexpr int kRowInt4 = 2 * TN;  // 16 TN halves
+      for (int idx = tid; idx < rows * kRowInt4; idx += kThreads) {
+        const int r = idx / kRowInt4;
+        const int cc = idx % kRowInt4;
+        const int4 v = *reinterpret_cast<const int4*>(c_sh + r * S::kCRowHalves + cc * 8);
+        *reinterpret_cast<int4*>(p.c + static_cast<long long>(row0 + r) * p.n + nt * 16 * TN + cc * 8) = v;
+      }
+      __syncthreads();
+    }
+
+    pos += iters;
+  }
+}
+
+}  // namespace marlin

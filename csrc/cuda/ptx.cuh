@@ -1,0 +1,120 @@
+// Thin wrappers around the PTX instructions the kernel is built from (sm_80+).
+// Each is a single asm statement so that the compiler cannot separate a value from its use.
+#pragma once
+
+#include <cuda_fp16.h>
+
+#include <cstdint>
+
+namespace marlin {
+
+__device__ __forceinline__ uint32_t smem_addr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+// 16-byte global->shared copy that bypasses L1. When `valid` is false nothing is read and the
+// 16 bytes are zero-filled (src-size 0), which pads activation rows past M.
+__device__ __forceinline__ void cp_async16_zfill(void* smem, const void* gmem, bool valid) {
+  const int src_bytes = valid ? 16 : 0;
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(smem)), "l"(gmem),
+               "r"(src_bytes));
+}
+
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(smem_addr(smem)), "l"(gmem));
+}
+
+// 16-byte copy with an L2 evict-first policy: weights are read exactly once, so they should not
+// push activations (re-read by every block of a row of tiles) out of L2. The policy is created in
+// the same asm statement as its use: the published kernel kept it in a C++ variable across
+// statements and ptxas dropped the register in one instance ("illegal instruction").
+// tests/test_gemm_cuda.py runs every kernel instance, and scripts/check_sass.py inspects SASS.
+__device__ __forceinline__ void cp_async16_evict_first(void* smem, const void* gmem) {
+  asm volatile(
+      "{\n"
+      "  .reg .b64 pol;\n"
+      "  createpolicy.fractional.L2::evict_first.b64 pol, 1.0;\n"
+      "  cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, pol;\n"
+      "}\n" ::"r"(smem_addr(smem)),
+      "l"(gmem));
+}
+
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+
+// Four 8x8 fp16 matrices from shared memory into the mma A-operand registers.
+__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void* smem) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(smem_addr(smem)));
+}
+
+// D = A * B + D, m16n8k16, fp16 inputs, fp32 accumulators.
+__device__ __forceinline__ void mma_16816(const uint32_t (&a)[4], const uint32_t (&b)[2], float (&d)[4]) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+
+// (a & b) | c in one instruction; the compiler does not always find lop3 for this by itself.
+template <uint32_t LUT>
+__device__ __forceinline__ uint32_t lop3(uint32_t a, uint32_t b, uint32_t c) {
+  uint32_t d;
+  asm volatile("lop3.b32 %0, %1, %2, %3, %4;\n" : "=r"(d) : "r"(a), "r"(b), "r"(c), "n"(LUT));
+  return d;
+}
+
+__device__ __forceinline__ int load_acquire(const int* p) {
+  int v;
+  asm volatile("ld.global.acquire.gpu.b32 %0, [%1];\n" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+
+__device__ __forceinline__ void store_release(int* p, int v) {
+  asm volatile("st.global.release.gpu.b32 [%0], %1;\n" ::"l"(p), "r"(v) : "memory");
+}
+
+// Eight 4-bit weights of one int32 (stored as q + 8, nibbles in 64207531 order) into the two
+// mma B fragments of a 16x16 block: lo = columns g, hi = columns 8 + g.
+// 0x6400 is fp16 1024: OR-ing a nibble into its low mantissa bits gives 1024 + v, and OR-ing
+// it in at bits 4..7 gives 1024 + 16 v. Subtracting 1024 + 8, or scaling by 1/16 and
+// subtracting 64 + 8, leaves v - 8 exactly; two halves per 32-bit operation.
+__device__ __forceinline__ void dequant_int4x8(uint32_t w, uint32_t (&lo)[2], uint32_t (&hi)[2]) {
+  constexpr uint32_t kLowMask = 0x000f000f;
+  constexpr uint32_t kHighMask = 0x00f000f0;
+  constexpr uint32_t kExp = 0x64006400;
+  constexpr uint32_t kAndOr = (0xf0 & 0xcc) | 0xaa;  // lop3 truth table of (a & b) | c
+  const uint32_t sub = 0x64086408;                     // {1032, 1032}
+  const uint32_t mul = 0x2c002c00;                     // {1/16, 1/16}
+  const uint32_t add = 0xd480d480;                     // {-72, -72}
+  const uint32_t w_hi = w >> 8;
+  uint32_t t0 = lop3<kAndOr>(w, kLowMask, kExp);
+  uint32_t t1 = lop3<kAndOr>(w, kHighMask, kExp);
+  uint32_t t2 = lop3<kAndOr>(w_hi, kLowMask, kExp);
+  uint32_t t3 = lop3<kAndOr>(w_hi, kHighMask, kExp);
+  half2 r0 = __hsub2(*reinterpret_cast<half2*>(&t0), *reinterpret_cast<const half2*>(&sub));
+  half2 r1 = __hfma2(*reinterpret_cast<half2*>(&t1), *reinterpret_cast<const half2*>(&mul),
+                     *reinterpret_cast<const half2*>(&add));
+  half2 r2 = __hsub2(*reinterpret_cast<half2*>(&t2), *reinterpret_cast<const half2*>(&sub));
+  half2 r3 = __hfma2(*reinterpret_cast<half2*>(&t3), *reinterpret_cast<const half2*>(&mul),
+                     *reinterpret_cast<const half2*>(&add));
+  lo[0] = *reinterpret_cast<uint32_t*>(&r0);
+  lo[1] = *reinterpret_cast<uint32_t*>(&r1);
+  hi[0] = *reinterpret_cast<uint32_t*>(&r2);
+  hi[1] = *reinterpret_cast<uint32_t*>(&r3);
+}
+
+__device__ __forceinline__ void scale_frag(uint32_t (&f)[2], half s) {
+  const half2 s2 = __half2half2(s);
+  half2* h = reinterpret_cast<half2*>(f);
+  h[0] = __hmul2(h[0], s2);
+  h[1] = __hmul2(h[1], s2);
+}
+
+}  // namespace marlin

@@ -1,0 +1,23 @@
+"""marlin: FP16 x INT4 matrix multiplication for LLM inference (the MARLIN kernel) as torch ops.
+
+Ways in:
+  * ``torch.ops.marlin.gemm(a, b_q, b_scales)`` (or ``marlin.gemm``): the op itself;
+  * ``marlin.packing``: quantize / pack / unpack, the executable spec of the weight format;
+  * ``marlin.MarlinLinear`` and ``marlin.replace_linear``: a drop-in for ``nn.Linear``;
+  * ``marlin-convert SRC DST``: GPTQ checkpoint conversion.
+"""
+
+from . import _C  # noqa: F401  (registers torch.ops.marlin.*)
+from . import ops, packing
+from .ops import gemm, workspace_size, make_workspace
+
+__version__ = "0.1.0"
+
+__all__ = ["gemm", "workspace_size", "make_workspace", "ops", "packing", "__version__"]
+
+try:  # the module layer (issue 4) is optional while it is being built
+    from .nn import MarlinLinear, replace_linear  # noqa: F401
+
+    __all__ += ["MarlinLinear", "replace_linear"]
+except ImportError:  # pragma: no cover
+    pass

@@ -1,0 +1,83 @@
+"""Python entry points to the ``torch.ops.marlin`` ops, and their fake (meta) kernels.
+
+The fake kernels repeat the C++ shape checks (csrc/gemm_checks.h) with ``torch._check`` so that
+``torch.compile(fullgraph=True)`` traces models that call the ops and reports bad shapes early.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from . import _C  # noqa: F401  (loads the library that defines the schemas)
+
+__all__ = ["gemm", "workspace_size", "make_workspace", "K_MULTIPLE", "N_MULTIPLE", "GROUP_SIZE", "check_shape"]
+
+# What the gemm op accepts (must match csrc/gemm_checks.h).
+K_MULTIPLE = 128
+N_MULTIPLE = 128
+GROUP_SIZE = 128  # besides per-column (-1)
+
+
+def check_shape(in_features: int, out_features: int, group_size: int) -> Optional[str]:
+    """None if gemm takes B [K=in_features, N=out_features] with this group size, else why not."""
+    if group_size not in (GROUP_SIZE, -1):
+        return f"group_size = {group_size}, expected {GROUP_SIZE} or -1 (per column)"
+    if in_features <= 0 or in_features % K_MULTIPLE:
+        return f"in_features = {in_features}, expected a positive multiple of {K_MULTIPLE}"
+    if out_features <= 0 or out_features % N_MULTIPLE:
+        return f"out_features = {out_features}, expected a positive multiple of {N_MULTIPLE}"
+    return None
+
+
+def workspace_size(device: torch.device | str | int | None = None) -> int:
+    """int32 elements of the lock workspace for gemm on ``device``: one per multiprocessor."""
+    device = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
+    if device.type != "cuda":
+        return 1
+    return max(1, torch.cuda.get_device_properties(device).multi_processor_count)
+
+
+def make_workspace(device: torch.device | str | int | None = None) -> torch.Tensor:
+    """A zeroed workspace for gemm. Reusable across calls (the kernel leaves it zeroed), but not by
+    two calls that may run concurrently on different streams."""
+    dev = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
+    return torch.zeros(workspace_size(dev), dtype=torch.int32, device=dev)
+
+
+def gemm(
+    a: torch.Tensor,
+    b_q: torch.Tensor,
+    b_scales: torch.Tensor,
+    workspace: Optional[torch.Tensor] = None,
+    *,
+    tile_k: Optional[int] = None,
+    tile_n: Optional[int] = None,
+) -> torch.Tensor:
+    """C[M, N] = a[M, K] @ dequant(b_q, b_scales), fp16 in, fp16 out. See torch.ops.marlin.gemm."""
+    return torch.ops.marlin.gemm(a, b_q, b_scales, None, workspace, tile_k, tile_n)
+
+
+@torch.library.register_fake("marlin::gemm")
+def _gemm_fake(a, b_q, b_scales, b_zeros=None, workspace=None, tile_k=None, tile_n=None):
+    torch._check(a.dim() == 2, lambda: f"marlin.gemm: a.dim() = {a.dim()}, expected 2 (a is [M, K])")
+    torch._check(a.dtype == torch.float16, lambda: f"marlin.gemm: a.dtype = {a.dtype}, expected torch.float16")
+    torch._check(b_q.dim() == 2 and b_q.dtype == torch.int32, lambda: "marlin.gemm: b_q must be int32 [K/16, 2*N]")
+    torch._check(
+        b_scales.dim() == 2 and b_scales.dtype == torch.float16,
+        lambda: "marlin.gemm: b_scales must be float16 [groups, N]",
+    )
+    torch._check(b_zeros is None, lambda: "marlin.gemm: zero points are not supported yet; pass b_zeros=None")
+    k = b_q.shape[0] * 16
+    n = b_q.shape[1] // 2
+    torch._check(b_q.shape[1] % 2 == 0, lambda: f"marlin.gemm: b_q.size(1) = {b_q.shape[1]}, expected 2*N")
+    torch._check(a.shape[1] == k, lambda: f"marlin.gemm: a.size(1) = {a.shape[1]}, expected K = b_q.size(0) * 16 = {k}")
+    torch._check(k % K_MULTIPLE == 0, lambda: f"marlin.gemm: K = {k}, expected a positive multiple of {K_MULTIPLE}")
+    torch._check(n % N_MULTIPLE == 0, lambda: f"marlin.gemm: N = {n}, expected a positive multiple of {N_MULTIPLE}")
+    torch._check(b_scales.shape[1] == n, lambda: f"marlin.gemm: b_scales.size(1) = {b_scales.shape[1]}, expected N = {n}")
+    torch._check(
+        b_scales.shape[0] == 1 or b_scales.shape[0] == k // GROUP_SIZE,
+        lambda: f"marlin.gemm: b_scales.size(0) = {b_scales.shape[0]}, expected 1 or K / {GROUP_SIZE}",
+    )
+    return a.new_empty((a.shape[0], n))
