@@ -7,6 +7,8 @@ Ways in:
   * ``marlin-convert SRC DST``: GPTQ checkpoint conversion.
 """
 
+import torch  # noqa: F401  (loads libc10 and libtorch before the extension)
+
 from . import _C  # noqa: F401  (registers torch.ops.marlin.*)
 from . import ops, packing
 from .ops import gemm, workspace_size, make_workspace

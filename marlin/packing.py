@@ -18,8 +18,9 @@ Packing (the paper's section 3, "Maximizing Loading Bandwidth" and "Dequantizati
   * Lane ``t`` of the warp gets the weights it needs as the B operand of ``mma.m16n8k16`` for the
     four 16 x 16 blocks of the tile: in block ``j`` it holds rows k = 2c, 2c+1, 2c+8, 2c+9
     (c = t % 4) of columns 16j + g and 16j + 8 + g (g = t // 4).  Those 8 values go in word ``j``.
-  * Inside a word, fragment element e is stored in nibble p with e = INTERLEAVE[p], the paper's
-    "64207531" order (read from the top nibble down).  Then ``(w & 0x000f000f)`` yields the pair
+  * Inside a word, fragment element e is stored in nibble p with e = INTERLEAVE[p]; listing the
+    low 16-bit half (nibbles 3..0) and then the high half (nibbles 7..4) gives the paper's
+    "64207531".  Then ``(w & 0x000f000f)`` yields the pair
     (e0, e1), ``(w & 0x00f000f0)`` yields (e2, e3), and the same after ``w >> 8`` yields (e4, e5),
     (e6, e7): two values per 32-bit operation, already in the tensor-core register order.
   * Stored nibble = q + 8 (unsigned 0..15).

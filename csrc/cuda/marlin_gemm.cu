@@ -7,28 +7,17 @@
 #include <string>
 
 #include "marlin_gemm.h"
-#include "marlin_kernel.cuh"
+#include "marlin_instances.cuh"
 
 namespace marlin {
 
 namespace {
 
-constexpr int kStages = 4;
-constexpr int kGroupBlocks128 = 128 / 16;
 
 // Priority-ordered tile table: small batches want more blocks along K (more parallel streams of
 // weights per column), larger ones want wide N tiles so that each A tile is reused 256 times.
 constexpr TileConfig kSmallBatchTiles[] = {{128, 128}, {64, 256}};
 constexpr TileConfig kLargeBatchTiles[] = {{64, 256}, {128, 128}};
-
-template <int TM, int TK, int TN, int G>
-cudaError_t launch_instance(const KernelParams& p, int grid, int smem, cudaStream_t stream) {
-  auto kernel = marlin_gemm_kernel<TM, TK, TN, kStages, G>;
-  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-  if (err != cudaSuccess) return err;
-  kernel<<<grid, kThreads, smem, stream>>>(p);
-  return cudaGetLastError();
-}
 
 // What the planner needs to know of one compiled kernel instance.
 struct Instance {

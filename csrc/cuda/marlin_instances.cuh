@@ -1,0 +1,34 @@
+// The compiled kernel instances. Each marlin_instances_m<TM>.cu defines the launches for one
+// number of 16-row M blocks, so that nvcc builds them in parallel; marlin_gemm.cu dispatches.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include "marlin_kernel.cuh"
+
+namespace marlin {
+
+constexpr int kStages = 4;
+constexpr int kGroupBlocks128 = 128 / 16;
+
+template <int TM, int TK, int TN, int G>
+cudaError_t launch_instance(const KernelParams& p, int grid, int smem, cudaStream_t stream);
+
+#define MARLIN_DEFINE_LAUNCH                                                                      \
+  template <int TM, int TK, int TN, int G>                                                        \
+  cudaError_t launch_instance(const KernelParams& p, int grid, int smem, cudaStream_t stream) {   \
+    auto kernel = marlin_gemm_kernel<TM, TK, TN, kStages, G>;                                     \
+    cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem); \
+    if (err != cudaSuccess) return err;                                                           \
+    kernel<<<grid, kThreads, smem, stream>>>(p);                                                  \
+    return cudaGetLastError();                                                                    \
+  }
+
+// Both tiles x (group 128, per column) for one TM.
+#define MARLIN_INSTANTIATE_TM(TM)                                                                             \
+  template cudaError_t launch_instance<TM, 8, 8, kGroupBlocks128>(const KernelParams&, int, int, cudaStream_t); \
+  template cudaError_t launch_instance<TM, 8, 8, -1>(const KernelParams&, int, int, cudaStream_t);              \
+  template cudaError_t launch_instance<TM, 4, 16, kGroupBlocks128>(const KernelParams&, int, int, cudaStream_t); \
+  template cudaError_t launch_instance<TM, 4, 16, -1>(const KernelParams&, int, int, cudaStream_t);
+
+}  // namespace marlin

@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# One device-machine run: build, GPU tests, compute-sanitizer, SASS check, optional benchmark.
+# Logs go to $OUT (or ./out). Usage: bash scripts/gpu_check.sh [tests|sanitize|sass|bench|quick]...
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-out}; mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 MAX_JOBS=${MAX_JOBS:-16} TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0}
+steps=${*:-tests sanitize sass}
+rc=0
+nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,power.draw,temperature.gpu --format=csv | tee "$OUT/gpu.txt"
+( time bash scripts/setup_env.sh ) > "$OUT/build.log" 2>&1 || { tail -50 "$OUT/build.log"; exit 1; }
+tail -3 "$OUT/build.log"
+for step in $steps; do
+  case $step in
+    tests)
+      python3 -m pytest tests -q -x -ra -p no:cacheprovider > "$OUT/tests.log" 2>&1; r=$?
+      tail -15 "$OUT/tests.log"; [ $r -eq 0 ] || rc=1 ;;
+    gputests)
+      python3 -m pytest tests/test_gemm_cuda.py -q -x -ra -p no:cacheprovider > "$OUT/gputests.log" 2>&1; r=$?
+      tail -15 "$OUT/gputests.log"; [ $r -eq 0 ] || rc=1 ;;
+    sanitize)
+      for tool in memcheck racecheck synccheck initcheck; do
+        compute-sanitizer --tool $tool --error-exitcode 9 python3 scripts/sanitize.py > "$OUT/sanitize-$tool.log" 2>&1
+        echo "compute-sanitizer $tool: exit $? ($(grep -c 'ERROR SUMMARY: 0 errors\|RACECHECK SUMMARY: 0 hazards' "$OUT/sanitize-$tool.log") clean summaries)"
+        grep -E 'SUMMARY|rel err' "$OUT/sanitize-$tool.log" | head -4
+      done ;;
+    sass)
+      python3 scripts/check_sass.py > "$OUT/sass.log" 2>&1; r=$?; tail -8 "$OUT/sass.log"; [ $r -eq 0 ] || rc=1 ;;
+    bench)
+      python3 -m benchmarks.bench_gemm > "$OUT/bench.log" 2>&1; r=$?; tail -60 "$OUT/bench.log"; [ $r -eq 0 ] || rc=1
+      cp benchmarks/results/*.json "$OUT/" 2>/dev/null ;;
+    quick)
+      python3 -m benchmarks.bench_gemm --quick --out "$OUT/quick.json" > "$OUT/quick.log" 2>&1; r=$?; tail -45 "$OUT/quick.log"; [ $r -eq 0 ] || rc=1 ;;
+  esac
+done
+exit $rc

@@ -1,0 +1,39 @@
+"""A small-batch and a large-batch gemm for compute-sanitizer (memcheck, racecheck, ...).
+
+    compute-sanitizer --tool memcheck python scripts/sanitize.py
+Checks the results too, so a run that is clean but wrong still fails.
+"""
+
+import sys
+
+import torch
+
+import marlin
+from marlin import packing
+
+CASES = [  # (M, K, N, group size): small batch, split columns; large batch, several M slices
+    (7, 1024, 640, 128),
+    (200, 512, 768, -1),
+]
+
+
+def main():
+    torch.manual_seed(0)
+    ok = True
+    for m, k, n, g in CASES:
+        q, s = packing.quantize(torch.randn(k, n, device="cuda"), g)
+        b_q, b_s = packing.pack(q, s)
+        a = torch.randn(m, k, device="cuda", dtype=torch.float16)
+        ws = marlin.make_workspace()
+        c = marlin.gemm(a, b_q, b_s, ws)
+        ref = a.float() @ packing.dequantize(q, s)
+        err = ((c.float() - ref).norm() / ref.norm()).item()
+        left = int(ws.abs().sum())
+        print(f"M={m} K={k} N={n} group={g}: rel err {err:.2e}, workspace left {left}")
+        ok &= err < 2e-3 and left == 0
+    torch.cuda.synchronize()
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

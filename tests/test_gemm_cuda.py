@@ -1,0 +1,201 @@
+"""The CUDA kernel against an fp32 reference of A @ dequant(B), on every shape class.
+
+Skipped without a GPU; CI compiles the kernel but cannot run it. Run on the GPU machine with
+`bash scripts/run_tests.sh` (see README).
+
+The accuracy bound: the kernel's normwise relative error must be within 1.5x of fp16
+torch.matmul's own error on the same (fp16-rounded) dequantized weights, both measured against
+fp32 A @ (scale * q) computed exactly. A wrong permutation, a wrong scale or a missing tile
+gives an error near 1, far outside it.
+"""
+
+import itertools
+
+import pytest
+import torch
+
+import marlin
+from marlin import packing
+from conftest import rel_err, requires_cuda
+
+pytestmark = [requires_cuda, pytest.mark.gpu]
+
+M_VALUES = [1, 2, 3, 8, 15, 16, 17, 31, 32, 33, 63, 64, 65, 127, 128, 129, 255, 256, 1000, 4096]
+LLAMA_SHAPES = {
+    "7B_qkv": (4096, 12288),
+    "7B_o": (4096, 4096),
+    "7B_gateup": (4096, 22016),
+    "7B_down": (11008, 4096),
+    "70B_qkv": (8192, 10240),
+    "70B_o": (8192, 8192),
+    "70B_gateup": (8192, 57344),
+    "70B_down": (28672, 8192),
+}
+# small and odd multiples of the 128 x 128 tile, incl. N that only the 128-wide tile divides
+SMALL_SHAPES = {"128x128": (128, 128), "256x384": (256, 384), "1152x640": (1152, 640), "384x1280": (384, 1280)}
+GROUPS = [128, -1]
+ALLOWED = 1.5  # x fp16 matmul's error
+
+
+class Layer:
+    """A quantized layer on the GPU plus what the reference needs."""
+
+    def __init__(self, k, n, group_size, seed):
+        gen = torch.Generator(device="cuda")
+        gen.manual_seed(seed)
+        w = torch.randn(k, n, device="cuda", generator=gen)
+        q, s = packing.quantize(w, group_size)
+        self.b_q, self.b_s = packing.pack(q, s)
+        self.w_exact = packing.dequantize(q, s)  # fp32, exact
+        self.w_fp16 = self.w_exact.half()
+        self.k, self.n = k, n
+
+
+_layers = {}
+
+
+def get_layer(k, n, g):
+    key = (k, n, g)
+    if key not in _layers:
+        _layers.clear()  # keep GPU memory bounded: one layer at a time
+        torch.cuda.empty_cache()
+        _layers[key] = Layer(k, n, g, seed=hash(key) % 2**31)
+    return _layers[key]
+
+
+def poison_allocator(nbytes):
+    """Fill the caching allocator's next blocks with NaN so unwritten outputs show up."""
+    t = torch.full((nbytes // 2 + 1024,), float("nan"), dtype=torch.float16, device="cuda")
+    ptr = t.data_ptr()
+    del t
+    return ptr
+
+
+def check(layer, m, **kw):
+    a = torch.randn(m, layer.k, device="cuda", dtype=torch.float16)
+    ptr = poison_allocator(m * layer.n * 2)
+    c = marlin.gemm(a, layer.b_q, layer.b_s, **kw)
+    assert c.data_ptr() == ptr, "output did not land in the poisoned block; the NaN check would be void"
+    with torch.backends.cuda.matmul.flags(allow_tf32=False):
+        ref = a.float() @ layer.w_exact
+    base = rel_err(a @ layer.w_fp16, ref)
+    err = rel_err(c, ref)
+    assert err <= ALLOWED * base + 1e-7, f"M={m} K={layer.k} N={layer.n}: error {err:.3g} vs fp16 matmul {base:.3g}"
+    return c, a
+
+
+@pytest.mark.parametrize("g", GROUPS)
+@pytest.mark.parametrize("shape", list(SMALL_SHAPES), ids=list(SMALL_SHAPES))
+@pytest.mark.parametrize("m", M_VALUES)
+def test_small_shapes(m, shape, g):
+    check(get_layer(*SMALL_SHAPES[shape], g), m)
+
+
+@pytest.mark.parametrize("m", M_VALUES)
+@pytest.mark.parametrize("shape", list(LLAMA_SHAPES), ids=list(LLAMA_SHAPES))
+@pytest.mark.parametrize("g", GROUPS)
+def test_llama_shapes(g, shape, m):
+    check(get_layer(*LLAMA_SHAPES[shape], g), m)
+
+
+# Every compiled kernel instance runs at least once (a miscompiled instance, such as the
+# published kernel's dropped cache-policy register, dies with "illegal instruction" here).
+INSTANCES = list(itertools.product([1, 2, 3, 4], [(128, 128), (64, 256)], GROUPS))
+
+
+@pytest.mark.parametrize("m_blocks,tile,g", INSTANCES)
+def test_every_kernel_instance(m_blocks, tile, g):
+    layer = get_layer(1024, 640 if tile[1] == 128 else 768, g)
+    for m in (16 * m_blocks - 1, 16 * m_blocks):
+        check(layer, m, tile_k=tile[0], tile_n=tile[1])
+
+
+def test_repeated_calls_are_bit_identical():
+    layer = get_layer(4096, 4096, 128)
+    a = torch.randn(33, 4096, device="cuda", dtype=torch.float16)
+    ws = marlin.make_workspace()
+    outs = [marlin.gemm(a, layer.b_q, layer.b_s, ws) for _ in range(5)]
+    assert all(torch.equal(outs[0], o) for o in outs[1:])
+    assert int(ws.abs().sum()) == 0, "the kernel must leave the lock workspace zeroed"
+
+
+def test_cuda_graph_capture_and_replay():
+    layer = get_layer(4096, 4096, 128)
+    ws = marlin.make_workspace()
+    static_a = torch.randn(16, 4096, device="cuda", dtype=torch.float16)
+    marlin.gemm(static_a, layer.b_q, layer.b_s, ws)  # warm up outside the capture
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        static_c = marlin.gemm(static_a, layer.b_q, layer.b_s, ws)
+    for _ in range(3):
+        static_a.copy_(torch.randn_like(static_a))
+        g.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(static_c, marlin.gemm(static_a, layer.b_q, layer.b_s))
+
+
+def test_two_streams_at_once():
+    layers = [get_layer(8192, 8192, 128)]
+    b_q, b_s = layers[0].b_q, layers[0].b_s
+    inputs = [torch.randn(m, 8192, device="cuda", dtype=torch.float16) for m in (1, 16, 64, 100)]
+    expected = [marlin.gemm(a, b_q, b_s) for a in inputs]
+    torch.cuda.synchronize()
+    streams = [torch.cuda.Stream() for _ in range(2)]
+    results = [[], []]
+    for rep in range(10):
+        for i, a in enumerate(inputs):
+            s = streams[i % 2]
+            with torch.cuda.stream(s):
+                results[i % 2].append((i, marlin.gemm(a, b_q, b_s)))  # each call its own locks
+    torch.cuda.synchronize()
+    for lst in results:
+        for i, c in lst:
+            assert torch.equal(c, expected[i])
+
+
+def test_torch_compile_fullgraph():
+    layer = get_layer(4096, 4096, 128)
+
+    def f(x):
+        return torch.nn.functional.silu(marlin.gemm(x, layer.b_q, layer.b_s)) * 2
+
+    compiled = torch.compile(f, fullgraph=True)
+    x = torch.randn(24, 4096, device="cuda", dtype=torch.float16)
+    torch.testing.assert_close(compiled(x), f(x), rtol=2e-3, atol=2e-3)
+    cg = torch.compile(f, fullgraph=True, mode="reduce-overhead")
+    for _ in range(3):
+        x = torch.randn(24, 4096, device="cuda", dtype=torch.float16)
+        torch.testing.assert_close(cg(x), f(x), rtol=2e-3, atol=2e-3)
+
+
+def test_strided_activations_and_views():
+    layer = get_layer(1024, 640, 128)
+    big = torch.randn(40, 2048, device="cuda", dtype=torch.float16)
+    for a in (big[:, :1024], big[:, 1:1025], big[::2, :1024], big[:, ::2]):
+        c = marlin.gemm(a, layer.b_q, layer.b_s)
+        assert torch.equal(c, marlin.gemm(a.contiguous(), layer.b_q, layer.b_s))
+
+
+def test_matches_cpu_reference_op():
+    layer = get_layer(1152, 640, 128)
+    a = torch.randn(37, 1152, device="cuda", dtype=torch.float16)
+    c_gpu = marlin.gemm(a, layer.b_q, layer.b_s).cpu()
+    c_cpu = marlin.gemm(a.cpu(), layer.b_q.cpu(), layer.b_s.cpu())
+    assert rel_err(c_gpu, c_cpu.float()) < 1e-3
+
+
+def test_device_mismatch_is_an_error():
+    layer = get_layer(256, 384, 128)
+    a = torch.randn(4, 256, dtype=torch.float16)
+    with pytest.raises(RuntimeError, match="b_q is on cuda:0 but a is on cpu"):
+        torch.ops.marlin.gemm(a, layer.b_q, layer.b_s)
+    with pytest.raises(RuntimeError, match="b_scales is on cpu but a is on cuda:0"):
+        torch.ops.marlin.gemm(a.cuda(), layer.b_q, layer.b_s.cpu())
+
+
+def test_workspace_too_small_is_an_error():
+    layer = get_layer(4096, 4096, 128)
+    a = torch.randn(4, 4096, device="cuda", dtype=torch.float16)
+    with pytest.raises(RuntimeError, match="workspace.numel\\(\\) = 1, expected at least"):
+        marlin.gemm(a, layer.b_q, layer.b_s, torch.zeros(1, dtype=torch.int32, device="cuda"))

@@ -1,0 +1,115 @@
+"""The format spec: quantization, pack/unpack round trips and the layout facts the kernel relies on."""
+
+import pytest
+import torch
+
+from marlin import packing
+
+
+ROUND_TRIP_CASES = [
+    (k, n, g)
+    for k, n in [(16, 64), (128, 128), (256, 192), (384, 640)]
+    for g in (-1, 16, 64, 128)
+    if g == -1 or k % g == 0
+]
+
+
+@pytest.mark.parametrize("k,n,group_size", ROUND_TRIP_CASES)
+def test_pack_unpack_round_trip_bit_exact(k, n, group_size):
+    q = torch.randint(-8, 8, (k, n), dtype=torch.int8)
+    scales = (torch.rand(packing.num_groups(k, group_size), n) + 0.01).half()
+    b_q, b_scales = packing.pack(q, scales)
+    assert b_q.dtype == torch.int32 and b_q.shape == (k // 16, 2 * n)
+    assert b_scales.shape == scales.shape
+    q2, s2 = packing.unpack(b_q, b_scales)
+    assert torch.equal(q2, q)
+    assert torch.equal(s2, scales)
+    # and back again: packing is a bijection on the packed words too
+    b_q2, b_s2 = packing.pack(q2, s2)
+    assert torch.equal(b_q2, b_q) and torch.equal(b_s2, b_scales)
+
+
+def test_tile_order_is_the_mma_fragment_layout():
+    # One 16x64 tile whose weight at (k, n) encodes its own row k (0..15 -> q = k - 8).
+    k_idx = torch.arange(16).unsqueeze(1).expand(16, 64)
+    n_idx = torch.arange(64).unsqueeze(0).expand(16, 64)
+    b_q_rows, _ = packing.pack((k_idx - 8).to(torch.int8), torch.ones(1, 64, dtype=torch.float16))
+    b_q_cols, _ = packing.pack((n_idx % 16 - 8).to(torch.int8), torch.ones(1, 64, dtype=torch.float16))
+    words_r = b_q_rows.view(-1).tolist()
+    words_c = b_q_cols.view(-1).tolist()
+
+    def nib(word, p):
+        return ((word & 0xFFFFFFFF) >> (4 * p)) & 0xF
+
+    for lane in range(32):
+        g, c = divmod(lane, 4)
+        for j in range(4):
+            w_r, w_c = words_r[4 * lane + j], words_c[4 * lane + j]
+            # decode in the kernel's order: (w & 0x000f000f) -> (e0, e1), (w & 0x00f000f0) -> (e2, e3),
+            # then the same on w >> 8 -> (e4, e5), (e6, e7)
+            elems = [0, 4, 1, 5, 2, 6, 3, 7]  # nibble holding e0..e7
+            rows = [nib(w_r, p) for p in elems]
+            cols = [nib(w_c, p) for p in elems]
+            assert rows == [2 * c, 2 * c + 1, 2 * c + 8, 2 * c + 9] * 2, (lane, j, rows)
+            # columns are 16 j + g (first half) and 16 j + 8 + g (second half); we stored n % 16
+            assert cols == [g] * 4 + [8 + g] * 4, (lane, j, cols)
+
+
+def test_interleave_is_64207531():
+    # The paper's "64207531": the elements held by the low 16-bit half (nibbles 3..0), then by the
+    # high half (nibbles 7..4), each read from its top nibble down.
+    order = [packing.INTERLEAVE[p] for p in (3, 2, 1, 0, 7, 6, 5, 4)]
+    assert "".join(map(str, order)) == "64207531"
+
+
+def test_scale_permutation_gives_each_lane_its_columns():
+    g = 2
+    scales = torch.arange(g * 128, dtype=torch.float32).reshape(g, 128).half()
+    perm = packing.permute_scales(scales)
+    for chunk in range(2):
+        for lane in range(32):
+            vec = perm[1, chunk * 64 + 8 * (lane // 4): chunk * 64 + 8 * (lane // 4) + 8]
+            want = [scales[1, chunk * 64 + lane // 4 + 8 * m] for m in range(8)]
+            assert vec.tolist() == torch.stack(want).tolist()
+    assert torch.equal(packing.unpermute_scales(perm), scales)
+    one = torch.rand(1, 128).half()
+    assert torch.equal(packing.permute_scales(one), one), "per-column scales keep natural order"
+
+
+@pytest.mark.parametrize("group_size", [128, -1])
+def test_quantize_is_round_to_nearest_symmetric(group_size):
+    w = torch.randn(256, 128)
+    q, s = packing.quantize(w, group_size)
+    assert q.dtype == torch.int8 and int(q.min()) >= -8 and int(q.max()) <= 7
+    rows = 256 if group_size == -1 else group_size
+    assert s.shape == (256 // rows, 128) and s.dtype == torch.float16
+    deq = packing.dequantize(q, s)
+    # round to nearest: every weight within half a step of its dequantized value (unless clamped at +7)
+    step = s.float().repeat_interleave(rows, 0)
+    err = (w - deq).abs()
+    clamped = q == 7
+    assert bool((err[~clamped] <= step[~clamped] * 0.5 + 1e-6).all())
+    # scale is 2 * amax / 15 of the group
+    amax = w.abs().reshape(-1, rows, 128).amax(1)
+    assert torch.allclose(s.float(), (amax * 2 / 15).half().float())
+
+
+def test_quantize_zero_group_has_unit_scale():
+    w = torch.zeros(128, 64)
+    q, s = packing.quantize(w, 128)
+    assert bool((s == 1).all()) and bool((q == 0).all())
+
+
+@pytest.mark.parametrize(
+    "shape,group_size,match",
+    [((100, 64), 128, "K = 100"), ((128, 60), 128, "N = 60"), ((256, 64), 96, "group_size = 96")],
+)
+def test_pack_rejects_bad_shapes(shape, group_size, match):
+    with pytest.raises(ValueError, match=match):
+        packing.quantize_and_pack(torch.randn(*shape), group_size)
+
+
+def test_pack_rejects_out_of_range_q():
+    q = torch.full((16, 64), 9, dtype=torch.int8)
+    with pytest.raises(ValueError, match="q values"):
+        packing.pack(q, torch.ones(1, 64, dtype=torch.float16))
