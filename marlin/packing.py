@@ -176,14 +176,14 @@ def pack(q: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
     if int(q.min()) < _QMIN or int(q.max()) > _QMAX:
         raise ValueError(f"q values must lie in [{_QMIN}, {_QMAX}], got [{int(q.min())}, {int(q.max())}]")
 
-    u = (q.to(torch.int64) + _OFFSET).cpu()
+    u = q.to(torch.int64) + _OFFSET
     tiles = u.reshape(k // TILE_K, TILE_K, n // TILE_N, TILE_N).permute(0, 2, 1, 3)
     tiles = tiles.reshape(k // TILE_K, n // TILE_N, TILE_K * TILE_N)
-    slots = tiles[..., _tile_order()].reshape(k // TILE_K, n // TILE_N, WORDS_PER_TILE, 8)
-    shifts = torch.arange(0, 32, 4, dtype=torch.int64)
+    slots = tiles[..., _tile_order().to(u.device)].reshape(k // TILE_K, n // TILE_N, WORDS_PER_TILE, 8)
+    shifts = torch.arange(0, 32, 4, dtype=torch.int64, device=u.device)
     words = (slots << shifts).sum(dim=-1)  # 0 .. 2^32 - 1
     words = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
-    b_q = words.reshape(k // TILE_K, 2 * n).to(q.device)
+    b_q = words.reshape(k // TILE_K, 2 * n)
     return b_q.contiguous(), permute_scales(scales)
 
 
@@ -192,14 +192,14 @@ def unpack(b_q: torch.Tensor, b_scales: torch.Tensor) -> tuple[torch.Tensor, tor
     if b_q.dim() != 2 or b_q.dtype != torch.int32 or b_q.shape[1] % (2 * TILE_N):
         raise ValueError(f"b_q must be int32 [K/16, 2N] with N a multiple of {TILE_N}, got {tuple(b_q.shape)} {b_q.dtype}")
     k, n = b_q.shape[0] * TILE_K, b_q.shape[1] // 2
-    words = b_q.cpu().to(torch.int64) & 0xFFFFFFFF
+    words = b_q.to(torch.int64) & 0xFFFFFFFF
     words = words.reshape(k // TILE_K, n // TILE_N, WORDS_PER_TILE, 1)
-    slots = (words >> torch.arange(0, 32, 4, dtype=torch.int64)) & 0xF
+    slots = (words >> torch.arange(0, 32, 4, dtype=torch.int64, device=b_q.device)) & 0xF
     slots = slots.reshape(k // TILE_K, n // TILE_N, TILE_K * TILE_N)
     tiles = torch.empty_like(slots)
-    tiles[..., _tile_order()] = slots
+    tiles[..., _tile_order().to(b_q.device)] = slots
     u = tiles.reshape(k // TILE_K, n // TILE_N, TILE_K, TILE_N).permute(0, 2, 1, 3).reshape(k, n)
-    q = (u - _OFFSET).to(torch.int8).to(b_q.device)
+    q = (u - _OFFSET).to(torch.int8)
     return q, unpermute_scales(b_scales)
 
 
