@@ -1,10 +1,14 @@
 """Inspect the SASS of every marlin kernel instance in the built extension.
 
 The published MARLIN kernel shipped an instance in which ptxas dropped the register holding the
-L2 evict-first policy of its cp.async (it died with "illegal instruction"). Here each weight copy
-creates its policy in the same asm statement; this script checks, per kernel, that the weight
-copies (LDGSTS) carry a cache-policy operand and that the policy is produced in that kernel, and
-prints a per-kernel instruction summary. Exits non-zero on a kernel without it.
+L2 evict-first policy of its cp.async: the copy referenced a descriptor register that nothing
+wrote, and the kernel died with "illegal instruction". On sm_90 every global access names a
+uniform memory-descriptor register pair (desc[URn]) that carries the cache policy. This script
+checks, for every kernel, that
+  * each LDGSTS (cp.async) names a descriptor register pair that an earlier instruction writes;
+  * the weight copies use a descriptor other than the default one of the activation copies
+    (i.e. the evict-first policy is there at all),
+and prints a per-kernel instruction summary. Exits non-zero if a kernel fails.
 
     python scripts/check_sass.py [path/to/_C.so]
 """
@@ -16,12 +20,40 @@ import re
 import subprocess
 import sys
 
+OPS = r"LDGSTS|HMMA|LDSM|LOP3|HFMA2|HADD2|HMUL2|BAR|LDS|STS|LDG|STG"
+
+
+def written_uniform_regs(line):
+    """Uniform registers an instruction writes (its first operand, a pair for .64 forms)."""
+    m = re.match(r"\s*(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)\s+(UR\d+)", line)
+    if not m:
+        return set()
+    first = int(m.group(2)[2:])
+    wide = ".64" in m.group(1) or m.group(1).startswith(("ULDC.64", "UMOV.64"))
+    return {first, first + 1} if wide else {first}
+
+
+def check_kernel(name, body):
+    lines = [l.split("*/", 1)[1] if "*/" in l else l for l in body.splitlines()]
+    written, problems, descs = set(), [], collections.Counter()
+    for line in lines:
+        m = re.search(r"LDGSTS[.\w]*\s+\[[^\]]*\],\s*desc\[UR(\d+)\]", line)
+        if m:
+            ur = int(m.group(1))
+            descs[ur] += 1
+            if ur not in written or ur + 1 not in written:
+                problems.append(f"LDGSTS uses desc[UR{ur}] before anything writes UR{ur}/UR{ur + 1}: {line.strip()[:100]}")
+        written |= written_uniform_regs(line)
+    if len(descs) < 2:
+        problems.append(f"only one descriptor register {dict(descs)} for all cp.async: no evict-first policy on the weights")
+    ops = collections.Counter(re.findall(rf"\b({OPS})\b", body))
+    return ops, descs, problems
+
 
 def main():
     so = sys.argv[1] if len(sys.argv) > 1 else None
     if so is None:
-        here = os.path.join(os.path.dirname(__file__), "..", "marlin")
-        found = glob.glob(os.path.join(here, "_C*.so"))
+        found = glob.glob(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "marlin", "_C*.so"))
         if not found:
             print("no marlin/_C*.so found; build first")
             return 2
@@ -34,16 +66,12 @@ def main():
     bad = 0
     for body in kernels:
         name = body.split("\n", 1)[0].strip()
-        ops = collections.Counter(re.findall(r"\b(LDGSTS|HMMA|LDSM|LOP3|HFMA2|HADD2|HMUL2|BAR|LDS|STS|LDG|STG|UMOV)\b[\.\w]*", body))
-        ldgsts = [l for l in body.splitlines() if "LDGSTS" in l]
-        with_policy = [l for l in ldgsts if re.search(r"desc\[|\.EF|EVICT", l)]
-        print(f"{name[:90]}: {dict(ops)}")
-        print(f"   LDGSTS {len(ldgsts)}, with a cache-policy operand {len(with_policy)}")
-        for l in ldgsts[:3]:
-            print("     ", l.strip()[:140])
-        if not ldgsts or not with_policy:
-            bad += 1
-    print(f"{len(kernels)} kernels, {bad} without evict-first weight copies")
+        ops, descs, problems = check_kernel(name, body)
+        print(f"{name}\n   ops {dict(ops)}\n   cp.async descriptors {dict(descs)}")
+        for p in problems:
+            print("   PROBLEM:", p)
+        bad += bool(problems)
+    print(f"{len(kernels)} kernels checked, {bad} with problems")
     return 1 if bad else 0
 
 

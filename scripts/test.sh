@@ -4,4 +4,5 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup_env.sh
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"  # the extension is built in place
 exec "${PYTHON:-python3}" -m pytest tests -q -ra "$@"

@@ -54,6 +54,16 @@ class Layer:
 _layers = {}
 
 
+def fp32_matmul(a, w):
+    """a @ w in true fp32 (no TF32), the reference for the kernel."""
+    prev = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        return a.float() @ w
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = prev
+
+
 def get_layer(k, n, g):
     key = (k, n, g)
     if key not in _layers:
@@ -76,8 +86,7 @@ def check(layer, m, **kw):
     ptr = poison_allocator(m * layer.n * 2)
     c = marlin.gemm(a, layer.b_q, layer.b_s, **kw)
     assert c.data_ptr() == ptr, "output did not land in the poisoned block; the NaN check would be void"
-    with torch.backends.cuda.matmul.flags(allow_tf32=False):
-        ref = a.float() @ layer.w_exact
+    ref = fp32_matmul(a, layer.w_exact)
     base = rel_err(a @ layer.w_fp16, ref)
     err = rel_err(c, ref)
     assert err <= ALLOWED * base + 1e-7, f"M={m} K={layer.k} N={layer.n}: error {err:.3g} vs fp16 matmul {base:.3g}"

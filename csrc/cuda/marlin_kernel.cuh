@@ -98,7 +98,7 @@ __global__ void __launch_bounds__(kThreads, 1) marlin_gemm_kernel(const KernelPa
   int pos = blockIdx.x * T;
   const int end = min(pos + T, total);
 
-  const int b_row_int4 = p.n / 4;  // one packed row (16 rows of K) = 2 n int32
+  const int b_row_int4 = p.n / 2;  // one packed row (16 rows of K) = 2 n int32 = n / 2 int4
 
   // ---- static shared-memory offsets, computed once (the paper precomputes them in registers)
   // cp.async targets of this thread in a stage

@@ -1,0 +1,1 @@
+"""Benchmarks of marlin.gemm: bench_gemm (timings), sustained (clocks under load), report (plots)."""

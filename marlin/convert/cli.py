@@ -1,0 +1,55 @@
+"""``marlin-convert SRC DST``: the command line for marlin.convert.convert_gptq_checkpoint."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Optional, Sequence
+
+from .converter import convert_gptq_checkpoint
+from .errors import ConversionError
+from .verify import VERIFY_TOLERANCE
+
+__all__ = ["main", "build_parser"]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="marlin-convert",
+        description=(
+            "Convert a GPTQ checkpoint directory (AutoGPTQ, Optimum/transformers, GPTQModel; 4-bit, sym, "
+            "group size 128 or -1, with or without act-order; safetensors only) into the Marlin format "
+            "read by marlin.load_quantized. SRC is never modified; DST is written completely or not at all."
+        ),
+    )
+    parser.add_argument("src", metavar="SRC", help="GPTQ model directory (config.json, *.safetensors, tokenizer, ...)")
+    parser.add_argument("dst", metavar="DST", help="output directory; must not exist (see --overwrite)")
+    parser.add_argument("--overwrite", action="store_true", help="replace DST if it exists")
+    parser.add_argument(
+        "--verify",
+        action="store_true",
+        help=f"check every converted layer on random inputs against the GPTQ weights (fails above a normwise "
+        f"relative error of {VERIFY_TOLERANCE:.0e})",
+    )
+    parser.add_argument("--device", default="cpu", help="where --verify runs the Marlin op: cpu (default) or cuda")
+    parser.add_argument("--quiet", action="store_true", help="no progress bar and no summary")
+    return parser
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Run the converter; returns the exit status (0 ok, 1 conversion error, 2 usage error)."""
+    args = build_parser().parse_args(argv)
+    try:
+        report = convert_gptq_checkpoint(
+            args.src, args.dst, overwrite=args.overwrite, verify=args.verify, device=args.device, quiet=args.quiet
+        )
+    except ConversionError as e:
+        print(f"marlin-convert: error: {e}", file=sys.stderr)
+        return 1
+    if not args.quiet:
+        print(report.summary())
+    return 0
+
+
+if __name__ == "__main__":  # python -m marlin.convert.cli
+    sys.exit(main())

@@ -1,0 +1,302 @@
+"""convert_gptq_checkpoint: a GPTQ model directory in, a Marlin model directory out.
+
+Order of work, so that a bad input costs nothing and leaves nothing behind:
+  1. check DST, read and validate the quantization config;
+  2. open every shard (validating the safetensors headers and the index) and check the name,
+     shape and dtype of every GPTQ tensor;
+  3. only then convert, shard by shard, into a hidden directory next to DST, which is renamed to
+     DST at the very end (or removed on any error, including a failed --verify).
+The input is only ever read.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional, Union
+
+import torch
+from tqdm.auto import tqdm
+
+from .. import ops
+from .checkpoint import INDEX_SUFFIX, PICKLE_SUFFIXES, SafetensorsDir, TensorInfo, read_json, write_json, write_shard
+from .errors import ConversionError
+from .gptq import GPTQConfig, check_layer_tensors, gptq_to_marlin
+from .staging import check_destination, staged_directory
+from .verify import VERIFY_TOLERANCE, verify_layer
+
+__all__ = ["convert_gptq_checkpoint", "ConversionReport", "MARLIN_FORMAT", "CONFIG_FILE", "QUANTIZE_CONFIG_FILE"]
+
+log = logging.getLogger(__name__)
+
+MARLIN_FORMAT = "marlin"  # quantization_config.checkpoint_format of a converted checkpoint
+CONFIG_FILE = "config.json"
+QUANTIZE_CONFIG_FILE = "quantize_config.json"  # AutoGPTQ / GPTQModel's separate quantization config
+_GPTQ_ONLY_SUFFIXES = ("qzeros", "scales", "g_idx")  # tensors that make no sense without a qweight
+
+
+@dataclass
+class ConversionReport:
+    """What convert_gptq_checkpoint did."""
+
+    src: Path
+    dst: Path
+    layers: list = field(default_factory=list)  # prefixes of the converted layers
+    act_order_layers: list = field(default_factory=list)  # those stored with a perm
+    copied_tensors: int = 0  # non-quantized tensors copied unchanged
+    shards: list = field(default_factory=list)
+    copied_files: list = field(default_factory=list)
+    skipped_files: list = field(default_factory=list)  # (name, why)
+    max_verify_error: Optional[float] = None  # None when not verified
+    verify_tolerance: float = VERIFY_TOLERANCE
+
+    def summary(self) -> str:
+        lines = [
+            f"converted {len(self.layers)} GPTQ layers ({len(self.act_order_layers)} with an act-order permutation) "
+            f"and copied {self.copied_tensors} other tensors from {self.src} into {self.dst} "
+            f"({len(self.shards)} shard{'s' if len(self.shards) != 1 else ''})"
+        ]
+        if self.copied_files:
+            lines.append(f"copied files: {', '.join(self.copied_files)}")
+        for name, why in self.skipped_files:
+            lines.append(f"skipped {name}: {why}")
+        if self.max_verify_error is not None:
+            lines.append(
+                f"verified: max normwise relative error {self.max_verify_error:.2e} (bound {self.verify_tolerance:.0e})"
+            )
+        return "\n".join(lines)
+
+
+@dataclass
+class _QuantConfigs:
+    config: dict  # config.json
+    in_config: Optional[dict]  # config.json's quantization_config
+    in_file: Optional[dict]  # quantize_config.json
+    parsed: GPTQConfig
+
+
+def _read_quant_configs(src: Path) -> _QuantConfigs:
+    config_path = src / CONFIG_FILE
+    if not config_path.is_file():
+        raise ConversionError(f"{config_path} not found; expected a Hugging Face model directory with a config.json")
+    config = read_json(config_path)
+    if not isinstance(config, dict):
+        raise ConversionError(f"{config_path}: expected a JSON object, got a {type(config).__name__}")
+    in_config = config.get("quantization_config")
+    qc_path = src / QUANTIZE_CONFIG_FILE
+    in_file = read_json(qc_path) if qc_path.is_file() else None
+    if in_config is None and in_file is None:
+        raise ConversionError(
+            f"{src}: no quantization config: {CONFIG_FILE} has no 'quantization_config' and there is no {QUANTIZE_CONFIG_FILE}"
+        )
+    parsed = [
+        GPTQConfig.from_dict(qc, where)
+        for qc, where in ((in_config, f"{config_path} (quantization_config)"), (in_file, str(qc_path)))
+        if qc is not None
+    ]
+    if len(parsed) == 2:
+        a, b = parsed
+        keys = ("bits", "group_size", "sym", "checkpoint_format")
+        if any(getattr(a, k) != getattr(b, k) for k in keys):
+            raise ConversionError(
+                f"{src}: {CONFIG_FILE} and {QUANTIZE_CONFIG_FILE} disagree: "
+                + ", ".join(f"{k} {getattr(a, k)!r} vs {getattr(b, k)!r}" for k in keys if getattr(a, k) != getattr(b, k))
+            )
+    return _QuantConfigs(config=config, in_config=in_config, in_file=in_file, parsed=parsed[0])
+
+
+def _marlin_quant_config(qc: dict) -> dict:
+    """The input's quantization config (bits, group_size, desc_act, ... kept) marked as Marlin format."""
+    out = dict(qc)
+    out["checkpoint_format"] = MARLIN_FORMAT
+    if "format" in out:  # GPTQModel's older name for the same field
+        out["format"] = MARLIN_FORMAT
+    return out
+
+
+def _plan_layers(ckpt: SafetensorsDir, cfg: GPTQConfig) -> tuple[dict, list]:
+    """Split the tensors into GPTQ layers {prefix: {suffix: TensorInfo}} and pass-through names,
+    and check every layer's names, shapes and dtypes."""
+    prefixes = {name[: -len(".qweight")] for name in ckpt.tensors if name.endswith(".qweight")}
+    if not prefixes:
+        raise ConversionError(f"{ckpt.directory}: no quantized layers (no '*.qweight' tensors); is this a GPTQ checkpoint?")
+    layers: dict[str, dict[str, TensorInfo]] = {p: {} for p in prefixes}
+    passthrough = []
+    for name, info in ckpt.tensors.items():
+        prefix, _, suffix = name.rpartition(".")
+        if prefix in layers:
+            layers[prefix][suffix] = info
+        elif suffix in _GPTQ_ONLY_SUFFIXES:
+            raise ConversionError(f"{ckpt.directory}: tensor {name} (in {info.file}) has no {prefix}.qweight next to it")
+        else:
+            passthrough.append(name)
+    for prefix, infos in sorted(layers.items()):
+        check_layer_tensors(
+            prefix, {s: i.shape for s, i in infos.items()}, {s: i.dtype for s, i in infos.items()}, cfg.group_size
+        )
+        if "g_idx" not in infos and cfg.desc_act:
+            raise ConversionError(f"layer {prefix}: {prefix}.g_idx is missing, but desc_act = true needs it")
+    outputs = {f"{p}.{s}" for p in layers for s in ("b_q", "b_scales", "perm")}
+    clash = sorted(outputs & set(passthrough))
+    if clash:
+        raise ConversionError(f"{ckpt.directory}: tensor {clash[0]} would clash with a converted layer's output name")
+    return layers, passthrough
+
+
+def _parse_device(device: Union[str, torch.device]) -> torch.device:
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise ConversionError(f"device = {device!r} is not a device ({e}); expected 'cpu' or 'cuda'") from None
+    if dev.type not in ("cpu", "cuda"):
+        raise ConversionError(f"device = {device!r}, expected 'cpu' or 'cuda'")
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ConversionError(f"device = {device!r}, but CUDA is not available here; use 'cpu'")
+    return dev
+
+
+def _copy_other_files(src: Path, out: Path, handled: set, report: ConversionReport) -> None:
+    for path in sorted(src.iterdir()):
+        name = path.name
+        if name in handled:
+            continue
+        if path.is_dir():
+            why = "a directory (only the files of the model directory are copied)"
+        elif not path.is_file():
+            why = "not a regular file"
+        elif name.endswith(PICKLE_SUFFIXES):
+            why = "a pickle file (never read or copied)"
+        elif name.endswith(".safetensors") or name.endswith(INDEX_SUFFIX):
+            why = "weights that the index does not list (not part of the converted checkpoint)"
+        else:
+            shutil.copyfile(path, out / name)  # follows symlinks (Hugging Face cache snapshots use them)
+            report.copied_files.append(name)
+            continue
+        report.skipped_files.append((name, why))
+        log.warning("marlin-convert: skipped %s: %s", path, why)
+
+
+def convert_gptq_checkpoint(
+    src: Union[str, Path],
+    dst: Union[str, Path],
+    *,
+    overwrite: bool = False,
+    verify: bool = False,
+    device: Union[str, torch.device] = "cpu",
+    quiet: bool = False,
+) -> ConversionReport:
+    """Convert the GPTQ checkpoint directory ``src`` into a Marlin checkpoint directory ``dst``.
+
+    ``src`` is a Hugging Face model directory as written by AutoGPTQ, Optimum/transformers or
+    GPTQModel (config.json with quantization_config, or quantize_config.json; safetensors weights,
+    one file or shards with their index). Supported: bits 4, sym true, group_size 128 or -1,
+    desc_act false or true, checkpoint_format "gptq" or "gptq_v2".
+
+    ``dst`` gets the same shard files, each GPTQ layer ``<prefix>`` replaced by ``<prefix>.b_q``,
+    ``<prefix>.b_scales``, ``<prefix>.bias`` (if any) and ``<prefix>.perm`` (act-order only) --
+    the state_dict keys of marlin.MarlinLinear -- and every other tensor copied unchanged; the
+    index json; config.json with quantization_config.checkpoint_format = "marlin"; the other files
+    (tokenizer, generation config, ...). ``dst`` must not exist unless ``overwrite``.
+
+    ``verify`` checks every converted layer numerically on ``device`` (see marlin.convert.verify)
+    and fails above the bound. ``quiet`` hides the progress bar.
+
+    Raises ConversionError (a ValueError) with a message naming what is unsupported or broken;
+    then nothing is written.
+    """
+    src = Path(src).absolute()
+    dst = Path(dst).absolute()
+    if not src.is_dir():
+        raise ConversionError(f"source {src} is not a directory")
+    check_destination(src, dst, overwrite)
+    dev = _parse_device(device) if verify else None
+    configs = _read_quant_configs(src)
+    cfg = configs.parsed
+    report = ConversionReport(src=src, dst=dst)
+
+    with SafetensorsDir(src) as ckpt:
+        layers, passthrough = _plan_layers(ckpt, cfg)
+        passthrough_set = set(passthrough)
+        workspace = ops.make_workspace(dev) if dev is not None and dev.type == "cuda" else None
+        with staged_directory(dst, overwrite) as out, tqdm(
+            total=len(layers), desc="marlin-convert", unit="layer", disable=quiet
+        ) as bar:
+            weight_map: dict[str, str] = {}
+            total_size = 0
+            for shard in ckpt.shard_names:
+                bar.set_postfix_str(shard, refresh=False)
+                tensors: dict[str, torch.Tensor] = {}
+                for name in ckpt.names_in(shard):
+                    if name in passthrough_set:
+                        tensors[name] = ckpt.get(name)
+                        report.copied_tensors += 1
+                    elif name.endswith(".qweight"):
+                        prefix = name[: -len(".qweight")]
+                        tensors.update(_convert_layer(ckpt, prefix, layers[prefix], cfg, dev, workspace, report))
+                        bar.update(1)
+                total_size += write_shard(out / shard, tensors)
+                weight_map.update({name: shard for name in tensors})
+                report.shards.append(shard)
+                del tensors
+
+            if ckpt.index_name is not None:
+                metadata = dict(ckpt.index_metadata, total_size=total_size)
+                write_json(out / ckpt.index_name, {"metadata": metadata, "weight_map": dict(sorted(weight_map.items()))})
+            quant_config = configs.in_config if configs.in_config is not None else configs.in_file
+            write_json(out / CONFIG_FILE, dict(configs.config, quantization_config=_marlin_quant_config(quant_config)))
+            handled = {CONFIG_FILE, *ckpt.shard_names}
+            if ckpt.index_name is not None:
+                handled.add(ckpt.index_name)
+            if configs.in_file is not None:
+                write_json(out / QUANTIZE_CONFIG_FILE, _marlin_quant_config(configs.in_file))
+                handled.add(QUANTIZE_CONFIG_FILE)
+            _copy_other_files(src, out, handled, report)
+    return report
+
+
+def _convert_layer(
+    ckpt: SafetensorsDir,
+    prefix: str,
+    infos: dict,
+    cfg: GPTQConfig,
+    dev: Optional[torch.device],
+    workspace: Optional[torch.Tensor],
+    report: ConversionReport,
+) -> dict[str, torch.Tensor]:
+    """The output tensors of one layer (its GPTQ tensors may sit in other shards)."""
+    gptq = {suffix: ckpt.get(f"{prefix}.{suffix}") for suffix in infos}
+    converted = gptq_to_marlin(
+        prefix,
+        gptq["qweight"],
+        gptq["qzeros"],
+        gptq["scales"],
+        gptq.get("g_idx"),
+        group_size=cfg.group_size,
+        checkpoint_format=cfg.checkpoint_format,
+    )
+    out = {f"{prefix}.b_q": converted.b_q, f"{prefix}.b_scales": converted.b_scales}
+    if "bias" in gptq:
+        out[f"{prefix}.bias"] = gptq["bias"]
+    if converted.perm is not None:
+        out[f"{prefix}.perm"] = converted.perm
+        report.act_order_layers.append(prefix)
+    report.layers.append(prefix)
+    if dev is not None:
+        err = verify_layer(
+            prefix,
+            gptq,
+            converted,
+            checkpoint_format=cfg.checkpoint_format,
+            group_size=cfg.group_size,
+            device=dev,
+            workspace=workspace,
+        )
+        if not err <= report.verify_tolerance:  # also catches nan
+            raise ConversionError(
+                f"verify: layer {prefix}: normwise relative error {err:.3e} of the converted layer against the GPTQ "
+                f"weights exceeds {report.verify_tolerance:.0e}; nothing was written"
+            )
+        report.max_verify_error = max(err, report.max_verify_error or 0.0)
+    return out

@@ -1,0 +1,312 @@
+"""The GPTQ checkpoint format, and the conversion of one GPTQ layer into the Marlin format.
+
+AutoGPTQ, Optimum/transformers and GPTQModel store each quantized linear layer ``<prefix>``
+(K = in_features, N = out_features, G = number of groups) as
+
+    <prefix>.qweight  int32 [K / 8, N]  8 4-bit values per word along K, lowest nibble first:
+                                        q[8 i + j, n] = (qweight[i, n] >> 4 j) & 15
+    <prefix>.qzeros   int32 [G, N / 8]  8 4-bit zero points per word along N, lowest nibble first
+    <prefix>.scales   fp16  [G, N]
+    <prefix>.g_idx    int32 [K]         the group of each input row k
+    <prefix>.bias     fp16  [N]         optional
+
+and the weight is  W[k, n] = scales[g_idx[k], n] * (q[k, n] - zero[g_idx[k], n]).  The stored zero
+point is zero - 1 in checkpoint_format "gptq" (AutoGPTQ's historical off-by-one) and zero itself in
+"gptq_v2".  G = K / group_size, or 1 for per-column quantization (group_size = -1).
+
+With act-order (desc_act) GPTQ quantizes the rows of K in a data-dependent order and numbers the
+groups in that order, so g_idx is not monotone: the rows of one group are scattered over K.  Marlin
+needs each group to be group_size consecutive rows.  Sorting K by g_idx (stably) gives such an
+order ``perm``; the converted layer stores the rows W[perm] and the module computes
+x[..., perm] @ W[perm], which equals x @ W.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping, Optional
+
+import torch
+
+from .. import ops, packing
+from .errors import ConversionError
+
+__all__ = [
+    "GPTQConfig",
+    "GPTQ_FORMATS",
+    "LAYER_SUFFIXES",
+    "MarlinTensors",
+    "check_layer_tensors",
+    "default_g_idx",
+    "unpack_rows",
+    "unpack_cols",
+    "zero_points",
+    "act_order_permutation",
+    "gptq_to_marlin",
+    "dequantize_gptq",
+]
+
+GPTQ_FORMATS = ("gptq", "gptq_v2")
+LAYER_SUFFIXES = ("qweight", "qzeros", "scales", "g_idx", "bias")
+_REQUIRED_SUFFIXES = ("qweight", "qzeros", "scales")
+_NIBBLES = 8  # 4-bit values per int32 word
+_SYMMETRIC_ZERO = 8  # the zero point of symmetric 4-bit GPTQ: (2^4) / 2
+_SUPPORTED_BITS = 4
+
+
+def _describe_group_size(group_size: int) -> str:
+    return "per column" if group_size == -1 else f"group size {group_size}"
+
+
+@dataclass(frozen=True)
+class GPTQConfig:
+    """The fields of a GPTQ quantization config that decide whether and how a checkpoint converts."""
+
+    bits: int
+    group_size: int
+    sym: bool
+    desc_act: bool
+    checkpoint_format: str
+
+    @classmethod
+    def from_dict(cls, config: Any, source: str) -> "GPTQConfig":
+        """Parse and validate ``quantization_config`` (config.json) or quantize_config.json.
+
+        ``source`` names where the dict came from, for the error messages.
+        """
+        if not isinstance(config, dict):
+            raise ConversionError(f"{source}: the quantization config is a {type(config).__name__}, expected a JSON object")
+        method = config.get("quant_method", "gptq")
+        if not isinstance(method, str) or method.lower() != "gptq":
+            raise ConversionError(f"{source}: quant_method = {method!r}, expected 'gptq' (only GPTQ checkpoints convert)")
+        if config.get("is_marlin_format"):
+            raise ConversionError(
+                f"{source}: is_marlin_format = true: this is AutoGPTQ's own Marlin layout, not a GPTQ checkpoint; "
+                "convert the original GPTQ checkpoint instead"
+            )
+        # GPTQModel writes "checkpoint_format" (older versions "format"); AutoGPTQ before 0.8 neither.
+        fmt = config.get("checkpoint_format", config.get("format", "gptq"))
+        if not isinstance(fmt, str):
+            raise ConversionError(f"{source}: checkpoint_format = {fmt!r}, expected one of {GPTQ_FORMATS}")
+        fmt = fmt.lower()
+        if fmt == "marlin":
+            raise ConversionError(f"{source}: checkpoint_format = 'marlin': this checkpoint is already converted")
+        if fmt not in GPTQ_FORMATS:
+            raise ConversionError(f"{source}: checkpoint_format = {fmt!r} is not supported, expected one of {GPTQ_FORMATS}")
+
+        missing = [key for key in ("bits", "group_size", "sym") if key not in config]
+        if missing:
+            raise ConversionError(
+                f"{source}: the quantization config lacks {', '.join(repr(k) for k in missing)} "
+                f"(it has {sorted(config)}); a GPTQ config states bits, group_size and sym"
+            )
+        bits, group_size, sym = config["bits"], config["group_size"], config["sym"]
+        desc_act = config.get("desc_act", False)  # decides nothing here: g_idx says where each row went
+        if isinstance(bits, bool) or not isinstance(bits, int) or bits != _SUPPORTED_BITS:
+            raise ConversionError(
+                f"{source}: bits = {bits!r} is not supported; the Marlin kernel takes {_SUPPORTED_BITS}-bit weights only"
+            )
+        if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size not in packing.SUPPORTED_GROUP_SIZES:
+            raise ConversionError(
+                f"{source}: group_size = {group_size!r} is not supported; the Marlin kernel takes "
+                f"{ops.GROUP_SIZE} or -1 (per column)"
+            )
+        if not isinstance(sym, bool):
+            raise ConversionError(f"{source}: sym = {sym!r}, expected true or false")
+        if not sym:
+            raise ConversionError(
+                f"{source}: sym = false: asymmetric quantization (zero points) is not supported; "
+                "the Marlin kernel takes symmetric weights only"
+            )
+        if not isinstance(desc_act, bool):
+            raise ConversionError(f"{source}: desc_act = {desc_act!r}, expected true or false")
+        return cls(bits=bits, group_size=group_size, sym=sym, desc_act=desc_act, checkpoint_format=fmt)
+
+
+@dataclass
+class MarlinTensors:
+    """One converted layer: the MarlinLinear buffers (``perm`` None when no permutation is needed)."""
+
+    b_q: torch.Tensor
+    b_scales: torch.Tensor
+    perm: Optional[torch.Tensor]
+
+
+def _shape_str(shape) -> str:
+    return "[" + ", ".join(str(int(s)) for s in shape) + "]"
+
+
+def check_layer_tensors(
+    prefix: str, shapes: Mapping[str, tuple], dtypes: Mapping[str, Any], group_size: int
+) -> tuple[int, int]:
+    """Check the names, shapes and dtypes of one GPTQ layer's tensors (no data needed).
+
+    ``shapes``/``dtypes`` map suffixes ("qweight", ...) to the tensor's shape and torch dtype.
+    Returns (K, N). Raises ConversionError naming the tensor, what it is and what was expected.
+    """
+    for suffix in _REQUIRED_SUFFIXES:
+        if suffix not in shapes:
+            raise ConversionError(f"layer {prefix}: {prefix}.{suffix} is missing (a GPTQ layer has qweight, qzeros, scales)")
+    unknown = sorted(set(shapes) - set(LAYER_SUFFIXES))
+    if unknown:
+        raise ConversionError(
+            f"layer {prefix}: unexpected tensor(s) {', '.join(f'{prefix}.{u}' for u in unknown)} next to {prefix}.qweight; "
+            f"a GPTQ layer has only {', '.join(LAYER_SUFFIXES)}"
+        )
+
+    def expect(suffix: str, dtype_ok: tuple, shape: tuple, why: str) -> None:
+        if suffix not in shapes:
+            return
+        if dtypes[suffix] not in dtype_ok:
+            names = " or ".join(str(d) for d in dtype_ok)
+            raise ConversionError(f"{prefix}.{suffix}: dtype {dtypes[suffix]}, expected {names}")
+        if tuple(shapes[suffix]) != shape:
+            raise ConversionError(f"{prefix}.{suffix}: shape {_shape_str(shapes[suffix])}, expected {_shape_str(shape)} ({why})")
+
+    qw_shape = tuple(shapes["qweight"])
+    if dtypes["qweight"] != torch.int32 or len(qw_shape) != 2:
+        raise ConversionError(
+            f"{prefix}.qweight: dtype {dtypes['qweight']} shape {_shape_str(qw_shape)}, expected torch.int32 [K / 8, N]"
+        )
+    k, n = qw_shape[0] * _NIBBLES, qw_shape[1]
+    reason = ops.check_shape(k, n, group_size)
+    if reason is not None:
+        raise ConversionError(
+            f"layer {prefix} (K = in_features = {k}, N = out_features = {n}, {_describe_group_size(group_size)}) "
+            f"cannot be converted: {reason}"
+        )
+    groups = packing.num_groups(k, group_size)
+    grouping = f"K / group_size = {k} / {group_size}" if group_size != -1 else "one row per column (group_size -1)"
+    expect("scales", (torch.float16,), (groups, n), f"{grouping} groups, N = {n}")
+    expect("qzeros", (torch.int32,), (groups, n // _NIBBLES), f"{groups} groups, N / 8 = {n // _NIBBLES} words")
+    expect("g_idx", (torch.int32, torch.int64), (k,), f"one group index per input row, K = {k}")
+    expect("bias", (torch.float16,), (n,), f"N = {n}")
+    return k, n
+
+
+def default_g_idx(k: int, group_size: int) -> torch.Tensor:
+    """g_idx of a checkpoint without act-order: row k is in group k // group_size (0 when per column)."""
+    rows = torch.arange(k, dtype=torch.int32)
+    return torch.zeros_like(rows) if group_size == -1 else rows // group_size
+
+
+def unpack_rows(packed: torch.Tensor) -> torch.Tensor:
+    """int32 [R, C] holding 8 nibbles per word along rows -> uint8 [8 R, C] (nibble j -> row 8 r + j)."""
+    shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=packed.device).view(1, _NIBBLES, 1)
+    nibbles = (packed.unsqueeze(1) >> shifts) & 0xF  # [R, 8, C]; the mask undoes the sign extension
+    return nibbles.reshape(packed.shape[0] * _NIBBLES, packed.shape[1]).to(torch.uint8)
+
+
+def unpack_cols(packed: torch.Tensor) -> torch.Tensor:
+    """int32 [R, C] holding 8 nibbles per word along columns -> uint8 [R, 8 C] (nibble j -> column 8 c + j)."""
+    shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=packed.device).view(1, 1, _NIBBLES)
+    nibbles = (packed.unsqueeze(2) >> shifts) & 0xF  # [R, C, 8]
+    return nibbles.reshape(packed.shape[0], packed.shape[1] * _NIBBLES).to(torch.uint8)
+
+
+def zero_points(qzeros: torch.Tensor, checkpoint_format: str) -> torch.Tensor:
+    """The zero points int16 [G, N] that the weight formula subtracts, from the stored qzeros."""
+    if checkpoint_format not in GPTQ_FORMATS:
+        raise ValueError(f"checkpoint_format = {checkpoint_format!r}, expected one of {GPTQ_FORMATS}")
+    stored = unpack_cols(qzeros).to(torch.int16)
+    return stored + 1 if checkpoint_format == "gptq" else stored
+
+
+def _check_symmetric(prefix: str, zeros: torch.Tensor, checkpoint_format: str) -> None:
+    wrong = zeros != _SYMMETRIC_ZERO
+    if bool(wrong.any()):
+        g, n = (int(i) for i in wrong.nonzero()[0])
+        stored_note = " (stored as zero - 1, the 'gptq' convention)" if checkpoint_format == "gptq" else ""
+        raise ConversionError(
+            f"{prefix}.qzeros: asymmetric zeros are not supported: {int(wrong.sum())} of {zeros.numel()} zero points "
+            f"are not {_SYMMETRIC_ZERO} (e.g. {int(zeros[g, n])} at group {g}, column {n}; checkpoint_format "
+            f"'{checkpoint_format}'{stored_note}). The Marlin kernel takes symmetric 4-bit weights only"
+            + ("; if this checkpoint stores zeros as-is, its checkpoint_format should be 'gptq_v2'" if checkpoint_format == "gptq" else "")
+        )
+
+
+def act_order_permutation(prefix: str, g_idx: torch.Tensor, groups: int) -> Optional[torch.Tensor]:
+    """The order of K that makes every group contiguous, int32 [K]; None when it is the identity.
+
+    Checks that g_idx puts exactly K / groups rows into each group, which Marlin's fixed-size
+    groups need; GPTQ always does (it numbers the groups while walking K in its order).
+    """
+    k = g_idx.shape[0]
+    g_idx = g_idx.to(torch.int64)
+    lo, hi = int(g_idx.min()), int(g_idx.max())
+    if lo < 0 or hi >= groups:
+        raise ConversionError(f"{prefix}.g_idx: values lie in [{lo}, {hi}], expected group indices in [0, {groups - 1}]")
+    counts = torch.bincount(g_idx, minlength=groups)
+    rows = k // groups
+    bad = (counts != rows).nonzero()
+    if bad.numel():
+        g = int(bad[0])
+        raise ConversionError(
+            f"{prefix}.g_idx: group {g} has {int(counts[g])} input rows, expected {rows} in every group "
+            f"(K = {k}, {groups} groups); cannot make the groups contiguous"
+        )
+    perm = torch.sort(g_idx, stable=True).indices
+    if torch.equal(perm, torch.arange(k, device=perm.device)):
+        return None
+    return perm.to(torch.int32)
+
+
+def gptq_to_marlin(
+    prefix: str,
+    qweight: torch.Tensor,
+    qzeros: torch.Tensor,
+    scales: torch.Tensor,
+    g_idx: Optional[torch.Tensor],
+    *,
+    group_size: int,
+    checkpoint_format: str = "gptq",
+) -> MarlinTensors:
+    """Convert one symmetric 4-bit GPTQ layer into (b_q, b_scales, perm). Raises ConversionError.
+
+    The values are exact: W = scales[g] * (q - 8) in GPTQ, and q - 8 lies in Marlin's [-8, 7] with
+    the same fp16 scale. Only the order of rows (act-order) and the packing change.
+    """
+    shapes = {"qweight": qweight.shape, "qzeros": qzeros.shape, "scales": scales.shape}
+    dtypes = {"qweight": qweight.dtype, "qzeros": qzeros.dtype, "scales": scales.dtype}
+    if g_idx is not None:
+        shapes["g_idx"], dtypes["g_idx"] = g_idx.shape, g_idx.dtype
+    k, _ = check_layer_tensors(prefix, shapes, dtypes, group_size)
+    if checkpoint_format not in GPTQ_FORMATS:
+        raise ConversionError(f"layer {prefix}: checkpoint_format = {checkpoint_format!r}, expected one of {GPTQ_FORMATS}")
+    groups = scales.shape[0]
+
+    _check_symmetric(prefix, zero_points(qzeros, checkpoint_format), checkpoint_format)
+    if g_idx is None:
+        g_idx = default_g_idx(k, group_size)
+    perm = act_order_permutation(prefix, g_idx.cpu(), groups)
+
+    q = unpack_rows(qweight.cpu())
+    if perm is not None:
+        q = q.index_select(0, perm.to(torch.int64))
+    q_marlin = (q.to(torch.int8) - _SYMMETRIC_ZERO).to(torch.int8)  # [0, 15] -> [-8, 7]
+    b_q, b_scales = packing.pack(q_marlin, scales.cpu().contiguous())
+    return MarlinTensors(b_q=b_q, b_scales=b_scales, perm=perm)
+
+
+def dequantize_gptq(
+    qweight: torch.Tensor,
+    qzeros: torch.Tensor,
+    scales: torch.Tensor,
+    g_idx: Optional[torch.Tensor],
+    checkpoint_format: str = "gptq",
+    group_size: Optional[int] = None,
+) -> torch.Tensor:
+    """W [K, N] in float32 by the GPTQ formula W = scales[g_idx] * (q - zero[g_idx]) (exact).
+
+    This is the reference the conversion is verified against; it uses the stored zero points
+    as they are, so it does not assume symmetry. ``group_size`` is only needed without g_idx.
+    """
+    q = unpack_rows(qweight).to(torch.float32)
+    k = q.shape[0]
+    if g_idx is None:
+        if group_size is None:
+            group_size = packing.group_size_of(k, scales.shape[0])
+        g_idx = default_g_idx(k, group_size).to(qweight.device)
+    g = g_idx.to(torch.int64)
+    zeros = zero_points(qzeros, checkpoint_format).to(torch.float32)
+    return scales.to(torch.float32)[g] * (q - zeros[g])

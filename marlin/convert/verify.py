@@ -1,0 +1,70 @@
+"""Numerical check of one converted layer against the GPTQ formula.
+
+On random fp16 inputs x, compare what the Marlin op computes from the converted tensors,
+gemm(x[:, perm], b_q, b_scales), with x @ W in float32, where W = scales[g_idx] * (q - zero) is
+dequantized from the GPTQ tensors as stored (so a wrong zero, scale, nibble order, group or
+permutation shows up as an O(1) error).
+
+Why VERIFY_TOLERANCE = 1e-3 (normwise relative error ||out - ref||_F / ||ref||_F):
+  * both sides see the same fp16 x and the same weights: scale * (q - 8) is exact in fp32
+    (11-bit fp16 mantissa times a 4-bit integer), in GPTQ's dequantization and in Marlin's;
+  * the op sums in fp32 (CPU reference and CUDA kernel, including the reduction between
+    thread blocks) and rounds once to fp16: at most 2^-11 ~ 4.9e-4 relative per element, so at
+    most 4.9e-4 normwise (about 2.8e-4 on average for random data);
+  * fp32 summation in a different order adds ~ sqrt(K) * 2^-24 ~ 1e-5 for K = 16384.
+So a correct layer stays below ~5e-4, and 1e-3 leaves a factor two while any layout mistake
+(errors of order 1) fails by orders of magnitude.
+"""
+
+from __future__ import annotations
+
+import zlib
+from typing import Optional
+
+import torch
+
+from .. import ops
+from .gptq import MarlinTensors, dequantize_gptq
+
+__all__ = ["VERIFY_TOLERANCE", "VERIFY_ROWS", "verify_layer", "normwise_relative_error"]
+
+VERIFY_TOLERANCE = 1e-3
+VERIFY_ROWS = 16  # sample inputs per layer: enough to see every column, cheap on the CPU op
+
+
+def normwise_relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """||out - ref||_F / ||ref||_F in float64 (inf if out has inf/nan, e.g. an fp16 overflow)."""
+    out, ref = out.double(), ref.double()
+    if not bool(torch.isfinite(out).all()):
+        return float("inf")
+    denom = float(ref.norm())
+    return float((out - ref).norm()) / denom if denom > 0 else float((out - ref).norm())
+
+
+def verify_layer(
+    prefix: str,
+    gptq: dict,
+    marlin: MarlinTensors,
+    *,
+    checkpoint_format: str,
+    group_size: int,
+    device: torch.device,
+    workspace: Optional[torch.Tensor] = None,
+) -> float:
+    """Normwise relative error of the converted layer ``prefix`` on VERIFY_ROWS random inputs.
+
+    ``gptq`` holds the layer's GPTQ tensors by suffix (qweight, qzeros, scales, optional g_idx).
+    The inputs are seeded from the layer name, so a run is reproducible.
+    """
+    w = dequantize_gptq(
+        gptq["qweight"], gptq["qzeros"], gptq["scales"], gptq.get("g_idx"), checkpoint_format, group_size
+    )
+    k = w.shape[0]
+    gen = torch.Generator().manual_seed(zlib.crc32(prefix.encode()))
+    x = torch.randn(VERIFY_ROWS, k, generator=gen).to(torch.float16)
+    ref = x.float() @ w
+    x_in = x if marlin.perm is None else x.index_select(1, marlin.perm.to(torch.int64))
+    out = ops.gemm(
+        x_in.to(device), marlin.b_q.to(device), marlin.b_scales.to(device), workspace
+    ).float().cpu()
+    return normwise_relative_error(out, ref)
