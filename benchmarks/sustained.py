@@ -62,7 +62,7 @@ def parse_smi_line(line: str) -> Optional[dict]:
 
 def window_s(duration_s: float) -> float:
     """Length of the first / last window compared for stability."""
-    return min(10.0, duration_s / 3.0)
+    return max(1.0, min(10.0, duration_s / 3.0))
 
 
 def _median(xs):
@@ -71,9 +71,10 @@ def _median(xs):
 
 
 def stability(rows: list[dict], duration_s: float, tol: float = HOLD_TOL, key: str = "speedup") -> dict:
-    """Median of rows[key] in the first and last window (rows carry t_s, seconds since the class
-    started); holds = |last / first - 1| <= tol."""
+    """Median of rows[key] in the first and last window (rows carry t_s, the start of their
+    one-second bucket since the class started); holds = |last / first - 1| <= tol."""
     w = window_s(duration_s)
+    rows = [r for r in rows if r["t_s"] < duration_s]  # the partial bucket past the deadline: out
     first = _median([r.get(key) for r in rows if r["t_s"] < w])
     last = _median([r.get(key) for r in rows if r["t_s"] >= duration_s - w])
     change = (last / first - 1.0) if (first and last) else None
@@ -224,7 +225,7 @@ def run_class(preps: dict, m: int, k: int, dev, seconds: float, burst_s: float) 
     rows = []
     for sec in sorted(per_sec):
         d = per_sec[sec]
-        row = {"t_s": sec + 0.5}
+        row = {"t_s": sec}  # calls whose burst ended in [sec, sec + 1) s after the class started
         for name in KERNEL_PAIR:
             xs = d.get(name, [])
             row[f"{name}_us"] = statistics.median(xs) * 1e6 if xs else None
