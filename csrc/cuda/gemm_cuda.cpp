@@ -19,9 +19,10 @@ at::Tensor gemm_cuda(const at::Tensor& a, const at::Tensor& b_q, const at::Tenso
   const c10::cuda::OptionalCUDAGuard guard(a.device());
   const cudaDeviceProp* prop = at::cuda::getCurrentDeviceProperties();
   TORCH_CHECK(prop->major >= 8, "marlin.gemm: needs a GPU of compute capability 8.0 or newer (Ampere+), but ",
-              prop->name, " is ", prop->major, ".", prop->minor);
+              prop->name, " is ", num(prop->major), ".", num(prop->minor));
   TORCH_CHECK(sh.m <= (int64_t{1} << 30) && sh.k <= (int64_t{1} << 30) && sh.n <= (int64_t{1} << 30),
-              "marlin.gemm: dimensions beyond 2^30 are not supported (M = ", sh.m, ", K = ", sh.k, ", N = ", sh.n, ")");
+              "marlin.gemm: dimensions beyond 2^30 are not supported (M = ", num(sh.m), ", K = ", num(sh.k), ", N = ",
+              num(sh.n), ")");
 
   at::Tensor c = at::empty({sh.m, sh.n}, a.options());
   if (sh.m == 0) return c;
@@ -54,8 +55,8 @@ at::Tensor gemm_cuda(const at::Tensor& a, const at::Tensor& b_q, const at::Tenso
 
   at::Tensor locks;
   if (workspace.has_value()) {
-    TORCH_CHECK(workspace->numel() >= plan.grid, "marlin.gemm: workspace.numel() = ", workspace->numel(),
-                ", expected at least ", max_locks(args.sms), " (marlin.ops.workspace_size)");
+    TORCH_CHECK(workspace->numel() >= plan.grid, "marlin.gemm: workspace.numel() = ", num(workspace->numel()),
+                ", expected at least ", num(plan.grid), " (marlin.ops.workspace_size(device) always suffices)");
     locks = *workspace;
   } else {
     locks = at::zeros({max_locks(args.sms)}, a.options().dtype(at::kInt));

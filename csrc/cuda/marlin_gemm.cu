@@ -3,7 +3,6 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
-#include <sstream>
 #include <string>
 
 #include "marlin_gemm.h"
@@ -52,10 +51,10 @@ bool find_instance(int m_blocks, TileConfig tile, bool grouped, Instance* out) {
 }
 
 std::string describe(const GemmArgs& a, TileConfig tile, int m_blocks) {
-  std::ostringstream os;
-  os << "m=" << a.m << " n=" << a.n << " k=" << a.k << " groups=" << a.groups << " tile_k=" << tile.tile_k
-     << " tile_n=" << tile.tile_n << " m_blocks=" << m_blocks;
-  return os.str();
+  // std::to_string, not ostream: see the note on message formatting in csrc/gemm_checks.h
+  return "m=" + std::to_string(a.m) + " n=" + std::to_string(a.n) + " k=" + std::to_string(a.k) +
+         " groups=" + std::to_string(a.groups) + " tile_k=" + std::to_string(tile.tile_k) +
+         " tile_n=" + std::to_string(tile.tile_n) + " m_blocks=" + std::to_string(m_blocks);
 }
 
 }  // namespace
