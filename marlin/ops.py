@@ -32,11 +32,11 @@ def check_shape(in_features: int, out_features: int, group_size: int) -> Optiona
 
 
 def workspace_size(device: torch.device | str | int | None = None) -> int:
-    """int32 elements of the lock workspace for gemm on ``device``: one per multiprocessor."""
+    """int32 elements of the lock workspace for gemm on ``device``: two per multiprocessor."""
     device = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
     if device.type != "cuda":
         return 1
-    return max(1, torch.cuda.get_device_properties(device).multi_processor_count)
+    return 2 * max(1, torch.cuda.get_device_properties(device).multi_processor_count)
 
 
 def make_workspace(device: torch.device | str | int | None = None) -> torch.Tensor:

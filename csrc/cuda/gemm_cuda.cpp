@@ -6,11 +6,23 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 
+#include <cstdlib>
+
 #include "../gemm_checks.h"
 #include "marlin_gemm.h"
 
 namespace marlin {
 namespace {
+
+// Tuning knob for benchmarks: MARLIN_BLOCKS_PER_SM=1 caps resident blocks per multiprocessor.
+// Read once per process. Not part of the API.
+int tuning_blocks_per_sm() {
+  static const int value = [] {
+    const char* env = std::getenv("MARLIN_BLOCKS_PER_SM");
+    return env ? std::atoi(env) : 0;
+  }();
+  return value;
+}
 
 at::Tensor gemm_cuda(const at::Tensor& a, const at::Tensor& b_q, const at::Tensor& b_scales,
                      const std::optional<at::Tensor>& b_zeros, const std::optional<at::Tensor>& workspace,
@@ -46,6 +58,8 @@ at::Tensor gemm_cuda(const at::Tensor& a, const at::Tensor& b_q, const at::Tenso
   args.groups = static_cast<int>(sh.groups);
   args.sms = prop->multiProcessorCount;
   args.max_smem = static_cast<int>(prop->sharedMemPerBlockOptin);
+  args.max_smem_per_sm = static_cast<int>(prop->sharedMemPerMultiprocessor);
+  args.blocks_per_sm = tuning_blocks_per_sm();
   TORCH_CHECK(reinterpret_cast<uintptr_t>(args.b_q) % 16 == 0 && reinterpret_cast<uintptr_t>(args.scales) % 16 == 0,
               "marlin.gemm: b_q and b_scales must be 16-byte aligned (got a view with an offset?)");
 

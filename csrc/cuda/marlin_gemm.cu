@@ -20,6 +20,7 @@ constexpr TileConfig kLargeBatchTiles[] = {{64, 256}, {128, 128}};
 
 // What the planner needs to know of one compiled kernel instance.
 struct Instance {
+  int blocks_per_sm;  // what its register budget allows
   int smem_bytes;
   int partial_floats;  // per split column
   cudaError_t (*launch)(const KernelParams&, int grid, int smem, cudaStream_t);
@@ -28,7 +29,7 @@ struct Instance {
 template <int TM, int TK, int TN, int G>
 Instance make_instance() {
   using S = KernelShape<TM, TK, TN, kStages, G>;
-  return Instance{S::kSmemBytes, S::kPartialFloats, &launch_instance<TM, TK, TN, G>};
+  return Instance{kMinBlocksPerSm<TM>, S::kSmemBytes, S::kPartialFloats, &launch_instance<TM, TK, TN, G>};
 }
 
 // The instances that are compiled: m_blocks 1..4 x the two tiles x (group 128, per column).
@@ -59,7 +60,7 @@ std::string describe(const GemmArgs& a, TileConfig tile, int m_blocks) {
 
 }  // namespace
 
-int max_locks(int sms) { return std::max(sms, 1); }
+int max_locks(int sms) { return 2 * std::max(sms, 1); }
 
 std::string plan_gemm(const GemmArgs& args, int tile_k, int tile_n, GemmPlan* plan) {
   const bool grouped = args.groups > 1;
@@ -90,6 +91,8 @@ std::string plan_gemm(const GemmArgs& args, int tile_k, int tile_n, GemmPlan* pl
       continue;
     }
     plan->tile = t;
+    plan->blocks_per_sm = std::min(inst.blocks_per_sm, std::max(1, args.max_smem_per_sm / std::max(1, inst.smem_bytes)));
+    if (args.blocks_per_sm > 0) plan->blocks_per_sm = std::min(plan->blocks_per_sm, args.blocks_per_sm);
     plan->smem_bytes = inst.smem_bytes;
     plan->partial_floats = inst.partial_floats;
     found = true;
@@ -100,12 +103,12 @@ std::string plan_gemm(const GemmArgs& args, int tile_k, int tile_n, GemmPlan* pl
   const int n_tiles = args.n / plan->tile.tile_n;
   const long long total = static_cast<long long>(plan->m_slices) * n_tiles * k_tiles;
   if (total >= (1LL << 31)) return "marlin.gemm: problem too large for 32-bit tile indices; " + describe(args, plan->tile, plan->m_blocks);
-  const int blocks = static_cast<int>(std::min<long long>(max_locks(args.sms), total));
+  const int blocks = static_cast<int>(std::min<long long>(static_cast<long long>(args.sms) * plan->blocks_per_sm, total));
   plan->tiles_per_block = static_cast<int>((total + blocks - 1) / blocks);
   plan->grid = static_cast<int>((total + plan->tiles_per_block - 1) / plan->tiles_per_block);
   // A column is split unless every stripe is a whole number of columns.
   plan->needs_partial = plan->tiles_per_block % k_tiles != 0;
-  plan->partial_floats = plan->needs_partial ? plan->partial_floats * plan->grid : 0;
+  plan->partial_floats = plan->needs_partial ? plan->partial_floats * 2 * plan->grid : 0;
   return "";
 }
 

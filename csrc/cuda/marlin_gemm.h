@@ -21,13 +21,15 @@ struct GemmArgs {
   const void* b_q;      // int32 [k / 16, 2 n], Marlin layout (marlin/packing.py)
   const void* scales;   // fp16 [groups, n]
   void* c;              // fp16 [m, n], contiguous
-  float* partial;       // fp32 reduction slots, partial_floats() of them (may be null if unused)
-  int* locks;           // int32, >= grid entries, all zero; left all zero on return
+  float* partial;       // fp32 reduction slots, plan.partial_floats of them (null when unused)
+  int* locks;           // int32 arrival counters, >= grid entries, all zero; left all zero on return
   int m, n, k;
   long long lda;        // row stride of a, in halves (multiple of 8)
   int groups;           // rows of scales: 1 (per column) or k / 128
   int sms;              // multiprocessors of the device
   int max_smem;         // opt-in shared memory per block of the device, bytes
+  int max_smem_per_sm;  // shared memory per multiprocessor, bytes
+  int blocks_per_sm;    // cap on resident blocks per multiprocessor; <= 0: as many as fit
 };
 
 // What plan() decided: printed in errors and benchmarks.
@@ -35,6 +37,7 @@ struct GemmPlan {
   TileConfig tile{0, 0};
   int m_blocks = 0;      // 16-row blocks of M per slice (1..4)
   int m_slices = 0;      // slices of 16 * m_blocks rows
+  int blocks_per_sm = 1;
   int grid = 0;          // blocks launched
   int tiles_per_block = 0;
   int smem_bytes = 0;
@@ -49,7 +52,7 @@ std::string plan_gemm(const GemmArgs& args, int tile_k, int tile_n, GemmPlan* pl
 // Launches the planned kernel on `stream`. Returns an empty string or an error message.
 std::string launch_gemm(const GemmArgs& args, const GemmPlan& plan, cudaStream_t stream);
 
-// The locks the kernel may use: one per block, at most this many.
+// The lock counters the kernel may use: one per block, at most this many (2 blocks per SM).
 int max_locks(int sms);
 
 }  // namespace marlin

@@ -5,8 +5,11 @@
 //    16 * TM rows of A. A "column" is the stack of K tiles that produce one (slice, N-tile) of C.
 //  * Striped partition: the columns' tiles are numbered column by column; block b takes the
 //    contiguous range [b T, (b + 1) T), so a stripe may end in one column and go on at the top
-//    of the next. Columns shared by several blocks are reduced serially, bottom block first, in
-//    fp32 through a slot of `partial`, ordered by a lock that the last block resets to zero.
+//    of the next. Columns shared by several blocks are reduced in fp32: each block stores its
+//    partial in its own slot of `partial`, the last to arrive (an atomic counter per column,
+//    reset to zero by that block) adds the slots in block order and writes C. The paper orders
+//    the blocks with a lock and reduces serially; on Hopper that chain of global round trips
+//    dominated small layers (benchmarks/NOTES.md), and this keeps the result deterministic.
 //  * Pipeline: STAGES shared-memory stages filled with cp.async (weights with L2 evict-first),
 //    and the next k16 sub-step's operands loaded into registers while the current one runs.
 //    The stage loop is unrolled so that every shared-memory address is static.
@@ -36,7 +39,7 @@ struct KernelParams {
   const int4* s;       // fp16 scales [groups, n]
   half* c;             // fp16 [m, n]
   float4* partial;     // fp32 reduction slots
-  int* locks;          // one per block
+  int* locks;          // one counter per block, zero on entry and on exit
   int m, n, k;
   long long lda_int4;  // row stride of a in 16-byte units
   int m_slices;
@@ -68,7 +71,7 @@ struct KernelShape {
   static constexpr int kSmemInt4 =
       kPipeInt4 > kRedInt4 ? (kPipeInt4 > kCInt4 ? kPipeInt4 : kCInt4) : (kRedInt4 > kCInt4 ? kRedInt4 : kCInt4);
   static constexpr int kSmemBytes = kSmemInt4 * 16;
-  // fp32 values one split column needs in `partial`
+  // fp32 values of one block's partial tile; `partial` holds 2 per block
   static constexpr int kPartialFloats = 16 * TM * 16 * TN;
 
   static_assert(TN % 4 == 0 && kWarps % kNG == 0, "TN must split into whole warp columns");
@@ -79,8 +82,13 @@ struct KernelShape {
   static_assert((kKW & (kKW - 1)) == 0, "K warps must be a power of two for the tree reduction");
 };
 
+// Small-batch instances fit in 128 registers, so two blocks can share a multiprocessor (more
+// warps to hide latency); larger ones need the whole register file.
+template <int TM>
+constexpr int kMinBlocksPerSm = TM == 1 ? 2 : 1;
+
 template <int TM, int TK, int TN, int STAGES, int GROUP_BLOCKS>
-__global__ void __launch_bounds__(kThreads, 1) marlin_gemm_kernel(const KernelParams p) {
+__global__ void __launch_bounds__(kThreads, kMinBlocksPerSm<TM>) marlin_gemm_kernel(const KernelParams p) {
   using S = KernelShape<TM, TK, TN, STAGES, GROUP_BLOCKS>;
   constexpr int NG = S::kNG, KW = S::kKW, SUB = S::kSub;
   extern __shared__ int4 smem[];
@@ -154,7 +162,6 @@ __global__ void __launch_bounds__(kThreads, 1) marlin_gemm_kernel(const KernelPa
     const int first_block = (col * k_tiles) / T;
     const int last_block = (col * k_tiles + k_tiles - 1) / T;
     const int n_parts = last_block - first_block + 1;
-    const int rank = last_block - static_cast<int>(blockIdx.x);
 
     // global sources for tile t of this segment
     const int4* a_src[kALoads];
@@ -292,38 +299,57 @@ __global__ void __launch_bounds__(kThreads, 1) marlin_gemm_kernel(const KernelPa
       }
     }
 
-    // ---- serial fp32 reduction with the other blocks of this column
+    // ---- fp32 reduction with the other blocks of this column. Every block stores its partial
+    // in its own slot; the last to arrive (counted in the column's lock) adds all slots in
+    // block order, so the result does not depend on who finished last, and nobody spins.
+    bool writes_c = n_parts == 1;
     if (n_parts > 1) {
-      const int slot = first_block;
-      if (tid == 0) {
-        while (load_acquire(p.locks + slot) != rank) {
-        }
-      }
-      __syncthreads();
+      float4* slot_base = p.partial + wn * 32 + lane;
+      auto slot_of = [&](int block) {  // a block's first column uses slot 2b, a later one 2b+1
+        const bool first_col = (static_cast<long long>(block) * T) / k_tiles == col;
+        return slot_base + static_cast<long long>(2 * block + (first_col ? 0 : 1)) * (S::kPartialFloats / 4);
+      };
+      __shared__ int arrived;
       if (wk == 0) {
-        float4* part = p.partial + static_cast<long long>(slot) * (S::kPartialFloats / 4) + wn * 32 + lane;
+        float4* mine = slot_of(blockIdx.x);
 #pragma unroll
         for (int i = 0; i < TM; i++)
 #pragma unroll
-          for (int j = 0; j < 8; j++) {
-            float4* q = part + (i * 8 + j) * NG * 32;
-            if (rank > 0) {
-              const float4 v = __ldcg(q);
+          for (int j = 0; j < 8; j++)
+            __stcg(mine + (i * 8 + j) * NG * 32, make_float4(acc[i][j][0], acc[i][j][1], acc[i][j][2], acc[i][j][3]));
+        __threadfence();
+      }
+      __syncthreads();
+      if (tid == 0) {
+        arrived = atomicAdd(p.locks + first_block, 1);
+        if (arrived == n_parts - 1) p.locks[first_block] = 0;  // last one: leave the lock zeroed
+      }
+      __syncthreads();
+      writes_c = arrived == n_parts - 1;
+      if (writes_c && wk == 0) {
+        __threadfence();
+#pragma unroll
+        for (int i = 0; i < TM; i++)
+#pragma unroll
+          for (int j = 0; j < 8; j++) acc[i][j][0] = acc[i][j][1] = acc[i][j][2] = acc[i][j][3] = 0.f;
+        for (int b = first_block; b <= last_block; b++) {
+          const float4* part = slot_of(b);
+#pragma unroll
+          for (int i = 0; i < TM; i++)
+#pragma unroll
+            for (int j = 0; j < 8; j++) {
+              const float4 v = __ldcg(part + (i * 8 + j) * NG * 32);
               acc[i][j][0] += v.x;
               acc[i][j][1] += v.y;
               acc[i][j][2] += v.z;
               acc[i][j][3] += v.w;
             }
-            if (rank < n_parts - 1) __stcg(q, make_float4(acc[i][j][0], acc[i][j][1], acc[i][j][2], acc[i][j][3]));
-          }
-        __threadfence();
+        }
       }
-      __syncthreads();
-      if (tid == 0) store_release(p.locks + slot, rank == n_parts - 1 ? 0 : rank + 1);
     }
 
-    // ---- the top block of a column writes C: scale, round to fp16, stage, 16-byte stores
-    if (n_parts == 1 || rank == n_parts - 1) {
+    // ---- one block per column writes C: scale, round to fp16, stage, 16-byte stores
+    if (writes_c) {
       half* c_sh = reinterpret_cast<half*>(smem);
       if (wk == 0) {
         const int g = lane / 4, c4 = lane % 4;

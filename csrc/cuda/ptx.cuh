@@ -70,16 +70,6 @@ __device__ __forceinline__ uint32_t lop3(uint32_t a, uint32_t b, uint32_t c) {
   return d;
 }
 
-__device__ __forceinline__ int load_acquire(const int* p) {
-  int v;
-  asm volatile("ld.global.acquire.gpu.b32 %0, [%1];\n" : "=r"(v) : "l"(p) : "memory");
-  return v;
-}
-
-__device__ __forceinline__ void store_release(int* p, int v) {
-  asm volatile("st.global.release.gpu.b32 [%0], %1;\n" ::"l"(p), "r"(v) : "memory");
-}
-
 // Eight 4-bit weights of one int32 (stored as q + 8, nibbles in 64207531 order) into the two
 // mma B fragments of a 16x16 block: lo = columns g, hi = columns 8 + g.
 // 0x6400 is fp16 1024: OR-ing a nibble into its low mantissa bits gives 1024 + v, and OR-ing
