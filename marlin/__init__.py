@@ -11,15 +11,12 @@ import torch  # noqa: F401  (loads libc10 and libtorch before the extension)
 
 from . import _C  # noqa: F401  (registers torch.ops.marlin.*)
 from . import ops, packing
-from .ops import gemm, workspace_size, make_workspace
+from .ops import gemm, make_workspace, workspace_size
 
 __version__ = "0.1.0"
 
 __all__ = ["gemm", "workspace_size", "make_workspace", "ops", "packing", "__version__"]
 
-try:  # the module layer (issue 4) is optional while it is being built
-    from .nn import MarlinLinear, replace_linear  # noqa: F401
+from .nn import MarlinLinear, load_quantized, replace_linear
 
-    __all__ += ["MarlinLinear", "replace_linear"]
-except ImportError:  # pragma: no cover
-    pass
+__all__ += ["MarlinLinear", "replace_linear", "load_quantized"]

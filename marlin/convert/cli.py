@@ -43,7 +43,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         report = convert_gptq_checkpoint(
             args.src, args.dst, overwrite=args.overwrite, verify=args.verify, device=args.device, quiet=args.quiet
         )
-    except ConversionError as e:
+    except (ConversionError, OSError) as e:  # OSError: e.g. DST's parent is not writable, disk full
         print(f"marlin-convert: error: {e}", file=sys.stderr)
         return 1
     if not args.quiet:

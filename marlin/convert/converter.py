@@ -237,6 +237,7 @@ def convert_gptq_checkpoint(
                         tensors.update(_convert_layer(ckpt, prefix, layers[prefix], cfg, dev, workspace, report))
                         bar.update(1)
                 total_size += write_shard(out / shard, tensors)
+                shutil.copymode(src / shard, out / shard)  # safetensors writes 0600; keep the input's mode
                 weight_map.update({name: shard for name in tensors})
                 report.shards.append(shard)
                 del tensors

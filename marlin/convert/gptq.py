@@ -216,12 +216,13 @@ def _check_symmetric(prefix: str, zeros: torch.Tensor, checkpoint_format: str) -
     wrong = zeros != _SYMMETRIC_ZERO
     if bool(wrong.any()):
         g, n = (int(i) for i in wrong.nonzero()[0])
-        stored_note = " (stored as zero - 1, the 'gptq' convention)" if checkpoint_format == "gptq" else ""
+        hint = ""
+        if checkpoint_format == "gptq":  # a gptq_v2 checkpoint labelled "gptq" reads as zero 9 everywhere
+            hint = " ('gptq' stores zero - 1; if this checkpoint stores the zeros as they are, it is 'gptq_v2')"
         raise ConversionError(
             f"{prefix}.qzeros: asymmetric zeros are not supported: {int(wrong.sum())} of {zeros.numel()} zero points "
-            f"are not {_SYMMETRIC_ZERO} (e.g. {int(zeros[g, n])} at group {g}, column {n}; checkpoint_format "
-            f"'{checkpoint_format}'{stored_note}). The Marlin kernel takes symmetric 4-bit weights only"
-            + ("; if this checkpoint stores zeros as-is, its checkpoint_format should be 'gptq_v2'" if checkpoint_format == "gptq" else "")
+            f"are not {_SYMMETRIC_ZERO} (e.g. {int(zeros[g, n])} at group {g}, column {n}, checkpoint_format "
+            f"'{checkpoint_format}'{hint}). The Marlin kernel takes symmetric 4-bit weights only."
         )
 
 

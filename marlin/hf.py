@@ -1,0 +1,196 @@
+"""load_quantized: a Hugging Face causal LM from a Marlin checkpoint directory (see marlin-convert).
+
+The model is built from config.json with its parameters on the meta device (no memory, no random
+initialization), the layers the checkpoint stores as ``<prefix>.b_q`` are swapped for MarlinLinear,
+and then every tensor of the checkpoint is assigned, strictly: a checkpoint tensor that the model
+does not use, or a model tensor that the checkpoint does not give (after weight tying), is an error.
+transformers is imported only when this is called.
+"""
+
+from __future__ import annotations
+
+import logging
+from contextlib import contextmanager
+from itertools import chain
+from pathlib import Path
+from typing import Iterator, Optional, Union
+
+import torch
+from torch import nn
+
+from .convert.checkpoint import SafetensorsDir, read_json
+from .convert.converter import MARLIN_FORMAT
+from .convert.errors import ConversionError
+
+__all__ = ["load_quantized"]
+
+log = logging.getLogger(__name__)
+
+# Buffers that old checkpoints saved but that models recompute from the config (Llama's rotary
+# frequencies); they are ignored instead of reported as unexpected.
+_DERIVED_BUFFER_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+@contextmanager
+def _parameters_on_meta() -> Iterator[None]:
+    """Put every parameter registered inside on the meta device; buffers stay real.
+
+    Non-persistent buffers (rotary frequencies) are computed by the model's constructor and are
+    not in the checkpoint, so they must be real; parameters all come from the checkpoint.
+    """
+    register = nn.Module.register_parameter
+
+    def register_on_meta(module: nn.Module, name: str, param: Optional[nn.Parameter]) -> None:
+        register(module, name, param)
+        if param is not None and not param.is_meta:
+            module._parameters[name] = nn.Parameter(param.detach().to("meta"), requires_grad=param.requires_grad)
+
+    nn.Module.register_parameter = register_on_meta
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = register
+
+
+def _dtype_kwargs(dtype: torch.dtype) -> dict:
+    """transformers renamed from_config's ``torch_dtype`` to ``dtype`` in 4.56."""
+    import transformers
+
+    major, minor = (int(part) for part in transformers.__version__.split(".")[:2])
+    return {"dtype": dtype} if (major, minor) >= (4, 56) else {"torch_dtype": dtype}
+
+
+def _marlin_layers(ckpt: SafetensorsDir) -> dict:
+    """{prefix: dict(k, n, group_size, bias, act_order)} from the checkpoint's headers, checked."""
+    from . import packing
+
+    layers = {}
+    for name, info in ckpt.tensors.items():
+        if not name.endswith(".b_q"):
+            continue
+        prefix = name[: -len(".b_q")]
+        scales = ckpt.tensors.get(f"{prefix}.b_scales")
+        if info.dtype != torch.int32 or len(info.shape) != 2 or info.shape[1] % 2:
+            raise ConversionError(f"{name}: dtype {info.dtype} shape {list(info.shape)}, expected torch.int32 [K / 16, 2 N]")
+        if scales is None:
+            raise ConversionError(f"{name} has no {prefix}.b_scales next to it")
+        k, n = info.shape[0] * packing.TILE_K, info.shape[1] // 2
+        if scales.dtype != torch.float16 or len(scales.shape) != 2 or scales.shape[1] != n or k % scales.shape[0]:
+            raise ConversionError(
+                f"{prefix}.b_scales: dtype {scales.dtype} shape {list(scales.shape)}, expected torch.float16 [groups, {n}]"
+            )
+        layers[prefix] = dict(
+            k=k,
+            n=n,
+            group_size=packing.group_size_of(k, scales.shape[0]),
+            bias=f"{prefix}.bias" in ckpt.tensors,
+            act_order=f"{prefix}.perm" in ckpt.tensors,
+        )
+    if not layers:
+        raise ConversionError(f"{ckpt.directory}: no Marlin layers ('*.b_q' tensors) in the checkpoint")
+    return layers
+
+
+def _install_marlin_layers(model: nn.Module, layers: dict, device: torch.device) -> None:
+    from .nn import MarlinLinear
+
+    for prefix, spec in layers.items():
+        try:
+            old = model.get_submodule(prefix)
+        except AttributeError:
+            raise ConversionError(
+                f"the checkpoint has a Marlin layer {prefix!r}, but the model built from config.json has no such module"
+            ) from None
+        if not isinstance(old, nn.Linear) or (old.in_features, old.out_features) != (spec["k"], spec["n"]):
+            raise ConversionError(
+                f"{prefix}: the checkpoint holds a [{spec['k']} -> {spec['n']}] Marlin layer, but the model has {old!r}"
+            )
+        new = MarlinLinear(
+            spec["k"],
+            spec["n"],
+            bias=spec["bias"],
+            group_size=spec["group_size"],
+            device=device,
+            act_order=spec["act_order"],
+        )
+        parent_name, _, child = prefix.rpartition(".")
+        setattr(model.get_submodule(parent_name) if parent_name else model, child, new)
+
+
+def load_quantized(
+    model_dir: Union[str, Path],
+    device: Optional[Union[str, torch.device]] = None,
+    dtype: torch.dtype = torch.float16,
+    *,
+    trust_remote_code: bool = False,
+) -> nn.Module:
+    """Load a converted (Marlin) checkpoint directory as a transformers causal LM, in eval mode.
+
+    ``device``: where the model goes (None: "cuda" if available, else "cpu"; the CPU op is a slow
+    reference). ``dtype`` must be torch.float16, the dtype the kernel computes in. The model
+    class comes from config.json via transformers.AutoModelForCausalLM (``trust_remote_code`` is
+    passed on). Raises ConversionError (a ValueError) when the directory is not a Marlin
+    checkpoint or does not match the model its config.json describes.
+    """
+    try:
+        import transformers
+    except ImportError as e:  # pragma: no cover
+        raise ImportError("load_quantized needs transformers: pip install 'transformers>=4.40'") from e
+    if dtype != torch.float16:
+        raise ValueError(f"load_quantized: dtype = {dtype}, expected torch.float16 (the Marlin kernel computes in fp16)")
+    model_dir = Path(model_dir)
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(device)
+
+    config_path = model_dir / "config.json"
+    if not config_path.is_file():
+        raise ConversionError(f"{config_path} not found; expected a model directory written by marlin-convert")
+    raw = read_json(config_path)
+    quant = raw.get("quantization_config") if isinstance(raw, dict) else None
+    fmt = quant.get("checkpoint_format") if isinstance(quant, dict) else None
+    if fmt != MARLIN_FORMAT:
+        raise ConversionError(
+            f"{config_path}: quantization_config.checkpoint_format = {fmt!r}, expected {MARLIN_FORMAT!r}; "
+            "convert a GPTQ checkpoint first: marlin-convert SRC DST"
+        )
+
+    config = transformers.AutoConfig.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
+    # The layers are swapped here; transformers must not try to set up GPTQ kernels itself.
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+
+    with SafetensorsDir(model_dir) as ckpt:
+        layers = _marlin_layers(ckpt)
+        with _parameters_on_meta():
+            model = transformers.AutoModelForCausalLM.from_config(
+                config, trust_remote_code=trust_remote_code, **_dtype_kwargs(dtype)
+            )
+        _install_marlin_layers(model, layers, device)
+        state = {}
+        for name in ckpt.tensors:
+            t = ckpt.get(name)
+            if t.is_floating_point() and t.dtype != dtype:
+                t = t.to(dtype)  # e.g. norms saved in fp32; b_scales were checked to be fp16
+            state[name] = t.to(device)
+
+    ignored = [k for k in state if k.endswith(_DERIVED_BUFFER_SUFFIXES)]
+    result = model.load_state_dict(state, strict=False, assign=True)
+    unexpected = [k for k in result.unexpected_keys if k not in ignored]
+    model.tie_weights()  # e.g. lm_head.weight = embed_tokens.weight when the checkpoint stores one copy
+    missing = [name for name, t in chain(model.named_parameters(), model.named_buffers()) if t.is_meta]
+    if unexpected or missing:
+        parts = []
+        if missing:
+            parts.append(f"{len(missing)} model tensor(s) not in the checkpoint, e.g. {missing[:5]}")
+        if unexpected:
+            parts.append(f"{len(unexpected)} checkpoint tensor(s) the model does not use, e.g. {unexpected[:5]}")
+        raise ConversionError(f"{model_dir}: checkpoint and config.json do not match: " + "; ".join(parts))
+    if ignored:
+        log.info("load_quantized: ignored %d derived buffers (%s, ...)", len(ignored), ignored[0])
+
+    model.to(device)  # the non-persistent buffers built by the constructor (rotary frequencies)
+    if (model_dir / "generation_config.json").is_file():
+        model.generation_config = transformers.GenerationConfig.from_pretrained(model_dir)
+    model.eval()
+    return model

@@ -1,0 +1,328 @@
+"""The benchmark scripts on CPU: pure helpers, the report on synthetic results, and dry runs."""
+
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import marlin  # noqa: F401  (registers torch.ops.marlin)
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from benchmarks import bench_gemm as B  # noqa: E402
+from benchmarks import report as R  # noqa: E402
+from benchmarks import shapes as S  # noqa: E402
+from benchmarks import sustained as SU  # noqa: E402
+
+
+# ----------------------------------------------------------------------------- pure helpers
+
+
+@pytest.mark.parametrize(
+    "name,slug",
+    [
+        ("NVIDIA H100 80GB HBM3", "h100-80gb-hbm3"),
+        ("NVIDIA H200", "h200"),
+        ("NVIDIA A100-SXM4-40GB", "a100-sxm4-40gb"),
+        ("NVIDIA GeForce RTX 4090", "geforce-rtx-4090"),
+        ("  weird/name (x) ", "weird-name-x"),
+        ("", "unknown-gpu"),
+    ],
+)
+def test_sanitize_gpu_name(name, slug):
+    assert B.sanitize_gpu_name(name) == slug
+
+
+def test_byte_counts():
+    k, n, m = 4096, 4096, 16
+    assert B.weight_bytes("fp16", k, n) == 2 * k * n
+    assert B.weight_bytes("marlin_g128", k, n) == k * n // 2 + 2 * n * (k // 128)
+    assert B.weight_bytes("marlin_gcol", k, n) == k * n // 2 + 2 * n
+    assert B.weight_bytes("torch_int4", k, n) == k * n // 2 + 4 * n * (k // 128)
+    assert B.io_bytes(k, n, m) == 2 * m * k + 2 * m * n
+    assert B.kernel_bytes("marlin_g128", k, n, m) == B.weight_bytes("marlin_g128", k, n) + 2 * m * (k + n)
+    assert B.gemm_flops(k, n, m) == 2 * m * k * n
+    with pytest.raises(ValueError):
+        B.weight_bytes("nope", k, n)
+
+
+def test_bandwidth_and_rates():
+    assert B.gbps(3e9, 1e6) == pytest.approx(3.0)  # 3 GB in 1 s
+    assert B.gbps(1e6, 1.0) == pytest.approx(1000.0)  # 1 MB in 1 us = 1 TB/s
+    assert math.isnan(B.gbps(1e6, float("nan")))
+    assert math.isnan(B.gbps(1e6, 0.0))
+    assert B.tflops(2e12, 1e6) == pytest.approx(2.0)
+    # the issue's ideal: 16 / (4 + 16 / 128)
+    assert B.ideal_speedup("marlin_g128", 8192, 8192) == pytest.approx(16 / (4 + 16 / 128))
+    assert B.ideal_speedup("marlin_gcol", 8192, 8192) == pytest.approx(4.0, rel=1e-3)
+
+
+def test_copies_needed():
+    l2 = 50 << 20
+    assert B.copies_needed(8 << 20, l2) == 25  # ceil(200 MiB / 8 MiB)
+    assert B.copies_needed(9 << 30, l2) == 1  # one copy already exceeds 4 x L2
+    assert B.copies_needed(1, 0) == 1
+    assert B.copies_needed(1, 0, minimum=2) == 2
+    k, n = 4096, 4096
+    c = B.copies_needed(B.weight_bytes("marlin_g128", k, n), l2)
+    assert c * B.weight_bytes("marlin_g128", k, n) >= 4 * l2
+
+
+def test_timing_plan_walks_all_copies():
+    samples, calls = B._plan(10e-6, 0.04, 24, 3, 10)
+    assert samples == 10 and calls % 24 == 0 and calls <= B.MAX_GRAPH_CALLS
+    samples, calls = B._plan(0.1, 0.04, 1, 3, 10)  # a 100 ms call: the minimum of 3 samples of 1
+    assert (samples, calls) == (3, 1)
+
+
+def test_shapes_table():
+    assert S.BENCH_SHAPES["7B_qkv"] == (4096, 12288)
+    assert S.BENCH_SHAPES["7B_o"] == (4096, 4096)
+    assert S.BENCH_SHAPES["7B_gateup"] == (4096, 22016)
+    assert S.BENCH_SHAPES["7B_down"] == (11008, 4096)
+    assert S.BENCH_SHAPES["70B_qkv"] == (8192, 10240)
+    assert S.BENCH_SHAPES["70B_o"] == (8192, 8192)
+    assert S.BENCH_SHAPES["70B_gateup"] == (8192, 57344)
+    assert S.BENCH_SHAPES["70B_down"] == (28672, 8192)
+    assert S.MODEL_LAYERS["Llama-3-8B/qkv"] == (4096, 6144)
+    assert S.MODEL_LAYERS["Falcon-180B/qkv"] == (14848, 15872)
+    assert S.MODEL_LAYERS["Falcon-180B/up"] == (14848, 59392)
+    assert S.MODEL_LAYERS["Falcon-180B/down"] == (59392, 14848)
+    assert S.ideal_shape(132) == (135168, 33792)
+    for name, (k, n) in S.MODEL_LAYERS.items():  # marlin takes every one of them
+        assert k % 128 == 0 and n % 128 == 0, name
+
+
+def _points(speedup_fn, shapes=S.DEFAULT_SHAPES, ms=S.DEFAULT_MS, kernels=B.KERNELS):
+    """Synthetic points: fp16 time from a bandwidth model, others = fp16 / speedup_fn(kernel, shape, m)."""
+    pts = []
+    for shape in shapes:
+        k, n = S.BENCH_SHAPES.get(shape) or S.MODEL_LAYERS.get(shape) or S.roofline_shapes().get(shape) or S.ideal_shape(132)
+        t16 = B.kernel_bytes("fp16", k, n, 1) / 3000e3  # us at 3 TB/s
+        for m in ms:
+            t_fp16 = max(t16, B.gemm_flops(k, n, m) / 700e6)
+            for kern in kernels:
+                t = t_fp16 if kern == "fp16" else t_fp16 / speedup_fn(kern, shape, m)
+                pts.append({"shape": shape, "K": k, "N": n, "M": m, "kernel": kern, "time_us": t})
+    return pts
+
+
+def _good(kern, shape, m):
+    if kern == "torch_int4":
+        return 2.0 if m <= 16 else 0.5
+    return 3.6 if m <= 16 else 3.2 if m == 32 else 2.5 if m == 64 else 1.6 if m == 128 else 0.9
+
+
+def test_targets_pass_and_fail():
+    res = B.evaluate_targets(_points(_good))
+    assert all(r["passed"] for r in res), B.format_targets(res)
+    assert res[0]["n"] == res[0]["expected"] == 25
+
+    def one_bad(kern, shape, m):  # one large layer point at 2.9x: median still fine, "every point" fails
+        return 2.9 if (shape == "70B_o" and m == 4) else _good(kern, shape, m)
+
+    res = {r["target"]: r for r in B.evaluate_targets(_points(one_bad))}
+    every = res["large layers (70B + ideal), M=1..16: every point"]
+    assert every["passed"] is False and every["worst"] == {"shape": "70B_o", "M": 4}
+    assert every["min"] == pytest.approx(2.9)
+    assert res["large layers (70B + ideal), M=1..16: median"]["passed"] is True
+
+    def slow_big(kern, shape, m):
+        return 0.5 if m >= 256 else _good(kern, shape, m)
+
+    res = {r["target"]: r for r in B.evaluate_targets(_points(slow_big))}
+    assert res["all 7B/70B/ideal layers, M>=256: every point"]["passed"] is False
+
+    # no data: N/A, not a pass
+    res = B.evaluate_targets(_points(_good, shapes=("7B_o",), ms=(1,)))
+    assert [r["passed"] for r in res][:1] == [None]
+    assert "N/A" in B.format_targets(res)
+
+
+def test_targets_ignore_missing_times_and_use_layer_aliases():
+    pts = _points(_good, shapes=("Llama-2-70B/o",), ms=(1, 2, 4, 8, 16))
+    pts.append({"shape": "70B_qkv", "K": 8192, "N": 10240, "M": 1, "kernel": "marlin_g128", "time_us": None})
+    r = B.evaluate_targets(pts)[0]
+    assert r["n"] == 5 and r["passed"] is True  # Llama-2-70B/o counts as 70B_o
+
+
+def test_format_table():
+    txt = B.format_table(_points(_good, shapes=("7B_o",), ms=(1, 16)), copy_bw_gbps=3000.0)
+    assert "7B_o" in txt and "g128 us" in txt and "3.60" in txt
+
+
+def test_git_tree_hash_matches_git(tmp_path):
+    if shutil.which("git") is None:
+        pytest.skip("no git")
+    (tmp_path / "d" / "sub").mkdir(parents=True)
+    (tmp_path / "d" / "a.cu").write_text("kernel\n")
+    (tmp_path / "d" / "b.h").write_text("header\n")
+    (tmp_path / "d" / "sub" / "c.cpp").write_text("x" * 1000)
+    (tmp_path / "d" / "sub.h").write_text("sorts before sub/ in git\n")
+    (tmp_path / "d" / "run.sh").write_text("#!/bin/sh\n")
+    os.chmod(tmp_path / "d" / "run.sh", 0o755)
+    env = dict(os.environ, GIT_CONFIG_GLOBAL=os.devnull, GIT_CONFIG_SYSTEM=os.devnull)
+    subprocess.run(["git", "init", "-q"], cwd=tmp_path, check=True, env=env)
+    subprocess.run(["git", "add", "-A"], cwd=tmp_path, check=True, env=env)
+    root = subprocess.run(["git", "write-tree"], cwd=tmp_path, check=True, env=env, capture_output=True, text=True)
+    sub = subprocess.run(["git", "rev-parse", f"{root.stdout.strip()}:d"], cwd=tmp_path, check=True, env=env,
+                         capture_output=True, text=True).stdout.strip()
+    assert B.git_tree_hash(tmp_path / "d", ignore=[]) == sub
+    (tmp_path / "d" / "a.cu").write_text("changed\n")
+    assert B.git_tree_hash(tmp_path / "d", ignore=[]) != sub
+
+
+def test_git_info_without_git_uses_the_given_tree(monkeypatch):
+    work = B.git_tree_hash(B.REPO / "csrc")
+    monkeypatch.setattr(B, "_git_usable", lambda: False)  # as in a copy of the tree without .git
+    info = B.git_info()
+    assert info["git_dirty"] is None and info["csrc_worktree_tree"] == work and info["provenance_source"] == "none"
+    info = B.git_info("abc", work)
+    assert info["git_dirty"] is False and info["csrc_tree"] == work and info["git_rev"] == "abc"
+    assert B.git_info(None, "0" * 40)["git_dirty"] is True
+    monkeypatch.setenv("MARLIN_CSRC_TREE", work)
+    assert B.collect_meta(torch.device("cpu"), "x")["git_dirty"] is False
+
+
+def test_report_provenance_check(monkeypatch):
+    monkeypatch.setattr(B, "_git_usable", lambda: True)
+    monkeypatch.setattr(B, "_git", lambda *a: "t" * 40)
+    assert R.provenance_check({"git_dirty": None, "csrc_worktree_tree": "t" * 40}).startswith("Provenance: OK")
+    assert "MISMATCH" in R.provenance_check({"git_dirty": None, "csrc_worktree_tree": "u" * 40})
+    assert R.provenance_check({"git_dirty": False, "csrc_worktree_tree": "u" * 40}) == ""
+
+
+def test_dirty_warning():
+    assert B.dirty_warning({"git_dirty": False}) is None
+    assert "uncommitted" in B.dirty_warning({"git_dirty": True, "git_dirty_files": ["csrc/x.cu"]})
+    assert "cannot tell" in B.dirty_warning({"git_dirty": None})
+
+
+def test_dump_results_is_strict_json():
+    txt = B.dump_results({"meta": {"x": float("nan")}, "points": [{"t": float("inf")}, {"t": 1.5}], "e": []})
+    data = json.loads(txt)  # strict: no NaN tokens
+    assert data == {"meta": {"x": None}, "points": [{"t": None}, {"t": 1.5}], "e": []}
+    assert "NaN" not in txt
+
+
+def test_marlin_check_catches_a_wrong_kernel(monkeypatch):
+    k, n = 256, 256
+    b_q = torch.randint(-(2**31), 2**31, (k // 16, 2 * n), dtype=torch.int32)
+    b_s = torch.empty(2, n, dtype=torch.float16).uniform_(0.001, 0.01)
+    res = B.check_marlin(b_q, b_s, k, n, torch.device("cpu"), None, ms=(3,))
+    assert res[0]["ok"] and res[0]["columns"] == n
+    real = marlin.ops.gemm
+    monkeypatch.setattr(marlin.ops, "gemm", lambda *a, **kw: real(*a, **kw) * 1.01)
+    with pytest.raises(B.CorrectnessError, match="WRONG"):
+        B.check_marlin(b_q, b_s, k, n, torch.device("cpu"), None, ms=(3,))
+
+
+def test_check_tiles_sampling():
+    assert B._check_tiles(256, 256, 1 << 24) == [0, 1, 2, 3]
+    tiles = B._check_tiles(33792, 135168, 1 << 24)
+    assert tiles[0] == 0 and tiles[-1] == 33792 // 64 - 1 and len(tiles) >= 2
+
+
+# ----------------------------------------------------------------------------- report
+
+
+def _synthetic_results(tmp_path, points, name="synthetic.json"):
+    meta = {"kind": "gemm", "mode": "full", "gpu": "Test GPU", "sms": 132, "l2_bytes": 50 << 20, "torch": "x",
+            "cuda": "y", "git_rev": "abc", "csrc_tree": "def", "git_dirty": False, "copy_bw_GBps": 3000.0,
+            "fp16_tflops": 700.0, "date": "today", "method": "synthetic", "notes": ["a note"]}
+    path = tmp_path / name
+    path.write_text(B.dump_results({"meta": meta, "points": points, "checks": [
+        {"shape": "7B_o", "kernel": "marlin_g128", "M": 16, "rel_err": 3e-4, "tol": 2e-3, "columns": 64, "ok": True}]}))
+    return path
+
+
+def test_report_full_synthetic(tmp_path):
+    pts = _points(_good)
+    pts += _points(_good, shapes=list(S.MODEL_LAYERS), ms=(16,))
+    pts += _points(_good, shapes=list(S.roofline_shapes()), ms=S.DEFAULT_MS, kernels=("fp16", "marlin_g128"))
+    path = _synthetic_results(tmp_path, pts)
+    out = tmp_path / "out"
+    assert R.main([str(path), "--outdir", str(out)]) == 0
+    for suffix in ("-ideal.png", "-layers.png", "-roofline.png", ".md"):
+        f = out / f"synthetic{suffix}"
+        assert f.exists() and f.stat().st_size > 1000, f
+    md = (out / "synthetic.md").read_text()
+    assert "PASS" in md and "FAIL" not in md and "skipped" not in md
+    assert "| 7B_o (4096x4096) | 16 |" in md
+
+
+def test_report_partial_data_skips_plots(tmp_path):
+    pts = _points(lambda *a: 1.5, shapes=("7B_o",), ms=(1, 16), kernels=("fp16", "marlin_g128"))
+    path = _synthetic_results(tmp_path, pts, "partial.json")
+    msgs = R.report(path, tmp_path)
+    assert any("skipped ideal" in m for m in msgs)
+    assert any("skipped roofline" in m for m in msgs)
+    assert (tmp_path / "partial-layers.png").exists()  # 7B_o at M=16 is Llama-2-7B/o
+    md = (tmp_path / "partial.md").read_text()
+    assert "skipped ideal" in md and "FAIL" in md  # 1.5x < 2.0x on 7B_o
+
+
+def test_report_sustained_synthetic(tmp_path):
+    rows = [{"t_s": s, "t_run_s": s, "marlin_g128_us": 800.0, "fp16_us": 3000.0, "speedup": 3.75} for s in range(30)]
+    data = {
+        "meta": {"kind": "sustained", "gpu": "Test GPU", "shape": "ideal", "K": 1, "N": 1, "seconds_per_class": 30,
+                 "tol": 0.05, "git_dirty": False},
+        "classes": [{"M": 16, "t_start_s": 0.0, "t_end_s": 30.0, "seconds": rows,
+                     "stability": SU.stability(rows, 30), "clocks": {}}],
+        "samples": [{"t_s": 0.5 * i, "sm_mhz": 1980.0, "mem_mhz": 2619.0, "power_w": 500.0, "temp_c": 60.0}
+                    for i in range(60)],
+    }
+    path = tmp_path / "gpu-sustained.json"
+    path.write_text(B.dump_results(data))
+    R.report(path, tmp_path)
+    assert (tmp_path / "gpu-sustained.png").stat().st_size > 1000
+    assert "holds" in (tmp_path / "gpu-sustained.md").read_text()
+
+
+def test_sustained_helpers():
+    assert SU.parse_smi_line("1980, 2619, 350.12, 45\n") == {"sm_mhz": 1980.0, "mem_mhz": 2619.0, "power_w": 350.12,
+                                                             "temp_c": 45.0}
+    assert SU.parse_smi_line("1980, [N/A], 350.12, 45")["mem_mhz"] is None
+    assert SU.parse_smi_line("garbage") is None
+    rows = [{"t_s": s, "speedup": 3.8 if s < 30 else 3.4} for s in range(61)]
+    st = SU.stability(rows, 60)
+    assert st["window_s"] == 10 and st["first"] == 3.8 and st["last"] == 3.4 and st["holds"] is False
+    rows = [{"t_s": s, "speedup": 3.8} for s in range(10)]
+    assert SU.stability(rows, 10)["holds"] is True
+
+
+# ----------------------------------------------------------------------------- dry runs
+
+
+def test_bench_gemm_dry_run(tmp_path):
+    out = tmp_path / "dry.json"
+    r = subprocess.run([sys.executable, "-m", "benchmarks.bench_gemm", "--dry-run", "--out", str(out)],
+                       cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-3000:]
+    data = json.loads(out.read_text())
+    assert data["meta"]["mode"] == "dry-run" and data["meta"]["gpu"] == "cpu"
+    kinds = {p["kernel"] for p in data["points"]}
+    assert kinds == set(B.KERNELS)
+    marlin_pts = [p for p in data["points"] if p["kernel"].startswith("marlin")]
+    assert marlin_pts and all(p["time_us"] > 0 for p in marlin_pts)
+    assert all(p["time_us"] is None for p in data["points"] if p["kernel"] == "torch_int4")  # CUDA only
+    assert data["checks"] and all(c["ok"] for c in data["checks"])
+    assert "Targets" in r.stdout
+    # and the report takes it
+    msgs = R.report(out, tmp_path)
+    assert (tmp_path / "dry.md").exists() and any("skipped" in m for m in msgs)
+
+
+def test_sustained_dry_run(tmp_path):
+    out = tmp_path / "sus.json"
+    assert SU.main(["--dry-run", "--seconds", "0.5", "--ms", "1", "--out", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert data["meta"]["kind"] == "sustained" and data["classes"][0]["M"] == 1
+    assert all(r["speedup"] > 0 for r in data["classes"][0]["seconds"])
