@@ -103,6 +103,11 @@ std::string plan_gemm(const GemmArgs& args, int tile_k, int tile_n, GemmPlan* pl
   const int n_tiles = args.n / plan->tile.tile_n;
   const long long total = static_cast<long long>(plan->m_slices) * n_tiles * k_tiles;
   if (total >= (1LL << 31)) return "marlin.gemm: problem too large for 32-bit tile indices; " + describe(args, plan->tile, plan->m_blocks);
+  // Two blocks per SM (where registers and shared memory allow) hide more latency on large
+  // layers, but double the split columns and reductions; measured on an H200 it pays only when a
+  // single block per SM would stream at least kTilesFor2PerSm tiles (benchmarks/NOTES.md).
+  constexpr long long kTilesFor2PerSm = 64;
+  if (plan->blocks_per_sm > 1 && total < kTilesFor2PerSm * args.sms) plan->blocks_per_sm = 1;
   const int blocks = static_cast<int>(std::min<long long>(static_cast<long long>(args.sms) * plan->blocks_per_sm, total));
   plan->tiles_per_block = static_cast<int>((total + blocks - 1) / blocks);
   plan->grid = static_cast<int>((total + plan->tiles_per_block - 1) / plan->tiles_per_block);
