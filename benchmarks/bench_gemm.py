@@ -63,7 +63,7 @@ INT4_GROUP = 128  # torch_int4's group size
 L2_FACTOR = 4  # weights rotate through at least this many times the L2 size
 CHECK_TOL = 2e-3  # marlin: normwise relative error vs the fp32 reference (fatal above)
 CHECK_MS = (1, 16, 67)  # batch sizes of the correctness check (67: a partial 16-row block)
-CHECK_MAX_ELEMS = 1 << 24  # weights dequantized for the check, per shape (sampled 64-column tiles)
+CHECK_MAX_ELEMS = 1 << 26  # weights dequantized for the check, per shape (sampled 64-column tiles)
 INT4_SANITY_TOL = 5e-2  # torch_int4: relative error vs bf16 matmul of its own dequantized weights
 GRAPH_BELOW_S = 2e-3  # calls shorter than this are timed inside a CUDA graph
 MAX_GRAPH_CALLS = 2000
@@ -370,16 +370,35 @@ def _git(*args: str) -> Optional[str]:
     return r.stdout.strip() if r.returncode == 0 else None
 
 
-def git_info() -> dict:
-    """git_rev, csrc_tree (committed), csrc_worktree_tree (on disk), git_dirty (csrc differs or has
-    untracked files; None if it cannot be told) and the dirty paths."""
-    rev = _git("rev-parse", "HEAD")
-    tree = _git("rev-parse", "HEAD:csrc")
-    status = _git("status", "--porcelain", "--", "csrc")
+def _git_usable() -> bool:
+    """git answers for this repository itself (not for a parent folder's repository, nor for an
+    empty one: a copy of the tree, as on a device machine, may sit in either) and HEAD exists."""
+    top = _git("rev-parse", "--show-toplevel")
+    try:
+        ours = top is not None and Path(top).resolve() == REPO.resolve()
+    except OSError:
+        return False
+    # a repository without commits (a copied tree that was `git init`ed) cannot say what is committed
+    return ours and _git("rev-parse", "--verify", "-q", "HEAD") is not None
+
+
+def git_info(expect_rev: Optional[str] = None, expect_tree: Optional[str] = None) -> dict:
+    """git_rev, csrc_tree (committed), csrc_worktree_tree (on disk), git_dirty and the dirty paths.
+
+    git_dirty: with git, whether ``git status --porcelain csrc`` lists anything; without git (a copy
+    of the tree), whether the on-disk tree differs from ``expect_tree`` (``--csrc-tree``, e.g. the
+    caller's ``git rev-parse HEAD:csrc``); None when it cannot be told."""
     try:
         work = git_tree_hash(REPO / "csrc")
     except OSError:
         work = None
+    if _git_usable():
+        rev = _git("rev-parse", "HEAD")
+        tree = _git("rev-parse", "HEAD:csrc")
+        status = _git("status", "--porcelain", "--", "csrc")
+        source = "git"
+    else:
+        rev, tree, status, source = expect_rev, expect_tree, None, "given" if expect_tree else "none"
     if status is not None:
         dirty_files = [line[3:] for line in status.splitlines() if line.strip()]
         dirty: Optional[bool] = bool(dirty_files)
@@ -392,6 +411,7 @@ def git_info() -> dict:
         "csrc_worktree_tree": work,
         "git_dirty": dirty,
         "git_dirty_files": dirty_files,
+        "provenance_source": source,
     }
 
 
@@ -415,8 +435,9 @@ def dirty_warning(meta: dict) -> Optional[str]:
         )
     if meta.get("git_dirty") is None:
         return (
-            "!" * 100 + "\nWARNING: cannot tell whether csrc/ matches a commit (no git here?). Compare\n"
-            "meta.csrc_worktree_tree with `git rev-parse <commit>:csrc` before committing results.\n" + "!" * 100
+            "!" * 100 + "\nWARNING: cannot tell whether csrc/ matches a commit (no git repository here).\n"
+            f"csrc/ on disk is tree {meta.get('csrc_worktree_tree')}. Pass --csrc-tree $(git rev-parse HEAD:csrc)\n"
+            "(or MARLIN_CSRC_TREE) from the checkout, or let benchmarks.report compare it with your git.\n" + "!" * 100
         )
     return None
 
@@ -436,7 +457,7 @@ def device_facts(dev: torch.device) -> dict:
     }
 
 
-def collect_meta(dev: torch.device, mode: str, kind: str = "gemm") -> dict:
+def collect_meta(dev: torch.device, mode: str, kind: str = "gemm", expect_rev=None, expect_tree=None) -> dict:
     meta = {"kind": kind, "mode": mode}
     meta.update(device_facts(dev))
     meta.update(
@@ -450,7 +471,9 @@ def collect_meta(dev: torch.device, mode: str, kind: str = "gemm") -> dict:
             "fp16_reduced_precision_reduction": bool(torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction),
         }
     )
-    meta.update(git_info())
+    expect_rev = expect_rev or os.environ.get("MARLIN_GIT_REV") or None
+    expect_tree = expect_tree or os.environ.get("MARLIN_CSRC_TREE") or None
+    meta.update(git_info(expect_rev, expect_tree))
     meta["build_older_than_csrc"] = build_is_stale()
     return meta
 
@@ -700,8 +723,9 @@ def _check_tiles(n: int, k: int, max_elems: int) -> list[int]:
 
 
 def _dequant_tiles(b_q: torch.Tensor, b_scales: torch.Tensor, tiles: list[int], dev) -> tuple[torch.Tensor, torch.Tensor]:
-    """Columns of dequant(b_q, b_scales) for the given 64-column tiles, via packing.unpack (the spec):
-    tile t is words 128 t .. 128 t + 127 of each row of b_q and columns 64 t .. 64 t + 63 of b_scales."""
+    """Columns of dequant(b_q, b_scales) for the given 64-column tiles, via packing.unpack (the spec),
+    on the tensors' device: tile t is words 128 t .. 128 t + 127 of each row of b_q and columns
+    64 t .. 64 t + 63 of b_scales (scales are permuted within a 64-column chunk only)."""
     from marlin import packing
 
     runs, start = [], None
@@ -714,8 +738,8 @@ def _dequant_tiles(b_q: torch.Tensor, b_scales: torch.Tensor, tiles: list[int], 
             start = None
     ws, cols = [], []
     for t0, t1 in runs:
-        q, s = packing.unpack(b_q[:, 128 * t0 : 128 * t1].cpu().contiguous(), b_scales[:, 64 * t0 : 64 * t1].cpu().contiguous())
-        ws.append(packing.dequantize(q, s))
+        q, s = packing.unpack(b_q[:, 128 * t0 : 128 * t1].contiguous(), b_scales[:, 64 * t0 : 64 * t1].contiguous())
+        ws.append(packing.dequantize(q, s).to(dev))
         cols.append(torch.arange(64 * t0, 64 * t1))
     return torch.cat(ws, dim=1).to(dev), torch.cat(cols).to(dev)
 
@@ -790,13 +814,31 @@ def prepare(kernel: str, k: int, n: int, dev: torch.device, l2_bytes: int, min_c
         if dev.type != "cuda":
             raise RuntimeError("torch_int4 (aten._weight_int4pack_mm) runs on CUDA only")
         inner = _inner_k_tiles(k)
-        u8 = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, device=dev)  # [N, K/2], even k in the high nibble
-        packed = torch.ops.aten._convert_weight_to_int4pack(u8, inner)
         sz = torch.empty(k // INT4_GROUP, n, 2, dtype=torch.bfloat16, device=dev)
         sz[..., 0].uniform_(0.001, 0.01)  # scale
         sz[..., 1].uniform_(-0.01, 0.01)  # zero: w = (q - 8) * scale + zero
-        checks = [sanity_int4(u8, packed, sz, k, n, dev, inner)]
-        del u8
+        if n * (k // 2) < 2**31 - 1:
+            u8 = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, device=dev)  # [N, K/2], even k high nibble
+            packed = torch.ops.aten._convert_weight_to_int4pack(u8, inner)
+            checks = [sanity_int4(u8, packed, sz, k, n, dev, inner)]
+            del u8
+        else:
+            # _convert_weight_to_int4pack takes fewer than 2^31 elements: convert (and check) the first
+            # columns only, and time on random words of the packed layout (speed does not depend on them)
+            ns = min(n, 1024)
+            u8 = torch.randint(0, 256, (ns, k // 2), dtype=torch.uint8, device=dev)
+            small = torch.ops.aten._convert_weight_to_int4pack(u8, inner)
+            check = sanity_int4(u8, small, sz[:, :ns].contiguous(), k, ns, dev, inner)
+            check["note"] = f"first {ns} columns only (N*K/2 >= 2^31: timed on random packed words)"
+            checks = [check]
+            if small.dim() < 2 or small.shape[0] == 0 or ns % small.shape[0]:
+                raise RuntimeError(f"unexpected int4pack layout {tuple(small.shape)} for N={ns}, K={k}")
+            rows_per = ns // small.shape[0]  # N rows per leading index (8 for tinygemm's layout)
+            if n % rows_per:
+                raise RuntimeError(f"N = {n} is not a multiple of {rows_per}")
+            shape = (n // rows_per,) + tuple(small.shape[1:])
+            packed = torch.randint(-(2**31), 2**31, shape, dtype=small.dtype, device=dev)
+            del u8, small
         pks, szs = _random_like_clones(packed, copies), _random_like_clones(sz, copies)
 
         def make_fn(a):
@@ -898,7 +940,16 @@ def parse_args(argv=None):
     )
     p.add_argument("--no-graph", action="store_true", help="time plain loops only (no CUDA graphs)")
     p.add_argument("--seed", type=int, default=0)
+    add_provenance_args(p)
     return p.parse_args(argv)
+
+
+def add_provenance_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--csrc-tree", help="where this copy has no git: the expected `git rev-parse HEAD:csrc` "
+        "(env MARLIN_CSRC_TREE); git_dirty is then whether csrc/ on disk differs from it",
+    )
+    p.add_argument("--git-rev", help="where this copy has no git: the commit it was taken from (env MARLIN_GIT_REV)")
 
 
 def main(argv=None) -> int:
@@ -917,7 +968,7 @@ def main(argv=None) -> int:
 
     facts = device_facts(dev)
     mode, shape_map, ms, kernels = resolve_plan(args, facts["sms"])
-    meta = collect_meta(dev, mode)
+    meta = collect_meta(dev, mode, expect_rev=args.git_rev, expect_tree=args.csrc_tree)
     out_path = Path(args.out) if args.out else default_out(meta, mode)
     warn = dirty_warning(meta)
     if warn:

@@ -216,11 +216,12 @@ def run_class(preps: dict, m: int, k: int, dev, seconds: float, burst_s: float) 
         timers[name] = _CallTimer(dev, counts[name])
     per_sec: dict[int, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
     t0 = time.monotonic()
-    while True:
-        for name, fn in fns.items():
-            durations = timers[name].burst(fn, counts[name])
-            per_sec[int(time.monotonic() - t0)][name].extend(durations)
-        if time.monotonic() - t0 >= seconds:
+    while True:  # one round = a burst of each kernel; a round counts for the second in which it ended
+        got = {name: timers[name].burst(fn, counts[name]) for name, fn in fns.items()}
+        now = time.monotonic() - t0
+        for name, durations in got.items():
+            per_sec[int(now)][name].extend(durations)
+        if now >= seconds:
             break
     rows = []
     for sec in sorted(per_sec):
@@ -248,6 +249,7 @@ def parse_args(argv=None):
     p.add_argument("--interval-ms", type=int, default=500, help="nvidia-smi sampling interval (default 500)")
     p.add_argument("--tol", type=float, default=HOLD_TOL, help="allowed change of the speedup, last vs first window")
     p.add_argument("--out", help="results JSON (default benchmarks/results/<gpu>-sustained.json)")
+    B.add_provenance_args(p)
     return p.parse_args(argv)
 
 
@@ -273,7 +275,7 @@ def main(argv=None) -> int:
         if args.shape not in known:
             raise SystemExit(f"unknown shape {args.shape!r}")
         shape, (k, n) = args.shape, known[args.shape]
-    meta = B.collect_meta(dev, mode, kind="sustained")
+    meta = B.collect_meta(dev, mode, kind="sustained", expect_rev=args.git_rev, expect_tree=args.csrc_tree)
     warn = B.dirty_warning(meta)
     if warn:
         print(warn, file=sys.stderr, flush=True)

@@ -191,6 +191,14 @@ def test_git_info_without_git_uses_the_given_tree(monkeypatch):
     assert B.collect_meta(torch.device("cpu"), "x")["git_dirty"] is False
 
 
+def test_git_in_an_empty_repository_is_not_trusted(monkeypatch):
+    answers = {("rev-parse", "--show-toplevel"): str(B.REPO), ("rev-parse", "--verify", "-q", "HEAD"): None}
+    monkeypatch.setattr(B, "_git", lambda *a: answers.get(a))
+    assert B._git_usable() is False  # `git init` in a copied tree: everything looks untracked
+    answers[("rev-parse", "--verify", "-q", "HEAD")] = "a" * 40
+    assert B._git_usable() is True
+
+
 def test_report_provenance_check(monkeypatch):
     monkeypatch.setattr(B, "_git_usable", lambda: True)
     monkeypatch.setattr(B, "_git", lambda *a: "t" * 40)
