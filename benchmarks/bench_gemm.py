@@ -952,18 +952,22 @@ def add_provenance_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--git-rev", help="where this copy has no git: the commit it was taken from (env MARLIN_GIT_REV)")
 
 
+def pick_device(dry_run: bool) -> torch.device:
+    """The CPU for a --dry-run smoke test, else the current CUDA device (exit if there is none)."""
+    if dry_run:
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise SystemExit("no CUDA GPU: run with --dry-run for a CPU smoke test of the pipeline")
+    return torch.device("cuda", torch.cuda.current_device())
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     from tqdm import tqdm
 
     import marlin  # noqa: F401  (registers torch.ops.marlin)
 
-    if args.dry_run:
-        dev = torch.device("cpu")
-    else:
-        if not torch.cuda.is_available():
-            raise SystemExit("no CUDA GPU: run with --dry-run for a CPU smoke test of the pipeline")
-        dev = torch.device("cuda", torch.cuda.current_device())
+    dev = pick_device(args.dry_run)
     torch.manual_seed(args.seed)
 
     facts = device_facts(dev)

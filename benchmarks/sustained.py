@@ -257,12 +257,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     import marlin  # noqa: F401
 
-    if args.dry_run:
-        dev = torch.device("cpu")
-    else:
-        if not torch.cuda.is_available():
-            raise SystemExit("no CUDA GPU: run with --dry-run for a CPU smoke test")
-        dev = torch.device("cuda", torch.cuda.current_device())
+    dev = B.pick_device(args.dry_run)
     seconds = args.seconds if args.seconds is not None else (1.0 if args.dry_run else 10.0 if args.quick else 60.0)
     ms = B._parse_list(args.ms, int) or ([1, 16] if args.dry_run else list(DEFAULT_MS))
     mode = "dry-run" if args.dry_run else "quick" if args.quick else "full"

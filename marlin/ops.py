@@ -11,6 +11,7 @@ from typing import Optional
 import torch
 
 from . import _C  # noqa: F401  (loads the library that defines the schemas)
+from . import packing
 
 __all__ = ["gemm", "workspace_size", "make_workspace", "K_MULTIPLE", "N_MULTIPLE", "GROUP_SIZE", "check_shape"]
 
@@ -22,8 +23,8 @@ GROUP_SIZE = 128  # besides per-column (-1)
 
 def check_shape(in_features: int, out_features: int, group_size: int) -> Optional[str]:
     """None if gemm takes B [K=in_features, N=out_features] with this group size, else why not."""
-    if group_size not in (GROUP_SIZE, -1):
-        return f"group_size = {group_size}, expected {GROUP_SIZE} or -1 (per column)"
+    if group_size not in packing.SUPPORTED_GROUP_SIZES:
+        return f"group_size = {group_size}, expected one of {packing.SUPPORTED_GROUP_SIZES} (-1: per column)"
     if in_features <= 0 or in_features % K_MULTIPLE:
         return f"in_features = {in_features}, expected a positive multiple of {K_MULTIPLE}"
     if out_features <= 0 or out_features % N_MULTIPLE:

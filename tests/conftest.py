@@ -26,14 +26,32 @@ def random_layer(k: int, n: int, group_size: int, device="cpu", seed=None):
     return q, scales, b_q.to(device), b_scales.to(device)
 
 
+def fp32_matmul(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """a @ w in true fp32 (TF32 off for the call), the GPU reference for the kernel."""
+    prev = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        return a.float() @ w.float()
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = prev
+
+
 def reference(a: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """A @ dequant(B) with exact weights, in float64 on CPU or float32 (no TF32) on GPU."""
     w = packing.dequantize(q, scales)
-    if a.is_cuda:
-        prev = torch.backends.cuda.matmul.allow_tf32
-        torch.backends.cuda.matmul.allow_tf32 = False
-        try:
-            return a.float() @ w.float()
-        finally:
-            torch.backends.cuda.matmul.allow_tf32 = prev
-    return a.double() @ w.double()
+    return fp32_matmul(a, w) if a.is_cuda else a.double() @ w.double()
+
+
+def tiny_llama_config(tie_word_embeddings: bool = False):
+    """A 2-layer Llama whose Linear shapes the kernel takes (multiples of 128), for model tests."""
+    transformers = pytest.importorskip("transformers")
+    return transformers.LlamaConfig(
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=1000,
+        max_position_embeddings=256,
+        tie_word_embeddings=tie_word_embeddings,
+    )

@@ -18,6 +18,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+
+from conftest import tiny_llama_config
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
@@ -400,16 +402,7 @@ def llama_gptq_checkpoint(tmp_path, act_order=True, group_size=128):
     """A tiny random Llama (tied embeddings), its Linear layers GPTQ-quantized by the test writer,
     written as a sharded GPTQ checkpoint; returns (src, fp32 reference model with the GPTQ weights)."""
     transformers = pytest.importorskip("transformers")
-    config = transformers.LlamaConfig(
-        hidden_size=256,
-        intermediate_size=512,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=1000,
-        max_position_embeddings=256,
-        tie_word_embeddings=True,
-    )
+    config = tiny_llama_config(tie_word_embeddings=True)
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(config).eval()
     layers, other = {}, {}

@@ -16,7 +16,7 @@ import torch
 
 import marlin
 from marlin import packing
-from conftest import rel_err, requires_cuda
+from conftest import fp32_matmul, rel_err, requires_cuda
 
 pytestmark = [requires_cuda, pytest.mark.gpu]
 
@@ -52,16 +52,6 @@ class Layer:
 
 
 _layers = {}
-
-
-def fp32_matmul(a, w):
-    """a @ w in true fp32 (no TF32), the reference for the kernel."""
-    prev = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = False
-    try:
-        return a.float() @ w
-    finally:
-        torch.backends.cuda.matmul.allow_tf32 = prev
 
 
 def get_layer(k, n, g):

@@ -17,11 +17,14 @@ import logging
 
 import pytest
 import torch
+
 from torch import nn
 
 import marlin
 from marlin import packing
 from marlin.nn import MarlinLinear, ReplaceReport, replace_linear
+
+from conftest import tiny_llama_config
 
 from gptq_writer import random_layer
 
@@ -278,16 +281,7 @@ def test_replace_linear_shared_module():
 
 def tiny_llama(tie: bool = False):
     transformers = pytest.importorskip("transformers")
-    config = transformers.LlamaConfig(
-        hidden_size=256,
-        intermediate_size=512,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=1000,
-        max_position_embeddings=256,
-        tie_word_embeddings=tie,
-    )
+    config = tiny_llama_config(tie)
     torch.manual_seed(0)
     return transformers.LlamaForCausalLM(config).eval()
 
