@@ -9,9 +9,21 @@ import torch
 
 import marlin
 
-SHAPES = {"7B_o": (4096, 4096), "70B_o": (8192, 8192), "7B_gateup": (4096, 22016), "70B_gateup": (8192, 57344)}
-MS = [1, 4, 16, 32, 64, 128]
-TILES = [(None, None), (128, 128), (64, 256)]
+import os
+
+SHAPES = {
+    "7B_qkv": (4096, 12288),
+    "7B_o": (4096, 4096),
+    "7B_gateup": (4096, 22016),
+    "7B_down": (11008, 4096),
+    "70B_qkv": (8192, 10240),
+    "70B_o": (8192, 8192),
+    "70B_gateup": (8192, 57344),
+    "70B_down": (28672, 8192),
+}
+MS = [int(m) for m in os.environ.get("PROBE_MS", "1,4,8,16,32,64").split(",")]
+# (None, None) = the planner's choice; then the tiled kernel's and the small-batch kernel's tiles
+TILES = [(None, None), (128, 128), (64, 256), (128, 256), (128, 512)]
 
 
 def time_us(fn, reps=20, rounds=7):
@@ -33,8 +45,12 @@ def time_us(fn, reps=20, rounds=7):
 
 
 def main():
-    l2 = torch.cuda.get_device_properties(0).L2_cache_size
-    print("shape        M | " + " | ".join(f"{str(t):>12}" for t in TILES))
+    props = torch.cuda.get_device_properties(0)
+    l2 = props.L2_cache_size
+    if os.environ.get("PROBE_IDEAL", "0") == "1":
+        SHAPES["ideal"] = (1024 * props.multi_processor_count, 256 * props.multi_processor_count)
+    print("time in us (fp16 column: torch.matmul)")
+    print("shape        M |         fp16 | " + " | ".join(f"{str(t):>12}" for t in TILES))
     for name, (k, n) in SHAPES.items():
         copies = max(1, -(-4 * l2 // (k * n // 2)))
         b_q = torch.randint(-(2**31), 2**31 - 1, (copies, k // 16, 2 * n), dtype=torch.int32, device="cuda")
@@ -42,7 +58,15 @@ def main():
         ws = marlin.make_workspace()
         for m in MS:
             a = torch.randn(m, k, device="cuda", dtype=torch.float16)
-            row = []
+            w16 = [torch.randn(n, k, device="cuda", dtype=torch.float16) for _ in range(max(1, -(-4 * l2 // (k * n * 2))))]
+            st = {"i": 0}
+
+            def fp16():
+                i = st["i"] = (st["i"] + 1) % len(w16)
+                torch.matmul(a, w16[i].t())
+
+            row = [time_us(fp16)]
+            del w16
             for tk, tn in TILES:
                 if tn is not None and n % tn:
                     row.append(float("nan"))

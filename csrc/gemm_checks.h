@@ -77,9 +77,10 @@ inline GemmShape check_gemm_args(const at::Tensor& a, const at::Tensor& b_q, con
   }
   TORCH_CHECK(tile_k.has_value() == tile_n.has_value(), "marlin.gemm: give both tile_k and tile_n, or neither");
   if (tile_k.has_value()) {
-    const bool known = (*tile_k == 128 && *tile_n == 128) || (*tile_k == 64 && *tile_n == 256);
+    const bool known = (*tile_k == 128 && (*tile_n == 128 || *tile_n == 256 || *tile_n == 512)) ||
+                       (*tile_k == 64 && *tile_n == 256);
     TORCH_CHECK(known, "marlin.gemm: (tile_k, tile_n) = (", num(*tile_k), ", ", num(*tile_n),
-                "), expected (128, 128) or (64, 256)");
+                "), expected (128, 128), (64, 256), (128, 256) or (128, 512)");
     TORCH_CHECK(k % *tile_k == 0 && n % *tile_n == 0, "marlin.gemm: K = ", num(k), ", N = ", num(n),
                 " do not divide into tile_k = ", num(*tile_k), ", tile_n = ", num(*tile_n));
   }

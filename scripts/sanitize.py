@@ -11,21 +11,23 @@ import torch
 import marlin
 from marlin import packing
 
-CASES = [  # (M, K, N, group size): small batch, split columns; large batch, several M slices
-    (7, 1024, 640, 128),
-    (200, 512, 768, -1),
+CASES = [  # (M, K, N, group size, forced tile): both kernels, split columns, several M slices
+    (7, 1024, 640, 128, None),  # tiled kernel (N not a multiple of 256), split columns
+    (200, 512, 768, -1, None),  # tiled kernel, four 64-row slices
+    (5, 2048, 1536, 128, None),  # small-batch kernel (M <= 8), split columns
+    (40, 1152, 2048, -1, (128, 512)),  # small-batch kernel, two 32-row slices, 512-column tile
 ]
 
 
 def main():
     torch.manual_seed(0)
     ok = True
-    for m, k, n, g in CASES:
+    for m, k, n, g, tile in CASES:
         q, s = packing.quantize(torch.randn(k, n, device="cuda"), g)
         b_q, b_s = packing.pack(q, s)
         a = torch.randn(m, k, device="cuda", dtype=torch.float16)
         ws = marlin.make_workspace()
-        c = marlin.gemm(a, b_q, b_s, ws)
+        c = marlin.gemm(a, b_q, b_s, ws, tile_k=tile and tile[0], tile_n=tile and tile[1])
         ref = a.float() @ packing.dequantize(q, s)
         err = ((c.float() - ref).norm() / ref.norm()).item()
         left = int(ws.abs().sum())

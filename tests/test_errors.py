@@ -37,7 +37,7 @@ CASES = [
     ("scales non-contiguous", lambda b_q, b_s: (a16(), b_q, b_s.t().contiguous().t(), {}), r"b_scales must be contiguous"),
     ("zero points", lambda b_q, b_s: (a16(), b_q, b_s, {"b_zeros": torch.zeros(2, 256).half()}), r"zero points are not supported"),
     ("workspace dtype", lambda b_q, b_s: (a16(), b_q, b_s, {"workspace": torch.zeros(8)}), r"workspace\.dtype = Float, expected torch\.int32"),
-    ("unknown tile", lambda b_q, b_s: (a16(), b_q, b_s, {"tile_k": 32, "tile_n": 32}), r"\(tile_k, tile_n\) = \(32, 32\), expected \(128, 128\) or \(64, 256\)"),
+    ("unknown tile", lambda b_q, b_s: (a16(), b_q, b_s, {"tile_k": 32, "tile_n": 32}), r"\(tile_k, tile_n\) = \(32, 32\), expected \(128, 128\), \(64, 256\), \(128, 256\) or \(128, 512\)"),
     ("half a tile", lambda b_q, b_s: (a16(), b_q, b_s, {"tile_k": 128}), r"give both tile_k and tile_n"),
 ]
 

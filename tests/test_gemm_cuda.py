@@ -32,7 +32,17 @@ LLAMA_SHAPES = {
     "70B_down": (28672, 8192),
 }
 # small and odd multiples of the 128 x 128 tile, incl. N that only the 128-wide tile divides
-SMALL_SHAPES = {"128x128": (128, 128), "256x384": (256, 384), "1152x640": (1152, 640), "384x1280": (384, 1280)}
+# (those go to the tiled kernel at every M), N = 5 x 256 and 3 x 512 (small-batch kernel at
+# M <= 32), and a wide, shallow layer where one block's stripe covers several whole columns
+# plus parts of two more.
+SMALL_SHAPES = {
+    "128x128": (128, 128),
+    "256x384": (256, 384),
+    "1152x640": (1152, 640),
+    "384x1280": (384, 1280),
+    "640x1536": (640, 1536),
+    "384x102400": (384, 102400),
+}
 GROUPS = [128, -1]
 ALLOWED = 1.5  # x fp16 matmul's error
 
@@ -105,12 +115,22 @@ def test_llama_shapes(g, shape, m):
 # Every compiled kernel instance runs at least once (a miscompiled instance, such as the
 # published kernel's dropped cache-policy register, dies with "illegal instruction" here).
 INSTANCES = list(itertools.product([1, 2, 3, 4], [(128, 128), (64, 256)], GROUPS))
+# the small-batch kernel: slices of 8, 16, 32 rows x tiles 128x256, 128x512
+SMALL_M_INSTANCES = list(itertools.product([1, 2, 4], [(128, 256), (128, 512)], GROUPS))
 
 
 @pytest.mark.parametrize("m_blocks,tile,g", INSTANCES)
 def test_every_kernel_instance(m_blocks, tile, g):
     layer = get_layer(1024, 640 if tile[1] == 128 else 768, g)
     for m in (16 * m_blocks - 1, 16 * m_blocks):
+        check(layer, m, tile_k=tile[0], tile_n=tile[1])
+
+
+@pytest.mark.parametrize("mb,tile,g", SMALL_M_INSTANCES)
+def test_every_small_batch_instance(mb, tile, g):
+    layer = get_layer(1152, 1536 if tile[1] == 256 else 2048, g)
+    # the planner picks mb from M; forced tiles also run M > 32 as several slices of 32 rows
+    for m in {1: (1, 5, 8), 2: (9, 16), 4: (17, 31, 32, 70)}[mb]:
         check(layer, m, tile_k=tile[0], tile_n=tile[1])
 
 

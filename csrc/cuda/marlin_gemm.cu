@@ -7,6 +7,7 @@
 
 #include "marlin_gemm.h"
 #include "marlin_instances.cuh"
+#include "smallm_instances.cuh"
 
 namespace marlin {
 
@@ -17,6 +18,27 @@ namespace {
 // weights per column), larger ones want wide N tiles so that each A tile is reused 256 times.
 constexpr TileConfig kSmallBatchTiles[] = {{128, 128}, {64, 256}};
 constexpr TileConfig kLargeBatchTiles[] = {{64, 256}, {128, 128}};
+
+// When the small-batch kernel (smallm_kernel.cuh) is used instead, measured on an H200
+// (benchmarks/NOTES.md, probe_tiles): always up to 8 rows; up to 16 rows on deep layers
+// (K >= 16384), where its longer columns amortise the wider slice; up to 32 rows only on layers
+// so large that each SM streams >= 8 MB, and then with the 512-column tile. N must be a multiple
+// of the tile width; elsewhere the tiled kernel (marlin_kernel.cuh) runs.
+constexpr int kSmallMAlways = 8;
+constexpr int kSmallMDeep = 16;
+constexpr int kSmallMDeepK = 16384;
+constexpr int kSmallMMaxM = 32;
+constexpr long long kSmallMHugeBytesPerSm = 8LL << 20;
+
+// 0: use the tiled kernel; else the small-batch kernel's tile width.
+int small_m_tile(const GemmArgs& a) {
+  if (a.n % 256 != 0 || a.k % 128 != 0 || a.m > kSmallMMaxM) return 0;
+  if (a.m <= kSmallMAlways) return 256;
+  if (a.m <= kSmallMDeep && a.k >= kSmallMDeepK) return 256;
+  const long long bytes_per_sm = static_cast<long long>(a.k) * a.n / 2 / std::max(1, a.sms);
+  if (bytes_per_sm >= kSmallMHugeBytesPerSm) return a.n % 512 == 0 ? 512 : 256;
+  return 0;
+}
 
 // What the planner needs to know of one compiled kernel instance.
 struct Instance {
@@ -51,11 +73,84 @@ bool find_instance(int m_blocks, TileConfig tile, bool grouped, Instance* out) {
   return false;
 }
 
+template <int MB, int NW, bool G>
+Instance make_smallm_instance() {
+  using S = SmallMShapeOf<MB, NW, G>;
+  return Instance{kSmallMMinBlocksPerSm<MB>, S::kSmemBytes, S::kPartialFloats, &launch_smallm<MB, NW, G>};
+}
+
+// The small-batch instances: MB n8 tiles of the batch (1, 2, 4) x 256 or 512 columns x scales.
+bool find_smallm_instance(int mb, int tile_n, bool grouped, Instance* out) {
+#define MARLIN_TRY(MB, NW)                                                                            \
+  if (mb == MB && tile_n == 64 * NW) {                                                               \
+    *out = grouped ? make_smallm_instance<MB, NW, true>() : make_smallm_instance<MB, NW, false>(); \
+    return true;                                                                                     \
+  }
+  MARLIN_TRY(1, 4)
+  MARLIN_TRY(1, 8)
+  MARLIN_TRY(2, 4)
+  MARLIN_TRY(2, 8)
+  MARLIN_TRY(4, 4)
+  MARLIN_TRY(4, 8)
+#undef MARLIN_TRY
+  return false;
+}
+
+bool find_planned_instance(const GemmPlan& plan, bool grouped, Instance* out) {
+  return plan.small_m ? find_smallm_instance(plan.m_blocks, plan.tile.tile_n, grouped, out)
+                      : find_instance(plan.m_blocks, plan.tile, grouped, out);
+}
+
 std::string describe(const GemmArgs& a, TileConfig tile, int m_blocks) {
   // std::to_string, not ostream: see the note on message formatting in csrc/gemm_checks.h
   return "m=" + std::to_string(a.m) + " n=" + std::to_string(a.n) + " k=" + std::to_string(a.k) +
          " groups=" + std::to_string(a.groups) + " tile_k=" + std::to_string(tile.tile_k) +
          " tile_n=" + std::to_string(tile.tile_n) + " m_blocks=" + std::to_string(m_blocks);
+}
+
+// Fills the partition of a plan whose tile and instance are chosen.
+std::string finish_plan(const GemmArgs& args, const Instance& inst, GemmPlan* plan) {
+  plan->blocks_per_sm = std::min(inst.blocks_per_sm, std::max(1, args.max_smem_per_sm / std::max(1, inst.smem_bytes)));
+  if (args.blocks_per_sm > 0) plan->blocks_per_sm = std::min(plan->blocks_per_sm, args.blocks_per_sm);
+  plan->smem_bytes = inst.smem_bytes;
+
+  const int k_tiles = args.k / plan->tile.tile_k;
+  const int n_tiles = args.n / plan->tile.tile_n;
+  const long long total = static_cast<long long>(plan->m_slices) * n_tiles * k_tiles;
+  if (total >= (1LL << 31)) return "marlin.gemm: problem too large for 32-bit tile indices; " + describe(args, plan->tile, plan->m_blocks);
+  // Two blocks per SM (where registers and shared memory allow) hide more latency on large
+  // layers, but double the split columns and reductions; measured on an H200 it pays only when a
+  // single block per SM would stream at least kBytesFor2PerSm of weights (benchmarks/NOTES.md).
+  // (Tried for the small-batch kernel: two blocks everywhere made 7B layers 10-15% slower.)
+  constexpr long long kBytesFor2PerSm = 64LL * 128 * 128 / 2;
+  const long long tile_bytes = static_cast<long long>(plan->tile.tile_k) * plan->tile.tile_n / 2;
+  if (plan->blocks_per_sm > 1 && total * tile_bytes < kBytesFor2PerSm * args.sms) plan->blocks_per_sm = 1;
+  const int blocks = static_cast<int>(std::min<long long>(static_cast<long long>(args.sms) * plan->blocks_per_sm, total));
+  plan->tiles_per_block = static_cast<int>((total + blocks - 1) / blocks);
+  plan->grid = static_cast<int>((total + plan->tiles_per_block - 1) / plan->tiles_per_block);
+  // A column is split unless every stripe is a whole number of columns.
+  plan->needs_partial = plan->tiles_per_block % k_tiles != 0;
+  plan->partial_floats = plan->needs_partial ? static_cast<std::size_t>(inst.partial_floats) * 2 * plan->grid : 0;
+  return "";
+}
+
+// The small-batch kernel: batch slices of 8, 16 or 32 rows, tiles of 128 x 256 or 128 x 512.
+std::string plan_small_m(const GemmArgs& args, int tile_n, GemmPlan* plan) {
+  const bool grouped = args.groups > 1;
+  plan->small_m = true;
+  plan->m_blocks = args.m <= 8 ? 1 : args.m <= 16 ? 2 : 4;
+  plan->m_slices = (args.m + 8 * plan->m_blocks - 1) / (8 * plan->m_blocks);
+  plan->tile = TileConfig{128, tile_n};
+  Instance inst;
+  if (!find_smallm_instance(plan->m_blocks, tile_n, grouped, &inst))
+    return "marlin.gemm: internal error, no small-batch kernel for " + describe(args, plan->tile, plan->m_blocks);
+  if (args.k % 128 != 0 || args.n % tile_n != 0)
+    return "marlin.gemm: k=" + std::to_string(args.k) + " n=" + std::to_string(args.n) +
+           " do not divide into tile_k=128 x tile_n=" + std::to_string(tile_n);
+  if (inst.smem_bytes > args.max_smem)
+    return "marlin.gemm: tile needs " + std::to_string(inst.smem_bytes) + " bytes of shared memory, the device allows " +
+           std::to_string(args.max_smem) + "; " + describe(args, plan->tile, plan->m_blocks);
+  return finish_plan(args, inst, plan);
 }
 
 }  // namespace
@@ -64,20 +159,28 @@ int max_locks(int sms) { return 2 * std::max(sms, 1); }
 
 std::string plan_gemm(const GemmArgs& args, int tile_k, int tile_n, GemmPlan* plan) {
   const bool grouped = args.groups > 1;
+  const bool forced = tile_k > 0 || tile_n > 0;
+  if (forced && tile_k == 128 && (tile_n == 256 || tile_n == 512)) return plan_small_m(args, tile_n, plan);
+  if (!forced) {
+    // the small-batch kernel where it pays, else (or where its tile does not fit the device's
+    // shared memory, e.g. the 512-column tile on sm_80/sm_86) the tiled kernel
+    const int small_tile = small_m_tile(args);
+    if (small_tile > 0 && plan_small_m(args, small_tile, plan).empty()) return "";
+    if (small_tile == 512 && plan_small_m(args, 256, plan).empty()) return "";
+  }
+
+  plan->small_m = false;
   plan->m_blocks = std::min(4, (args.m + 15) / 16);
   plan->m_slices = (args.m + 16 * plan->m_blocks - 1) / (16 * plan->m_blocks);
-
-  const bool forced = tile_k > 0 || tile_n > 0;
   const TileConfig* table = args.m <= 16 ? kSmallBatchTiles : kLargeBatchTiles;
   const int table_len = 2;
   std::string why;
-  bool found = false;
-  for (int i = 0; i < (forced ? 1 : table_len) && !found; i++) {
+  for (int i = 0; i < (forced ? 1 : table_len); i++) {
     const TileConfig t = forced ? TileConfig{tile_k, tile_n} : table[i];
     Instance inst;
     if (!find_instance(plan->m_blocks, t, grouped, &inst)) {
       why = "no kernel instance for tile_k=" + std::to_string(t.tile_k) + " tile_n=" + std::to_string(t.tile_n) +
-            " (available: 128x128, 64x256)";
+            " (available: 128x128, 64x256, 128x256, 128x512)";
       continue;
     }
     if (args.k % t.tile_k != 0 || args.n % t.tile_n != 0) {
@@ -91,30 +194,9 @@ std::string plan_gemm(const GemmArgs& args, int tile_k, int tile_n, GemmPlan* pl
       continue;
     }
     plan->tile = t;
-    plan->blocks_per_sm = std::min(inst.blocks_per_sm, std::max(1, args.max_smem_per_sm / std::max(1, inst.smem_bytes)));
-    if (args.blocks_per_sm > 0) plan->blocks_per_sm = std::min(plan->blocks_per_sm, args.blocks_per_sm);
-    plan->smem_bytes = inst.smem_bytes;
-    plan->partial_floats = inst.partial_floats;
-    found = true;
+    return finish_plan(args, inst, plan);
   }
-  if (!found) return "marlin.gemm: no tile configuration fits (" + why + "); " + describe(args, TileConfig{tile_k, tile_n}, plan->m_blocks);
-
-  const int k_tiles = args.k / plan->tile.tile_k;
-  const int n_tiles = args.n / plan->tile.tile_n;
-  const long long total = static_cast<long long>(plan->m_slices) * n_tiles * k_tiles;
-  if (total >= (1LL << 31)) return "marlin.gemm: problem too large for 32-bit tile indices; " + describe(args, plan->tile, plan->m_blocks);
-  // Two blocks per SM (where registers and shared memory allow) hide more latency on large
-  // layers, but double the split columns and reductions; measured on an H200 it pays only when a
-  // single block per SM would stream at least kTilesFor2PerSm tiles (benchmarks/NOTES.md).
-  constexpr long long kTilesFor2PerSm = 64;
-  if (plan->blocks_per_sm > 1 && total < kTilesFor2PerSm * args.sms) plan->blocks_per_sm = 1;
-  const int blocks = static_cast<int>(std::min<long long>(static_cast<long long>(args.sms) * plan->blocks_per_sm, total));
-  plan->tiles_per_block = static_cast<int>((total + blocks - 1) / blocks);
-  plan->grid = static_cast<int>((total + plan->tiles_per_block - 1) / plan->tiles_per_block);
-  // A column is split unless every stripe is a whole number of columns.
-  plan->needs_partial = plan->tiles_per_block % k_tiles != 0;
-  plan->partial_floats = plan->needs_partial ? plan->partial_floats * 2 * plan->grid : 0;
-  return "";
+  return "marlin.gemm: no tile configuration fits (" + why + "); " + describe(args, TileConfig{tile_k, tile_n}, plan->m_blocks);
 }
 
 std::string launch_gemm(const GemmArgs& args, const GemmPlan& plan, cudaStream_t stream) {
@@ -133,7 +215,7 @@ std::string launch_gemm(const GemmArgs& args, const GemmPlan& plan, cudaStream_t
   p.tiles_per_block = plan.tiles_per_block;
 
   Instance inst;
-  if (!find_instance(plan.m_blocks, plan.tile, args.groups > 1, &inst)) return "marlin.gemm: internal error, planned configuration has no kernel; " + describe(args, plan.tile, plan.m_blocks);
+  if (!find_planned_instance(plan, args.groups > 1, &inst)) return "marlin.gemm: internal error, planned configuration has no kernel; " + describe(args, plan.tile, plan.m_blocks);
   const cudaError_t err = inst.launch(p, plan.grid, plan.smem_bytes, stream);
   if (err != cudaSuccess) {
     return std::string("marlin.gemm: kernel launch failed: ") + cudaGetErrorString(err) + "; " +

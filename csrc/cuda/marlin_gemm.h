@@ -13,7 +13,7 @@ namespace marlin {
 // streaming (16 * tile_k) rows of K per pipeline stage.
 struct TileConfig {
   int tile_k;  // rows of K per stage: 128 or 64
-  int tile_n;  // columns of N per block: 128 or 256
+  int tile_n;  // columns of N per block: 128 or 256; 256 or 512 for the small-batch kernel
 };
 
 struct GemmArgs {
@@ -35,8 +35,9 @@ struct GemmArgs {
 // What plan() decided: printed in errors and benchmarks.
 struct GemmPlan {
   TileConfig tile{0, 0};
-  int m_blocks = 0;      // 16-row blocks of M per slice (1..4)
-  int m_slices = 0;      // slices of 16 * m_blocks rows
+  bool small_m = false;  // the small-batch kernel (smallm_kernel.cuh) rather than marlin_kernel.cuh
+  int m_blocks = 0;      // rows of M per slice: 16 * m_blocks, or 8 * m_blocks for small_m
+  int m_slices = 0;      // slices of M
   int blocks_per_sm = 1;
   int grid = 0;          // blocks launched
   int tiles_per_block = 0;

@@ -4,6 +4,7 @@
 
 #include <cuda_runtime.h>
 
+#include "launch_attr.cuh"
 #include "marlin_kernel.cuh"
 
 namespace marlin {
@@ -18,7 +19,8 @@ cudaError_t launch_instance(const KernelParams& p, int grid, int smem, cudaStrea
   template <int TM, int TK, int TN, int G>                                                        \
   cudaError_t launch_instance(const KernelParams& p, int grid, int smem, cudaStream_t stream) {   \
     auto kernel = marlin_gemm_kernel<TM, TK, TN, kStages, G>;                                     \
-    cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem); \
+    static SmemAttrCache cache;                                                                   \
+    cudaError_t err = cache.ensure(reinterpret_cast<const void*>(kernel), smem);                  \
     if (err != cudaSuccess) return err;                                                           \
     kernel<<<grid, kThreads, smem, stream>>>(p);                                                  \
     return cudaGetLastError();                                                                    \

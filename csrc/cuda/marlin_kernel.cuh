@@ -306,7 +306,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm<TM>) marlin_gemm_ker
     if (n_parts > 1) {
       float4* slot_base = p.partial + wn * 32 + lane;
       auto slot_of = [&](int block) {  // a block's first column uses slot 2b, a later one 2b+1
-        const bool first_col = (static_cast<long long>(block) * T) / k_tiles == col;
+        const bool first_col = (block * T) / k_tiles == col;  // block * T < total < 2^31
         return slot_base + static_cast<long long>(2 * block + (first_col ? 0 : 1)) * (S::kPartialFloats / 4);
       };
       __shared__ int arrived;

@@ -53,6 +53,13 @@ __device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void* smem) 
                : "r"(smem_addr(smem)));
 }
 
+// Two 8x8 fp16 matrices (addresses from lanes 0-15): one mma B operand of 8 columns.
+__device__ __forceinline__ void ldmatrix_x2(uint32_t (&r)[2], const void* smem) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0,%1}, [%2];\n"
+               : "=r"(r[0]), "=r"(r[1])
+               : "r"(smem_addr(smem)));
+}
+
 // D = A * B + D, m16n8k16, fp16 inputs, fp32 accumulators.
 __device__ __forceinline__ void mma_16816(const uint32_t (&a)[4], const uint32_t (&b)[2], float (&d)[4]) {
   asm volatile(
@@ -60,6 +67,15 @@ __device__ __forceinline__ void mma_16816(const uint32_t (&a)[4], const uint32_t
       "{%0,%1,%2,%3};\n"
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+
+// D = A * B (no accumulator input: the first product of a sum).
+__device__ __forceinline__ void mma_16816_first(const uint32_t (&a)[4], const uint32_t (&b)[2], float (&d)[4]) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%10,%10,%10,%10};\n"
+      : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]), "f"(0.f));
 }
 
 // (a & b) | c in one instruction; the compiler does not always find lop3 for this by itself.
@@ -98,6 +114,20 @@ __device__ __forceinline__ void dequant_int4x8(uint32_t w, uint32_t (&lo)[2], ui
   lo[1] = *reinterpret_cast<uint32_t*>(&r1);
   hi[0] = *reinterpret_cast<uint32_t*>(&r2);
   hi[1] = *reinterpret_cast<uint32_t*>(&r3);
+}
+
+// The same eight weights as fp16 subnormals, with no arithmetic: AND-ing a nibble into the
+// mantissa of a zero half gives v * 2^-24 (bits 0..3) or 16 v * 2^-24 (bits 4..7), exactly.
+// The caller removes the +8 offset, the 2^-24 and the 16 (lo[1], hi[1]: rows 8..15 of K of the
+// block) itself: see smallm_kernel.cuh. Fragment order as in dequant_int4x8.
+__device__ __forceinline__ void unpack_int4x8_subnormal(uint32_t w, uint32_t (&lo)[2], uint32_t (&hi)[2]) {
+  constexpr uint32_t kLowMask = 0x000f000f;
+  constexpr uint32_t kHighMask = 0x00f000f0;
+  const uint32_t w_hi = w >> 8;
+  lo[0] = w & kLowMask;
+  lo[1] = w & kHighMask;
+  hi[0] = w_hi & kLowMask;
+  hi[1] = w_hi & kHighMask;
 }
 
 __device__ __forceinline__ void scale_frag(uint32_t (&f)[2], half s) {

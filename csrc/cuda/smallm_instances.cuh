@@ -1,0 +1,41 @@
+// The compiled small-batch kernel instances (smallm_kernel.cuh). Each smallm_instances_mb<MB>.cu
+// defines the launches for one batch width, so that nvcc builds them in parallel.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include "launch_attr.cuh"
+#include "smallm_kernel.cuh"
+
+namespace marlin {
+
+// Stages of the ring: 3 for the 512-column tile at MB <= 2, so that two blocks fit one SM's
+// shared memory (2 x 111 KB at most); 4 otherwise.
+template <int MB, int NW>
+constexpr int kSmallMStages = (NW == 8 && MB <= 2) ? 3 : 4;
+
+template <int MB, int NW, bool GROUPED>
+using SmallMShapeOf = SmallMShape<MB, NW, kSmallMStages<MB, NW>, GROUPED>;
+
+template <int MB, int NW, bool GROUPED>
+cudaError_t launch_smallm(const KernelParams& p, int grid, int smem, cudaStream_t stream);
+
+#define MARLIN_DEFINE_SMALLM_LAUNCH                                                             \
+  template <int MB, int NW, bool GROUPED>                                                       \
+  cudaError_t launch_smallm(const KernelParams& p, int grid, int smem, cudaStream_t stream) {    \
+    auto kernel = marlin_smallm_kernel<MB, NW, kSmallMStages<MB, NW>, GROUPED>;                 \
+    static SmemAttrCache cache;                                                                 \
+    cudaError_t err = cache.ensure(reinterpret_cast<const void*>(kernel), smem);                \
+    if (err != cudaSuccess) return err;                                                         \
+    kernel<<<grid, kThreads, smem, stream>>>(p);                                                \
+    return cudaGetLastError();                                                                  \
+  }
+
+// Both tile widths x (group 128, per column) for one MB.
+#define MARLIN_INSTANTIATE_SMALLM(MB)                                                               \
+  template cudaError_t launch_smallm<MB, 4, true>(const KernelParams&, int, int, cudaStream_t);  \
+  template cudaError_t launch_smallm<MB, 4, false>(const KernelParams&, int, int, cudaStream_t); \
+  template cudaError_t launch_smallm<MB, 8, true>(const KernelParams&, int, int, cudaStream_t);  \
+  template cudaError_t launch_smallm<MB, 8, false>(const KernelParams&, int, int, cudaStream_t);
+
+}  // namespace marlin

@@ -1,0 +1,510 @@
+// The small-batch MARLIN kernel (slices of 8, 16 or 32 rows of A): computes C^T = dequant(B)^T A^T.
+//
+// Why a second kernel: in marlin_kernel.cuh the batch sits in the 16-row slot of
+// mma.m16n8k16, so at M = 1 fifteen of its sixteen rows multiply zeros, every 8 weights cost
+// two mma, and the group scale costs four HMUL2. Here the weights fill the 16-row slot (the
+// operand swap the paper uses for Sparse-MARLIN) and the batch is the 8-wide n of the mma:
+//  * The packed format needs no change: the 8 nibbles a lane holds for a 16x16 block (columns
+//    g and g + 8, rows of K 2c, 2c+1, 2c+8, 2c+9) are exactly its A fragment of the transposed
+//    block (rows of the fragment = columns of N). Only the register order differs.
+//  * One mma per 8 weights for M <= 8 (half as many), two for M <= 16.
+//  * Scales (SmallMShape::kGroupSums / kScaleWeights / kRaw): at M <= 8 the group scale acts on
+//    fp32 group sums (each stage is one 128-row group), and per-column scales on the column's
+//    fp32 sum. There the weights enter the mma as raw fp16 subnormals (nibble * 2^-24, no
+//    arithmetic), and one more mma per k16 step removes the +8 offset. For larger slices with
+//    group scales, the weights are dequantized with the magic-number trick and scaled in fp16
+//    (fewer registers: two blocks per SM at 16 rows).
+//  * Tiles of 256 or 512 columns (NW warps x 64): each 16-byte activation chunk read from L2 feeds
+//    2-4x more weights than the 128-column tile.
+//  * The pipeline runs over the block's whole stripe: the loads of the next column are already
+//    in flight while a column is reduced and written (no refill at column boundaries). The
+//    stage loop stays unrolled (static shared-memory offsets); after a column's epilogue it
+//    resumes at the next slot of the ring. A fetch cursor moves the global pointers by constants
+//    inside a column; the tile's position (two divisions) is recomputed only at column changes.
+// Split columns are reduced as in marlin_kernel.cuh (fp32 partial per block, the last to arrive
+// adds them in block order and leaves the counter at zero), but by all 256 threads, 4 columns
+// each, with the loads of up to 8 partials in flight at once.
+#pragma once
+
+#include <cuda_fp16.h>
+
+#include <cstdint>
+
+#include "marlin_kernel.cuh"  // KernelParams, kThreads, kWarps
+#include "ptx.cuh"
+
+namespace marlin {
+
+// MB: n8 tiles of the batch per slice (slice = 8 MB rows of A); NW: warps along N (64 columns
+// each); the other kWarps / NW warps split the 8 k16 blocks of a stage.
+template <int MB, int NW, int STAGES, bool GROUPED>
+struct SmallMShape {
+  // How the group scale is applied: at MB == 1 to fp32 group sums (one FFMA per accumulator per
+  // group, 16 extra registers); from MB == 2 on to the dequantized fp16 weights (4 HMUL2 per 8
+  // weights, shared by MB mma), which keeps MB == 2 within 128 registers (two blocks per SM).
+  static constexpr bool kGroupSums = GROUPED && MB == 1;
+  static constexpr bool kScaleWeights = GROUPED && MB > 1;
+  // Where scales act on fp32 sums, the weights enter the mma as raw subnormals (see
+  // unpack_int4x8_subnormal): 5 instructions per 8 weights instead of 9. The sums are then
+  // 2^-24 sum (q + 8) a; a second mma per k16 step against a constant matrix adds the
+  // -8 * 2^-24 sum a, and the 2^24 goes into the fp32 scale.
+  static constexpr bool kRaw = !kScaleWeights;
+  static constexpr int kKW = kWarps / NW;  // warps along K: 1 or 2
+  static constexpr int kTK = 8;            // k16 blocks per stage: 128 rows of K, one scale group
+  static constexpr int kSub = kTK / kKW;   // k16 steps per warp per stage
+  static constexpr int kRows = 8 * MB;     // rows of A per slice
+  static constexpr int kTileN = 64 * NW;
+
+  // shared memory per stage, in int4 (16 bytes)
+  static constexpr int kARowInt4 = kTK * 2;          // 128 halves of one row of A
+  static constexpr int kAStage = kRows * kARowInt4;
+  static constexpr int kBStage = kTK * NW * 32;      // 8 k16 rows x NW chunks of 32 int4
+  static constexpr int kSStage = GROUPED ? NW * 8 : 0;  // one row of 64 NW scales
+  static constexpr int kStageInt4 = kAStage + kBStage + kSStage;
+  static constexpr int kPipeInt4 = STAGES * kStageInt4;
+  // accumulators per thread: 4 row blocks of 16 columns of N x MB n8 tiles x 4
+  static constexpr int kAccFloats = 4 * MB * 4;
+  // end-of-column reduction of the K warps: the upper KW - 1 warp rows store theirs
+  static constexpr int kRedInt4 = (kKW - 1) * NW * 32 * (kAccFloats / 4);
+  static constexpr int kSmemBytes = (kPipeInt4 + kRedInt4) * 16;
+  // fp32 values of one block's partial tile (rows of the slice x columns of the tile)
+  static constexpr int kPartialFloats = kRows * kTileN;
+
+  static_assert(MB == 1 || MB == 2 || MB == 4, "MB must be 1, 2 or 4");
+  static_assert(kWarps % NW == 0 && kTK % kKW == 0, "warps must split the tile evenly");
+  static_assert(kKW <= 2, "the column epilogue reduces at most two K warps");
+  static_assert((STAGES * kSub) % 2 == 0, "register double buffer needs an even sub-step count");
+  static_assert(kBStage % kThreads == 0, "B stage must split evenly over threads");
+};
+
+// MB <= 2 fits in 128 registers, so two blocks can share an SM (more warps to hide latency).
+template <int MB>
+constexpr int kSmallMMinBlocksPerSm = MB <= 2 ? 2 : 1;
+
+template <int MB, int NW, int STAGES, bool GROUPED>
+__global__ void __launch_bounds__(kThreads, kSmallMMinBlocksPerSm<MB>) marlin_smallm_kernel(const KernelParams p) {
+  using S = SmallMShape<MB, NW, STAGES, GROUPED>;
+  constexpr int KW = S::kKW, SUB = S::kSub;
+  extern __shared__ int4 smem[];
+  __shared__ int arrived;
+
+  const int tid = threadIdx.x;
+  const int lane = tid % 32;
+  const int warp = tid / 32;
+  const int wn = warp % NW;  // which 64 columns of the tile
+  const int wk = warp / NW;  // which half of a stage's k16 blocks (KW == 2)
+  const int g = lane / 4, c4 = lane % 4;
+
+  const int k_tiles = p.k / (16 * S::kTK);
+  const int n_tiles = p.n / S::kTileN;
+  const int total = p.m_slices * n_tiles * k_tiles;
+  const int T = p.tiles_per_block;
+  const int start = blockIdx.x * T;
+  const int n_mine = min(start + T, total) - start;  // tiles of this block's stripe
+  if (n_mine <= 0) return;
+  const long long b_row_int4 = p.n / 2;  // one packed row (16 rows of K)
+
+  // ---- static per-thread offsets of the copies in a stage
+  constexpr int kALoads = (S::kAStage + kThreads - 1) / kThreads;
+  constexpr int kBLoads = S::kBStage / kThreads;
+  constexpr bool kAFull = kALoads * kThreads == S::kAStage;  // else the last round is partial
+  int a_sh_wr[kALoads], a_row[kALoads];
+  int a_col = 0;
+#pragma unroll
+  for (int l = 0; l < kALoads; l++) {
+    const int idx = tid + l * kThreads;
+    a_row[l] = idx / S::kARowInt4;
+    a_col = idx % S::kARowInt4;  // the same for every l (kThreads is a multiple of a row)
+    a_sh_wr[l] = a_row[l] * S::kARowInt4 + (a_col ^ (a_row[l] % 8));
+  }
+  static_assert(kThreads % S::kARowInt4 == 0, "A copies must keep their column across rounds");
+  // B: copy l of a thread reads k16 row kb0 + l * 8 / NW of the tile, at 16-byte column b_off
+  const int b_kb0 = tid / (NW * 32), b_off = tid % (NW * 32);
+  const long long b_step = static_cast<long long>(kThreads / (NW * 32)) * b_row_int4;
+
+  // ldmatrix sources. Matrix mat = lane / 8 of an x4 load is (rows 0-7, k 0-7), (rows 0-7,
+  // k 8-15), (rows 8-15, k 0-7), (rows 8-15, k 8-15) of a 16-row pair of n8 tiles; an x2 load (MB
+  // == 1) uses the first two. Chunk 2 kb + mat % 2 of a row is stored at (2 kb) ^ (mat % 2 ^ row % 8):
+  // a per-lane base and XOR key, and one XOR per load with the compile-time 2 kb.
+  constexpr int kLdPairs = MB == 1 ? 1 : MB / 2;
+  const int ld_row = MB == 1 ? lane % 8 : 8 * ((lane / 8) / 2) + lane % 8;  // + 16 q
+  const int ld_key = ((lane / 8) % 2) ^ (ld_row % 8);
+  const int ld_base = ld_row * S::kARowInt4;
+  auto act_sh_rd = [&](int kb, int q) { return ld_base + 16 * q * S::kARowInt4 + ((2 * kb) ^ ld_key); };
+
+  // ---- registers
+  float tot[4][MB][4];                         // the column's result so far
+  float grp[S::kGroupSums ? 4 : 1][MB][4];     // this group's mma sums (kGroupSums only)
+  float corr[MB][4];                           // kRaw: -8 * 2^-24 * (sum of the activations)
+  uint32_t act[2][MB][2];                      // activation B fragments, double buffered
+  int4 wq[2];                                  // packed weights, double buffered
+  int4 s_cur;                                  // this lane's 8 scales of the current group
+
+  auto zero = [](auto& acc) {
+#pragma unroll
+    for (int j = 0; j < 4; j++)
+#pragma unroll
+      for (int b = 0; b < MB; b++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) acc[j][b][e] = 0.f;
+  };
+
+  // The column a stripe tile belongs to, and where in it (two divisions: used only at the start
+  // and at column changes).
+  struct Where {
+    int col, kt, nt, row0, rows;
+  };
+  auto where = [&](int i) {
+    Where w;
+    const int id = start + i;
+    w.col = id / k_tiles;
+    w.kt = id - w.col * k_tiles;
+    const int slice = w.col / n_tiles;
+    w.nt = w.col - slice * n_tiles;
+    w.row0 = slice * S::kRows;
+    w.rows = min(S::kRows, p.m - w.row0);
+    return w;
+  };
+
+  // Fetch cursor: the sources of the next tile to load. Within a column each tile moves the
+  // pointers by a constant; only a new column needs the divisions of where().
+  int f_i = 0;     // stripe index of the next tile to load
+  int f_left = 0;  // tiles left in its column, counting it
+  const int4* f_a[kALoads];
+  bool f_a_ok[kALoads];
+  const int4* f_b;
+  const int4* f_s = nullptr;
+  auto seek = [&](int i) {
+    const Where w = where(i);
+    f_left = k_tiles - w.kt;
+#pragma unroll
+    for (int l = 0; l < kALoads; l++) {
+      f_a_ok[l] = a_row[l] < w.rows && (kAFull || tid + l * kThreads < S::kAStage);
+      f_a[l] = p.a + (w.row0 + (f_a_ok[l] ? a_row[l] : 0)) * p.lda_int4 + w.kt * S::kARowInt4 + a_col;
+    }
+    f_b = p.b + (static_cast<long long>(w.kt) * S::kTK + b_kb0) * b_row_int4 + w.nt * NW * 32 + b_off;
+    if constexpr (GROUPED) f_s = p.s + static_cast<long long>(w.kt) * (p.n / 8) + w.nt * S::kSStage + tid;
+  };
+
+  auto fetch_stage = [&](int stage) {
+    if (f_i < n_mine) {
+      int4* sh = smem + stage * S::kStageInt4;
+#pragma unroll
+      for (int l = 0; l < kALoads; l++) {
+        if (kAFull || tid + l * kThreads < S::kAStage) cp_async16_zfill(sh + a_sh_wr[l], f_a[l], f_a_ok[l]);
+      }
+      int4* sh_b = sh + S::kAStage + tid;
+#pragma unroll
+      for (int l = 0; l < kBLoads; l++) cp_async16_evict_first(sh_b + l * kThreads, f_b + l * b_step);
+      if constexpr (GROUPED) {
+        if (tid < S::kSStage) cp_async16(sh + S::kAStage + S::kBStage + tid, f_s);
+      }
+      f_i++;
+      if (--f_left == 0) {
+        if (f_i < n_mine) seek(f_i);
+      } else {
+#pragma unroll
+        for (int l = 0; l < kALoads; l++) f_a[l] += S::kARowInt4;
+        f_b += S::kTK * b_row_int4;
+        if constexpr (GROUPED) f_s += p.n / 8;
+      }
+    }
+    cp_async_commit();
+  };
+
+  auto wait_stage = [&]() {
+    cp_async_wait<STAGES - 2>();
+    __syncthreads();
+  };
+
+  auto fetch_regs = [&](int buf, int stage, int u) {
+    const int4* sh = smem + stage * S::kStageInt4;
+    if constexpr (MB == 1) {
+      ldmatrix_x2(act[buf][0], sh + act_sh_rd(wk * SUB + u, 0));
+    } else {
+#pragma unroll
+      for (int q = 0; q < kLdPairs; q++) {
+        uint32_t r[4];
+        ldmatrix_x4(r, sh + act_sh_rd(wk * SUB + u, q));
+        act[buf][2 * q][0] = r[0];
+        act[buf][2 * q][1] = r[1];
+        act[buf][2 * q + 1][0] = r[2];
+        act[buf][2 * q + 1][1] = r[3];
+      }
+    }
+    wq[buf] = sh[S::kAStage + ((wk * SUB + u) * NW + wn) * 32 + lane];
+    if constexpr (S::kRaw) {  // rows 8..15 of K meet weights stored x16: divide them by 16 here
+      const half2 sixteenth = __float2half2_rn(1.f / 16.f);
+#pragma unroll
+      for (int b = 0; b < MB; b++) {
+        half2 v = *reinterpret_cast<half2*>(&act[buf][b][1]);
+        v = __hmul2(v, sixteenth);
+        act[buf][b][1] = *reinterpret_cast<uint32_t*>(&v);
+      }
+    }
+  };
+
+  // `first`: the stage's first k16 step of this warp, which starts the group's sums in grp
+  auto compute = [&](int buf, bool first) {
+    const uint32_t* w = reinterpret_cast<const uint32_t*>(&wq[buf]);
+#pragma unroll
+    for (int j = 0; j < 4; j++) {
+      uint32_t lo[2], hi[2];
+      if constexpr (S::kRaw)
+        unpack_int4x8_subnormal(w[j], lo, hi);
+      else
+        dequant_int4x8(w[j], lo, hi);
+      // A fragment of the transposed 16x16 block: rows g (lo) and g + 8 (hi) of N
+      if constexpr (S::kScaleWeights) {  // scales of columns 16 j + g (lo) and 16 j + 8 + g (hi)
+        const half2 pair = reinterpret_cast<const half2*>(&s_cur)[j];
+        const half2 s_lo = __low2half2(pair), s_hi = __high2half2(pair);
+        half2* l2 = reinterpret_cast<half2*>(lo);
+        half2* h2 = reinterpret_cast<half2*>(hi);
+        l2[0] = __hmul2(l2[0], s_lo);
+        l2[1] = __hmul2(l2[1], s_lo);
+        h2[0] = __hmul2(h2[0], s_hi);
+        h2[1] = __hmul2(h2[1], s_hi);
+      }
+      const uint32_t a[4] = {lo[0], hi[0], lo[1], hi[1]};
+#pragma unroll
+      for (int b = 0; b < MB; b++) {
+        if constexpr (S::kGroupSums) {
+          if (first)
+            mma_16816_first(a, act[buf][b], grp[j][b]);
+          else
+            mma_16816(a, act[buf][b], grp[j][b]);
+        } else
+          mma_16816(a, act[buf][b], tot[j][b]);
+      }
+    }
+    if constexpr (S::kRaw) {
+      // -8 * 2^-24 on K rows 0..7 and -128 * 2^-24 on rows 8..15 (whose activations are / 16):
+      // both exact fp16 subnormals, the same for every row of N.
+      constexpr uint32_t kLo = 0x80088008u, kHi = 0x80808080u;
+      const uint32_t minus8[4] = {kLo, kLo, kHi, kHi};
+#pragma unroll
+      for (int b = 0; b < MB; b++) {
+        if (S::kGroupSums && first)
+          mma_16816_first(minus8, act[buf][b], corr[b]);
+        else
+          mma_16816(minus8, act[buf][b], corr[b]);
+      }
+    }
+  };
+
+  // The lane's 8 scales of the group in `stage` are one int4 (b_scales permutation: position
+  // 8 g + 2 j is column 16 j + g, 8 g + 2 j + 1 is 16 j + 8 + g). Read at sub-step 0: after the
+  // barrier that made the stage visible, before the one after which the slot is refilled.
+  const int s_sh_rd = S::kAStage + S::kBStage + wn * 8 + g;
+  auto load_scales = [&](int stage) {
+    if constexpr (GROUPED) s_cur = smem[stage * S::kStageInt4 + s_sh_rd];
+  };
+
+  // tot += scale * grp at the end of each group (grp is restarted by the next group's first mma)
+  auto apply_group = [&]() {
+    if constexpr (S::kGroupSums) {
+      const half* sc = reinterpret_cast<const half*>(&s_cur);
+      constexpr float k2p24 = 16777216.f;  // the raw sums carry 2^-24
+#pragma unroll
+      for (int j = 0; j < 4; j++) {
+        const float s_lo = __half2float(sc[2 * j]) * k2p24, s_hi = __half2float(sc[2 * j + 1]) * k2p24;
+#pragma unroll
+        for (int b = 0; b < MB; b++) {
+          tot[j][b][0] = fmaf(s_lo, grp[j][b][0] + corr[b][0], tot[j][b][0]);
+          tot[j][b][1] = fmaf(s_lo, grp[j][b][1] + corr[b][1], tot[j][b][1]);
+          tot[j][b][2] = fmaf(s_hi, grp[j][b][2] + corr[b][2], tot[j][b][2]);
+          tot[j][b][3] = fmaf(s_hi, grp[j][b][3] + corr[b][3], tot[j][b][3]);
+        }
+      }
+    }
+  };
+
+  // ---- end of a column: add the K warps, reduce with the other blocks, write C
+  auto finish_column = [&](const Where& w) {
+    if constexpr (S::kRaw && !S::kGroupSums) {  // per column: the whole column is one raw sum
+#pragma unroll
+      for (int j = 0; j < 4; j++)
+#pragma unroll
+        for (int b = 0; b < MB; b++)
+#pragma unroll
+          for (int e = 0; e < 4; e++) tot[j][b][e] = (tot[j][b][e] + corr[b][e]) * 16777216.f;
+#pragma unroll
+      for (int b = 0; b < MB; b++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) corr[b][e] = 0.f;
+    }
+    if constexpr (KW == 2) {
+      float4* red = reinterpret_cast<float4*>(smem + S::kPipeInt4) + wn * (S::kAccFloats / 4) * 32 + lane;
+      if (wk == 1) {
+#pragma unroll
+        for (int j = 0; j < 4; j++)
+#pragma unroll
+          for (int b = 0; b < MB; b++) red[(j * MB + b) * 32] = make_float4(tot[j][b][0], tot[j][b][1], tot[j][b][2], tot[j][b][3]);
+      }
+      __syncthreads();
+      if (wk == 0) {
+#pragma unroll
+        for (int j = 0; j < 4; j++)
+#pragma unroll
+          for (int b = 0; b < MB; b++) {
+            const float4 v = red[(j * MB + b) * 32];
+            tot[j][b][0] += v.x;
+            tot[j][b][1] += v.y;
+            tot[j][b][2] += v.z;
+            tot[j][b][3] += v.w;
+          }
+      }
+    }
+
+    const int first_block = (w.col * k_tiles) / T;
+    const int last_block = (w.col * k_tiles + k_tiles - 1) / T;
+    const int n_parts = last_block - first_block + 1;
+    // Lane's element (j, b, e) is C[row 8 b + 2 c4 + e % 2][tile column 64 wn + g + 16 j + 8 (e / 2)]:
+    // one base per lane plus compile-time offsets, and a row limit instead of per-element tests.
+    const int lim = w.rows - 2 * c4;  // element rows 8 b + e % 2 below this exist
+    const int col0 = w.nt * S::kTileN + wn * 64 + g;
+    if (n_parts == 1) {
+      if (wk == 0) {
+        float s_lo[4], s_hi[4];
+#pragma unroll
+        for (int j = 0; j < 4; j++) {
+          s_lo[j] = s_hi[j] = 1.f;
+          if constexpr (!GROUPED) {  // per-column scales, natural order, applied to the fp32 sum
+            const half* sc = reinterpret_cast<const half*>(p.s) + col0;
+            s_lo[j] = __half2float(sc[16 * j]);
+            s_hi[j] = __half2float(sc[16 * j + 8]);
+          }
+        }
+        half* c_lane = p.c + static_cast<long long>(w.row0 + 2 * c4) * p.n + col0;
+#pragma unroll
+        for (int b = 0; b < MB; b++)
+#pragma unroll
+          for (int e = 0; e < 4; e++) {
+            if (8 * b + e % 2 < lim) {
+              half* row = c_lane + static_cast<long long>(8 * b + e % 2) * p.n;
+#pragma unroll
+              for (int j = 0; j < 4; j++) row[16 * j + 8 * (e / 2)] = __float2half_rn(tot[j][b][e] * (e < 2 ? s_lo[j] : s_hi[j]));
+            }
+          }
+      }
+      zero(tot);
+      return;
+    }
+
+    // Split column. Slots hold [rows][kTileN] fp32. Block b uses slot 2b for the column its stripe
+    // starts in and 2b+1 for the one it ends in; every block after the column's first starts in it.
+    const long long col_start = static_cast<long long>(w.col) * k_tiles;
+    auto slot_of = [&](int block) {
+      const bool starts_here = static_cast<long long>(block) * T >= col_start;
+      return reinterpret_cast<float*>(p.partial) + static_cast<long long>(2 * block + (starts_here ? 0 : 1)) * S::kPartialFloats;
+    };
+    if (wk == 0) {
+      float* mine = slot_of(blockIdx.x) + 2 * c4 * S::kTileN + wn * 64 + g;
+#pragma unroll
+      for (int b = 0; b < MB; b++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) {
+          if (8 * b + e % 2 < lim) {
+#pragma unroll
+            for (int j = 0; j < 4; j++) __stcg(mine + (8 * b + e % 2) * S::kTileN + 16 * j + 8 * (e / 2), tot[j][b][e]);
+          }
+        }
+      __threadfence();
+    }
+    zero(tot);
+    __syncthreads();
+    if (tid == 0) {
+      arrived = atomicAdd(p.locks + first_block, 1);
+      if (arrived == n_parts - 1) p.locks[first_block] = 0;  // last one: leave the counter zeroed
+    }
+    __syncthreads();
+    if (arrived != n_parts - 1) return;
+
+    // The last to arrive adds the parts in block order, 4 columns per thread and step, with the
+    // loads of up to kBatch parts in flight together, then scales and writes 4 halves of C.
+    __threadfence();
+    constexpr int kBatch = 8;
+    constexpr int kRowChunks = S::kTileN / 4;
+    for (int x = tid; x < w.rows * kRowChunks; x += kThreads) {
+      const int r = x / kRowChunks, cc = 4 * (x % kRowChunks);
+      float4 sum = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll 1
+      for (int blk = first_block; blk <= last_block; blk += kBatch) {
+        float4 v[kBatch];
+#pragma unroll
+        for (int q = 0; q < kBatch; q++)
+          if (blk + q <= last_block) v[q] = __ldcg(reinterpret_cast<const float4*>(slot_of(blk + q) + r * S::kTileN + cc));
+#pragma unroll
+        for (int q = 0; q < kBatch; q++)
+          if (blk + q <= last_block) {
+            sum.x += v[q].x;
+            sum.y += v[q].y;
+            sum.z += v[q].z;
+            sum.w += v[q].w;
+          }
+      }
+      const long long c_col = static_cast<long long>(w.nt) * S::kTileN + cc;
+      if constexpr (!GROUPED) {
+        const half2* sc = reinterpret_cast<const half2*>(reinterpret_cast<const half*>(p.s) + c_col);
+        const float2 s01 = __half22float2(sc[0]), s23 = __half22float2(sc[1]);
+        sum.x *= s01.x;
+        sum.y *= s01.y;
+        sum.z *= s23.x;
+        sum.w *= s23.y;
+      }
+      half2 out[2] = {__floats2half2_rn(sum.x, sum.y), __floats2half2_rn(sum.z, sum.w)};
+      *reinterpret_cast<uint2*>(p.c + static_cast<long long>(w.row0 + r) * p.n + c_col) = *reinterpret_cast<uint2*>(out);
+    }
+  };
+
+
+  // ---- main loop over the stripe, one tile (= one 128-row group) per stage
+  zero(tot);
+#pragma unroll
+  for (int b = 0; b < MB; b++)
+#pragma unroll
+    for (int e = 0; e < 4; e++) corr[b][e] = 0.f;
+  seek(0);
+#pragma unroll
+  for (int s = 0; s < STAGES - 1; s++) fetch_stage(s);
+  wait_stage();
+  fetch_regs(0, 0, 0);
+
+  int i = 0;       // next tile of the stripe to compute
+  int phase = 0;   // its slot in the ring of stages
+  Where cur = where(0);
+  int col_end = min(n_mine, k_tiles - cur.kt);  // stripe index where the current column stops
+  while (i < n_mine) {
+#pragma unroll
+    for (int stage = 0; stage < STAGES; stage++) {
+      if (stage < phase) continue;  // resuming mid-ring after a column epilogue
+#pragma unroll
+      for (int u = 0; u < SUB; u++) {
+        const int buf = (stage * SUB + u) % 2;
+        if (u == 0) load_scales(stage);
+        if (u == SUB - 1) {
+          fetch_stage((stage + STAGES - 1) % STAGES);
+          wait_stage();
+          fetch_regs(buf ^ 1, (stage + 1) % STAGES, 0);
+        } else {
+          fetch_regs(buf ^ 1, stage, u + 1);
+        }
+        compute(buf, u == 0);
+      }
+      apply_group();
+      i++;
+      phase = (stage + 1) % STAGES;
+      if (i == col_end) break;
+    }
+    if (i == col_end) {
+      finish_column(cur);
+      if (i < n_mine) {
+        cur = where(i);
+        col_end = min(n_mine, i + k_tiles);
+      }
+    }
+  }
+  cp_async_wait<0>();
+}
+
+}  // namespace marlin
