@@ -385,14 +385,19 @@ def _git_usable() -> bool:
 def git_info(expect_rev: Optional[str] = None, expect_tree: Optional[str] = None) -> dict:
     """git_rev, csrc_tree (committed), csrc_worktree_tree (on disk), git_dirty and the dirty paths.
 
-    git_dirty: with git, whether ``git status --porcelain csrc`` lists anything; without git (a copy
-    of the tree), whether the on-disk tree differs from ``expect_tree`` (``--csrc-tree``, e.g. the
-    caller's ``git rev-parse HEAD:csrc``); None when it cannot be told."""
+    git_dirty: when ``expect_tree`` is given (``--csrc-tree``, e.g. the caller's ``git rev-parse
+    HEAD:csrc``), whether the on-disk tree differs from it (a copy may carry an unrelated or stale
+    git); otherwise, with git, whether ``git status --porcelain csrc`` lists anything; None when it
+    cannot be told."""
     try:
         work = git_tree_hash(REPO / "csrc")
     except OSError:
         work = None
-    if _git_usable():
+    if expect_tree is not None:
+        # given explicitly (a copy whose git, if any, is not the caller's): trust it only as far as
+        # the on-disk tree hash matches it
+        rev, tree, status, source = expect_rev, expect_tree, None, "given"
+    elif _git_usable():
         rev = _git("rev-parse", "HEAD")
         tree = _git("rev-parse", "HEAD:csrc")
         status = _git("status", "--porcelain", "--", "csrc")

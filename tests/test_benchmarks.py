@@ -191,6 +191,17 @@ def test_git_info_without_git_uses_the_given_tree(monkeypatch):
     assert B.collect_meta(torch.device("cpu"), "x")["git_dirty"] is False
 
 
+def test_given_tree_wins_over_a_copy_with_an_unrelated_git(monkeypatch):
+    # the device copy may carry a stale git whose HEAD is an older commit: the given tree decides
+    work = B.git_tree_hash(B.REPO / "csrc")
+    monkeypatch.setattr(B, "_git_usable", lambda: True)
+    monkeypatch.setattr(B, "_git", lambda *a: "s" * 40 if a[:1] == ("rev-parse",) else " M csrc/x.cu")
+    info = B.git_info("abc", work)
+    assert info["provenance_source"] == "given" and info["git_dirty"] is False and info["git_rev"] == "abc"
+    assert B.git_info("abc", "0" * 40)["git_dirty"] is True
+    assert B.git_info()["provenance_source"] == "git" and B.git_info()["git_dirty"] is True
+
+
 def test_git_in_an_empty_repository_is_not_trusted(monkeypatch):
     answers = {("rev-parse", "--show-toplevel"): str(B.REPO), ("rev-parse", "--verify", "-q", "HEAD"): None}
     monkeypatch.setattr(B, "_git", lambda *a: answers.get(a))
