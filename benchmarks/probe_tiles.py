@@ -1,26 +1,18 @@
 """Development probe: time marlin.gemm with each forced tile configuration on a few layers.
 
-    python -m benchmarks.probe_tiles
+    python -m benchmarks.probe_tiles            (PROBE_MS=1,8,16 PROBE_IDEAL=1 to choose points)
 Same method as bench_gemm (weights rotated past L2, CUDA-graph replay, medians), fewer points.
 Used to fill the tile table in csrc/cuda/marlin_gemm.cu; results go to benchmarks/NOTES.md.
 """
 
+import os
+
 import torch
 
 import marlin
+from benchmarks.shapes import BENCH_SHAPES, ideal_shape
 
-import os
-
-SHAPES = {
-    "7B_qkv": (4096, 12288),
-    "7B_o": (4096, 4096),
-    "7B_gateup": (4096, 22016),
-    "7B_down": (11008, 4096),
-    "70B_qkv": (8192, 10240),
-    "70B_o": (8192, 8192),
-    "70B_gateup": (8192, 57344),
-    "70B_down": (28672, 8192),
-}
+SHAPES = dict(BENCH_SHAPES)  # the Llama-2 7B / 70B layers
 MS = [int(m) for m in os.environ.get("PROBE_MS", "1,4,8,16,32,64").split(",")]
 # (None, None) = the planner's choice; then the tiled kernel's and the small-batch kernel's tiles
 TILES = [(None, None), (128, 128), (64, 256), (128, 256), (128, 512)]
@@ -48,7 +40,7 @@ def main():
     props = torch.cuda.get_device_properties(0)
     l2 = props.L2_cache_size
     if os.environ.get("PROBE_IDEAL", "0") == "1":
-        SHAPES["ideal"] = (1024 * props.multi_processor_count, 256 * props.multi_processor_count)
+        SHAPES["ideal"] = ideal_shape(props.multi_processor_count)
     print("time in us (fp16 column: torch.matmul)")
     print("shape        M |         fp16 | " + " | ".join(f"{str(t):>12}" for t in TILES))
     for name, (k, n) in SHAPES.items():
