@@ -3,7 +3,9 @@
 Switches (environment variables):
   MARLIN_CUDA=auto|0|1   build the CUDA kernels: auto (default) when torch was built with CUDA and
                          nvcc is found (no GPU needed); 1 insists (fails otherwise); 0 never.
-  TORCH_CUDA_ARCH_LIST   CUDA targets; default "8.0;8.6;8.9;9.0+PTX".
+  TORCH_CUDA_ARCH_LIST   CUDA targets; default "8.0;8.6;8.9;9.0a;9.0+PTX". Naming 9.0a builds the
+                         wgmma (Hopper) kernels and defines MARLIN_SM90A; without it H100/H200
+                         run the mma.sync kernels.
   MAX_JOBS, NVCC_THREADS parallel compile jobs, and nvcc threads per job.
   MARLIN_DEBUG=1         -O0 -g host code and -lineinfo device code.
 Install with `pip install --no-build-isolation .` so that the torch already installed is used.
@@ -19,7 +21,7 @@ import torch
 from torch.utils import cpp_extension
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
-DEFAULT_ARCHS = "8.0;8.6;8.9;9.0+PTX"
+DEFAULT_ARCHS = "8.0;8.6;8.9;9.0a;9.0+PTX"
 
 
 def want_cuda() -> bool:
@@ -50,6 +52,10 @@ def extension():
     print(f"marlin: building CPU and CUDA ops for TORCH_CUDA_ARCH_LIST={os.environ['TORCH_CUDA_ARCH_LIST']}")
     sources += sorted(glob.glob("csrc/cuda/*.cpp")) + sorted(glob.glob("csrc/cuda/*.cu"))
     nvcc = ["-O3", "-std=c++17", "--expt-relaxed-constexpr", "-Xptxas=-warn-spills"]
+    archs = [a.strip() for a in os.environ["TORCH_CUDA_ARCH_LIST"].replace(",", ";").split(";")]
+    if any(a.split("+")[0] == "9.0a" for a in archs):
+        cxx.append("-DMARLIN_SM90A")
+        nvcc.append("-DMARLIN_SM90A")
     if debug:
         nvcc.append("-lineinfo")
     if "NVCC_THREADS" in os.environ:

@@ -1,6 +1,7 @@
 """Development probe: time marlin.gemm with each forced tile configuration on a few layers.
 
-    python -m benchmarks.probe_tiles            (PROBE_MS=1,8,16 PROBE_IDEAL=1 to choose points)
+    python -m benchmarks.probe_tiles            (PROBE_MS=1,8,16 PROBE_IDEAL=1 PROBE_TILES=... to
+                                                 choose points; MARLIN_WGMMA=0 for mma.sync only)
 Same method as bench_gemm (weights rotated past L2, CUDA-graph replay, medians), fewer points.
 Used to fill the tile table in csrc/cuda/marlin_gemm.cu; results go to benchmarks/NOTES.md.
 """
@@ -15,7 +16,9 @@ from benchmarks.shapes import BENCH_SHAPES, ideal_shape
 SHAPES = dict(BENCH_SHAPES)  # the Llama-2 7B / 70B layers
 MS = [int(m) for m in os.environ.get("PROBE_MS", "1,4,8,16,32,64").split(",")]
 # (None, None) = the planner's choice; then the tiled kernel's and the small-batch kernel's tiles
-TILES = [(None, None), (128, 128), (64, 256), (128, 256), (128, 512)]
+# (PROBE_TILES=auto,64x256,128x256 to choose)
+_TILE_NAMES = os.environ.get("PROBE_TILES", "auto,128x128,64x256,128x256,128x512").split(",")
+TILES = [(None, None) if t == "auto" else tuple(int(v) for v in t.split("x")) for t in _TILE_NAMES]
 
 
 def time_us(fn, reps=20, rounds=7):

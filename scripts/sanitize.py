@@ -16,6 +16,10 @@ CASES = [  # (M, K, N, group size, forced tile): both kernels, split columns, se
     (200, 512, 768, -1, None),  # tiled kernel, four 64-row slices
     (5, 2048, 1536, 128, None),  # small-batch kernel (M <= 8), split columns
     (40, 1152, 2048, -1, (128, 512)),  # small-batch kernel, two 32-row slices, 512-column tile
+    # on H100/H200 (sm_90a build) the wgmma variant: 16 rows with group sums and split columns;
+    # 70 rows as a 64-row and a 6-row slice with group-scaled weights
+    (13, 2048, 1536, 128, (128, 512)),
+    (70, 1152, 1536, 128, None),
 ]
 
 

@@ -33,7 +33,7 @@ LLAMA_SHAPES = {
 }
 # small and odd multiples of the 128 x 128 tile, incl. N that only the 128-wide tile divides
 # (those go to the tiled kernel at every M), N = 5 x 256 and 3 x 512 (small-batch kernel at
-# M <= 32), and a wide, shallow layer where one block's stripe covers several whole columns
+# M <= 32, at every M with wgmma), and a wide, shallow layer where one block's stripe covers several whole columns
 # plus parts of two more.
 SMALL_SHAPES = {
     "128x128": (128, 128),
@@ -115,8 +115,10 @@ def test_llama_shapes(g, shape, m):
 # Every compiled kernel instance runs at least once (a miscompiled instance, such as the
 # published kernel's dropped cache-policy register, dies with "illegal instruction" here).
 INSTANCES = list(itertools.product([1, 2, 3, 4], [(128, 128), (64, 256)], GROUPS))
-# the small-batch kernel: slices of 8, 16, 32 rows x tiles 128x256, 128x512
-SMALL_M_INSTANCES = list(itertools.product([1, 2, 4], [(128, 256), (128, 512)], GROUPS))
+# the small-batch kernel: slices of 8, 16, 32 rows (mma.sync) or 16, 32, 64 rows (wgmma, on
+# H100/H200 when built for sm_90a) x tiles 128x256, 128x512
+SMALL_M_SLICES = {1: (1, 5, 8), 2: (9, 16), 4: (17, 31, 32), 8: (33, 64, 70, 130)}
+SMALL_M_INSTANCES = list(itertools.product(SMALL_M_SLICES, [(128, 256), (128, 512)], GROUPS))
 
 
 @pytest.mark.parametrize("m_blocks,tile,g", INSTANCES)
@@ -129,9 +131,46 @@ def test_every_kernel_instance(m_blocks, tile, g):
 @pytest.mark.parametrize("mb,tile,g", SMALL_M_INSTANCES)
 def test_every_small_batch_instance(mb, tile, g):
     layer = get_layer(1152, 1536 if tile[1] == 256 else 2048, g)
-    # the planner picks mb from M; forced tiles also run M > 32 as several slices of 32 rows
-    for m in {1: (1, 5, 8), 2: (9, 16), 4: (17, 31, 32, 70)}[mb]:
+    # the planner picks the slice from M; forced tiles run larger M as several slices (of 32
+    # rows with mma.sync, 64 with wgmma), so mb=8 covers both
+    for m in SMALL_M_SLICES[mb]:
         check(layer, m, tile_k=tile[0], tile_n=tile[1])
+
+
+_MMA_SYNC_SCRIPT = """
+import sys, torch, marlin
+from marlin import packing
+sys.path.insert(0, "tests")
+from conftest import fp32_matmul, rel_err
+torch.manual_seed(0)
+for g in (128, -1):
+    w = torch.randn(1152, 1536, device="cuda")
+    q, s = packing.quantize(w, g)
+    b_q, b_s = packing.pack(q, s)
+    w_exact = packing.dequantize(q, s)
+    for m in (9, 16, 17, 32, 70):
+        for tile_n in (256, 512):
+            a = torch.randn(m, 1152, device="cuda", dtype=torch.float16)
+            c = torch.full((m, 1536), float("nan"), device="cuda", dtype=torch.float16)
+            c = marlin.gemm(a, b_q, b_s, tile_k=128, tile_n=tile_n)
+            ref = fp32_matmul(a, w_exact)
+            err, base = rel_err(c, ref), rel_err(a @ w_exact.half(), ref)
+            assert err <= 1.5 * base + 1e-7, (g, m, tile_n, err, base)
+print("ok")
+"""
+
+
+def test_mma_sync_small_batch_instances_with_wgmma_off():
+    """On a wgmma device the mma.sync slices of 16 and 32 rows run only with MARLIN_WGMMA=0 (the
+    knob is read once per process, hence the subprocess); elsewhere this repeats the test above."""
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, MARLIN_WGMMA="0")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    r = subprocess.run([sys.executable, "-c", _MMA_SYNC_SCRIPT], cwd=root, env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stdout + r.stderr
 
 
 def test_repeated_calls_are_bit_identical():

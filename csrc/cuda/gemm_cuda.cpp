@@ -7,6 +7,7 @@
 #include <torch/library.h>
 
 #include <cstdlib>
+#include <string>
 
 #include "../gemm_checks.h"
 #include "marlin_gemm.h"
@@ -20,6 +21,16 @@ int tuning_blocks_per_sm() {
   static const int value = [] {
     const char* env = std::getenv("MARLIN_BLOCKS_PER_SM");
     return env ? std::atoi(env) : 0;
+  }();
+  return value;
+}
+
+// Tuning knob for benchmarks and tests: MARLIN_WGMMA=0 keeps the sm_90a (wgmma) kernels off, so
+// that the mma.sync kernels can be measured and tested on Hopper too. Read once per process.
+bool tuning_wgmma_allowed() {
+  static const bool value = [] {
+    const char* env = std::getenv("MARLIN_WGMMA");
+    return !(env && std::string(env) == "0");
   }();
   return value;
 }
@@ -60,6 +71,8 @@ at::Tensor gemm_cuda(const at::Tensor& a, const at::Tensor& b_q, const at::Tenso
   args.max_smem = static_cast<int>(prop->sharedMemPerBlockOptin);
   args.max_smem_per_sm = static_cast<int>(prop->sharedMemPerMultiprocessor);
   args.blocks_per_sm = tuning_blocks_per_sm();
+  // sm_90a code runs on compute capability 9.0 only (H100, H200), and only if it was built
+  args.wgmma = kBuiltWithSm90a && prop->major == 9 && prop->minor == 0 && tuning_wgmma_allowed();
   TORCH_CHECK(reinterpret_cast<uintptr_t>(args.b_q) % 16 == 0 && reinterpret_cast<uintptr_t>(args.scales) % 16 == 0,
               "marlin.gemm: b_q and b_scales must be 16-byte aligned (got a view with an offset?)");
 

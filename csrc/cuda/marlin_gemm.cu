@@ -30,12 +30,26 @@ constexpr int kSmallMDeepK = 16384;
 constexpr int kSmallMMaxM = 32;
 constexpr long long kSmallMHugeBytesPerSm = 8LL << 20;
 
+// With wgmma (sm_90a, compute capability 9.0; measured on an H200, benchmarks/NOTES.md
+// "Session 3"): the wgmma variant takes 9-16 rows on layers where each SM streams >= 768 KB
+// (with the 512-column tile), 17-64 rows where each SM streams >= 256 KB, and every M above
+// 64, in slices of 64 rows. Elsewhere the rules above apply.
+constexpr long long kWg16BytesPerSm = 768LL << 10;
+constexpr long long kWg64BytesPerSm = 256LL << 10;
+constexpr int kWgSliceRows = 64;
+
 // 0: use the tiled kernel; else the small-batch kernel's tile width.
 int small_m_tile(const GemmArgs& a) {
-  if (a.n % 256 != 0 || a.k % 128 != 0 || a.m > kSmallMMaxM) return 0;
+  if (a.n % 256 != 0 || a.k % 128 != 0) return 0;
+  const long long bytes_per_sm = static_cast<long long>(a.k) * a.n / 2 / std::max(1, a.sms);
+  if (a.wgmma && a.m > kSmallMAlways) {
+    if (a.m > kWgSliceRows) return 256;
+    if (a.m > kSmallMDeep && bytes_per_sm >= kWg64BytesPerSm) return 256;
+    if (a.m <= kSmallMDeep && bytes_per_sm >= kWg16BytesPerSm) return a.n % 512 == 0 ? 512 : 256;
+  }
+  if (a.m > kSmallMMaxM) return 0;
   if (a.m <= kSmallMAlways) return 256;
   if (a.m <= kSmallMDeep && a.k >= kSmallMDeepK) return 256;
-  const long long bytes_per_sm = static_cast<long long>(a.k) * a.n / 2 / std::max(1, a.sms);
   if (bytes_per_sm >= kSmallMHugeBytesPerSm) return a.n % 512 == 0 ? 512 : 256;
   return 0;
 }
@@ -73,31 +87,38 @@ bool find_instance(int m_blocks, TileConfig tile, bool grouped, Instance* out) {
   return false;
 }
 
-template <int MB, int NW, bool G>
+template <int MB, int NW, bool G, bool WG>
 Instance make_smallm_instance() {
-  using S = SmallMShapeOf<MB, NW, G>;
-  return Instance{kSmallMMinBlocksPerSm<MB>, S::kSmemBytes, S::kPartialFloats, &launch_smallm<MB, NW, G>};
+  using S = SmallMShapeOf<MB, NW, G, WG>;
+  return Instance{kSmallMMinBlocksPerSm<MB, WG>, S::kSmemBytes, S::kPartialFloats, &launch_smallm<MB, NW, G, WG>};
 }
 
-// The small-batch instances: MB n8 tiles of the batch (1, 2, 4) x 256 or 512 columns x scales.
-bool find_smallm_instance(int mb, int tile_n, bool grouped, Instance* out) {
-#define MARLIN_TRY(MB, NW)                                                                            \
-  if (mb == MB && tile_n == 64 * NW) {                                                               \
-    *out = grouped ? make_smallm_instance<MB, NW, true>() : make_smallm_instance<MB, NW, false>(); \
-    return true;                                                                                     \
+// The small-batch instances: MB n8 tiles of the batch (1, 2, 4 with mma.sync; 2, 4, 8 with
+// wgmma) x 256 or 512 columns x scales.
+bool find_smallm_instance(int mb, int tile_n, bool grouped, bool wg, Instance* out) {
+#define MARLIN_TRY(MB, NW, WG)                                                                                \
+  if (mb == MB && tile_n == 64 * NW && wg == WG) {                                                           \
+    *out = grouped ? make_smallm_instance<MB, NW, true, WG>() : make_smallm_instance<MB, NW, false, WG>(); \
+    return true;                                                                                             \
   }
-  MARLIN_TRY(1, 4)
-  MARLIN_TRY(1, 8)
-  MARLIN_TRY(2, 4)
-  MARLIN_TRY(2, 8)
-  MARLIN_TRY(4, 4)
-  MARLIN_TRY(4, 8)
+  MARLIN_TRY(1, 4, false)
+  MARLIN_TRY(1, 8, false)
+  MARLIN_TRY(2, 4, false)
+  MARLIN_TRY(2, 8, false)
+  MARLIN_TRY(4, 4, false)
+  MARLIN_TRY(4, 8, false)
+  MARLIN_TRY(2, 4, true)
+  MARLIN_TRY(2, 8, true)
+  MARLIN_TRY(4, 4, true)
+  MARLIN_TRY(4, 8, true)
+  MARLIN_TRY(8, 4, true)
+  MARLIN_TRY(8, 8, true)
 #undef MARLIN_TRY
   return false;
 }
 
 bool find_planned_instance(const GemmPlan& plan, bool grouped, Instance* out) {
-  return plan.small_m ? find_smallm_instance(plan.m_blocks, plan.tile.tile_n, grouped, out)
+  return plan.small_m ? find_smallm_instance(plan.m_blocks, plan.tile.tile_n, grouped, plan.wgmma, out)
                       : find_instance(plan.m_blocks, plan.tile, grouped, out);
 }
 
@@ -134,15 +155,17 @@ std::string finish_plan(const GemmArgs& args, const Instance& inst, GemmPlan* pl
   return "";
 }
 
-// The small-batch kernel: batch slices of 8, 16 or 32 rows, tiles of 128 x 256 or 128 x 512.
+// The small-batch kernel: batch slices of 8, 16 or 32 rows (64 with wgmma), tiles of 128 x 256
+// or 128 x 512. Above 8 rows on a wgmma-capable device and build, the wgmma variant.
 std::string plan_small_m(const GemmArgs& args, int tile_n, GemmPlan* plan) {
   const bool grouped = args.groups > 1;
   plan->small_m = true;
-  plan->m_blocks = args.m <= 8 ? 1 : args.m <= 16 ? 2 : 4;
+  plan->wgmma = args.wgmma && args.m > 8;
+  plan->m_blocks = args.m <= 8 ? 1 : args.m <= 16 ? 2 : (args.m <= 32 || !plan->wgmma) ? 4 : 8;
   plan->m_slices = (args.m + 8 * plan->m_blocks - 1) / (8 * plan->m_blocks);
   plan->tile = TileConfig{128, tile_n};
   Instance inst;
-  if (!find_smallm_instance(plan->m_blocks, tile_n, grouped, &inst))
+  if (!find_smallm_instance(plan->m_blocks, tile_n, grouped, plan->wgmma, &inst))
     return "marlin.gemm: internal error, no small-batch kernel for " + describe(args, plan->tile, plan->m_blocks);
   if (args.k % 128 != 0 || args.n % tile_n != 0)
     return "marlin.gemm: k=" + std::to_string(args.k) + " n=" + std::to_string(args.n) +
@@ -170,6 +193,7 @@ std::string plan_gemm(const GemmArgs& args, int tile_k, int tile_n, GemmPlan* pl
   }
 
   plan->small_m = false;
+  plan->wgmma = false;
   plan->m_blocks = std::min(4, (args.m + 15) / 16);
   plan->m_slices = (args.m + 16 * plan->m_blocks - 1) / (16 * plan->m_blocks);
   const TileConfig* table = args.m <= 16 ? kSmallBatchTiles : kLargeBatchTiles;

@@ -30,12 +30,14 @@ struct GemmArgs {
   int max_smem;         // opt-in shared memory per block of the device, bytes
   int max_smem_per_sm;  // shared memory per multiprocessor, bytes
   int blocks_per_sm;    // cap on resident blocks per multiprocessor; <= 0: as many as fit
+  bool wgmma = false;   // the sm_90a (wgmma) small-batch instances may run: built, and a 9.0 device
 };
 
 // What plan() decided: printed in errors and benchmarks.
 struct GemmPlan {
   TileConfig tile{0, 0};
   bool small_m = false;  // the small-batch kernel (smallm_kernel.cuh) rather than marlin_kernel.cuh
+  bool wgmma = false;    // its sm_90a variant (warpgroup mma; slices of up to 64 rows)
   int m_blocks = 0;      // rows of M per slice: 16 * m_blocks, or 8 * m_blocks for small_m
   int m_slices = 0;      // slices of M
   int blocks_per_sm = 1;
@@ -52,6 +54,15 @@ std::string plan_gemm(const GemmArgs& args, int tile_k, int tile_n, GemmPlan* pl
 
 // Launches the planned kernel on `stream`. Returns an empty string or an error message.
 std::string launch_gemm(const GemmArgs& args, const GemmPlan& plan, cudaStream_t stream);
+
+// Whether this build contains the sm_90a (wgmma) kernels: setup.py defines MARLIN_SM90A when
+// TORCH_CUDA_ARCH_LIST names 9.0a.
+constexpr bool kBuiltWithSm90a =
+#ifdef MARLIN_SM90A
+    true;
+#else
+    false;
+#endif
 
 // The lock counters the kernel may use: one per block, at most this many (2 blocks per SM).
 int max_locks(int sms);

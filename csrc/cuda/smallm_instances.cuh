@@ -10,20 +10,21 @@
 namespace marlin {
 
 // Stages of the ring: 3 for the 512-column tile at MB <= 2, so that two blocks fit one SM's
-// shared memory (2 x 111 KB at most); 4 otherwise.
-template <int MB, int NW>
-constexpr int kSmallMStages = (NW == 8 && MB <= 2) ? 3 : 4;
+// shared memory (2 x 111 KB at most); 4 otherwise. WG (sm_90a, one block per SM) keeps only
+// STAGES - 2 stages in flight, so it gets 5 (at most 206 KB), and 4 at MB = 8 (197 KB).
+template <int MB, int NW, bool WG>
+constexpr int kSmallMStages = WG ? (MB == 8 ? 4 : 5) : (NW == 8 && MB <= 2) ? 3 : 4;
 
-template <int MB, int NW, bool GROUPED>
-using SmallMShapeOf = SmallMShape<MB, NW, kSmallMStages<MB, NW>, GROUPED>;
+template <int MB, int NW, bool GROUPED, bool WG = false>
+using SmallMShapeOf = SmallMShape<MB, NW, kSmallMStages<MB, NW, WG>, GROUPED, WG>;
 
-template <int MB, int NW, bool GROUPED>
+template <int MB, int NW, bool GROUPED, bool WG>
 cudaError_t launch_smallm(const KernelParams& p, int grid, int smem, cudaStream_t stream);
 
 #define MARLIN_DEFINE_SMALLM_LAUNCH                                                             \
-  template <int MB, int NW, bool GROUPED>                                                       \
+  template <int MB, int NW, bool GROUPED, bool WG>                                              \
   cudaError_t launch_smallm(const KernelParams& p, int grid, int smem, cudaStream_t stream) {    \
-    auto kernel = marlin_smallm_kernel<MB, NW, kSmallMStages<MB, NW>, GROUPED>;                 \
+    auto kernel = marlin_smallm_kernel<MB, NW, kSmallMStages<MB, NW, WG>, GROUPED, WG>;         \
     static SmemAttrCache cache;                                                                 \
     cudaError_t err = cache.ensure(reinterpret_cast<const void*>(kernel), smem);                \
     if (err != cudaSuccess) return err;                                                         \
@@ -31,11 +32,11 @@ cudaError_t launch_smallm(const KernelParams& p, int grid, int smem, cudaStream_
     return cudaGetLastError();                                                                  \
   }
 
-// Both tile widths x (group 128, per column) for one MB.
-#define MARLIN_INSTANTIATE_SMALLM(MB)                                                               \
-  template cudaError_t launch_smallm<MB, 4, true>(const KernelParams&, int, int, cudaStream_t);  \
-  template cudaError_t launch_smallm<MB, 4, false>(const KernelParams&, int, int, cudaStream_t); \
-  template cudaError_t launch_smallm<MB, 8, true>(const KernelParams&, int, int, cudaStream_t);  \
-  template cudaError_t launch_smallm<MB, 8, false>(const KernelParams&, int, int, cudaStream_t);
+// Both tile widths x (group 128, per column) for one MB, with mma.sync (WG false) or wgmma.
+#define MARLIN_INSTANTIATE_SMALLM(MB, WG)                                                               \
+  template cudaError_t launch_smallm<MB, 4, true, WG>(const KernelParams&, int, int, cudaStream_t);  \
+  template cudaError_t launch_smallm<MB, 4, false, WG>(const KernelParams&, int, int, cudaStream_t); \
+  template cudaError_t launch_smallm<MB, 8, true, WG>(const KernelParams&, int, int, cudaStream_t);  \
+  template cudaError_t launch_smallm<MB, 8, false, WG>(const KernelParams&, int, int, cudaStream_t);
 
 }  // namespace marlin

@@ -3,5 +3,5 @@
 
 namespace marlin {
 MARLIN_DEFINE_SMALLM_LAUNCH
-MARLIN_INSTANTIATE_SMALLM(2)
+MARLIN_INSTANTIATE_SMALLM(2, false)
 }  // namespace marlin

@@ -32,23 +32,39 @@
 
 #include "marlin_kernel.cuh"  // KernelParams, kThreads, kWarps
 #include "ptx.cuh"
+#include "wgmma.cuh"
 
 namespace marlin {
 
 // MB: n8 tiles of the batch per slice (slice = 8 MB rows of A); NW: warps along N (64 columns
 // each); the other kWarps / NW warps split the 8 k16 blocks of a stage.
-template <int MB, int NW, int STAGES, bool GROUPED>
+// WG (sm_90a): the mma of a k16 step is one wgmma per 16 columns of each warp, issued by the
+// warpgroup (4 warps = 64 rows of the transposed product, batch = its N of 8 MB), with the
+// activations read by the tensor cores straight from shared memory (128-byte swizzle) and the
+// dequantized weights from registers. One instruction replaces MB mma.sync, which is what made
+// the mma.sync kernel issue-bound from 16 rows on, and slices of 64 rows become possible.
+template <int MB, int NW, int STAGES, bool GROUPED, bool WG = false>
 struct SmallMShape {
+  static constexpr bool kWG = WG;
   // How the group scale is applied: at MB == 1 to fp32 group sums (one FFMA per accumulator per
   // group, 16 extra registers); from MB == 2 on to the dequantized fp16 weights (4 HMUL2 per 8
   // weights, shared by MB mma), which keeps MB == 2 within 128 registers (two blocks per SM).
-  static constexpr bool kGroupSums = GROUPED && MB == 1;
-  static constexpr bool kScaleWeights = GROUPED && MB > 1;
+  // WG: group sums at MB == 2 only. Reading them needs a full wgmma drain at every group's end,
+  // which cost more than the 4 HMUL2 it saves at MB == 4 (H200: 70B gate_up M=32 134 vs 98 us).
+  static constexpr bool kGroupSums = GROUPED && (WG ? MB == 2 : MB == 1);
+  static constexpr bool kScaleWeights = GROUPED && !kGroupSums;
   // Where scales act on fp32 sums, the weights enter the mma as raw subnormals (see
   // unpack_int4x8_subnormal): 5 instructions per 8 weights instead of 9. The sums are then
   // 2^-24 sum (q + 8) a; a second mma per k16 step against a constant matrix adds the
   // -8 * 2^-24 sum a, and the 2^24 goes into the fp32 scale.
+  // With WG the activations cannot be scaled in registers (the wgmma reads them from shared
+  // memory): each thread divides the K rows 8..15 of the chunks it copied in shared memory, once
+  // per stage, when they have landed (kPrescale).
   static constexpr bool kRaw = !kScaleWeights;
+  static constexpr bool kPrescale = WG && kRaw;
+  // Stages loaded ahead of the one computed. WG keeps one stage more out of the ring: a wgmma
+  // may still read the previous stage's activations when the next refill is issued.
+  static constexpr int kAhead = WG ? STAGES - 2 : STAGES - 1;
   static constexpr int kKW = kWarps / NW;  // warps along K: 1 or 2
   static constexpr int kTK = 8;            // k16 blocks per stage: 128 rows of K, one scale group
   static constexpr int kSub = kTK / kKW;   // k16 steps per warp per stage
@@ -59,18 +75,25 @@ struct SmallMShape {
   static constexpr int kARowInt4 = kTK * 2;          // 128 halves of one row of A
   static constexpr int kAStage = kRows * kARowInt4;
   static constexpr int kBStage = kTK * NW * 32;      // 8 k16 rows x NW chunks of 32 int4
-  static constexpr int kSStage = GROUPED ? NW * 8 : 0;  // one row of 64 NW scales
+  // one row of 64 NW scales (kSRow int4); WG pads its slot so that every stage starts on a
+  // 1024-byte swizzle atom
+  static constexpr int kSRow = GROUPED ? NW * 8 : 0;
+  static constexpr int kSStage = WG && GROUPED ? 64 : kSRow;
   static constexpr int kStageInt4 = kAStage + kBStage + kSStage;
   static constexpr int kPipeInt4 = STAGES * kStageInt4;
   // accumulators per thread: 4 row blocks of 16 columns of N x MB n8 tiles x 4
   static constexpr int kAccFloats = 4 * MB * 4;
   // end-of-column reduction of the K warps: the upper KW - 1 warp rows store theirs
   static constexpr int kRedInt4 = (kKW - 1) * NW * 32 * (kAccFloats / 4);
-  static constexpr int kSmemBytes = (kPipeInt4 + kRedInt4) * 16;
+  // WG: + 1 KB to align the dynamic shared memory to the 1024-byte swizzle atom
+  static constexpr int kSmemBytes = (kPipeInt4 + kRedInt4) * 16 + (WG ? 1024 : 0);
   // fp32 values of one block's partial tile (rows of the slice x columns of the tile)
   static constexpr int kPartialFloats = kRows * kTileN;
 
-  static_assert(MB == 1 || MB == 2 || MB == 4, "MB must be 1, 2 or 4");
+  static_assert(WG ? (MB == 2 || MB == 4 || MB == 8) : (MB == 1 || MB == 2 || MB == 4),
+                "MB must be 1, 2 or 4 (2, 4 or 8 with WG)");
+  static_assert(kAhead >= 1, "the pipeline needs a stage in flight");
+  static_assert(!WG || kStageInt4 % 64 == 0, "WG stages must keep the 1024-byte alignment");
   static_assert(kWarps % NW == 0 && kTK % kKW == 0, "warps must split the tile evenly");
   static_assert(kKW <= 2, "the column epilogue reduces at most two K warps");
   static_assert((STAGES * kSub) % 2 == 0, "register double buffer needs an even sub-step count");
@@ -78,15 +101,18 @@ struct SmallMShape {
 };
 
 // MB <= 2 fits in 128 registers, so two blocks can share an SM (more warps to hide latency).
-template <int MB>
-constexpr int kSmallMMinBlocksPerSm = MB <= 2 ? 2 : 1;
+// WG instances keep group sums and double-buffered A fragments: one block, up to 255 registers.
+template <int MB, bool WG>
+constexpr int kSmallMMinBlocksPerSm = !WG && MB <= 2 ? 2 : 1;
 
-template <int MB, int NW, int STAGES, bool GROUPED>
-__global__ void __launch_bounds__(kThreads, kSmallMMinBlocksPerSm<MB>) marlin_smallm_kernel(const KernelParams p) {
-  using S = SmallMShape<MB, NW, STAGES, GROUPED>;
+template <int MB, int NW, int STAGES, bool GROUPED, bool WG>
+__global__ void __launch_bounds__(kThreads, kSmallMMinBlocksPerSm<MB, WG>) marlin_smallm_kernel(const KernelParams p) {
+  using S = SmallMShape<MB, NW, STAGES, GROUPED, WG>;
   constexpr int KW = S::kKW, SUB = S::kSub;
-  extern __shared__ int4 smem[];
+  extern __shared__ int4 smem_raw[];
   __shared__ int arrived;
+  int4* smem = smem_raw;
+  if constexpr (WG) smem += ((1024 - (smem_addr(smem_raw) & 1023)) & 1023) / 16;
 
   const int tid = threadIdx.x;
   const int lane = tid % 32;
@@ -115,7 +141,10 @@ __global__ void __launch_bounds__(kThreads, kSmallMMinBlocksPerSm<MB>) marlin_sm
     const int idx = tid + l * kThreads;
     a_row[l] = idx / S::kARowInt4;
     a_col = idx % S::kARowInt4;  // the same for every l (kThreads is a multiple of a row)
-    a_sh_wr[l] = a_row[l] * S::kARowInt4 + (a_col ^ (a_row[l] % 8));
+    if constexpr (WG)  // [64-half block of K][row][8 chunks], 128-byte swizzle
+      a_sh_wr[l] = (a_col / 8) * (S::kRows * 8) + a_row[l] * 8 + ((a_col % 8) ^ (a_row[l] % 8));
+    else
+      a_sh_wr[l] = a_row[l] * S::kARowInt4 + (a_col ^ (a_row[l] % 8));
   }
   static_assert(kThreads % S::kARowInt4 == 0, "A copies must keep their column across rounds");
   // B: copy l of a thread reads k16 row kb0 + l * 8 / NW of the tile, at 16-byte column b_off
@@ -137,6 +166,7 @@ __global__ void __launch_bounds__(kThreads, kSmallMMinBlocksPerSm<MB>) marlin_sm
   float grp[S::kGroupSums ? 4 : 1][MB][4];     // this group's mma sums (kGroupSums only)
   float corr[MB][4];                           // kRaw: -8 * 2^-24 * (sum of the activations)
   uint32_t act[2][MB][2];                      // activation B fragments, double buffered
+  uint32_t afrag[2][4][4];                     // WG: dequantized A fragments, double buffered
   int4 wq[2];                                  // packed weights, double buffered
   int4 s_cur;                                  // this lane's 8 scales of the current group
 
@@ -183,7 +213,7 @@ __global__ void __launch_bounds__(kThreads, kSmallMMinBlocksPerSm<MB>) marlin_sm
       f_a[l] = p.a + (w.row0 + (f_a_ok[l] ? a_row[l] : 0)) * p.lda_int4 + w.kt * S::kARowInt4 + a_col;
     }
     f_b = p.b + (static_cast<long long>(w.kt) * S::kTK + b_kb0) * b_row_int4 + w.nt * NW * 32 + b_off;
-    if constexpr (GROUPED) f_s = p.s + static_cast<long long>(w.kt) * (p.n / 8) + w.nt * S::kSStage + tid;
+    if constexpr (GROUPED) f_s = p.s + static_cast<long long>(w.kt) * (p.n / 8) + w.nt * S::kSRow + tid;
   };
 
   auto fetch_stage = [&](int stage) {
@@ -197,7 +227,7 @@ __global__ void __launch_bounds__(kThreads, kSmallMMinBlocksPerSm<MB>) marlin_sm
 #pragma unroll
       for (int l = 0; l < kBLoads; l++) cp_async16_evict_first(sh_b + l * kThreads, f_b + l * b_step);
       if constexpr (GROUPED) {
-        if (tid < S::kSStage) cp_async16(sh + S::kAStage + S::kBStage + tid, f_s);
+        if (tid < S::kSRow) cp_async16(sh + S::kAStage + S::kBStage + tid, f_s);
       }
       f_i++;
       if (--f_left == 0) {
@@ -212,14 +242,38 @@ __global__ void __launch_bounds__(kThreads, kSmallMMinBlocksPerSm<MB>) marlin_sm
     cp_async_commit();
   };
 
-  auto wait_stage = [&]() {
-    cp_async_wait<STAGES - 2>();
+  // Waits for the stage in `slot` (the next to be computed) and makes it visible to all warps.
+  auto wait_stage = [&](int slot) {
+    cp_async_wait<S::kAhead - 1>();
+    if constexpr (S::kPrescale) {
+      // odd 16-byte chunks of a row are K rows 8..15 of their k16 block: / 16 (exact in fp16
+      // but for values below 2^-10, i.e. far inside fp16 matmul's own rounding)
+      if (a_col % 2 == 1) {
+        const half2 sixteenth = __float2half2_rn(1.f / 16.f);
+#pragma unroll
+        for (int l = 0; l < kALoads; l++) {
+          if (kAFull || tid + l * kThreads < S::kAStage) {
+            int4* ptr = smem + slot * S::kStageInt4 + a_sh_wr[l];
+            int4 v = *ptr;
+            half2* h = reinterpret_cast<half2*>(&v);
+            h[0] = __hmul2(h[0], sixteenth);
+            h[1] = __hmul2(h[1], sixteenth);
+            h[2] = __hmul2(h[2], sixteenth);
+            h[3] = __hmul2(h[3], sixteenth);
+            *ptr = v;
+          }
+        }
+      }
+    }
+    if constexpr (WG) fence_proxy_async_smem();  // cp.async and the stores above wrote what wgmma reads
     __syncthreads();
   };
 
   auto fetch_regs = [&](int buf, int stage, int u) {
     const int4* sh = smem + stage * S::kStageInt4;
-    if constexpr (MB == 1) {
+    if constexpr (WG) {
+      // activations: read by the wgmma itself
+    } else if constexpr (MB == 1) {
       ldmatrix_x2(act[buf][0], sh + act_sh_rd(wk * SUB + u, 0));
     } else {
 #pragma unroll
@@ -233,7 +287,7 @@ __global__ void __launch_bounds__(kThreads, kSmallMMinBlocksPerSm<MB>) marlin_sm
       }
     }
     wq[buf] = sh[S::kAStage + ((wk * SUB + u) * NW + wn) * 32 + lane];
-    if constexpr (S::kRaw) {  // rows 8..15 of K meet weights stored x16: divide them by 16 here
+    if constexpr (S::kRaw && !WG) {  // rows 8..15 of K meet weights stored x16: divide them by 16 here
       const half2 sixteenth = __float2half2_rn(1.f / 16.f);
 #pragma unroll
       for (int b = 0; b < MB; b++) {
@@ -244,28 +298,88 @@ __global__ void __launch_bounds__(kThreads, kSmallMMinBlocksPerSm<MB>) marlin_sm
     }
   };
 
+  // The A fragment of the transposed 16x16 block j from its 8 nibbles: rows g (lo) and g + 8
+  // (hi) of N, raw subnormals (kRaw) or dequantized, times the group scales of columns 16 j + g
+  // (lo) and 16 j + 8 + g (hi) where kScaleWeights.
+  auto weight_frag = [&](uint32_t wj, int j, uint32_t (&a)[4]) {
+    uint32_t lo[2], hi[2];
+    if constexpr (S::kRaw)
+      unpack_int4x8_subnormal(wj, lo, hi);
+    else
+      dequant_int4x8(wj, lo, hi);
+    if constexpr (S::kScaleWeights) {
+      const half2 pair = reinterpret_cast<const half2*>(&s_cur)[j];
+      const half2 s_lo = __low2half2(pair), s_hi = __high2half2(pair);
+      half2* l2 = reinterpret_cast<half2*>(lo);
+      half2* h2 = reinterpret_cast<half2*>(hi);
+      l2[0] = __hmul2(l2[0], s_lo);
+      l2[1] = __hmul2(l2[1], s_lo);
+      h2[0] = __hmul2(h2[0], s_hi);
+      h2[1] = __hmul2(h2[1], s_hi);
+    }
+    a[0] = lo[0];
+    a[1] = hi[0];
+    a[2] = lo[1];
+    a[3] = hi[1];
+  };
+
+  // WG: the warpgroup's wgmma for k16 step u of `stage`, one per 16 columns j of each warp (the
+  // four warps' j-th blocks are the 64 rows of the product). Kept one group deep: the wait
+  // after the commit ends the previous step's group, whose A registers are refilled next.
+  // kRaw: as in compute(), plus one wgmma against the constant -8 matrix into corr (all 64 rows
+  // of it alike); with group sums the stage's first step starts grp and corr (scale-d = 0).
+  const uint64_t desc_base = smem_desc_sw128(smem_addr(smem));  // + offset >> 4 stays in bits 0-13
+  auto compute_wg = [&](int buf, int stage, int u) {
+    const uint32_t* w = reinterpret_cast<const uint32_t*>(&wq[buf]);
+#pragma unroll
+    for (int j = 0; j < 4; j++) weight_frag(w[j], j, afrag[buf][j]);
+    // k16 block kb of the stage: 64-half block kb / 4, 32 bytes per step in it. The base goes
+    // through an empty asm so that the compiler adds the constant here instead of keeping one
+    // 64-bit descriptor per (stage, step) alive in registers.
+    const int kb = wk * SUB + u;
+    uint32_t desc_lo = static_cast<uint32_t>(desc_base);
+    fence_operand(desc_lo);
+    desc_lo += (stage * S::kStageInt4 * 16 + (kb / 4) * (S::kRows * 128) + (kb % 4) * 32) >> 4;
+    const uint64_t desc = (desc_base & ~0xFFFFFFFFull) | desc_lo;
+    const bool restart = S::kGroupSums && u == 0;  // compile-time once unrolled
+    constexpr uint32_t kLo = 0x80088008u, kHi = 0x80808080u;  // the -8 matrix, see compute()
+    uint32_t minus8[4] = {kLo, kLo, kHi, kHi};
+    constexpr int N = 8 * MB;
+#pragma unroll
+    for (int j = 0; j < 4; j++)
+#pragma unroll
+      for (int r = 0; r < 4; r++) fence_operand(afrag[buf][j][r]);
+#pragma unroll
+    for (int r = 0; r < 4; r++) fence_operand(minus8[r]);
+    wgmma_fence();
+#pragma unroll
+    for (int j = 0; j < 4; j++) {
+      if constexpr (S::kGroupSums) {
+        if (restart)
+          wgmma_m64k16_rs<N, false>(reinterpret_cast<float(&)[4 * MB]>(grp[j]), afrag[buf][j], desc);
+        else
+          wgmma_m64k16_rs<N, true>(reinterpret_cast<float(&)[4 * MB]>(grp[j]), afrag[buf][j], desc);
+      } else {
+        wgmma_m64k16_rs<N, true>(reinterpret_cast<float(&)[4 * MB]>(tot[j]), afrag[buf][j], desc);
+      }
+    }
+    if constexpr (S::kRaw) {
+      if (restart)
+        wgmma_m64k16_rs<N, false>(reinterpret_cast<float(&)[4 * MB]>(corr), minus8, desc);
+      else
+        wgmma_m64k16_rs<N, true>(reinterpret_cast<float(&)[4 * MB]>(corr), minus8, desc);
+    }
+    wgmma_commit();
+    wgmma_wait<1>();
+  };
+
   // `first`: the stage's first k16 step of this warp, which starts the group's sums in grp
   auto compute = [&](int buf, bool first) {
     const uint32_t* w = reinterpret_cast<const uint32_t*>(&wq[buf]);
 #pragma unroll
     for (int j = 0; j < 4; j++) {
-      uint32_t lo[2], hi[2];
-      if constexpr (S::kRaw)
-        unpack_int4x8_subnormal(w[j], lo, hi);
-      else
-        dequant_int4x8(w[j], lo, hi);
-      // A fragment of the transposed 16x16 block: rows g (lo) and g + 8 (hi) of N
-      if constexpr (S::kScaleWeights) {  // scales of columns 16 j + g (lo) and 16 j + 8 + g (hi)
-        const half2 pair = reinterpret_cast<const half2*>(&s_cur)[j];
-        const half2 s_lo = __low2half2(pair), s_hi = __high2half2(pair);
-        half2* l2 = reinterpret_cast<half2*>(lo);
-        half2* h2 = reinterpret_cast<half2*>(hi);
-        l2[0] = __hmul2(l2[0], s_lo);
-        l2[1] = __hmul2(l2[1], s_lo);
-        h2[0] = __hmul2(h2[0], s_hi);
-        h2[1] = __hmul2(h2[1], s_hi);
-      }
-      const uint32_t a[4] = {lo[0], hi[0], lo[1], hi[1]};
+      uint32_t a[4];
+      weight_frag(w[j], j, a);
 #pragma unroll
       for (int b = 0; b < MB; b++) {
         if constexpr (S::kGroupSums) {
@@ -303,6 +417,19 @@ __global__ void __launch_bounds__(kThreads, kSmallMMinBlocksPerSm<MB>) marlin_sm
   // tot += scale * grp at the end of each group (grp is restarted by the next group's first mma)
   auto apply_group = [&]() {
     if constexpr (S::kGroupSums) {
+      if constexpr (WG) {  // the group's last wgmma must land before grp and corr are read
+        wgmma_wait<0>();
+#pragma unroll
+        for (int j = 0; j < 4; j++)
+#pragma unroll
+          for (int b = 0; b < MB; b++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) fence_operand(grp[j][b][e]);
+#pragma unroll
+        for (int b = 0; b < MB; b++)
+#pragma unroll
+          for (int e = 0; e < 4; e++) fence_operand(corr[b][e]);
+      }
       const half* sc = reinterpret_cast<const half*>(&s_cur);
       constexpr float k2p24 = 16777216.f;  // the raw sums carry 2^-24
 #pragma unroll
@@ -321,6 +448,19 @@ __global__ void __launch_bounds__(kThreads, kSmallMMinBlocksPerSm<MB>) marlin_sm
 
   // ---- end of a column: add the K warps, reduce with the other blocks, write C
   auto finish_column = [&](const Where& w) {
+    if constexpr (WG) {  // the column's last wgmma group must land before tot and corr are read
+      wgmma_wait<0>();
+#pragma unroll
+      for (int j = 0; j < 4; j++)
+#pragma unroll
+        for (int b = 0; b < MB; b++)
+#pragma unroll
+          for (int e = 0; e < 4; e++) fence_operand(tot[j][b][e]);
+#pragma unroll
+      for (int b = 0; b < MB; b++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) fence_operand(corr[b][e]);
+    }
     if constexpr (S::kRaw && !S::kGroupSums) {  // per column: the whole column is one raw sum
 #pragma unroll
       for (int j = 0; j < 4; j++)
@@ -466,8 +606,8 @@ __global__ void __launch_bounds__(kThreads, kSmallMMinBlocksPerSm<MB>) marlin_sm
     for (int e = 0; e < 4; e++) corr[b][e] = 0.f;
   seek(0);
 #pragma unroll
-  for (int s = 0; s < STAGES - 1; s++) fetch_stage(s);
-  wait_stage();
+  for (int s = 0; s < S::kAhead; s++) fetch_stage(s);
+  wait_stage(0);
   fetch_regs(0, 0, 0);
 
   int i = 0;       // next tile of the stripe to compute
@@ -483,13 +623,16 @@ __global__ void __launch_bounds__(kThreads, kSmallMMinBlocksPerSm<MB>) marlin_sm
         const int buf = (stage * SUB + u) % 2;
         if (u == 0) load_scales(stage);
         if (u == SUB - 1) {
-          fetch_stage((stage + STAGES - 1) % STAGES);
-          wait_stage();
+          fetch_stage((stage + S::kAhead) % STAGES);
+          wait_stage((stage + 1) % STAGES);
           fetch_regs(buf ^ 1, (stage + 1) % STAGES, 0);
         } else {
           fetch_regs(buf ^ 1, stage, u + 1);
         }
-        compute(buf, u == 0);
+        if constexpr (WG)
+          compute_wg(buf, stage, u);
+        else
+          compute(buf, u == 0);
       }
       apply_group();
       i++;

@@ -1,0 +1,9 @@
+// Small-batch wgmma (sm_90a) instances for 16 rows of M per slice (see smallm_instances.cuh).
+// Built for every target; only the sm_90a code can run them (elsewhere they trap, and the
+// planner never picks them).
+#include "smallm_instances.cuh"
+
+namespace marlin {
+MARLIN_DEFINE_SMALLM_LAUNCH
+MARLIN_INSTANTIATE_SMALLM(2, true)
+}  // namespace marlin

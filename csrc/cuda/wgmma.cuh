@@ -1,0 +1,144 @@
+// Hopper warpgroup MMA (wgmma, sm_90a only) for the small-batch kernel's sm_90a variant.
+// Compiled for any target, but the instructions exist only in sm_90a code: elsewhere each
+// wrapper traps, and the planner (marlin_gemm.cu) never launches a wgmma instance unless the
+// build included sm_90a (MARLIN_SM90A) and the device is compute capability 9.0.
+#pragma once
+
+#include <cstdint>
+
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define MARLIN_HAS_WGMMA 1
+#else
+#define MARLIN_HAS_WGMMA 0
+#endif
+
+namespace marlin {
+
+// Orders this thread's register writes (A fragments, zeroed accumulators) before the wgmma
+// that reads them.
+__device__ __forceinline__ void wgmma_fence() {
+#if MARLIN_HAS_WGMMA
+  asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void wgmma_commit() {
+#if MARLIN_HAS_WGMMA
+  asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+#endif
+}
+
+// Waits until at most N committed groups of this warpgroup are still running.
+template <int N>
+__device__ __forceinline__ void wgmma_wait() {
+#if MARLIN_HAS_WGMMA
+  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+#endif
+}
+
+// Shared memory written by the generic proxy (cp.async, st.shared) and then read by wgmma (the
+// async proxy) needs this fence in every writing thread before the barrier.
+__device__ __forceinline__ void fence_proxy_async_smem() {
+#if MARLIN_HAS_WGMMA
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+#endif
+}
+
+// Keeps the compiler from moving accesses of an accumulator across a wgmma wait: the value
+// "changes" here as far as it knows.
+__device__ __forceinline__ void fence_operand(float& x) { asm volatile("" : "+f"(x)::"memory"); }
+// The same for a wgmma register operand: pins its computation before the wgmma fence that
+// follows (else the compiler may sink it past the fence, and ptxas then injects another).
+__device__ __forceinline__ void fence_operand(uint32_t& x) { asm volatile("" : "+r"(x)::"memory"); }
+
+// Matrix descriptor of a K-major operand in the 128-byte swizzle layout: rows of 64 halves
+// (128 bytes), 8-row atoms of 1024 bytes (1024-byte aligned), the 16-byte chunk c of row r
+// stored at c ^ (r % 8). Start address >> 4 in bits 0-13, leading offset (unused for swizzled
+// K-major) in 16-29, stride between 8-row atoms (1024 bytes >> 4) in 32-45, mode 1 = 128 B in
+// 62-63. A k16 step inside the atom moves the start address by 32 bytes.
+__device__ __forceinline__ uint64_t smem_desc_sw128(uint32_t smem_byte_addr) {
+  return static_cast<uint64_t>((smem_byte_addr & 0x3FFFF) >> 4) | (static_cast<uint64_t>(1) << 16) |
+         (static_cast<uint64_t>(1024 >> 4) << 32) | (static_cast<uint64_t>(1) << 62);
+}
+
+// D[64 x N] (+)= A[64 x 16] * B[16 x N]: A from registers (each warp of the warpgroup holds 16
+// rows, in the mma.m16n8k16 A-fragment order), B by descriptor, fp32 accumulators in the
+// m16n8 C-fragment order per n8 tile (d[4 t + e] is tile t's element e). ACCUMULATE = false
+// overwrites D (scale-d = 0, an immediate: a predicate computed in the asm would be a register
+// written after the wgmma fence).
+template <int N, bool ACCUMULATE>
+__device__ __forceinline__ void wgmma_m64k16_rs(float (&d)[N / 2], const uint32_t (&a)[4], uint64_t b_desc);
+
+template <>
+__device__ __forceinline__ void wgmma_m64k16_rs<16, true>(float (&d)[8], const uint32_t (&a)[4], uint64_t b_desc) {
+#if MARLIN_HAS_WGMMA
+  asm volatile(
+      "wgmma.mma_async.sync.aligned.m64n16k16.f32.f16.f16 {%0,%1,%2,%3,%4,%5,%6,%7}, {%8,%9,%10,%11}, %12, 1, 1, 1, 0;\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b_desc));
+#else
+  __trap();
+#endif
+}
+
+template <>
+__device__ __forceinline__ void wgmma_m64k16_rs<16, false>(float (&d)[8], const uint32_t (&a)[4], uint64_t b_desc) {
+#if MARLIN_HAS_WGMMA
+  asm volatile(
+      "wgmma.mma_async.sync.aligned.m64n16k16.f32.f16.f16 {%0,%1,%2,%3,%4,%5,%6,%7}, {%8,%9,%10,%11}, %12, 0, 1, 1, 0;\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b_desc));
+#else
+  __trap();
+#endif
+}
+
+template <>
+__device__ __forceinline__ void wgmma_m64k16_rs<32, true>(float (&d)[16], const uint32_t (&a)[4], uint64_t b_desc) {
+#if MARLIN_HAS_WGMMA
+  asm volatile(
+      "wgmma.mma_async.sync.aligned.m64n32k16.f32.f16.f16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15}, {%16,%17,%18,%19}, %20, 1, 1, 1, 0;\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b_desc));
+#else
+  __trap();
+#endif
+}
+
+template <>
+__device__ __forceinline__ void wgmma_m64k16_rs<32, false>(float (&d)[16], const uint32_t (&a)[4], uint64_t b_desc) {
+#if MARLIN_HAS_WGMMA
+  asm volatile(
+      "wgmma.mma_async.sync.aligned.m64n32k16.f32.f16.f16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15}, {%16,%17,%18,%19}, %20, 0, 1, 1, 0;\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b_desc));
+#else
+  __trap();
+#endif
+}
+
+template <>
+__device__ __forceinline__ void wgmma_m64k16_rs<64, true>(float (&d)[32], const uint32_t (&a)[4], uint64_t b_desc) {
+#if MARLIN_HAS_WGMMA
+  asm volatile(
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31}, {%32,%33,%34,%35}, %36, 1, 1, 1, 0;\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b_desc));
+#else
+  __trap();
+#endif
+}
+
+template <>
+__device__ __forceinline__ void wgmma_m64k16_rs<64, false>(float (&d)[32], const uint32_t (&a)[4], uint64_t b_desc) {
+#if MARLIN_HAS_WGMMA
+  asm volatile(
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31}, {%32,%33,%34,%35}, %36, 0, 1, 1, 0;\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b_desc));
+#else
+  __trap();
+#endif
+}
+
+}  // namespace marlin
