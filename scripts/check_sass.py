@@ -7,7 +7,9 @@ uniform memory-descriptor register pair (desc[URn]) that carries the cache polic
 checks, for every kernel, that
   * each LDGSTS (cp.async) names a descriptor register pair that an earlier instruction writes;
   * the weight copies use a descriptor other than the default one of the activation copies
-    (i.e. the evict-first policy is there at all),
+    (i.e. the evict-first policy is there at all);
+  * each wgmma instance of the small-batch kernel issues HGMMA in its sm_90a code (the other
+    targets hold a trap stub that the planner never launches),
 and prints a per-kernel instruction summary. Exits non-zero if a kernel fails.
 
     python scripts/check_sass.py [path/to/_C.so]
@@ -20,7 +22,9 @@ import re
 import subprocess
 import sys
 
-OPS = r"LDGSTS|HMMA|LDSM|LOP3|HFMA2|HADD2|HMUL2|BAR|LDS|STS|LDG|STG"
+OPS = r"LDGSTS|HMMA|HGMMA|LDSM|LOP3|HFMA2|HADD2|HMUL2|BAR|LDS|STS|LDG|STG|LDL|STL"
+# marlin_smallm_kernel<MB, NW, STAGES, GROUPED, WG>: the mangled name ends in Lb1EE for WG = true
+WG_KERNEL = re.compile(r"marlin_smallm_kernel\w*Lb[01]ELb1EE")
 
 
 def written_uniform_regs(line):
@@ -33,7 +37,7 @@ def written_uniform_regs(line):
     return {first, first + 1} if wide else {first}
 
 
-def check_kernel(name, body):
+def check_kernel(name, body, arch):
     lines = [l.split("*/", 1)[1] if "*/" in l else l for l in body.splitlines()]
     written, problems, descs = set(), [], collections.Counter()
     for line in lines:
@@ -47,6 +51,9 @@ def check_kernel(name, body):
     if len(descs) < 2:
         problems.append(f"only one descriptor register {dict(descs)} for all cp.async: no evict-first policy on the weights")
     ops = collections.Counter(re.findall(rf"\b({OPS})\b", body))
+    # a wgmma instance built for sm_90a must issue HGMMA; elsewhere it is a trap stub by design
+    if WG_KERNEL.search(name) and arch == "sm_90a" and ops["HGMMA"] == 0:
+        problems.append("wgmma instance without HGMMA in its sm_90a code")
     return ops, descs, problems
 
 
@@ -59,15 +66,20 @@ def main():
             return 2
         so = found[0]
     sass = subprocess.run(["cuobjdump", "-sass", so], capture_output=True, text=True, check=True).stdout
-    kernels = re.split(r"\n\s*Function : ", sass)[1:]
+    kernels = []
+    # cuobjdump prints one "arch = sm_XX" header per embedded cubin, then its functions
+    for part in re.split(r"\n(?=\s*arch = )", sass):
+        arch = re.search(r"arch = (sm_\w+)", part)
+        for body in re.split(r"\n\s*Function : ", part)[1:]:
+            kernels.append((arch.group(1) if arch else "?", body))
     if not kernels:
         print("no kernels in", so)
         return 2
     bad = 0
-    for body in kernels:
+    for arch, body in kernels:
         name = body.split("\n", 1)[0].strip()
-        ops, descs, problems = check_kernel(name, body)
-        print(f"{name}\n   ops {dict(ops)}\n   cp.async descriptors {dict(descs)}")
+        ops, descs, problems = check_kernel(name, body, arch)
+        print(f"{name} [{arch}]\n   ops {dict(ops)}\n   cp.async descriptors {dict(descs)}")
         for p in problems:
             print("   PROBLEM:", p)
         bad += bool(problems)
