@@ -60,9 +60,9 @@ struct SmallMShape {
   // With WG the activations cannot be scaled in registers (the wgmma reads them from shared
   // memory): each thread divides the K rows 8..15 of the chunks it copied in shared memory, once
   // per stage, when they have landed (kPrescale).
-  // WG at MB == 8 per column: plain dequantization, scales on the fp32 result (measured: the raw
-  // path's correction wgmma and prescale made M >= 128 per column 30% slower than group 128).
-  static constexpr bool kRaw = !kScaleWeights && !(WG && MB == 8);
+  // WG from MB == 4 per column: plain dequantization, scales on the fp32 result (measured: the
+  // raw path's correction wgmma and prescale made per column 30% slower than group 128 there).
+  static constexpr bool kRaw = !kScaleWeights && !(WG && MB >= 4);
   static constexpr bool kPrescale = WG && kRaw;
   // Stages loaded ahead of the one computed. WG keeps one stage more out of the ring: a wgmma
   // may still read the previous stage's activations when the next refill is issued.
