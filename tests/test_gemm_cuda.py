@@ -177,6 +177,54 @@ def test_cuda_graph_capture_and_replay():
         assert torch.equal(static_c, marlin.gemm(static_a, layer.b_q, layer.b_s))
 
 
+def _chain(layers, a):
+    """gemm -> gemm -> (elementwise) -> gemm: each call reads what the one before it wrote."""
+    c1 = marlin.gemm(a, layers[0].b_q, layers[0].b_s)
+    c2 = marlin.gemm(c1, layers[1].b_q, layers[1].b_s)
+    return marlin.gemm(c2 * 0.5, layers[2].b_q, layers[2].b_s)
+
+
+@pytest.mark.parametrize("m", [1, 16, 64, 200])
+def test_chained_calls_read_the_previous_output(m):
+    """With programmatic dependent launch (sm_90+) a call may start before the previous kernel has
+    finished; it must still read that kernel's output. Back-to-back calls, eager and replayed from
+    a CUDA graph, against the same calls with a host synchronisation after each."""
+    layers = [get_layer(4096, 4096, 128), get_layer(4096, 4096, -1), get_layer(4096, 1024, 128)]
+    a = torch.randn(m, 4096, device="cuda", dtype=torch.float16) * 0.01
+    expected = a
+    for i, layer in enumerate(layers):
+        if i == 2:
+            expected = expected * 0.5
+        expected = marlin.gemm(expected, layer.b_q, layer.b_s)
+        torch.cuda.synchronize()
+    for _ in range(5):
+        assert torch.equal(_chain(layers, a), expected)
+    static_a = a.clone()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        static_c = _chain(layers, static_a)
+    for _ in range(5):
+        static_c.fill_(float("nan"))
+        g.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(static_c, expected)
+
+
+def test_plain_launches_without_pdl():
+    """MARLIN_PDL=0 (plain launches instead of programmatic dependent launch on sm_90+) is read
+    once per process: the instance, chained-call and graph tests again in a subprocess."""
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, MARLIN_PDL="0")
+    cmd = [sys.executable, "-m", "pytest", "tests/test_gemm_cuda.py", "-q", "-p", "no:cacheprovider",
+           "-k", "test_every_small_batch_instance or test_chained_calls or test_cuda_graph"]
+    r = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0 and " passed" in r.stdout and "skipped" not in r.stdout, r.stdout[-3000:] + r.stderr[-3000:]
+
+
 def test_two_streams_at_once():
     layers = [get_layer(8192, 8192, 128)]
     b_q, b_s = layers[0].b_q, layers[0].b_s

@@ -35,6 +35,16 @@ bool tuning_wgmma_allowed() {
   return value;
 }
 
+// Tuning knob for benchmarks and tests: MARLIN_PDL=0 launches without programmatic dependent
+// launch (sm_90+), which is on by default. Read once per process.
+bool tuning_pdl_allowed() {
+  static const bool value = [] {
+    const char* env = std::getenv("MARLIN_PDL");
+    return !(env && std::string(env) == "0");
+  }();
+  return value;
+}
+
 at::Tensor gemm_cuda(const at::Tensor& a, const at::Tensor& b_q, const at::Tensor& b_scales,
                      const std::optional<at::Tensor>& b_zeros, const std::optional<at::Tensor>& workspace,
                      std::optional<int64_t> tile_k, std::optional<int64_t> tile_n) {
@@ -73,6 +83,7 @@ at::Tensor gemm_cuda(const at::Tensor& a, const at::Tensor& b_q, const at::Tenso
   args.blocks_per_sm = tuning_blocks_per_sm();
   // sm_90a code runs on compute capability 9.0 only (H100, H200), and only if it was built
   args.wgmma = kBuiltWithSm90a && prop->major == 9 && prop->minor == 0 && tuning_wgmma_allowed();
+  args.pdl = prop->major >= 9 && tuning_pdl_allowed();
   TORCH_CHECK(reinterpret_cast<uintptr_t>(args.b_q) % 16 == 0 && reinterpret_cast<uintptr_t>(args.scales) % 16 == 0,
               "marlin.gemm: b_q and b_scales must be 16-byte aligned (got a view with an offset?)");
 

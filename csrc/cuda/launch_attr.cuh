@@ -1,6 +1,5 @@
-// Opting a kernel in to more than 48 KB of dynamic shared memory, once per device.
-// cudaFuncSetAttribute on every launch cost host time on every call (and inside CUDA-graph
-// capture it is just overhead); the attribute is per kernel and device, so remember it.
+// How every kernel instance is launched: the shared-memory opt-in (once per kernel and device)
+// and the optional programmatic-dependent-launch attribute.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -26,5 +25,30 @@ class SmemAttrCache {
   static constexpr int kMaxDevices = 64;
   std::atomic<int> done_[kMaxDevices] = {};
 };
+
+// Launches kernel<<<grid, threads, smem, stream>>>(params) after opting it in to `smem` bytes of
+// dynamic shared memory. cudaFuncSetAttribute on every launch cost host time on every call (and
+// inside CUDA-graph capture it is just overhead); the attribute is per kernel and device, so
+// `cache` (one per instance) remembers it. pdl: allow the kernel to start while the previous one
+// in the stream finishes (sm_90+; the kernels call grid_dependency_wait() before reading
+// anything that kernel may write, see ptx.cuh).
+template <typename Params>
+cudaError_t launch_kernel(void (*kernel)(Params), SmemAttrCache& cache, const Params& params, int grid, int threads,
+                          int smem, cudaStream_t stream, bool pdl) {
+  cudaError_t err = cache.ensure(reinterpret_cast<const void*>(kernel), smem);
+  if (err != cudaSuccess) return err;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchConfig_t config = {};
+  config.gridDim = dim3(grid);
+  config.blockDim = dim3(threads);
+  config.dynamicSmemBytes = smem;
+  config.stream = stream;
+  config.attrs = attr;
+  config.numAttrs = pdl ? 1 : 0;
+  err = cudaLaunchKernelEx(&config, kernel, params);
+  return err != cudaSuccess ? err : cudaGetLastError();
+}
 
 }  // namespace marlin

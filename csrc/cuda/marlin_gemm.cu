@@ -59,7 +59,7 @@ struct Instance {
   int blocks_per_sm;  // what its register budget allows
   int smem_bytes;
   int partial_floats;  // per split column
-  cudaError_t (*launch)(const KernelParams&, int grid, int smem, cudaStream_t);
+  cudaError_t (*launch)(const KernelParams&, int grid, int smem, cudaStream_t, bool pdl);
 };
 
 template <int TM, int TK, int TN, int G>
@@ -240,7 +240,7 @@ std::string launch_gemm(const GemmArgs& args, const GemmPlan& plan, cudaStream_t
 
   Instance inst;
   if (!find_planned_instance(plan, args.groups > 1, &inst)) return "marlin.gemm: internal error, planned configuration has no kernel; " + describe(args, plan.tile, plan.m_blocks);
-  const cudaError_t err = inst.launch(p, plan.grid, plan.smem_bytes, stream);
+  const cudaError_t err = inst.launch(p, plan.grid, plan.smem_bytes, stream, args.pdl);
   if (err != cudaSuccess) {
     return std::string("marlin.gemm: kernel launch failed: ") + cudaGetErrorString(err) + "; " +
            describe(args, plan.tile, plan.m_blocks);

@@ -31,6 +31,9 @@ struct GemmArgs {
   int max_smem_per_sm;  // shared memory per multiprocessor, bytes
   int blocks_per_sm;    // cap on resident blocks per multiprocessor; <= 0: as many as fit
   bool wgmma = false;   // the sm_90a (wgmma) small-batch instances may run: built, and a 9.0 device
+  // Programmatic dependent launch (sm_90+): a call may start while the previous kernel in the
+  // stream finishes; the kernels wait for it before reading anything (ptx.cuh).
+  bool pdl = false;
 };
 
 // What plan() decided: printed in errors and benchmarks.

@@ -104,6 +104,10 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm<TM>) marlin_gemm_ker
   const int total = p.m_slices * n_tiles * k_tiles;
   const int T = p.tiles_per_block;
   int pos = blockIdx.x * T;
+  // Programmatic dependent launch: nothing of the previous kernel is read before this (A, the
+  // locks and C may be its outputs or inputs); from here the next kernel may be scheduled.
+  grid_dependency_wait();
+  grid_launch_dependents();
   const int end = min(pos + T, total);
 
   const int b_row_int4 = p.n / 2;  // one packed row (16 rows of K) = 2 n int32 = n / 2 int4

@@ -46,6 +46,23 @@ __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
 }
 
+// Programmatic dependent launch (sm_90+). When the host launched this grid with
+// cudaLaunchAttributeProgrammaticStreamSerialization, it may start while the previous kernel of
+// the stream is still running: grid_dependency_wait() blocks until that kernel has finished and
+// its writes are visible. launch_dependents() lets the next such kernel be scheduled now (its
+// blocks take SMs as ours exit). Both are no-ops without the attribute and before sm_90.
+__device__ __forceinline__ void grid_dependency_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void grid_launch_dependents() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
+
 // Four 8x8 fp16 matrices from shared memory into the mma A-operand registers.
 __device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void* smem) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"

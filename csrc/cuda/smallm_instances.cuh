@@ -19,24 +19,21 @@ template <int MB, int NW, bool GROUPED, bool WG = false>
 using SmallMShapeOf = SmallMShape<MB, NW, kSmallMStages<MB, NW, WG>, GROUPED, WG>;
 
 template <int MB, int NW, bool GROUPED, bool WG>
-cudaError_t launch_smallm(const KernelParams& p, int grid, int smem, cudaStream_t stream);
+cudaError_t launch_smallm(const KernelParams& p, int grid, int smem, cudaStream_t stream, bool pdl);
 
-#define MARLIN_DEFINE_SMALLM_LAUNCH                                                             \
-  template <int MB, int NW, bool GROUPED, bool WG>                                              \
-  cudaError_t launch_smallm(const KernelParams& p, int grid, int smem, cudaStream_t stream) {    \
-    auto kernel = marlin_smallm_kernel<MB, NW, kSmallMStages<MB, NW, WG>, GROUPED, WG>;         \
-    static SmemAttrCache cache;                                                                 \
-    cudaError_t err = cache.ensure(reinterpret_cast<const void*>(kernel), smem);                \
-    if (err != cudaSuccess) return err;                                                         \
-    kernel<<<grid, kThreads, smem, stream>>>(p);                                                \
-    return cudaGetLastError();                                                                  \
+#define MARLIN_DEFINE_SMALLM_LAUNCH                                                                        \
+  template <int MB, int NW, bool GROUPED, bool WG>                                                         \
+  cudaError_t launch_smallm(const KernelParams& p, int grid, int smem, cudaStream_t stream, bool pdl) {    \
+    static SmemAttrCache cache;                                                                            \
+    return launch_kernel(marlin_smallm_kernel<MB, NW, kSmallMStages<MB, NW, WG>, GROUPED, WG>, cache, p, grid, \
+                         kThreads, smem, stream, pdl);                                                     \
   }
 
 // Both tile widths x (group 128, per column) for one MB, with mma.sync (WG false) or wgmma.
 #define MARLIN_INSTANTIATE_SMALLM(MB, WG)                                                               \
-  template cudaError_t launch_smallm<MB, 4, true, WG>(const KernelParams&, int, int, cudaStream_t);  \
-  template cudaError_t launch_smallm<MB, 4, false, WG>(const KernelParams&, int, int, cudaStream_t); \
-  template cudaError_t launch_smallm<MB, 8, true, WG>(const KernelParams&, int, int, cudaStream_t);  \
-  template cudaError_t launch_smallm<MB, 8, false, WG>(const KernelParams&, int, int, cudaStream_t);
+  template cudaError_t launch_smallm<MB, 4, true, WG>(const KernelParams&, int, int, cudaStream_t, bool);  \
+  template cudaError_t launch_smallm<MB, 4, false, WG>(const KernelParams&, int, int, cudaStream_t, bool); \
+  template cudaError_t launch_smallm<MB, 8, true, WG>(const KernelParams&, int, int, cudaStream_t, bool);  \
+  template cudaError_t launch_smallm<MB, 8, false, WG>(const KernelParams&, int, int, cudaStream_t, bool);
 
 }  // namespace marlin

@@ -607,8 +607,13 @@ __global__ void __launch_bounds__(kThreads, kSmallMMinBlocksPerSm<MB, WG>) marli
 #pragma unroll
     for (int e = 0; e < 4; e++) corr[b][e] = 0.f;
   seek(0);
+  // Programmatic dependent launch: the previous kernel of the stream may still be running until
+  // here; A, the locks and C may be its inputs or outputs. (Fetching the first weights before
+  // the wait measured no clear gain, and would be wrong after a kernel that writes them.)
+  grid_dependency_wait();
 #pragma unroll
   for (int s = 0; s < S::kAhead; s++) fetch_stage(s);
+  grid_launch_dependents();
   wait_stage(0);
   fetch_regs(0, 0, 0);
 
