@@ -237,6 +237,7 @@ std::string launch_gemm(const GemmArgs& args, const GemmPlan& plan, cudaStream_t
   p.lda_int4 = args.lda / 8;
   p.m_slices = plan.m_slices;
   p.tiles_per_block = plan.tiles_per_block;
+  p.prefetch = args.pdl;
 
   Instance inst;
   if (!find_planned_instance(plan, args.groups > 1, &inst)) return "marlin.gemm: internal error, planned configuration has no kernel; " + describe(args, plan.tile, plan.m_blocks);
