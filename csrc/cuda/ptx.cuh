@@ -57,16 +57,16 @@ __device__ __forceinline__ void grid_dependency_wait() {
 #endif
 }
 
-// Asks L2 for the 128-byte line at `gmem`. Only a hint: it returns no data, so it is correct even
-// while another kernel still writes there.
-__device__ __forceinline__ void prefetch_l2(const void* gmem) {
-  asm volatile("prefetch.global.L2 [%0];\n" ::"l"(gmem));
-}
-
 __device__ __forceinline__ void grid_launch_dependents() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
 #endif
+}
+
+// Asks L2 for the 128-byte line at `gmem`. Only a hint: it returns no data, so it is correct even
+// while another kernel still writes there.
+__device__ __forceinline__ void prefetch_l2(const void* gmem) {
+  asm volatile("prefetch.global.L2 [%0];\n" ::"l"(gmem));
 }
 
 // Four 8x8 fp16 matrices from shared memory into the mma A-operand registers.

@@ -332,47 +332,49 @@ __global__ void __launch_bounds__(kThreads, kSmallMMinBlocksPerSm<MB, WG>) marli
   // of it alike); with group sums the stage's first step starts grp and corr (scale-d = 0).
   const uint64_t desc_base = smem_desc_sw128(smem_addr(smem));  // + offset >> 4 stays in bits 0-13
   auto compute_wg = [&](int buf, int stage, int u) {
-    const uint32_t* w = reinterpret_cast<const uint32_t*>(&wq[buf]);
+    if constexpr (WG) {  // not instantiated for the mma.sync instances (no wgmma of their width)
+      const uint32_t* w = reinterpret_cast<const uint32_t*>(&wq[buf]);
 #pragma unroll
-    for (int j = 0; j < 4; j++) weight_frag(w[j], j, afrag[buf][j]);
-    // k16 block kb of the stage: 64-half block kb / 4, 32 bytes per step in it. The base goes
-    // through an empty asm so that the compiler adds the constant here instead of keeping one
-    // 64-bit descriptor per (stage, step) alive in registers.
-    const int kb = wk * SUB + u;
-    uint32_t desc_lo = static_cast<uint32_t>(desc_base);
-    fence_operand(desc_lo);
-    desc_lo += (stage * S::kStageInt4 * 16 + (kb / 4) * (S::kRows * 128) + (kb % 4) * 32) >> 4;
-    const uint64_t desc = (desc_base & ~0xFFFFFFFFull) | desc_lo;
-    const bool restart = S::kGroupSums && u == 0;  // compile-time once unrolled
-    constexpr uint32_t kLo = 0x80088008u, kHi = 0x80808080u;  // the -8 matrix, see compute()
-    uint32_t minus8[4] = {kLo, kLo, kHi, kHi};
-    constexpr int N = 8 * MB;
+      for (int j = 0; j < 4; j++) weight_frag(w[j], j, afrag[buf][j]);
+      // k16 block kb of the stage: 64-half block kb / 4, 32 bytes per step in it. The base goes
+      // through an empty asm so that the compiler adds the constant here instead of keeping one
+      // 64-bit descriptor per (stage, step) alive in registers.
+      const int kb = wk * SUB + u;
+      uint32_t desc_lo = static_cast<uint32_t>(desc_base);
+      fence_operand(desc_lo);
+      desc_lo += (stage * S::kStageInt4 * 16 + (kb / 4) * (S::kRows * 128) + (kb % 4) * 32) >> 4;
+      const uint64_t desc = (desc_base & ~0xFFFFFFFFull) | desc_lo;
+      const bool restart = S::kGroupSums && u == 0;  // compile-time once unrolled
+      constexpr uint32_t kLo = 0x80088008u, kHi = 0x80808080u;  // the -8 matrix, see compute()
+      uint32_t minus8[4] = {kLo, kLo, kHi, kHi};
+      constexpr int N = 8 * MB;
 #pragma unroll
-    for (int j = 0; j < 4; j++)
+      for (int j = 0; j < 4; j++)
 #pragma unroll
-      for (int r = 0; r < 4; r++) fence_operand(afrag[buf][j][r]);
+        for (int r = 0; r < 4; r++) fence_operand(afrag[buf][j][r]);
 #pragma unroll
-    for (int r = 0; r < 4; r++) fence_operand(minus8[r]);
-    wgmma_fence();
+      for (int r = 0; r < 4; r++) fence_operand(minus8[r]);
+      wgmma_fence();
 #pragma unroll
-    for (int j = 0; j < 4; j++) {
-      if constexpr (S::kGroupSums) {
-        if (restart)
-          wgmma_m64k16_rs<N, false>(reinterpret_cast<float(&)[4 * MB]>(grp[j]), afrag[buf][j], desc);
-        else
-          wgmma_m64k16_rs<N, true>(reinterpret_cast<float(&)[4 * MB]>(grp[j]), afrag[buf][j], desc);
-      } else {
-        wgmma_m64k16_rs<N, true>(reinterpret_cast<float(&)[4 * MB]>(tot[j]), afrag[buf][j], desc);
+      for (int j = 0; j < 4; j++) {
+        if constexpr (S::kGroupSums) {
+          if (restart)
+            wgmma_m64k16_rs<N, false>(reinterpret_cast<float(&)[4 * MB]>(grp[j]), afrag[buf][j], desc);
+          else
+            wgmma_m64k16_rs<N, true>(reinterpret_cast<float(&)[4 * MB]>(grp[j]), afrag[buf][j], desc);
+        } else {
+          wgmma_m64k16_rs<N, true>(reinterpret_cast<float(&)[4 * MB]>(tot[j]), afrag[buf][j], desc);
+        }
       }
+      if constexpr (S::kRaw) {
+        if (restart)
+          wgmma_m64k16_rs<N, false>(reinterpret_cast<float(&)[4 * MB]>(corr), minus8, desc);
+        else
+          wgmma_m64k16_rs<N, true>(reinterpret_cast<float(&)[4 * MB]>(corr), minus8, desc);
+      }
+      wgmma_commit();
+      wgmma_wait<1>();
     }
-    if constexpr (S::kRaw) {
-      if (restart)
-        wgmma_m64k16_rs<N, false>(reinterpret_cast<float(&)[4 * MB]>(corr), minus8, desc);
-      else
-        wgmma_m64k16_rs<N, true>(reinterpret_cast<float(&)[4 * MB]>(corr), minus8, desc);
-    }
-    wgmma_commit();
-    wgmma_wait<1>();
   };
 
   // `first`: the stage's first k16 step of this warp, which starts the group's sums in grp
@@ -416,22 +418,26 @@ __global__ void __launch_bounds__(kThreads, kSmallMMinBlocksPerSm<MB, WG>) marli
     if constexpr (GROUPED) s_cur = smem[stage * S::kStageInt4 + s_sh_rd];
   };
 
+  // WG: waits for every wgmma in flight, then pins the accumulators `acc` and corr that they
+  // wrote, so that the compiler reads them only after the wait.
+  auto wgmma_drain = [&](auto& acc) {
+    wgmma_wait<0>();
+#pragma unroll
+    for (int j = 0; j < 4; j++)
+#pragma unroll
+      for (int b = 0; b < MB; b++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) fence_operand(acc[j][b][e]);
+#pragma unroll
+    for (int b = 0; b < MB; b++)
+#pragma unroll
+      for (int e = 0; e < 4; e++) fence_operand(corr[b][e]);
+  };
+
   // tot += scale * grp at the end of each group (grp is restarted by the next group's first mma)
   auto apply_group = [&]() {
     if constexpr (S::kGroupSums) {
-      if constexpr (WG) {  // the group's last wgmma must land before grp and corr are read
-        wgmma_wait<0>();
-#pragma unroll
-        for (int j = 0; j < 4; j++)
-#pragma unroll
-          for (int b = 0; b < MB; b++)
-#pragma unroll
-            for (int e = 0; e < 4; e++) fence_operand(grp[j][b][e]);
-#pragma unroll
-        for (int b = 0; b < MB; b++)
-#pragma unroll
-          for (int e = 0; e < 4; e++) fence_operand(corr[b][e]);
-      }
+      if constexpr (WG) wgmma_drain(grp);  // the group's last wgmma must land before grp and corr are read
       const half* sc = reinterpret_cast<const half*>(&s_cur);
       constexpr float k2p24 = 16777216.f;  // the raw sums carry 2^-24
 #pragma unroll
@@ -450,19 +456,7 @@ __global__ void __launch_bounds__(kThreads, kSmallMMinBlocksPerSm<MB, WG>) marli
 
   // ---- end of a column: add the K warps, reduce with the other blocks, write C
   auto finish_column = [&](const Where& w) {
-    if constexpr (WG) {  // the column's last wgmma group must land before tot and corr are read
-      wgmma_wait<0>();
-#pragma unroll
-      for (int j = 0; j < 4; j++)
-#pragma unroll
-        for (int b = 0; b < MB; b++)
-#pragma unroll
-          for (int e = 0; e < 4; e++) fence_operand(tot[j][b][e]);
-#pragma unroll
-      for (int b = 0; b < MB; b++)
-#pragma unroll
-        for (int e = 0; e < 4; e++) fence_operand(corr[b][e]);
-    }
+    if constexpr (WG) wgmma_drain(tot);  // the column's last wgmma group must land before tot and corr are read
     if constexpr (S::kRaw && !S::kGroupSums) {  // per column: the whole column is one raw sum
 #pragma unroll
       for (int j = 0; j < 4; j++)
