@@ -20,6 +20,10 @@ CASES = [  # (M, K, N, group size, forced tile): both kernels, split columns, se
     # 70 rows as a 64-row and a 6-row slice with group-scaled weights
     (13, 2048, 1536, 128, (128, 512)),
     (70, 1152, 1536, 128, None),
+    # sm_90+: split columns reduced in thread-block clusters (16 columns x 8 parts), small-batch
+    # kernel at 3 rows; a 32-row slice (the wgmma variant on H100/H200) with per-column scales
+    (3, 4096, 4096, 128, None),
+    (20, 8192, 4096, -1, (128, 256)),
 ]
 
 

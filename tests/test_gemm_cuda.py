@@ -225,6 +225,65 @@ def test_plain_launches_without_pdl():
     assert r.returncode == 0 and " passed" in r.stdout and "skipped" not in r.stdout, r.stdout[-3000:] + r.stderr[-3000:]
 
 
+def _pytest_subprocess(env_vars, select):
+    """This file's tests selected by `select` (-k), in a subprocess with `env_vars` set (the
+    kernels' knobs are read once per process). Returns (stdout, stderr); stderr carries the
+    C++ side's output (pytest -s)."""
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, **env_vars)
+    cmd = [sys.executable, "-m", "pytest", "tests/test_gemm_cuda.py", "-q", "-s", "-p", "no:cacheprovider", "-k", select]
+    r = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=1500)
+    assert r.returncode == 0 and " passed" in r.stdout and "skipped" not in r.stdout, r.stdout[-3000:] + r.stderr[-3000:]
+    return r.stdout, r.stderr
+
+
+def _plans(log):
+    """(split_parts, clusters) of every plan line that MARLIN_LOG_PLAN=1 printed."""
+    import re
+
+    found = re.findall(r"^marlin\.gemm plan: .* split_parts=(\d+) clusters=(\d)", log, re.M)
+    return [(int(parts), clusters == "1") for parts, clusters in found]
+
+
+@pytest.mark.parametrize("mode", ["0", "2", "3"])
+def test_split_column_partitions(mode):
+    """The small-batch kernel splits columns over blocks as stream-K stripes (MARLIN_SPLIT=0) or
+    as equal parts (by default where that costs little, with 2 and 3 wherever possible), reduced
+    through global memory or, on sm_90+ where all clusters fit at once, in thread-block clusters
+    (never with 3). The shape, instance, repeat and graph tests again with each forced; the plan
+    log shows which ran."""
+    select = "test_llama_shapes or test_small_shapes or test_every_small_batch_instance or test_repeated or test_cuda_graph"
+    _, log = _pytest_subprocess({"MARLIN_SPLIT": mode, "MARLIN_LOG_PLAN": "1"}, select)
+    plans = _plans(log)
+    assert len(plans) > 100, log[-2000:]
+    split = sum(parts > 1 for parts, _ in plans)
+    clustered = sum(clusters for _, clusters in plans)
+    if mode == "0":
+        assert split == 0 and clustered == 0
+    else:
+        assert split > 50
+        if mode == "3" or torch.cuda.get_device_capability()[0] < 9:
+            assert clustered == 0
+        else:
+            assert clustered > 0
+
+
+def test_default_plan_splits_columns_in_equal_parts():
+    """By default 7B down at M = 1 (16 columns of 86 tiles) runs as 16 x 8 equal parts on an
+    H100/H200 (132 SMs), not as stream-K stripes of 11 tiles that end columns mid-stripe."""
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    if sms < 32:
+        pytest.skip("fewer than 2 blocks per column")
+    _, log = _pytest_subprocess({"MARLIN_LOG_PLAN": "1"}, "test_llama_shapes and 7B_down and 128")
+    lines = [ln for ln in log.splitlines() if ln.startswith("marlin.gemm plan: m=1 n=4096 k=11008 groups=86 ")]
+    assert lines, log[-2000:]
+    assert all(f" split_parts={min(8, sms // 16)} " in ln for ln in lines), lines
+
+
 def test_two_streams_at_once():
     layers = [get_layer(8192, 8192, 128)]
     b_q, b_s = layers[0].b_q, layers[0].b_s

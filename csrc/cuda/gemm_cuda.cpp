@@ -6,6 +6,7 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 
+#include <cstdio>
 #include <cstdlib>
 #include <string>
 
@@ -41,6 +42,26 @@ bool tuning_pdl_allowed() {
   static const bool value = [] {
     const char* env = std::getenv("MARLIN_PDL");
     return !(env && std::string(env) == "0");
+  }();
+  return value;
+}
+
+// Tuning knob for benchmarks and tests: MARLIN_SPLIT=0 keeps the small-batch kernel on stream-K
+// stripes; 1 (default) the planner's choice; 2 and 3 force split parts (see GemmArgs::split_mode).
+// Read once per process.
+int tuning_split_mode() {
+  static const int value = [] {
+    const char* env = std::getenv("MARLIN_SPLIT");
+    return env ? std::atoi(env) : 1;
+  }();
+  return value;
+}
+
+// Debugging aid: MARLIN_LOG_PLAN=1 prints each call's plan (kernel, tile, partition) to stderr.
+bool log_plan() {
+  static const bool value = [] {
+    const char* env = std::getenv("MARLIN_LOG_PLAN");
+    return env && std::string(env) == "1";
   }();
   return value;
 }
@@ -84,12 +105,15 @@ at::Tensor gemm_cuda(const at::Tensor& a, const at::Tensor& b_q, const at::Tenso
   // sm_90a code runs on compute capability 9.0 only (H100, H200), and only if it was built
   args.wgmma = kBuiltWithSm90a && prop->major == 9 && prop->minor == 0 && tuning_wgmma_allowed();
   args.pdl = prop->major >= 9 && tuning_pdl_allowed();
+  args.split_mode = tuning_split_mode();
+  args.clusters = prop->major >= 9;
   TORCH_CHECK(reinterpret_cast<uintptr_t>(args.b_q) % 16 == 0 && reinterpret_cast<uintptr_t>(args.scales) % 16 == 0,
               "marlin.gemm: b_q and b_scales must be 16-byte aligned (got a view with an offset?)");
 
   GemmPlan plan;
   const std::string why = plan_gemm(args, tile_k.value_or(0), tile_n.value_or(0), &plan);
   TORCH_CHECK(why.empty(), why);
+  if (log_plan()) std::fprintf(stderr, "marlin.gemm plan: %s\n", describe_plan(args, plan).c_str());
 
   at::Tensor locks;
   if (workspace.has_value()) {

@@ -1,5 +1,5 @@
-// How every kernel instance is launched: the shared-memory opt-in (once per kernel and device)
-// and the optional programmatic-dependent-launch attribute.
+// How every kernel instance is launched: the shared-memory opt-in (once per kernel and device),
+// the optional programmatic-dependent-launch attribute and thread-block clusters.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -21,9 +21,41 @@ class SmemAttrCache {
     return err;
   }
 
+  // How many clusters of `cluster` blocks (<= kMaxCluster) can be resident at once; remembered
+  // per device and cluster size (the occupancy query takes host time). 0 if none or unknown.
+  template <typename Params>
+  int max_clusters(void (*kernel)(Params), int cluster, int threads, int smem) {
+    int dev = 0;
+    if (cluster < 1 || cluster > kMaxCluster || cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= kMaxDevices) return 0;
+    const int known = clusters_[dev][cluster].load(std::memory_order_acquire);
+    if (known > 0) return known - 1;
+    if (ensure(reinterpret_cast<const void*>(kernel), smem) != cudaSuccess) return 0;
+    cudaLaunchAttribute attr[1];
+    attr[0].id = cudaLaunchAttributeClusterDimension;
+    attr[0].val.clusterDim.x = cluster;
+    attr[0].val.clusterDim.y = 1;
+    attr[0].val.clusterDim.z = 1;
+    cudaLaunchConfig_t config = {};
+    config.gridDim = dim3(cluster);
+    config.blockDim = dim3(threads);
+    config.dynamicSmemBytes = smem;
+    config.attrs = attr;
+    config.numAttrs = 1;
+    int n = 0;
+    if (cudaOccupancyMaxActiveClusters(&n, kernel, &config) != cudaSuccess) {
+      (void)cudaGetLastError();  // not sticky; leave no error for the next launch check
+      n = 0;
+    }
+    clusters_[dev][cluster].store(n + 1, std::memory_order_release);
+    return n;
+  }
+
+  static constexpr int kMaxCluster = 8;  // the portable cluster size limit
+
  private:
   static constexpr int kMaxDevices = 64;
   std::atomic<int> done_[kMaxDevices] = {};
+  std::atomic<int> clusters_[kMaxDevices][kMaxCluster + 1] = {};
 };
 
 // Launches kernel<<<grid, threads, smem, stream>>>(params) after opting it in to `smem` bytes of
@@ -31,22 +63,34 @@ class SmemAttrCache {
 // inside CUDA-graph capture it is just overhead); the attribute is per kernel and device, so
 // `cache` (one per instance) remembers it. pdl: allow the kernel to start while the previous one
 // in the stream finishes (sm_90+; the kernels call grid_dependency_wait() before reading
-// anything that kernel may write, see ptx.cuh).
+// anything that kernel may write, see ptx.cuh). cluster > 1: blocks in clusters of that many
+// along x (sm_90+; grid a multiple of it).
 template <typename Params>
 cudaError_t launch_kernel(void (*kernel)(Params), SmemAttrCache& cache, const Params& params, int grid, int threads,
-                          int smem, cudaStream_t stream, bool pdl) {
+                          int smem, cudaStream_t stream, bool pdl, int cluster) {
   cudaError_t err = cache.ensure(reinterpret_cast<const void*>(kernel), smem);
   if (err != cudaSuccess) return err;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchAttribute attr[2];
+  int n_attr = 0;
+  if (pdl) {
+    attr[n_attr].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[n_attr].val.programmaticStreamSerializationAllowed = 1;
+    n_attr++;
+  }
+  if (cluster > 1) {
+    attr[n_attr].id = cudaLaunchAttributeClusterDimension;
+    attr[n_attr].val.clusterDim.x = cluster;
+    attr[n_attr].val.clusterDim.y = 1;
+    attr[n_attr].val.clusterDim.z = 1;
+    n_attr++;
+  }
   cudaLaunchConfig_t config = {};
   config.gridDim = dim3(grid);
   config.blockDim = dim3(threads);
   config.dynamicSmemBytes = smem;
   config.stream = stream;
   config.attrs = attr;
-  config.numAttrs = pdl ? 1 : 0;
+  config.numAttrs = n_attr;
   err = cudaLaunchKernelEx(&config, kernel, params);
   return err != cudaSuccess ? err : cudaGetLastError();
 }

@@ -31,11 +31,13 @@ constexpr int kSmallMMaxM = 32;
 constexpr long long kSmallMHugeBytesPerSm = 8LL << 20;
 
 // With wgmma (sm_90a, compute capability 9.0; measured on an H200, benchmarks/NOTES.md
-// "Session 3"): the wgmma variant takes 9-16 rows on layers where each SM streams >= 768 KB
-// (with the 512-column tile), 17-64 rows where each SM streams >= 256 KB, and every M above
-// 64, in slices of 64 rows. Elsewhere the rules above apply.
-constexpr long long kWg16BytesPerSm = 768LL << 10;
-constexpr long long kWg64BytesPerSm = 256LL << 10;
+// "Session 3" and "Session 5"): the wgmma variant takes 9-64 rows on layers where each SM
+// streams >= 128 KB (with the 512-column tile at 9-16 rows from 768 KB on), and every M above
+// 64, in slices of 64 rows. Elsewhere the rules above apply. (Since columns are split in equal
+// parts, 7B qkv / down and 70B o at 32-64 rows run 9-29% faster with it than with the tiled
+// kernel; 7B o, 64 KB per SM, stays 15-25% faster on the tiled kernel.)
+constexpr long long kWgBytesPerSm = 128LL << 10;
+constexpr long long kWg512BytesPerSm = 768LL << 10;
 constexpr int kWgSliceRows = 64;
 
 // 0: use the tiled kernel; else the small-batch kernel's tile width.
@@ -44,8 +46,8 @@ int small_m_tile(const GemmArgs& a) {
   const long long bytes_per_sm = static_cast<long long>(a.k) * a.n / 2 / std::max(1, a.sms);
   if (a.wgmma && a.m > kSmallMAlways) {
     if (a.m > kWgSliceRows) return 256;
-    if (a.m > kSmallMDeep && bytes_per_sm >= kWg64BytesPerSm) return 256;
-    if (a.m <= kSmallMDeep && bytes_per_sm >= kWg16BytesPerSm) return a.n % 512 == 0 ? 512 : 256;
+    if (bytes_per_sm >= kWgBytesPerSm)
+      return a.m <= kSmallMDeep && bytes_per_sm >= kWg512BytesPerSm && a.n % 512 == 0 ? 512 : 256;
   }
   if (a.m > kSmallMMaxM) return 0;
   if (a.m <= kSmallMAlways) return 256;
@@ -59,13 +61,14 @@ struct Instance {
   int blocks_per_sm;  // what its register budget allows
   int smem_bytes;
   int partial_floats;  // per split column
-  cudaError_t (*launch)(const KernelParams&, int grid, int smem, cudaStream_t, bool pdl);
+  cudaError_t (*launch)(const KernelParams&, int grid, int smem, cudaStream_t, bool pdl, int cluster);
+  int (*max_clusters)(int cluster, int smem);  // resident clusters of that size; null: no cluster support
 };
 
 template <int TM, int TK, int TN, int G>
 Instance make_instance() {
   using S = KernelShape<TM, TK, TN, kStages, G>;
-  return Instance{kMinBlocksPerSm<TM>, S::kSmemBytes, S::kPartialFloats, &launch_instance<TM, TK, TN, G>};
+  return Instance{kMinBlocksPerSm<TM>, S::kSmemBytes, S::kPartialFloats, &launch_instance<TM, TK, TN, G>, nullptr};
 }
 
 // The instances that are compiled: m_blocks 1..4 x the two tiles x (group 128, per column).
@@ -90,7 +93,8 @@ bool find_instance(int m_blocks, TileConfig tile, bool grouped, Instance* out) {
 template <int MB, int NW, bool G, bool WG>
 Instance make_smallm_instance() {
   using S = SmallMShapeOf<MB, NW, G, WG>;
-  return Instance{kSmallMMinBlocksPerSm<MB, WG>, S::kSmemBytes, S::kPartialFloats, &launch_smallm<MB, NW, G, WG>};
+  return Instance{kSmallMMinBlocksPerSm<MB, WG>, S::kSmemBytes, S::kPartialFloats, &launch_smallm<MB, NW, G, WG>,
+                  &smallm_max_clusters<MB, NW, G, WG>};
 }
 
 // The small-batch instances: MB n8 tiles of the batch (1, 2, 4 with mma.sync; 2, 4, 8 with
@@ -129,6 +133,40 @@ std::string describe(const GemmArgs& a, TileConfig tile, int m_blocks) {
          " tile_n=" + std::to_string(tile.tile_n) + " m_blocks=" + std::to_string(m_blocks);
 }
 
+// Split parts instead of stream-K stripes (smallm_kernel.cuh): every column in `parts` nearly
+// equal parts, one block each, as many parts as the device holds (at most 8, the portable
+// cluster size). A stripe that ends a column in its middle stops streaming for the column's
+// reduction (write, fence, counter; 1-3 us on an H200); equal parts have none. Taken where no
+// block streams more than kSplitExtraBytes more than its stripe would: measured on an H200 at
+// M = 1-8, 7B down 14.0 -> 12.0 us (stripes of 11 tiles, parts of 11), 7B qkv 13.4 -> 12.2
+// (12 tiles -> 16, in clusters), 70B qkv 18.2 -> 17.3 (20 -> 22), nothing slower.
+// Reduced in one thread-block cluster per column where all clusters are resident at once (a
+// second wave would double the time), else through global memory as the stripes are.
+constexpr long long kSplitExtraBytes = 64LL << 10;
+void plan_split(const GemmArgs& args, const Instance& inst, int k_tiles, int n_tiles, GemmPlan* plan) {
+  if (args.split_mode <= 0) return;
+  const long long columns = static_cast<long long>(plan->m_slices) * n_tiles;
+  const long long slots = static_cast<long long>(args.sms) * plan->blocks_per_sm;
+  const int parts = static_cast<int>(std::min<long long>({8, slots / columns, k_tiles}));
+  if (parts < 2) return;
+  const int longest = (k_tiles + parts - 1) / parts;
+  const long long tile_bytes = static_cast<long long>(plan->tile.tile_k) * plan->tile.tile_n / 2;
+  if (args.split_mode == 1 && (longest - plan->tiles_per_block) * tile_bytes > kSplitExtraBytes) return;
+  // A cluster's blocks are placed GPC by GPC, filling SMs up to the occupancy limit; with one
+  // block per SM planned, ask for more shared memory than two blocks could share so that the
+  // blocks spread over the SMs as stream-K's do.
+  int smem = plan->smem_bytes;
+  if (plan->blocks_per_sm == 1) smem = std::min(args.max_smem, std::max(smem, args.max_smem_per_sm / 2 + 1024));
+  const bool clusters = args.clusters && args.split_mode != 3 && inst.max_clusters(parts, smem) >= columns;
+  plan->split_parts = parts;
+  plan->cluster_reduce = clusters;
+  if (clusters) plan->smem_bytes = smem;
+  plan->grid = static_cast<int>(columns * parts);
+  plan->tiles_per_block = longest;
+  plan->needs_partial = !clusters;
+  plan->partial_floats = clusters ? 0 : static_cast<std::size_t>(inst.partial_floats) * 2 * plan->grid;
+}
+
 // Fills the partition of a plan whose tile and instance are chosen.
 std::string finish_plan(const GemmArgs& args, const Instance& inst, GemmPlan* plan) {
   plan->blocks_per_sm = std::min(inst.blocks_per_sm, std::max(1, args.max_smem_per_sm / std::max(1, inst.smem_bytes)));
@@ -152,6 +190,9 @@ std::string finish_plan(const GemmArgs& args, const Instance& inst, GemmPlan* pl
   // A column is split unless every stripe is a whole number of columns.
   plan->needs_partial = plan->tiles_per_block % k_tiles != 0;
   plan->partial_floats = plan->needs_partial ? static_cast<std::size_t>(inst.partial_floats) * 2 * plan->grid : 0;
+  plan->split_parts = 0;
+  plan->cluster_reduce = false;
+  if (plan->needs_partial && inst.max_clusters != nullptr) plan_split(args, inst, k_tiles, n_tiles, plan);
   return "";
 }
 
@@ -223,6 +264,17 @@ std::string plan_gemm(const GemmArgs& args, int tile_k, int tile_n, GemmPlan* pl
   return "marlin.gemm: no tile configuration fits (" + why + "); " + describe(args, TileConfig{tile_k, tile_n}, plan->m_blocks);
 }
 
+std::string describe_plan(const GemmArgs& args, const GemmPlan& plan) {
+  const char* kernel = !plan.small_m ? "tiled" : plan.wgmma ? "small_m_wgmma" : "small_m";
+  return "m=" + std::to_string(args.m) + " n=" + std::to_string(args.n) + " k=" + std::to_string(args.k) +
+         " groups=" + std::to_string(args.groups) + " kernel=" + kernel + " tile=" + std::to_string(plan.tile.tile_k) +
+         "x" + std::to_string(plan.tile.tile_n) + " m_blocks=" + std::to_string(plan.m_blocks) +
+         " m_slices=" + std::to_string(plan.m_slices) + " grid=" + std::to_string(plan.grid) +
+         " blocks_per_sm=" + std::to_string(plan.blocks_per_sm) + " tiles_per_block=" + std::to_string(plan.tiles_per_block) +
+         " split_parts=" + std::to_string(plan.split_parts) + " clusters=" + (plan.cluster_reduce ? "1" : "0") +
+         " global_reduction=" + (plan.needs_partial ? "1" : "0");
+}
+
 std::string launch_gemm(const GemmArgs& args, const GemmPlan& plan, cudaStream_t stream) {
   KernelParams p;
   p.a = static_cast<const int4*>(args.a);
@@ -238,10 +290,12 @@ std::string launch_gemm(const GemmArgs& args, const GemmPlan& plan, cudaStream_t
   p.m_slices = plan.m_slices;
   p.tiles_per_block = plan.tiles_per_block;
   p.prefetch = args.pdl;
+  p.split_parts = plan.split_parts;
+  p.cluster_reduce = plan.cluster_reduce;
 
   Instance inst;
   if (!find_planned_instance(plan, args.groups > 1, &inst)) return "marlin.gemm: internal error, planned configuration has no kernel; " + describe(args, plan.tile, plan.m_blocks);
-  const cudaError_t err = inst.launch(p, plan.grid, plan.smem_bytes, stream, args.pdl);
+  const cudaError_t err = inst.launch(p, plan.grid, plan.smem_bytes, stream, args.pdl, plan.cluster_reduce ? plan.split_parts : 1);
   if (err != cudaSuccess) {
     return std::string("marlin.gemm: kernel launch failed: ") + cudaGetErrorString(err) + "; " +
            describe(args, plan.tile, plan.m_blocks);

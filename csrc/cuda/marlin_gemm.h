@@ -34,6 +34,11 @@ struct GemmArgs {
   // Programmatic dependent launch (sm_90+): a call may start while the previous kernel in the
   // stream finishes; the kernels wait for it before reading anything (ptx.cuh).
   bool pdl = false;
+  // Split-column partition of the small-batch kernel: 0 stream-K stripes only; 1 split parts
+  // where no block streams more tiles than with stripes, in clusters where they fit (sm_90+);
+  // probes: 2 split parts wherever possible, in clusters where they fit; 3 the same, never in clusters.
+  int split_mode = 0;
+  bool clusters = false;  // thread-block clusters can be launched (sm_90+)
 };
 
 // What plan() decided: printed in errors and benchmarks.
@@ -47,13 +52,18 @@ struct GemmPlan {
   int grid = 0;          // blocks launched
   int tiles_per_block = 0;
   int smem_bytes = 0;
-  bool needs_partial = false;  // some column of tiles is split over blocks
+  int split_parts = 0;          // small_m: > 0 = each column in this many parts, one block each
+  bool cluster_reduce = false;  // ... one cluster per column, reduced in distributed shared memory
+  bool needs_partial = false;  // some column of tiles is split over blocks, reduced through global memory
   std::size_t partial_floats = 0;
 };
 
 // Picks the tile configuration and partition. tile_k/tile_n <= 0 means "choose from the table".
 // Returns an empty string on success, else a message naming what is unsupported.
 std::string plan_gemm(const GemmArgs& args, int tile_k, int tile_n, GemmPlan* plan);
+
+// One line naming the kernel, tile and partition of a plan (MARLIN_LOG_PLAN=1 prints it per call).
+std::string describe_plan(const GemmArgs& args, const GemmPlan& plan);
 
 // Launches the planned kernel on `stream`. Returns an empty string or an error message.
 std::string launch_gemm(const GemmArgs& args, const GemmPlan& plan, cudaStream_t stream);

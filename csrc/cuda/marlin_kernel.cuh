@@ -45,6 +45,11 @@ struct KernelParams {
   int m_slices;
   int tiles_per_block;
   bool prefetch;  // launched as a programmatic dependent: hint L2 before waiting (smallm_kernel.cuh)
+  // smallm_kernel.cuh only: 0 = stream-K stripes of tiles_per_block; else each column in this many
+  // parts, one per block; cluster_reduce: the parts of a column are one thread-block cluster
+  // (sm_90+) and add their partials through distributed shared memory
+  int split_parts;
+  bool cluster_reduce;
 };
 
 template <int TM, int TK, int TN, int STAGES, int GROUP_BLOCKS>

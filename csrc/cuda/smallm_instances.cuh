@@ -19,21 +19,41 @@ template <int MB, int NW, bool GROUPED, bool WG = false>
 using SmallMShapeOf = SmallMShape<MB, NW, kSmallMStages<MB, NW, WG>, GROUPED, WG>;
 
 template <int MB, int NW, bool GROUPED, bool WG>
-cudaError_t launch_smallm(const KernelParams& p, int grid, int smem, cudaStream_t stream, bool pdl);
+cudaError_t launch_smallm(const KernelParams& p, int grid, int smem, cudaStream_t stream, bool pdl, int cluster);
 
-#define MARLIN_DEFINE_SMALLM_LAUNCH                                                                        \
-  template <int MB, int NW, bool GROUPED, bool WG>                                                         \
-  cudaError_t launch_smallm(const KernelParams& p, int grid, int smem, cudaStream_t stream, bool pdl) {    \
-    static SmemAttrCache cache;                                                                            \
-    return launch_kernel(marlin_smallm_kernel<MB, NW, kSmallMStages<MB, NW, WG>, GROUPED, WG>, cache, p, grid, \
-                         kThreads, smem, stream, pdl);                                                     \
+// How many clusters of `cluster` blocks of the instance can be resident at once (0: none).
+template <int MB, int NW, bool GROUPED, bool WG>
+int smallm_max_clusters(int cluster, int smem);
+
+// One shared-memory opt-in and occupancy cache per instance.
+template <int MB, int NW, bool GROUPED, bool WG>
+SmemAttrCache& smallm_cache() {
+  static SmemAttrCache cache;
+  return cache;
+}
+
+#define MARLIN_DEFINE_SMALLM_LAUNCH                                                                            \
+  template <int MB, int NW, bool GROUPED, bool WG>                                                             \
+  cudaError_t launch_smallm(const KernelParams& p, int grid, int smem, cudaStream_t stream, bool pdl,          \
+                            int cluster) {                                                                     \
+    return launch_kernel(marlin_smallm_kernel<MB, NW, kSmallMStages<MB, NW, WG>, GROUPED, WG>,                 \
+                         smallm_cache<MB, NW, GROUPED, WG>(), p, grid, kThreads, smem, stream, pdl, cluster);  \
+  }                                                                                                            \
+  template <int MB, int NW, bool GROUPED, bool WG>                                                             \
+  int smallm_max_clusters(int cluster, int smem) {                                                             \
+    return smallm_cache<MB, NW, GROUPED, WG>().max_clusters(                                                   \
+        marlin_smallm_kernel<MB, NW, kSmallMStages<MB, NW, WG>, GROUPED, WG>, cluster, kThreads, smem);        \
   }
 
+#define MARLIN_INSTANTIATE_SMALLM_ONE(MB, NW, G, WG)                                                        \
+  template cudaError_t launch_smallm<MB, NW, G, WG>(const KernelParams&, int, int, cudaStream_t, bool, int); \
+  template int smallm_max_clusters<MB, NW, G, WG>(int, int);
+
 // Both tile widths x (group 128, per column) for one MB, with mma.sync (WG false) or wgmma.
-#define MARLIN_INSTANTIATE_SMALLM(MB, WG)                                                               \
-  template cudaError_t launch_smallm<MB, 4, true, WG>(const KernelParams&, int, int, cudaStream_t, bool);  \
-  template cudaError_t launch_smallm<MB, 4, false, WG>(const KernelParams&, int, int, cudaStream_t, bool); \
-  template cudaError_t launch_smallm<MB, 8, true, WG>(const KernelParams&, int, int, cudaStream_t, bool);  \
-  template cudaError_t launch_smallm<MB, 8, false, WG>(const KernelParams&, int, int, cudaStream_t, bool);
+#define MARLIN_INSTANTIATE_SMALLM(MB, WG)        \
+  MARLIN_INSTANTIATE_SMALLM_ONE(MB, 4, true, WG)  \
+  MARLIN_INSTANTIATE_SMALLM_ONE(MB, 4, false, WG) \
+  MARLIN_INSTANTIATE_SMALLM_ONE(MB, 8, true, WG)  \
+  MARLIN_INSTANTIATE_SMALLM_ONE(MB, 8, false, WG)
 
 }  // namespace marlin

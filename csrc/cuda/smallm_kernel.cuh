@@ -21,9 +21,16 @@
 //    stage loop stays unrolled (static shared-memory offsets); after a column's epilogue it
 //    resumes at the next slot of the ring. A fetch cursor moves the global pointers by constants
 //    inside a column; the tile's position (two divisions) is recomputed only at column changes.
-// Split columns are reduced as in marlin_kernel.cuh (fp32 partial per block, the last to arrive
-// adds them in block order and leaves the counter at zero), but by all 256 threads, 4 columns
-// each, with the loads of up to 8 partials in flight at once.
+// Two partitions of the tiles over the blocks (the planner picks, marlin_gemm.cu):
+//  * stream-K stripes of tiles_per_block tiles. Split columns are reduced as in marlin_kernel.cuh
+//    (fp32 partial per block, the last to arrive adds them in block order and leaves the counter
+//    at zero), but by all 256 threads, 4 columns each, with 8 partial loads in flight at once.
+//  * split_parts > 0: each column in that many nearly equal parts, one per block, so that no
+//    block stops streaming at a column end in mid-stripe. Reduced through global memory as above,
+//    or (cluster_reduce, sm_90+) the parts of a column form one thread-block cluster: each block
+//    leaves its fp32 partial in its own shared memory and, after a cluster barrier, adds the
+//    partials of its 1/parts of the tile from all blocks through distributed shared memory, in
+//    rank order. That skips the partial store, fence, counter and partial loads through L2.
 #pragma once
 
 #include <cuda_fp16.h>
@@ -127,9 +134,18 @@ __global__ void __launch_bounds__(kThreads, kSmallMMinBlocksPerSm<MB, WG>) marli
   const int n_tiles = p.n / S::kTileN;
   const int total = p.m_slices * n_tiles * k_tiles;
   const int T = p.tiles_per_block;
-  const int start = blockIdx.x * T;
-  const int n_mine = min(start + T, total) - start;  // tiles of this block's stripe
-  if (n_mine <= 0) return;
+  const int parts = p.split_parts;
+  int start, n_mine;  // first stripe tile and how many (a stripe of the tile order: column-major in K)
+  if (parts > 0) {    // part blockIdx.x % parts of column blockIdx.x / parts; never empty (planner)
+    const int col = blockIdx.x / parts, part = blockIdx.x - col * parts;
+    const int kt0 = part * k_tiles / parts;
+    start = col * k_tiles + kt0;
+    n_mine = (part + 1) * k_tiles / parts - kt0;
+  } else {
+    start = blockIdx.x * T;
+    n_mine = min(start + T, total) - start;
+    if (n_mine <= 0) return;
+  }
   const long long b_row_int4 = p.n / 2;  // one packed row (16 rows of K)
 
   // ---- static per-thread offsets of the copies in a stage
@@ -454,8 +470,27 @@ __global__ void __launch_bounds__(kThreads, kSmallMMinBlocksPerSm<MB, WG>) marli
     }
   };
 
-  // ---- end of a column: add the K warps, reduce with the other blocks, write C
-  auto finish_column = [&](const Where& w) {
+  // Chunk x of a reduced column (4 fp32 sums of row x / kRowChunks of the slice, tile columns
+  // 4 (x % kRowChunks) + 0..3) to C: per-column scales applied, rounded to fp16.
+  constexpr int kRowChunks = S::kTileN / 4;
+  auto store_chunk = [&](const Where& w, int x, float4 v) {
+    const int r = x / kRowChunks, cc = 4 * (x % kRowChunks);
+    const long long c_col = static_cast<long long>(w.nt) * S::kTileN + cc;
+    if constexpr (!GROUPED) {
+      const half2* sc = reinterpret_cast<const half2*>(reinterpret_cast<const half*>(p.s) + c_col);
+      const float2 s01 = __half22float2(sc[0]), s23 = __half22float2(sc[1]);
+      v.x *= s01.x;
+      v.y *= s01.y;
+      v.z *= s23.x;
+      v.w *= s23.y;
+    }
+    half2 out[2] = {__floats2half2_rn(v.x, v.y), __floats2half2_rn(v.z, v.w)};
+    *reinterpret_cast<uint2*>(p.c + static_cast<long long>(w.row0 + r) * p.n + c_col) = *reinterpret_cast<uint2*>(out);
+  };
+
+  // The column's sums of this block: the last wgmma landed, the raw per-column sum corrected, the
+  // K warps added (into the wk == 0 warps' tot).
+  auto combine_column = [&]() {
     if constexpr (WG) wgmma_drain(tot);  // the column's last wgmma group must land before tot and corr are read
     if constexpr (S::kRaw && !S::kGroupSums) {  // per column: the whole column is one raw sum
 #pragma unroll
@@ -491,13 +526,72 @@ __global__ void __launch_bounds__(kThreads, kSmallMMinBlocksPerSm<MB, WG>) marli
           }
       }
     }
+  };
 
-    const int first_block = (w.col * k_tiles) / T;
-    const int last_block = (w.col * k_tiles + k_tiles - 1) / T;
-    const int n_parts = last_block - first_block + 1;
+  // Cluster partition: the block's (only) column is reduced with the other blocks of its cluster.
+  // The partial goes to this block's shared memory as [rows][kTileN + 4] fp32 (the padding
+  // spreads the rows 2 c4 of a warp's stores over the banks), over the drained pipeline stages.
+  constexpr int kPartStride = S::kTileN + 4;
+  static_assert(S::kRows * kPartStride * 4 <= S::kPipeInt4 * 16, "the partial must fit the pipeline's shared memory");
+  auto reduce_in_cluster = [&](const Where& w) {
+    combine_column();
+    const int lim = w.rows - 2 * c4;  // as in finish_column
+    float* part_sm = reinterpret_cast<float*>(smem);
+    cp_async_wait<0>();
+    __syncthreads();  // every warp has finished reading the stages that the partial overwrites
+    if (wk == 0) {
+      float* mine = part_sm + 2 * c4 * kPartStride + wn * 64 + g;
+#pragma unroll
+      for (int b = 0; b < MB; b++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) {
+          if (8 * b + e % 2 < lim) {
+#pragma unroll
+            for (int j = 0; j < 4; j++) mine[(8 * b + e % 2) * kPartStride + 16 * j + 8 * (e / 2)] = tot[j][b][e];
+          }
+        }
+    }
+    cluster_sync();  // all partials of the column are in place
+    // This block's share of the tile's float4 chunks; each is the sum of the parts in rank order
+    // (deterministic), with the loads from all parts in flight at once.
+    constexpr int kMaxParts = 8;
+    const int rank = blockIdx.x % parts;
+    const int chunks = w.rows * kRowChunks;
+    const int hi = (rank + 1) * chunks / parts;
+    const uint32_t base = smem_addr(part_sm);
+    uint32_t from[kMaxParts];
+#pragma unroll
+    for (int q = 0; q < kMaxParts; q++) from[q] = q < parts ? cluster_map(base, q) : 0;
+    for (int x = rank * chunks / parts + tid; x < hi; x += kThreads) {
+      const uint32_t off = ((x / kRowChunks) * kPartStride + 4 * (x % kRowChunks)) * 4;
+      float4 v[kMaxParts];
+#pragma unroll
+      for (int q = 0; q < kMaxParts; q++)
+        if (q < parts) v[q] = ld_cluster_f4(from[q] + off);
+      float4 sum = v[0];
+#pragma unroll
+      for (int q = 1; q < kMaxParts; q++)
+        if (q < parts) {
+          sum.x += v[q].x;
+          sum.y += v[q].y;
+          sum.z += v[q].z;
+          sum.w += v[q].w;
+        }
+      store_chunk(w, x, sum);
+    }
+    cluster_sync();  // the other blocks have read this block's partial: its shared memory may go
+  };
+
+  // ---- end of a column of a stream-K stripe: add the K warps, reduce with the other blocks, write C
+  auto finish_column = [&](const Where& w) {
+    combine_column();
     // Lane's element (j, b, e) is C[row 8 b + 2 c4 + e % 2][tile column 64 wn + g + 16 j + 8 (e / 2)]:
     // one base per lane plus compile-time offsets, and a row limit instead of per-element tests.
     const int lim = w.rows - 2 * c4;  // element rows 8 b + e % 2 below this exist
+    // the blocks of the column: split parts, or the stripes that touch it
+    const int first_block = parts > 0 ? blockIdx.x - blockIdx.x % parts : (w.col * k_tiles) / T;
+    const int last_block = parts > 0 ? first_block + parts - 1 : (w.col * k_tiles + k_tiles - 1) / T;
+    const int n_parts = last_block - first_block + 1;
     const int col0 = w.nt * S::kTileN + wn * 64 + g;
     if (n_parts == 1) {
       if (wk == 0) {
@@ -528,10 +622,11 @@ __global__ void __launch_bounds__(kThreads, kSmallMMinBlocksPerSm<MB, WG>) marli
     }
 
     // Split column. Slots hold [rows][kTileN] fp32. Block b uses slot 2b for the column its stripe
-    // starts in and 2b+1 for the one it ends in; every block after the column's first starts in it.
+    // starts in and 2b+1 for the one it ends in; every block after the column's first starts in it
+    // (split parts: every block of the column).
     const long long col_start = static_cast<long long>(w.col) * k_tiles;
     auto slot_of = [&](int block) {
-      const bool starts_here = static_cast<long long>(block) * T >= col_start;
+      const bool starts_here = parts > 0 || static_cast<long long>(block) * T >= col_start;
       return reinterpret_cast<float*>(p.partial) + static_cast<long long>(2 * block + (starts_here ? 0 : 1)) * S::kPartialFloats;
     };
     if (wk == 0) {
@@ -563,7 +658,6 @@ __global__ void __launch_bounds__(kThreads, kSmallMMinBlocksPerSm<MB, WG>) marli
     // M = 32-64 went 5-11% faster; more chunks at once spilled registers.)
     __threadfence();
     constexpr int kU = 2, kPB = 4;
-    constexpr int kRowChunks = S::kTileN / 4;
     const int chunks = w.rows * kRowChunks;
     for (int x0 = tid; x0 < chunks; x0 += kU * kThreads) {
       float4 sum[kU];
@@ -595,19 +689,7 @@ __global__ void __launch_bounds__(kThreads, kSmallMMinBlocksPerSm<MB, WG>) marli
       for (int u = 0; u < kU; u++) {
         const int x = x0 + u * kThreads;
         if (x >= chunks) break;
-        const int r = x / kRowChunks, cc = 4 * (x % kRowChunks);
-        const long long c_col = static_cast<long long>(w.nt) * S::kTileN + cc;
-        float4 v = sum[u];
-        if constexpr (!GROUPED) {
-          const half2* sc = reinterpret_cast<const half2*>(reinterpret_cast<const half*>(p.s) + c_col);
-          const float2 s01 = __half22float2(sc[0]), s23 = __half22float2(sc[1]);
-          v.x *= s01.x;
-          v.y *= s01.y;
-          v.z *= s23.x;
-          v.w *= s23.y;
-        }
-        half2 out[2] = {__floats2half2_rn(v.x, v.y), __floats2half2_rn(v.z, v.w)};
-        *reinterpret_cast<uint2*>(p.c + static_cast<long long>(w.row0 + r) * p.n + c_col) = *reinterpret_cast<uint2*>(out);
+        store_chunk(w, x, sum[u]);
       }
     }
   };
@@ -676,6 +758,7 @@ __global__ void __launch_bounds__(kThreads, kSmallMMinBlocksPerSm<MB, WG>) marli
       if (i == col_end) break;
     }
     if (i == col_end) {
+      if (p.cluster_reduce) break;  // the block's only column: reduced in its cluster below
       finish_column(cur);
       if (i < n_mine) {
         cur = where(i);
@@ -683,6 +766,7 @@ __global__ void __launch_bounds__(kThreads, kSmallMMinBlocksPerSm<MB, WG>) marli
       }
     }
   }
+  if (p.cluster_reduce) reduce_in_cluster(cur);
   cp_async_wait<0>();
 }
 
