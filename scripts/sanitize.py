@@ -4,6 +4,7 @@
 Checks the results too, so a run that is clean but wrong still fails.
 """
 
+import os
 import sys
 
 import torch
@@ -20,14 +21,19 @@ CASES = [  # (M, K, N, group size, forced tile): both kernels, split columns, se
     # 70 rows as a 64-row and a 6-row slice with group-scaled weights
     (13, 2048, 1536, 128, (128, 512)),
     (70, 1152, 1536, 128, None),
-    # sm_90+: split columns reduced in thread-block clusters (16 columns x 8 parts), small-batch
-    # kernel at 3 rows; a 32-row slice (the wgmma variant on H100/H200) with per-column scales
+    # columns split in equal parts (16 columns x 8 parts), reduced through global memory: the
+    # small-batch kernel at 3 rows, and a 32-row slice (wgmma on H100/H200) with per-column scales
     (3, 4096, 4096, 128, None),
     (20, 8192, 4096, -1, (128, 256)),
+    # on H100/H200: 48 columns x 2 parts in thread-block clusters, reduced through distributed
+    # shared memory; at 1 row (mma.sync) and at 16 rows (wgmma, per-column scales)
+    (1, 4096, 12288, 128, None),
+    (16, 4096, 12288, -1, None),
 ]
 
 
 def main():
+    os.environ.setdefault("MARLIN_LOG_PLAN", "1")  # each call's plan (partition) goes to the log
     torch.manual_seed(0)
     ok = True
     for m, k, n, g, tile in CASES:
