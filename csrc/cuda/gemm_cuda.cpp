@@ -16,53 +16,42 @@
 namespace marlin {
 namespace {
 
-// Tuning knob for benchmarks: MARLIN_BLOCKS_PER_SM=1 caps resident blocks per multiprocessor.
-// Read once per process. Not part of the API.
+// Run-time knobs for tuning, tests and debugging (README, "Run-time knobs"); not part of the API.
+// Each is read once per process, at its first use.
+int env_int(const char* name, int unset) {
+  const char* env = std::getenv(name);
+  return env ? std::atoi(env) : unset;
+}
+
+// MARLIN_BLOCKS_PER_SM=1 caps resident blocks per multiprocessor (0: as many as fit).
 int tuning_blocks_per_sm() {
-  static const int value = [] {
-    const char* env = std::getenv("MARLIN_BLOCKS_PER_SM");
-    return env ? std::atoi(env) : 0;
-  }();
+  static const int value = env_int("MARLIN_BLOCKS_PER_SM", 0);
   return value;
 }
 
-// Tuning knob for benchmarks and tests: MARLIN_WGMMA=0 keeps the sm_90a (wgmma) kernels off, so
-// that the mma.sync kernels can be measured and tested on Hopper too. Read once per process.
+// MARLIN_WGMMA=0 keeps the sm_90a (wgmma) kernels off, so that the mma.sync kernels can be
+// measured and tested on Hopper too.
 bool tuning_wgmma_allowed() {
-  static const bool value = [] {
-    const char* env = std::getenv("MARLIN_WGMMA");
-    return !(env && std::string(env) == "0");
-  }();
+  static const bool value = env_int("MARLIN_WGMMA", 1) != 0;
   return value;
 }
 
-// Tuning knob for benchmarks and tests: MARLIN_PDL=0 launches without programmatic dependent
-// launch (sm_90+), which is on by default. Read once per process.
+// MARLIN_PDL=0 launches without programmatic dependent launch (sm_90+), which is on by default.
 bool tuning_pdl_allowed() {
-  static const bool value = [] {
-    const char* env = std::getenv("MARLIN_PDL");
-    return !(env && std::string(env) == "0");
-  }();
+  static const bool value = env_int("MARLIN_PDL", 1) != 0;
   return value;
 }
 
-// Tuning knob for benchmarks and tests: MARLIN_SPLIT=0 keeps the small-batch kernel on stream-K
-// stripes; 1 (default) the planner's choice; 2 and 3 force split parts (see GemmArgs::split_mode).
-// Read once per process.
+// MARLIN_SPLIT=0 keeps the small-batch kernel on stream-K stripes; 1 (default) the planner's
+// choice; 2 and 3 force split parts (see GemmArgs::split_mode).
 int tuning_split_mode() {
-  static const int value = [] {
-    const char* env = std::getenv("MARLIN_SPLIT");
-    return env ? std::atoi(env) : 1;
-  }();
+  static const int value = env_int("MARLIN_SPLIT", 1);
   return value;
 }
 
-// Debugging aid: MARLIN_LOG_PLAN=1 prints each call's plan (kernel, tile, partition) to stderr.
+// MARLIN_LOG_PLAN=1 prints each call's plan (kernel, tile, partition) to stderr.
 bool log_plan() {
-  static const bool value = [] {
-    const char* env = std::getenv("MARLIN_LOG_PLAN");
-    return env && std::string(env) == "1";
-  }();
+  static const bool value = env_int("MARLIN_LOG_PLAN", 0) == 1;
   return value;
 }
 

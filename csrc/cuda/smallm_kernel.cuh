@@ -528,6 +528,22 @@ __global__ void __launch_bounds__(kThreads, kSmallMMinBlocksPerSm<MB, WG>) marli
     }
   };
 
+  // (wk == 0 warps) The column sums as a [rows][stride] fp32 partial tile at `base`, only the
+  // element rows 8 b + e % 2 below `lim` (the slice's rows - 2 c4, as in finish_column);
+  // `put(address, value)` is the store (shared memory, or global past L1).
+  auto store_partial = [&](int lim, float* base, int stride, auto put) {
+    float* mine = base + 2 * c4 * stride + wn * 64 + g;
+#pragma unroll
+    for (int b = 0; b < MB; b++)
+#pragma unroll
+      for (int e = 0; e < 4; e++) {
+        if (8 * b + e % 2 < lim) {
+#pragma unroll
+          for (int j = 0; j < 4; j++) put(mine + (8 * b + e % 2) * stride + 16 * j + 8 * (e / 2), tot[j][b][e]);
+        }
+      }
+  };
+
   // Cluster partition: the block's (only) column is reduced with the other blocks of its cluster.
   // The partial goes to this block's shared memory as [rows][kTileN + 4] fp32 (the padding
   // spreads the rows 2 c4 of a warp's stores over the banks), over the drained pipeline stages.
@@ -535,22 +551,10 @@ __global__ void __launch_bounds__(kThreads, kSmallMMinBlocksPerSm<MB, WG>) marli
   static_assert(S::kRows * kPartStride * 4 <= S::kPipeInt4 * 16, "the partial must fit the pipeline's shared memory");
   auto reduce_in_cluster = [&](const Where& w) {
     combine_column();
-    const int lim = w.rows - 2 * c4;  // as in finish_column
     float* part_sm = reinterpret_cast<float*>(smem);
     cp_async_wait<0>();
     __syncthreads();  // every warp has finished reading the stages that the partial overwrites
-    if (wk == 0) {
-      float* mine = part_sm + 2 * c4 * kPartStride + wn * 64 + g;
-#pragma unroll
-      for (int b = 0; b < MB; b++)
-#pragma unroll
-        for (int e = 0; e < 4; e++) {
-          if (8 * b + e % 2 < lim) {
-#pragma unroll
-            for (int j = 0; j < 4; j++) mine[(8 * b + e % 2) * kPartStride + 16 * j + 8 * (e / 2)] = tot[j][b][e];
-          }
-        }
-    }
+    if (wk == 0) store_partial(w.rows - 2 * c4, part_sm, kPartStride, [](float* at, float v) { *at = v; });
     cluster_sync();  // all partials of the column are in place
     // This block's share of the tile's float4 chunks; each is the sum of the parts in rank order
     // (deterministic), with the loads from all parts in flight at once.
@@ -630,16 +634,7 @@ __global__ void __launch_bounds__(kThreads, kSmallMMinBlocksPerSm<MB, WG>) marli
       return reinterpret_cast<float*>(p.partial) + static_cast<long long>(2 * block + (starts_here ? 0 : 1)) * S::kPartialFloats;
     };
     if (wk == 0) {
-      float* mine = slot_of(blockIdx.x) + 2 * c4 * S::kTileN + wn * 64 + g;
-#pragma unroll
-      for (int b = 0; b < MB; b++)
-#pragma unroll
-        for (int e = 0; e < 4; e++) {
-          if (8 * b + e % 2 < lim) {
-#pragma unroll
-            for (int j = 0; j < 4; j++) __stcg(mine + (8 * b + e % 2) * S::kTileN + 16 * j + 8 * (e / 2), tot[j][b][e]);
-          }
-        }
+      store_partial(lim, slot_of(blockIdx.x), S::kTileN, [](float* at, float v) { __stcg(at, v); });
       __threadfence();
     }
     zero(tot);
