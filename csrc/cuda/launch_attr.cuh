@@ -21,14 +21,16 @@ class SmemAttrCache {
     return err;
   }
 
-  // How many clusters of `cluster` blocks (<= kMaxCluster) can be resident at once; remembered
-  // per device and cluster size (the occupancy query takes host time). 0 if none or unknown.
+  // How many clusters of `cluster` blocks (<= kMaxCluster) with `smem` bytes each can be resident
+  // at once; remembered per device and cluster size, for the last smem asked (the occupancy query
+  // takes host time; the planner asks with one of two sizes per instance). 0 if none or unknown.
   template <typename Params>
   int max_clusters(void (*kernel)(Params), int cluster, int threads, int smem) {
     int dev = 0;
     if (cluster < 1 || cluster > kMaxCluster || cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= kMaxDevices) return 0;
-    const int known = clusters_[dev][cluster].load(std::memory_order_acquire);
-    if (known > 0) return known - 1;
+    const long long key = static_cast<long long>(smem) << 32;
+    const long long known = clusters_[dev][cluster].load(std::memory_order_acquire);
+    if (known != 0 && (known & ~0xFFFFFFFFLL) == key) return static_cast<int>(known & 0xFFFFFFFF) - 1;
     if (ensure(reinterpret_cast<const void*>(kernel), smem) != cudaSuccess) return 0;
     cudaLaunchAttribute attr[1];
     attr[0].id = cudaLaunchAttributeClusterDimension;
@@ -46,7 +48,7 @@ class SmemAttrCache {
       (void)cudaGetLastError();  // not sticky; leave no error for the next launch check
       n = 0;
     }
-    clusters_[dev][cluster].store(n + 1, std::memory_order_release);
+    clusters_[dev][cluster].store(key | (n + 1), std::memory_order_release);
     return n;
   }
 
@@ -55,7 +57,7 @@ class SmemAttrCache {
  private:
   static constexpr int kMaxDevices = 64;
   std::atomic<int> done_[kMaxDevices] = {};
-  std::atomic<int> clusters_[kMaxDevices][kMaxCluster + 1] = {};
+  std::atomic<long long> clusters_[kMaxDevices][kMaxCluster + 1] = {};  // smem << 32 | (count + 1)
 };
 
 // Launches kernel<<<grid, threads, smem, stream>>>(params) after opting it in to `smem` bytes of
