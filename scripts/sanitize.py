@@ -18,9 +18,13 @@ CASES = [  # (M, K, N, group size, forced tile): both kernels, split columns, se
     (5, 2048, 1536, 128, None),  # small-batch kernel (M <= 8), split columns
     (40, 1152, 2048, -1, (128, 512)),  # small-batch kernel, two 32-row slices, 512-column tile
     # on H100/H200 (sm_90a build) the wgmma variant: 16 rows with group sums and split columns;
-    # 70 rows as a 64-row and a 6-row slice with group-scaled weights
+    # 70 rows as one 128-row slice with group-scaled weights, and (512-column tile) as a 64-row
+    # and a 6-row slice; 200 rows as a 128-row and a 72-row slice, per-column scales, columns
+    # split in equal parts
     (13, 2048, 1536, 128, (128, 512)),
     (70, 1152, 1536, 128, None),
+    (70, 1152, 2048, 128, (128, 512)),
+    (200, 1152, 1536, -1, None),
     # columns split in equal parts (16 columns x 8 parts), reduced through global memory: the
     # small-batch kernel at 3 rows, and a 32-row slice (wgmma on H100/H200) with per-column scales
     (3, 4096, 4096, 128, None),
@@ -34,6 +38,8 @@ CASES = [  # (M, K, N, group size, forced tile): both kernels, split columns, se
 
 def main():
     os.environ.setdefault("MARLIN_LOG_PLAN", "1")  # each call's plan (partition) goes to the log
+    # above 64 rows the planner picks 64-row slices on layers this small; 128-row ones are checked here
+    os.environ.setdefault("MARLIN_WG_SLICE", "128")
     torch.manual_seed(0)
     ok = True
     for m, k, n, g, tile in CASES:

@@ -10,6 +10,7 @@ gives an error near 1, far outside it.
 """
 
 import itertools
+import re
 
 import pytest
 import torch
@@ -115,9 +116,9 @@ def test_llama_shapes(g, shape, m):
 # Every compiled kernel instance runs at least once (a miscompiled instance, such as the
 # published kernel's dropped cache-policy register, dies with "illegal instruction" here).
 INSTANCES = list(itertools.product([1, 2, 3, 4], [(128, 128), (64, 256)], GROUPS))
-# the small-batch kernel: slices of 8, 16, 32 rows (mma.sync) or 16, 32, 64 rows (wgmma, on
-# H100/H200 when built for sm_90a) x tiles 128x256, 128x512
-SMALL_M_SLICES = {1: (1, 5, 8), 2: (9, 16), 4: (17, 31, 32), 8: (33, 64, 70, 130)}
+# the small-batch kernel: slices of 8, 16, 32 rows (mma.sync) or 16, 32, 64, 128 rows (wgmma, on
+# H100/H200 when built for sm_90a) x tiles 128x256, 128x512 (128-row slices: 256 only)
+SMALL_M_SLICES = {1: (1, 5, 8), 2: (9, 16), 4: (17, 31, 32), 8: (33, 64), 16: (65, 128, 130, 300)}
 SMALL_M_INSTANCES = list(itertools.product(SMALL_M_SLICES, [(128, 256), (128, 512)], GROUPS))
 
 
@@ -132,7 +133,7 @@ def test_every_kernel_instance(m_blocks, tile, g):
 def test_every_small_batch_instance(mb, tile, g):
     layer = get_layer(1152, 1536 if tile[1] == 256 else 2048, g)
     # the planner picks the slice from M; forced tiles run larger M as several slices (of 32
-    # rows with mma.sync, 64 with wgmma), so mb=8 covers both
+    # rows with mma.sync; of 128 rows with wgmma, or 64 with the 512-column tile)
     for m in SMALL_M_SLICES[mb]:
         check(layer, m, tile_k=tile[0], tile_n=tile[1])
 
@@ -243,8 +244,6 @@ def _pytest_subprocess(env_vars, select):
 
 def _plans(log):
     """(split_parts, clusters) of every plan line that MARLIN_LOG_PLAN=1 printed."""
-    import re
-
     found = re.findall(r"^marlin\.gemm plan: .* split_parts=(\d+) clusters=(\d)", log, re.M)
     return [(int(parts), clusters == "1") for parts, clusters in found]
 
@@ -270,6 +269,42 @@ def test_split_column_partitions(mode):
             assert clustered == 0
         else:
             assert clustered > 0
+
+
+@pytest.mark.parametrize("rows", ["64", "128"])
+def test_wgmma_slices_above_64_rows(rows):
+    """Above 64 rows the wgmma variant (H100/H200) runs slices of 64 or 128 rows (the planner
+    picks per shape); the shape and instance tests with each forced (MARLIN_WG_SLICE), the plan
+    log shows which ran."""
+    if not _wgmma_device():
+        pytest.skip("the wgmma variant runs on compute capability 9.0 only")
+    select = "test_small_shapes or test_every_small_batch_instance or test_llama_shapes"
+    _, log = _pytest_subprocess({"MARLIN_WG_SLICE": rows, "MARLIN_LOG_PLAN": "1"}, select)
+    found = re.findall(r"^marlin\.gemm plan: m=(\d+) .* kernel=small_m_wgmma tile=128x(\d+) m_blocks=(\d+) ", log, re.M)
+    large = [(int(tile), int(mb)) for m, tile, mb in found if int(m) > 64]
+    assert len(large) > 20, log[-2000:]
+    want = {256: 16 if rows == "128" else 8, 512: 8}
+    assert all(mb == want[tile] for tile, mb in large), sorted(set(large))
+
+
+def test_default_wgmma_slices_follow_the_columns():
+    """At M = 128 on an H100/H200 (132 SMs): 70B o (32 columns of 64 tiles) keeps 64-row slices,
+    70B down (32 columns of 224 tiles: long stripes) and 70B qkv (40 columns) take 128 rows."""
+    if not _wgmma_device() or torch.cuda.get_device_properties(0).multi_processor_count != 132:
+        pytest.skip("the rule's example needs a 132-SM compute capability 9.0 device")
+    _, log = _pytest_subprocess({"MARLIN_LOG_PLAN": "1"}, "test_llama_shapes and (70B_o or 70B_down or 70B_qkv)")
+    found = set(re.findall(r"^marlin\.gemm plan: m=128 n=(\d+) k=(\d+) .* m_blocks=(\d+) ", log, re.M))
+    # (N, K, m_blocks) of both scale modes
+    assert found == {("8192", "8192", "8"), ("8192", "28672", "16"), ("10240", "8192", "16")}, found
+
+
+def _wgmma_device():
+    """A compute capability 9.0 device, and a build that has the sm_90a kernels (setup.py builds
+    them unless TORCH_CUDA_ARCH_LIST leaves out 9.0a)."""
+    import os
+
+    archs = os.environ.get("TORCH_CUDA_ARCH_LIST")
+    return torch.cuda.get_device_capability() == (9, 0) and (archs is None or "9.0a" in archs)
 
 
 def test_default_plan_splits_columns_in_equal_parts():

@@ -49,6 +49,13 @@ int tuning_split_mode() {
   return value;
 }
 
+// MARLIN_WG_SLICE=64 or 128 forces the wgmma variant's slices above 64 rows (default: the
+// planner's choice).
+int tuning_wg_slice_rows() {
+  static const int value = env_int("MARLIN_WG_SLICE", 0);
+  return value;
+}
+
 // MARLIN_LOG_PLAN=1 prints each call's plan (kernel, tile, partition) to stderr.
 bool log_plan() {
   static const bool value = env_int("MARLIN_LOG_PLAN", 0) == 1;
@@ -96,6 +103,7 @@ at::Tensor gemm_cuda(const at::Tensor& a, const at::Tensor& b_q, const at::Tenso
   args.pdl = prop->major >= 9 && tuning_pdl_allowed();
   args.split_mode = tuning_split_mode();
   args.clusters = prop->major >= 9;
+  args.wg_slice_rows = tuning_wg_slice_rows();
   TORCH_CHECK(reinterpret_cast<uintptr_t>(args.b_q) % 16 == 0 && reinterpret_cast<uintptr_t>(args.scales) % 16 == 0,
               "marlin.gemm: b_q and b_scales must be 16-byte aligned (got a view with an offset?)");
 

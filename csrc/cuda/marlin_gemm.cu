@@ -33,12 +33,27 @@ constexpr long long kSmallMHugeBytesPerSm = 8LL << 20;
 // With wgmma (sm_90a, compute capability 9.0; measured on an H200, benchmarks/NOTES.md
 // "Session 3" and "Session 5"): the wgmma variant takes 9-64 rows on layers where each SM
 // streams >= 128 KB (with the 512-column tile at 9-16 rows from 768 KB on), and every M above
-// 64, in slices of 64 rows. Elsewhere the rules above apply. (Since columns are split in equal
+// 64, in slices of 64 or 128 rows (wg_slice_rows below). Elsewhere the rules above apply. (Since columns are split in equal
 // parts, 7B qkv / down and 70B o at 32-64 rows run 9-29% faster with it than with the tiled
 // kernel; 7B o, 64 KB per SM, stays 15-25% faster on the tiled kernel.)
 constexpr long long kWgBytesPerSm = 128LL << 10;
 constexpr long long kWg512BytesPerSm = 768LL << 10;
 constexpr int kWgSliceRows = 64;
+
+// Above 64 rows (wgmma): 128-row slices dequantize each weight half as often as 64-row ones and
+// give each wgmma twice the N, but make half as many columns, each with a 128 KB fp32 partial per
+// block that shares it. Measured on an H200 ("Session 6"), 128 rows win wherever at most 3 blocks
+// share a column (70B qkv / gate_up, 7B qkv: 2-24% faster at M = 65-128, up to 19% at M >= 1024)
+// or each block streams >= 48 tiles (70B down at M <= 128, 54 tiles: 150 -> 113 us at M=65);
+// with 4 or more blocks per column and short stripes the reduction of the large partials
+// dominates (70B o M=128: 45 -> 54 us; 7B o / down up to M=256, 16-32 columns).
+constexpr long long kWg128MinTilesPerSm = 48;
+int wg_slice_rows(const GemmArgs& a) {
+  if (a.wg_slice_rows == 64 || a.wg_slice_rows == 128) return a.wg_slice_rows;
+  const long long columns = static_cast<long long>((a.m + 127) / 128) * (a.n / 256);
+  const long long tiles = columns * (a.k / 128);
+  return columns * 4 > a.sms || tiles >= kWg128MinTilesPerSm * a.sms ? 128 : 64;
+}
 
 // 0: use the tiled kernel; else the small-batch kernel's tile width.
 int small_m_tile(const GemmArgs& a) {
@@ -98,7 +113,7 @@ Instance make_smallm_instance() {
 }
 
 // The small-batch instances: MB n8 tiles of the batch (1, 2, 4 with mma.sync; 2, 4, 8 with
-// wgmma) x 256 or 512 columns x scales.
+// wgmma) x 256 or 512 columns x scales; and MB = 16 with wgmma, 256 columns only.
 bool find_smallm_instance(int mb, int tile_n, bool grouped, bool wg, Instance* out) {
 #define MARLIN_TRY(MB, NW, WG)                                                                                \
   if (mb == MB && tile_n == 64 * NW && wg == WG) {                                                           \
@@ -117,6 +132,7 @@ bool find_smallm_instance(int mb, int tile_n, bool grouped, bool wg, Instance* o
   MARLIN_TRY(4, 8, true)
   MARLIN_TRY(8, 4, true)
   MARLIN_TRY(8, 8, true)
+  MARLIN_TRY(16, 4, true)
 #undef MARLIN_TRY
   return false;
 }
@@ -196,13 +212,14 @@ std::string finish_plan(const GemmArgs& args, const Instance& inst, GemmPlan* pl
   return "";
 }
 
-// The small-batch kernel: batch slices of 8, 16 or 32 rows (64 with wgmma), tiles of 128 x 256
-// or 128 x 512. Above 8 rows on a wgmma-capable device and build, the wgmma variant.
+// The small-batch kernel: batch slices of 8, 16 or 32 rows (64 or 128 with wgmma), tiles of
+// 128 x 256 or 128 x 512. Above 8 rows on a wgmma-capable device and build, the wgmma variant.
 std::string plan_small_m(const GemmArgs& args, int tile_n, GemmPlan* plan) {
   const bool grouped = args.groups > 1;
   plan->small_m = true;
   plan->wgmma = args.wgmma && args.m > 8;
   plan->m_blocks = args.m <= 8 ? 1 : args.m <= 16 ? 2 : (args.m <= 32 || !plan->wgmma) ? 4 : 8;
+  if (plan->wgmma && args.m > kWgSliceRows && tile_n == 256 && wg_slice_rows(args) == 128) plan->m_blocks = 16;
   plan->m_slices = (args.m + 8 * plan->m_blocks - 1) / (8 * plan->m_blocks);
   plan->tile = TileConfig{128, tile_n};
   Instance inst;

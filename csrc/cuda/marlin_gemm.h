@@ -39,13 +39,16 @@ struct GemmArgs {
   // probes: 2 split parts wherever possible, in clusters where they fit; 3 the same, never in clusters.
   int split_mode = 0;
   bool clusters = false;  // thread-block clusters can be launched (sm_90+)
+  // Rows per slice of the wgmma variant above 64 rows: 0 the planner's choice; 64 or 128 forced
+  // (probes, tests).
+  int wg_slice_rows = 0;
 };
 
 // What plan() decided: printed in errors and benchmarks.
 struct GemmPlan {
   TileConfig tile{0, 0};
   bool small_m = false;  // the small-batch kernel (smallm_kernel.cuh) rather than marlin_kernel.cuh
-  bool wgmma = false;    // its sm_90a variant (warpgroup mma; slices of up to 64 rows)
+  bool wgmma = false;    // its sm_90a variant (warpgroup mma; slices of up to 128 rows)
   int m_blocks = 0;      // rows of M per slice: 16 * m_blocks, or 8 * m_blocks for small_m
   int m_slices = 0;      // slices of M
   int blocks_per_sm = 1;

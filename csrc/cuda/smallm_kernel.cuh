@@ -43,13 +43,17 @@
 
 namespace marlin {
 
-// MB: n8 tiles of the batch per slice (slice = 8 MB rows of A); NW: warps along N (64 columns
-// each); the other kWarps / NW warps split the 8 k16 blocks of a stage.
+// MB: n8 tiles of the batch per slice (slice = 8 MB rows of A); NW: 64-column chunks of the tile
+// along N, one warp each; the other kWarps / NW warps split the 8 k16 blocks of a stage, except
+// at MB == 16 (WG), where they split each chunk's four 16-column blocks instead (two per warp:
+// 128 accumulators per thread, as at MB == 8).
 // WG (sm_90a): the mma of a k16 step is one wgmma per 16 columns of each warp, issued by the
 // warpgroup (4 warps = 64 rows of the transposed product, batch = its N of 8 MB), with the
 // activations read by the tensor cores straight from shared memory (128-byte swizzle) and the
 // dequantized weights from registers. One instruction replaces MB mma.sync, which is what made
-// the mma.sync kernel issue-bound from 16 rows on, and slices of 64 rows become possible.
+// the mma.sync kernel issue-bound from 16 rows on, and slices of 64 or 128 rows become possible.
+// Each weight is dequantized once per slice, so for large M the 128-row slice halves that work
+// and gives each wgmma twice the N.
 template <int MB, int NW, int STAGES, bool GROUPED, bool WG = false>
 struct SmallMShape {
   static constexpr bool kWG = WG;
@@ -74,7 +78,9 @@ struct SmallMShape {
   // Stages loaded ahead of the one computed. WG keeps one stage more out of the ring: a wgmma
   // may still read the previous stage's activations when the next refill is issued.
   static constexpr int kAhead = WG ? STAGES - 2 : STAGES - 1;
-  static constexpr int kKW = kWarps / NW;  // warps along K: 1 or 2
+  static constexpr int kJW = WG && MB == 16 ? 2 : 4;  // 16-column blocks of its chunk per warp
+  static constexpr int kJSplit = 4 / kJW;             // warps per 64-column chunk
+  static constexpr int kKW = kWarps / NW / kJSplit;   // warps along K: 1 or 2
   static constexpr int kTK = 8;            // k16 blocks per stage: 128 rows of K, one scale group
   static constexpr int kSub = kTK / kKW;   // k16 steps per warp per stage
   static constexpr int kRows = 8 * MB;     // rows of A per slice
@@ -90,8 +96,8 @@ struct SmallMShape {
   static constexpr int kSStage = WG && GROUPED ? 64 : kSRow;
   static constexpr int kStageInt4 = kAStage + kBStage + kSStage;
   static constexpr int kPipeInt4 = STAGES * kStageInt4;
-  // accumulators per thread: 4 row blocks of 16 columns of N x MB n8 tiles x 4
-  static constexpr int kAccFloats = 4 * MB * 4;
+  // accumulators per thread: kJW row blocks of 16 columns of N x MB n8 tiles x 4
+  static constexpr int kAccFloats = kJW * MB * 4;
   // end-of-column reduction of the K warps: the upper KW - 1 warp rows store theirs
   static constexpr int kRedInt4 = (kKW - 1) * NW * 32 * (kAccFloats / 4);
   // WG: + 1 KB to align the dynamic shared memory to the 1024-byte swizzle atom
@@ -99,12 +105,14 @@ struct SmallMShape {
   // fp32 values of one block's partial tile (rows of the slice x columns of the tile)
   static constexpr int kPartialFloats = kRows * kTileN;
 
-  static_assert(WG ? (MB == 2 || MB == 4 || MB == 8) : (MB == 1 || MB == 2 || MB == 4),
-                "MB must be 1, 2 or 4 (2, 4 or 8 with WG)");
+  static_assert(WG ? (MB == 2 || MB == 4 || MB == 8 || MB == 16) : (MB == 1 || MB == 2 || MB == 4),
+                "MB must be 1, 2 or 4 (2, 4, 8 or 16 with WG)");
+  static_assert(kKW >= 1 && kWarps == NW * kJSplit * kKW, "MB == 16 needs the 256-column tile");
   static_assert(kAhead >= 1, "the pipeline needs a stage in flight");
   static_assert(!WG || kStageInt4 % 64 == 0, "WG stages must keep the 1024-byte alignment");
   static_assert(kWarps % NW == 0 && kTK % kKW == 0, "warps must split the tile evenly");
   static_assert(kKW <= 2, "the column epilogue reduces at most two K warps");
+  static_assert(kJW == 4 || (WG && !kGroupSums), "a warp with half a chunk needs the wgmma, weight-scaled path");
   static_assert((STAGES * kSub) % 2 == 0, "register double buffer needs an even sub-step count");
   static_assert(kBStage % kThreads == 0, "B stage must split evenly over threads");
 };
@@ -126,8 +134,10 @@ __global__ void __launch_bounds__(kThreads, kSmallMMinBlocksPerSm<MB, WG>) marli
   const int tid = threadIdx.x;
   const int lane = tid % 32;
   const int warp = tid / 32;
-  const int wn = warp % NW;  // which 64 columns of the tile
-  const int wk = warp / NW;  // which half of a stage's k16 blocks (KW == 2)
+  const int wn = warp % NW;                     // which 64 columns of the tile
+  const int jh = (warp / NW) % S::kJSplit;      // which kJW of the chunk's 16-column blocks
+  const int wk = warp / (NW * S::kJSplit);      // which half of a stage's k16 blocks (KW == 2)
+  const int jcol = jh * S::kJW * 16;            // the warp's first column in its chunk
   const int g = lane / 4, c4 = lane % 4;
 
   const int k_tiles = p.k / (16 * S::kTK);
@@ -165,6 +175,13 @@ __global__ void __launch_bounds__(kThreads, kSmallMMinBlocksPerSm<MB, WG>) marli
       a_sh_wr[l] = a_row[l] * S::kARowInt4 + (a_col ^ (a_row[l] % 8));
   }
   static_assert(kThreads % S::kARowInt4 == 0, "A copies must keep their column across rounds");
+  // so copy l of a thread is row a_row[0] + l * kARowStep. Up to 4 copies keep a source pointer
+  // each (fewest instructions per stage); the 8 of a 128-row slice share one pointer and a row
+  // step, which frees the registers whose spills made that slice 20% slower (H200, "Session 6";
+  // the shared pointer made 32-64-row slices 2-4% slower).
+  constexpr int kARowStep = kThreads / S::kARowInt4;
+  constexpr bool kAOnePtr = kALoads > 4;
+  const long long a_step = kARowStep * p.lda_int4;
   // B: copy l of a thread reads k16 row kb0 + l * 8 / NW of the tile, at 16-byte column b_off
   const int b_kb0 = tid / (NW * 32), b_off = tid % (NW * 32);
   const long long b_step = static_cast<long long>(kThreads / (NW * 32)) * b_row_int4;
@@ -180,17 +197,18 @@ __global__ void __launch_bounds__(kThreads, kSmallMMinBlocksPerSm<MB, WG>) marli
   auto act_sh_rd = [&](int kb, int q) { return ld_base + 16 * q * S::kARowInt4 + ((2 * kb) ^ ld_key); };
 
   // ---- registers
-  float tot[4][MB][4];                         // the column's result so far
-  float grp[S::kGroupSums ? 4 : 1][MB][4];     // this group's mma sums (kGroupSums only)
+  constexpr int JW = S::kJW;
+  float tot[JW][MB][4];                        // the column's result so far
+  float grp[S::kGroupSums ? JW : 1][MB][4];    // this group's mma sums (kGroupSums only)
   float corr[MB][4];                           // kRaw: -8 * 2^-24 * (sum of the activations)
   uint32_t act[2][MB][2];                      // activation B fragments, double buffered
-  uint32_t afrag[2][4][4];                     // WG: dequantized A fragments, double buffered
-  int4 wq[2];                                  // packed weights, double buffered
-  int4 s_cur;                                  // this lane's 8 scales of the current group
+  uint32_t afrag[2][JW][4];                    // WG: dequantized A fragments, double buffered
+  alignas(16) uint32_t wq[2][JW];              // packed weights (8 nibbles per block), double buffered
+  alignas(16) uint32_t s_cur[JW];              // this lane's scale pairs of the current group
 
   auto zero = [](auto& acc) {
 #pragma unroll
-    for (int j = 0; j < 4; j++)
+    for (int j = 0; j < JW; j++)
 #pragma unroll
       for (int b = 0; b < MB; b++)
 #pragma unroll
@@ -218,17 +236,23 @@ __global__ void __launch_bounds__(kThreads, kSmallMMinBlocksPerSm<MB, WG>) marli
   // pointers by a constant; only a new column needs the divisions of where().
   int f_i = 0;     // stripe index of the next tile to load
   int f_left = 0;  // tiles left in its column, counting it
-  const int4* f_a[kALoads];
-  bool f_a_ok[kALoads];
+  const int4* f_a[kAOnePtr ? 1 : kALoads];  // the copies' sources (kAOnePtr: copy 0's)
+  bool f_a_ok[kAOnePtr ? 1 : kALoads];       // the copy's row exists (else zero-filled)
+  int f_a_rows = 0;  // kAOnePtr: rows of the slice from a_row[0] on (copy l exists if l * kARowStep < this)
   const int4* f_b;
   const int4* f_s = nullptr;
   auto seek = [&](int i) {
     const Where w = where(i);
     f_left = k_tiles - w.kt;
+    if constexpr (kAOnePtr) {
+      f_a_rows = w.rows - a_row[0];
+      f_a[0] = p.a + (w.row0 + a_row[0]) * p.lda_int4 + w.kt * S::kARowInt4 + a_col;
+    } else {
 #pragma unroll
-    for (int l = 0; l < kALoads; l++) {
-      f_a_ok[l] = a_row[l] < w.rows && (kAFull || tid + l * kThreads < S::kAStage);
-      f_a[l] = p.a + (w.row0 + (f_a_ok[l] ? a_row[l] : 0)) * p.lda_int4 + w.kt * S::kARowInt4 + a_col;
+      for (int l = 0; l < kALoads; l++) {
+        f_a_ok[l] = a_row[l] < w.rows && (kAFull || tid + l * kThreads < S::kAStage);
+        f_a[l] = p.a + (w.row0 + (f_a_ok[l] ? a_row[l] : 0)) * p.lda_int4 + w.kt * S::kARowInt4 + a_col;
+      }
     }
     f_b = p.b + (static_cast<long long>(w.kt) * S::kTK + b_kb0) * b_row_int4 + w.nt * NW * 32 + b_off;
     if constexpr (GROUPED) f_s = p.s + static_cast<long long>(w.kt) * (p.n / 8) + w.nt * S::kSRow + tid;
@@ -239,7 +263,12 @@ __global__ void __launch_bounds__(kThreads, kSmallMMinBlocksPerSm<MB, WG>) marli
       int4* sh = smem + stage * S::kStageInt4;
 #pragma unroll
       for (int l = 0; l < kALoads; l++) {
-        if (kAFull || tid + l * kThreads < S::kAStage) cp_async16_zfill(sh + a_sh_wr[l], f_a[l], f_a_ok[l]);
+        if constexpr (kAOnePtr) {  // rows past the slice's end: zero-filled, nothing read (source p.a)
+          const bool ok = l * kARowStep < f_a_rows;
+          if (kAFull || tid + l * kThreads < S::kAStage) cp_async16_zfill(sh + a_sh_wr[l], ok ? f_a[0] + l * a_step : p.a, ok);
+        } else {
+          if (kAFull || tid + l * kThreads < S::kAStage) cp_async16_zfill(sh + a_sh_wr[l], f_a[l], f_a_ok[l]);
+        }
       }
       int4* sh_b = sh + S::kAStage + tid;
 #pragma unroll
@@ -252,7 +281,7 @@ __global__ void __launch_bounds__(kThreads, kSmallMMinBlocksPerSm<MB, WG>) marli
         if (f_i < n_mine) seek(f_i);
       } else {
 #pragma unroll
-        for (int l = 0; l < kALoads; l++) f_a[l] += S::kARowInt4;
+        for (int l = 0; l < (kAOnePtr ? 1 : kALoads); l++) f_a[l] += S::kARowInt4;
         f_b += S::kTK * b_row_int4;
         if constexpr (GROUPED) f_s += p.n / 8;
       }
@@ -304,7 +333,14 @@ __global__ void __launch_bounds__(kThreads, kSmallMMinBlocksPerSm<MB, WG>) marli
         act[buf][2 * q + 1][1] = r[3];
       }
     }
-    wq[buf] = sh[S::kAStage + ((wk * SUB + u) * NW + wn) * 32 + lane];
+    // the lane's int4 holds the 8 nibbles of each of the chunk's four blocks; kJW == 2 reads its half
+    const int wq_at = S::kAStage + ((wk * SUB + u) * NW + wn) * 32 + lane;
+    if constexpr (JW == 4) {
+      *reinterpret_cast<int4*>(wq[buf]) = sh[wq_at];
+    } else {
+      const uint2 v = reinterpret_cast<const uint2*>(sh + wq_at)[jh];
+      wq[buf][0] = v.x, wq[buf][1] = v.y;
+    }
     if constexpr (S::kRaw && !WG) {  // rows 8..15 of K meet weights stored x16: divide them by 16 here
       const half2 sixteenth = __float2half2_rn(1.f / 16.f);
 #pragma unroll
@@ -316,9 +352,9 @@ __global__ void __launch_bounds__(kThreads, kSmallMMinBlocksPerSm<MB, WG>) marli
     }
   };
 
-  // The A fragment of the transposed 16x16 block j from its 8 nibbles: rows g (lo) and g + 8
-  // (hi) of N, raw subnormals (kRaw) or dequantized, times the group scales of columns 16 j + g
-  // (lo) and 16 j + 8 + g (hi) where kScaleWeights.
+  // The A fragment of the warp's transposed 16x16 block j from its 8 nibbles: rows g (lo) and
+  // g + 8 (hi) of N, raw subnormals (kRaw) or dequantized, times the group scales of columns
+  // jcol + 16 j + g (lo) and jcol + 16 j + 8 + g (hi) where kScaleWeights.
   auto weight_frag = [&](uint32_t wj, int j, uint32_t (&a)[4]) {
     uint32_t lo[2], hi[2];
     if constexpr (S::kRaw)
@@ -326,7 +362,7 @@ __global__ void __launch_bounds__(kThreads, kSmallMMinBlocksPerSm<MB, WG>) marli
     else
       dequant_int4x8(wj, lo, hi);
     if constexpr (S::kScaleWeights) {
-      const half2 pair = reinterpret_cast<const half2*>(&s_cur)[j];
+      const half2 pair = reinterpret_cast<const half2*>(s_cur)[j];
       const half2 s_lo = __low2half2(pair), s_hi = __high2half2(pair);
       half2* l2 = reinterpret_cast<half2*>(lo);
       half2* h2 = reinterpret_cast<half2*>(hi);
@@ -349,9 +385,8 @@ __global__ void __launch_bounds__(kThreads, kSmallMMinBlocksPerSm<MB, WG>) marli
   const uint64_t desc_base = smem_desc_sw128(smem_addr(smem));  // + offset >> 4 stays in bits 0-13
   auto compute_wg = [&](int buf, int stage, int u) {
     if constexpr (WG) {  // not instantiated for the mma.sync instances (no wgmma of their width)
-      const uint32_t* w = reinterpret_cast<const uint32_t*>(&wq[buf]);
 #pragma unroll
-      for (int j = 0; j < 4; j++) weight_frag(w[j], j, afrag[buf][j]);
+      for (int j = 0; j < JW; j++) weight_frag(wq[buf][j], j, afrag[buf][j]);
       // k16 block kb of the stage: 64-half block kb / 4, 32 bytes per step in it. The base goes
       // through an empty asm so that the compiler adds the constant here instead of keeping one
       // 64-bit descriptor per (stage, step) alive in registers.
@@ -365,14 +400,14 @@ __global__ void __launch_bounds__(kThreads, kSmallMMinBlocksPerSm<MB, WG>) marli
       uint32_t minus8[4] = {kLo, kLo, kHi, kHi};
       constexpr int N = 8 * MB;
 #pragma unroll
-      for (int j = 0; j < 4; j++)
+      for (int j = 0; j < JW; j++)
 #pragma unroll
         for (int r = 0; r < 4; r++) fence_operand(afrag[buf][j][r]);
 #pragma unroll
       for (int r = 0; r < 4; r++) fence_operand(minus8[r]);
       wgmma_fence();
 #pragma unroll
-      for (int j = 0; j < 4; j++) {
+      for (int j = 0; j < JW; j++) {
         if constexpr (S::kGroupSums) {
           if (restart)
             wgmma_m64k16_rs<N, false>(reinterpret_cast<float(&)[4 * MB]>(grp[j]), afrag[buf][j], desc);
@@ -395,11 +430,10 @@ __global__ void __launch_bounds__(kThreads, kSmallMMinBlocksPerSm<MB, WG>) marli
 
   // `first`: the stage's first k16 step of this warp, which starts the group's sums in grp
   auto compute = [&](int buf, bool first) {
-    const uint32_t* w = reinterpret_cast<const uint32_t*>(&wq[buf]);
 #pragma unroll
-    for (int j = 0; j < 4; j++) {
+    for (int j = 0; j < JW; j++) {
       uint32_t a[4];
-      weight_frag(w[j], j, a);
+      weight_frag(wq[buf][j], j, a);
 #pragma unroll
       for (int b = 0; b < MB; b++) {
         if constexpr (S::kGroupSums) {
@@ -427,37 +461,49 @@ __global__ void __launch_bounds__(kThreads, kSmallMMinBlocksPerSm<MB, WG>) marli
   };
 
   // The lane's 8 scales of the group in `stage` are one int4 (b_scales permutation: position
-  // 8 g + 2 j is column 16 j + g, 8 g + 2 j + 1 is 16 j + 8 + g). Read at sub-step 0: after the
-  // barrier that made the stage visible, before the one after which the slot is refilled.
+  // 8 g + 2 j is column 16 j + g, 8 g + 2 j + 1 is 16 j + 8 + g); kJW == 2 reads its half. Read
+  // at sub-step 0: after the barrier that made the stage visible, before the one after which the
+  // slot is refilled.
   const int s_sh_rd = S::kAStage + S::kBStage + wn * 8 + g;
   auto load_scales = [&](int stage) {
-    if constexpr (GROUPED) s_cur = smem[stage * S::kStageInt4 + s_sh_rd];
+    if constexpr (GROUPED) {
+      const int4* at = smem + stage * S::kStageInt4 + s_sh_rd;
+      if constexpr (JW == 4) {
+        *reinterpret_cast<int4*>(s_cur) = *at;
+      } else {
+        const uint2 v = reinterpret_cast<const uint2*>(at)[jh];
+        s_cur[0] = v.x, s_cur[1] = v.y;
+      }
+    }
   };
 
-  // WG: waits for every wgmma in flight, then pins the accumulators `acc` and corr that they
-  // wrote, so that the compiler reads them only after the wait.
+  // WG: waits for every wgmma in flight, then pins the accumulators `acc` and (kRaw) corr that
+  // they wrote, so that the compiler reads them only after the wait. (Pinning an unused corr
+  // would keep its 4 MB registers alive.)
   auto wgmma_drain = [&](auto& acc) {
     wgmma_wait<0>();
 #pragma unroll
-    for (int j = 0; j < 4; j++)
+    for (int j = 0; j < JW; j++)
 #pragma unroll
       for (int b = 0; b < MB; b++)
 #pragma unroll
         for (int e = 0; e < 4; e++) fence_operand(acc[j][b][e]);
+    if constexpr (S::kRaw) {
 #pragma unroll
-    for (int b = 0; b < MB; b++)
+      for (int b = 0; b < MB; b++)
 #pragma unroll
-      for (int e = 0; e < 4; e++) fence_operand(corr[b][e]);
+        for (int e = 0; e < 4; e++) fence_operand(corr[b][e]);
+    }
   };
 
   // tot += scale * grp at the end of each group (grp is restarted by the next group's first mma)
   auto apply_group = [&]() {
     if constexpr (S::kGroupSums) {
       if constexpr (WG) wgmma_drain(grp);  // the group's last wgmma must land before grp and corr are read
-      const half* sc = reinterpret_cast<const half*>(&s_cur);
+      const half* sc = reinterpret_cast<const half*>(s_cur);
       constexpr float k2p24 = 16777216.f;  // the raw sums carry 2^-24
 #pragma unroll
-      for (int j = 0; j < 4; j++) {
+      for (int j = 0; j < JW; j++) {
         const float s_lo = __half2float(sc[2 * j]) * k2p24, s_hi = __half2float(sc[2 * j + 1]) * k2p24;
 #pragma unroll
         for (int b = 0; b < MB; b++) {
@@ -494,7 +540,7 @@ __global__ void __launch_bounds__(kThreads, kSmallMMinBlocksPerSm<MB, WG>) marli
     if constexpr (WG) wgmma_drain(tot);  // the column's last wgmma group must land before tot and corr are read
     if constexpr (S::kRaw && !S::kGroupSums) {  // per column: the whole column is one raw sum
 #pragma unroll
-      for (int j = 0; j < 4; j++)
+      for (int j = 0; j < JW; j++)
 #pragma unroll
         for (int b = 0; b < MB; b++)
 #pragma unroll
@@ -508,14 +554,14 @@ __global__ void __launch_bounds__(kThreads, kSmallMMinBlocksPerSm<MB, WG>) marli
       float4* red = reinterpret_cast<float4*>(smem + S::kPipeInt4) + wn * (S::kAccFloats / 4) * 32 + lane;
       if (wk == 1) {
 #pragma unroll
-        for (int j = 0; j < 4; j++)
+        for (int j = 0; j < JW; j++)
 #pragma unroll
           for (int b = 0; b < MB; b++) red[(j * MB + b) * 32] = make_float4(tot[j][b][0], tot[j][b][1], tot[j][b][2], tot[j][b][3]);
       }
       __syncthreads();
       if (wk == 0) {
 #pragma unroll
-        for (int j = 0; j < 4; j++)
+        for (int j = 0; j < JW; j++)
 #pragma unroll
           for (int b = 0; b < MB; b++) {
             const float4 v = red[(j * MB + b) * 32];
@@ -532,14 +578,14 @@ __global__ void __launch_bounds__(kThreads, kSmallMMinBlocksPerSm<MB, WG>) marli
   // element rows 8 b + e % 2 below `lim` (the slice's rows - 2 c4, as in finish_column);
   // `put(address, value)` is the store (shared memory, or global past L1).
   auto store_partial = [&](int lim, float* base, int stride, auto put) {
-    float* mine = base + 2 * c4 * stride + wn * 64 + g;
+    float* mine = base + 2 * c4 * stride + wn * 64 + jcol + g;
 #pragma unroll
     for (int b = 0; b < MB; b++)
 #pragma unroll
       for (int e = 0; e < 4; e++) {
         if (8 * b + e % 2 < lim) {
 #pragma unroll
-          for (int j = 0; j < 4; j++) put(mine + (8 * b + e % 2) * stride + 16 * j + 8 * (e / 2), tot[j][b][e]);
+          for (int j = 0; j < JW; j++) put(mine + (8 * b + e % 2) * stride + 16 * j + 8 * (e / 2), tot[j][b][e]);
         }
       }
   };
@@ -589,19 +635,19 @@ __global__ void __launch_bounds__(kThreads, kSmallMMinBlocksPerSm<MB, WG>) marli
   // ---- end of a column of a stream-K stripe: add the K warps, reduce with the other blocks, write C
   auto finish_column = [&](const Where& w) {
     combine_column();
-    // Lane's element (j, b, e) is C[row 8 b + 2 c4 + e % 2][tile column 64 wn + g + 16 j + 8 (e / 2)]:
+    // Lane's element (j, b, e) is C[row 8 b + 2 c4 + e % 2][tile column 64 wn + jcol + g + 16 j + 8 (e / 2)]:
     // one base per lane plus compile-time offsets, and a row limit instead of per-element tests.
     const int lim = w.rows - 2 * c4;  // element rows 8 b + e % 2 below this exist
     // the blocks of the column: split parts, or the stripes that touch it
     const int first_block = parts > 0 ? blockIdx.x - blockIdx.x % parts : (w.col * k_tiles) / T;
     const int last_block = parts > 0 ? first_block + parts - 1 : (w.col * k_tiles + k_tiles - 1) / T;
     const int n_parts = last_block - first_block + 1;
-    const int col0 = w.nt * S::kTileN + wn * 64 + g;
+    const int col0 = w.nt * S::kTileN + wn * 64 + jcol + g;
     if (n_parts == 1) {
       if (wk == 0) {
-        float s_lo[4], s_hi[4];
+        float s_lo[JW], s_hi[JW];
 #pragma unroll
-        for (int j = 0; j < 4; j++) {
+        for (int j = 0; j < JW; j++) {
           s_lo[j] = s_hi[j] = 1.f;
           if constexpr (!GROUPED) {  // per-column scales, natural order, applied to the fp32 sum
             const half* sc = reinterpret_cast<const half*>(p.s) + col0;
@@ -617,7 +663,7 @@ __global__ void __launch_bounds__(kThreads, kSmallMMinBlocksPerSm<MB, WG>) marli
             if (8 * b + e % 2 < lim) {
               half* row = c_lane + static_cast<long long>(8 * b + e % 2) * p.n;
 #pragma unroll
-              for (int j = 0; j < 4; j++) row[16 * j + 8 * (e / 2)] = __float2half_rn(tot[j][b][e] * (e < 2 ? s_lo[j] : s_hi[j]));
+              for (int j = 0; j < JW; j++) row[16 * j + 8 * (e / 2)] = __float2half_rn(tot[j][b][e] * (e < 2 ? s_lo[j] : s_hi[j]));
             }
           }
       }
