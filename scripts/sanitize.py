@@ -25,6 +25,8 @@ CASES = [  # (M, K, N, group size, forced tile): both kernels, split columns, se
     (70, 1152, 1536, 128, None),
     (70, 1152, 2048, 128, (128, 512)),
     (200, 1152, 1536, -1, None),
+    # 128-row slices whose columns (32 x 4 parts) have no room as clusters: global reduction
+    (130, 4096, 4096, 128, None),
     # columns split in equal parts (16 columns x 8 parts), reduced through global memory: the
     # small-batch kernel at 3 rows, and a 32-row slice (wgmma on H100/H200) with per-column scales
     (3, 4096, 4096, 128, None),
