@@ -42,17 +42,16 @@ constexpr int kWgSliceRows = 64;
 
 // Above 64 rows (wgmma): 128-row slices dequantize each weight half as often as 64-row ones and
 // give each wgmma twice the N, but make half as many columns, each with a 128 KB fp32 partial per
-// block that shares it. Measured on an H200 ("Session 6"), 128 rows win wherever at most 3 blocks
-// share a column (70B qkv / gate_up, 7B qkv: 2-24% faster at M = 65-128, up to 19% at M >= 1024)
-// or each block streams >= 48 tiles (70B down at M <= 128, 54 tiles: 150 -> 113 us at M=65);
-// with 4 or more blocks per column and short stripes the reduction of the large partials
-// dominates (70B o M=128: 45 -> 54 us; 7B o / down up to M=256, 16-32 columns).
-constexpr long long kWg128MinTilesPerSm = 48;
+// block that shares it. Measured on an H200 (benchmarks/NOTES.md "Session 6", all 9 layers at
+// M = 96-4096), 128 rows win once the columns outnumber a third of the SMs (at most two blocks
+// per column): group 128 up to 1.34x (70B o M=256), 1.06-1.20x on 70B gate_up and the ideal
+// layer at every M; per column 1.2-1.3x at M >= 256. With fewer columns the large partials'
+// reduction dominates: 7B o / down at 16-32 columns 1.3-2x slower, 70B o / qkv (32 / 40 columns)
+// 5-28% slower. (Where the rule errs: 7B gate_up M=128, 86 columns, 9% slower with group 128.)
 int wg_slice_rows(const GemmArgs& a) {
   if (a.wg_slice_rows == 64 || a.wg_slice_rows == 128) return a.wg_slice_rows;
   const long long columns = static_cast<long long>((a.m + 127) / 128) * (a.n / 256);
-  const long long tiles = columns * (a.k / 128);
-  return columns * 4 > a.sms || tiles >= kWg128MinTilesPerSm * a.sms ? 128 : 64;
+  return columns * 3 > a.sms ? 128 : 64;
 }
 
 // 0: use the tiled kernel; else the small-batch kernel's tile width.
