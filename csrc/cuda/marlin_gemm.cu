@@ -45,9 +45,10 @@ constexpr int kWgSliceRows = 64;
 // block that shares it. Measured on an H200 (benchmarks/NOTES.md "Session 6", all 9 layers at
 // M = 96-4096), 128 rows win once the columns outnumber a third of the SMs (at most two blocks
 // per column): group 128 up to 1.34x (70B o M=256), 1.06-1.20x on 70B gate_up and the ideal
-// layer at every M; per column 1.2-1.3x at M >= 256. With fewer columns the large partials'
-// reduction dominates: 7B o / down at 16-32 columns 1.3-2x slower, 70B o / qkv (32 / 40 columns)
-// 5-28% slower. (Where the rule errs: 7B gate_up M=128, 86 columns, 9% slower with group 128.)
+// layer at every M; per column 1.1-1.3x on the 70B layers at M >= 256. With fewer columns the
+// large partials' reduction dominates: 7B o / down at 16-32 columns 1.3-2x slower, 70B o / qkv
+// (32 / 40 columns) 5-39% slower. (Where the rule errs most: 7B gate_up M=128, 86 columns, 9%
+// slower with group 128.)
 int wg_slice_rows(const GemmArgs& a) {
   if (a.wg_slice_rows == 64 || a.wg_slice_rows == 128) return a.wg_slice_rows;
   const long long columns = static_cast<long long>((a.m + 127) / 128) * (a.n / 256);
