@@ -133,7 +133,8 @@ def test_every_kernel_instance(m_blocks, tile, g):
 def test_every_small_batch_instance(mb, tile, g):
     layer = get_layer(1152, 1536 if tile[1] == 256 else 2048, g)
     # the planner picks the slice from M; forced tiles run larger M as several slices (of 32
-    # rows with mma.sync; of 128 rows with wgmma, or 64 with the 512-column tile)
+    # rows with mma.sync; with wgmma of 64 rows on this small layer, 128 rows where forced by
+    # test_wgmma_slices_above_64_rows; the 512-column tile always 64)
     for m in SMALL_M_SLICES[mb]:
         check(layer, m, tile_k=tile[0], tile_n=tile[1])
 
