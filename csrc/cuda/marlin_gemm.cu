@@ -218,8 +218,9 @@ std::string plan_small_m(const GemmArgs& args, int tile_n, GemmPlan* plan) {
   const bool grouped = args.groups > 1;
   plan->small_m = true;
   plan->wgmma = args.wgmma && args.m > 8;
-  plan->m_blocks = args.m <= 8 ? 1 : args.m <= 16 ? 2 : (args.m <= 32 || !plan->wgmma) ? 4 : 8;
-  if (plan->wgmma && args.m > kWgSliceRows && tile_n == 256 && wg_slice_rows(args) == 128) plan->m_blocks = 16;
+  // rows per slice / 8: above 64 rows (wgmma) 64 or 128, the latter with the 256-column tile only
+  const bool wide = plan->wgmma && args.m > kWgSliceRows && tile_n == 256;
+  plan->m_blocks = args.m <= 8 ? 1 : args.m <= 16 ? 2 : (args.m <= 32 || !plan->wgmma) ? 4 : wide ? wg_slice_rows(args) / 8 : 8;
   plan->m_slices = (args.m + 8 * plan->m_blocks - 1) / (8 * plan->m_blocks);
   plan->tile = TileConfig{128, tile_n};
   Instance inst;

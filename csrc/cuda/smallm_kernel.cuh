@@ -206,6 +206,17 @@ __global__ void __launch_bounds__(kThreads, kSmallMMinBlocksPerSm<MB, WG>) marli
   alignas(16) uint32_t wq[2][JW];              // packed weights (8 nibbles per block), double buffered
   alignas(16) uint32_t s_cur[JW];              // this lane's scale pairs of the current group
 
+  // A lane's 16-byte word in shared memory holds one 32-bit entry per 16-column block of its
+  // 64-column chunk (packed weights, scale pairs); a warp with kJW == 2 blocks reads its half.
+  auto read_blocks = [&](const int4* at, uint32_t(&dst)[JW]) {
+    if constexpr (JW == 4) {
+      *reinterpret_cast<int4*>(dst) = *at;
+    } else {
+      const uint2 v = reinterpret_cast<const uint2*>(at)[jh];
+      dst[0] = v.x, dst[1] = v.y;
+    }
+  };
+
   auto zero = [](auto& acc) {
 #pragma unroll
     for (int j = 0; j < JW; j++)
@@ -333,14 +344,7 @@ __global__ void __launch_bounds__(kThreads, kSmallMMinBlocksPerSm<MB, WG>) marli
         act[buf][2 * q + 1][1] = r[3];
       }
     }
-    // the lane's int4 holds the 8 nibbles of each of the chunk's four blocks; kJW == 2 reads its half
-    const int wq_at = S::kAStage + ((wk * SUB + u) * NW + wn) * 32 + lane;
-    if constexpr (JW == 4) {
-      *reinterpret_cast<int4*>(wq[buf]) = sh[wq_at];
-    } else {
-      const uint2 v = reinterpret_cast<const uint2*>(sh + wq_at)[jh];
-      wq[buf][0] = v.x, wq[buf][1] = v.y;
-    }
+    read_blocks(sh + S::kAStage + ((wk * SUB + u) * NW + wn) * 32 + lane, wq[buf]);
     if constexpr (S::kRaw && !WG) {  // rows 8..15 of K meet weights stored x16: divide them by 16 here
       const half2 sixteenth = __float2half2_rn(1.f / 16.f);
 #pragma unroll
@@ -466,15 +470,7 @@ __global__ void __launch_bounds__(kThreads, kSmallMMinBlocksPerSm<MB, WG>) marli
   // slot is refilled.
   const int s_sh_rd = S::kAStage + S::kBStage + wn * 8 + g;
   auto load_scales = [&](int stage) {
-    if constexpr (GROUPED) {
-      const int4* at = smem + stage * S::kStageInt4 + s_sh_rd;
-      if constexpr (JW == 4) {
-        *reinterpret_cast<int4*>(s_cur) = *at;
-      } else {
-        const uint2 v = reinterpret_cast<const uint2*>(at)[jh];
-        s_cur[0] = v.x, s_cur[1] = v.y;
-      }
-    }
+    if constexpr (GROUPED) read_blocks(smem + stage * S::kStageInt4 + s_sh_rd, s_cur);
   };
 
   // WG: waits for every wgmma in flight, then pins the accumulators `acc` and (kRaw) corr that
