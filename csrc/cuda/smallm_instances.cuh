@@ -11,8 +11,9 @@ namespace marlin {
 
 // Stages of the ring: 3 for the 512-column tile at MB <= 2, so that two blocks fit one SM's
 // shared memory (2 x 111 KB at most); 4 otherwise. WG (sm_90a, one block per SM) keeps only
-// STAGES - 2 stages in flight, so it gets 5 (at most 206 KB), and 4 at MB = 8 (197 KB) and
-// MB = 16 (197 KB: 32 KB of activations and 16 KB of weights per stage).
+// STAGES - 2 stages in flight where it refills early (SmallMShape::kLateRefill), so it gets 5
+// (at most 206 KB), and 4 at MB = 8 (197 KB) and MB = 16 (197 KB: 32 KB of activations and 16 KB
+// of weights per stage; late refill, 3 in flight).
 template <int MB, int NW, bool WG>
 constexpr int kSmallMStages = WG ? (MB >= 8 ? 4 : 5) : (NW == 8 && MB <= 2) ? 3 : 4;
 

@@ -36,6 +36,7 @@
 #include <cuda_fp16.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #include "marlin_kernel.cuh"  // KernelParams, kThreads, kWarps
 #include "ptx.cuh"
@@ -75,9 +76,19 @@ struct SmallMShape {
   // raw path's correction wgmma and prescale made per column 30% slower than group 128 there).
   static constexpr bool kRaw = !kScaleWeights && !(WG && MB >= 4);
   static constexpr bool kPrescale = WG && kRaw;
-  // Stages loaded ahead of the one computed. WG keeps one stage more out of the ring: a wgmma
-  // may still read the previous stage's activations when the next refill is issued.
-  static constexpr int kAhead = WG ? STAGES - 2 : STAGES - 1;
+  // Stages loaded ahead of the one computed. Each stage's last step refills a slot of the ring.
+  // mma.sync: before the stage barrier, the slot of the previous stage (every warp has read it
+  // into registers before the previous barrier). WG: a wgmma reads its activations from shared
+  // memory until its wait, so the slot of the previous stage may still be in use when the
+  // barrier is reached. Early refill (before the barrier) takes the slot before that and keeps
+  // one stage less in flight. Late refill (kLateRefill: after the barrier and after the step's
+  // wgmma is issued) takes the previous stage's slot: each warpgroup's first step of a stage
+  // waits for the previous stage's last wgmma, and the barrier orders that before either
+  // warpgroup's refill. Late refill measured 10-28% faster at 128 rows with group scales (4
+  // stages, 2 -> 3 in flight; H200, "Session 7" in benchmarks/NOTES.md) and ~3% at 16 rows with
+  // group sums, but 4-6% slower at 32 rows, where the copies then delay the next short wgmma.
+  static constexpr bool kLateRefill = WG && (MB == 16 || kGroupSums);
+  static constexpr int kAhead = WG && !kLateRefill ? STAGES - 2 : STAGES - 1;
   static constexpr int kJW = WG && MB == 16 ? 2 : 4;  // 16-column blocks of its chunk per warp
   static constexpr int kJSplit = 4 / kJW;             // warps per 64-column chunk
   static constexpr int kKW = kWarps / NW / kJSplit;   // warps along K: 1 or 2
@@ -301,8 +312,9 @@ __global__ void __launch_bounds__(kThreads, kSmallMMinBlocksPerSm<MB, WG>) marli
   };
 
   // Waits for the stage in `slot` (the next to be computed) and makes it visible to all warps.
-  auto wait_stage = [&](int slot) {
-    cp_async_wait<S::kAhead - 1>();
+  // PENDING: copy groups that may still be in flight (the stages committed after it).
+  auto wait_stage = [&](int slot, auto pending) {
+    cp_async_wait<decltype(pending)::value>();
     if constexpr (S::kPrescale) {
       // odd 16-byte chunks of a row are K rows 8..15 of their k16 block: / 16 (exact in fp16
       // but for values below 2^-10, i.e. far inside fp16 matmul's own rounding)
@@ -762,7 +774,7 @@ __global__ void __launch_bounds__(kThreads, kSmallMMinBlocksPerSm<MB, WG>) marli
 #pragma unroll
   for (int s = 0; s < S::kAhead; s++) fetch_stage(s);
   grid_launch_dependents();
-  wait_stage(0);
+  wait_stage(0, std::integral_constant<int, S::kAhead - 1>{});
   fetch_regs(0, 0, 0);
 
   int i = 0;       // next tile of the stripe to compute
@@ -777,9 +789,12 @@ __global__ void __launch_bounds__(kThreads, kSmallMMinBlocksPerSm<MB, WG>) marli
       for (int u = 0; u < SUB; u++) {
         const int buf = (stage * SUB + u) % 2;
         if (u == 0) load_scales(stage);
+        // the refill at the stage's last step: before its barrier, or after the barrier and
+        // the step's wgmma (kLateRefill; see kAhead)
+        const int refill = (stage + S::kAhead) % STAGES;
         if (u == SUB - 1) {
-          fetch_stage((stage + S::kAhead) % STAGES);
-          wait_stage((stage + 1) % STAGES);
+          if constexpr (!S::kLateRefill) fetch_stage(refill);
+          wait_stage((stage + 1) % STAGES, std::integral_constant<int, S::kAhead - (S::kLateRefill ? 2 : 1)>{});
           fetch_regs(buf ^ 1, (stage + 1) % STAGES, 0);
         } else {
           fetch_regs(buf ^ 1, stage, u + 1);
@@ -788,6 +803,9 @@ __global__ void __launch_bounds__(kThreads, kSmallMMinBlocksPerSm<MB, WG>) marli
           compute_wg(buf, stage, u);
         else
           compute(buf, u == 0);
+        if constexpr (S::kLateRefill) {
+          if (u == SUB - 1) fetch_stage(refill);
+        }
       }
       apply_group();
       i++;
