@@ -41,18 +41,21 @@ constexpr long long kWg512BytesPerSm = 768LL << 10;
 constexpr int kWgSliceRows = 64;
 
 // Above 64 rows (wgmma): 128-row slices dequantize each weight half as often as 64-row ones and
-// give each wgmma twice the N, but make half as many columns, each with a 128 KB fp32 partial per
-// block that shares it. Measured on an H200 (benchmarks/NOTES.md "Session 6", all 9 layers at
-// M = 96-4096), 128 rows win once the columns outnumber a third of the SMs (at most two blocks
-// per column): group 128 up to 1.34x (70B o M=256), 1.06-1.20x on 70B gate_up and the ideal
-// layer at every M; per column 1.1-1.3x on the 70B layers at M >= 256. With fewer columns the
-// large partials' reduction dominates: 7B o / down at 16-32 columns 1.3-2x slower, 70B o / qkv
-// (32 / 40 columns) 5-39% slower. (Where the rule errs most: 7B gate_up M=128, 86 columns, 9%
-// slower with group 128.)
+// give each wgmma twice the N, but make half as many columns, so more blocks share each column,
+// and the last of them reads every block's 128 KB fp32 partial. That read grows with the parts
+// per column, the stream it ends with the k-tiles per part: 128 rows where parts^2 * 6 <= k-tiles
+// (parts = the blocks per column that plan_split gives at one block per SM). Fitted on an H200
+// (benchmarks/NOTES.md "Session 6" and "Session 7", all 8 model layers at M = 96-4096 with both
+// sizes forced, group 128): 128 rows win by 7-32% at 7B qkv M=128 (2 parts of 32 k-tiles), 7B o
+// M=512 (2 of 32), 70B down M=128 (4 of 224; per column 3% slower), 70B qkv M=96 (3 of 64), and
+// wherever a column has one block; 64 rows win by 16-95% at 7B down M=256 (4 of 86), 70B o M=128
+// (4 of 64), 7B o M=256 (4 of 32). 70B qkv M=128 (3 of 64) is a tie. (Not captured: M just above a multiple of 128, e.g. 192,
+// where 128-row slices compute 256 rows; 7-9% slower there on 7B qkv / gate_up and 70B qkv.)
 int wg_slice_rows(const GemmArgs& a) {
   if (a.wg_slice_rows == 64 || a.wg_slice_rows == 128) return a.wg_slice_rows;
   const long long columns = static_cast<long long>((a.m + 127) / 128) * (a.n / 256);
-  return columns * 3 > a.sms ? 128 : 64;
+  const long long parts = std::max(1LL, std::min(8LL, a.sms / columns));
+  return parts * parts * 6 <= a.k / 128 ? 128 : 64;
 }
 
 // 0: use the tiled kernel; else the small-batch kernel's tile width.
