@@ -33,28 +33,36 @@ constexpr long long kSmallMHugeBytesPerSm = 8LL << 20;
 // With wgmma (sm_90a, compute capability 9.0; measured on an H200, benchmarks/NOTES.md
 // "Session 3" and "Session 5"): the wgmma variant takes 9-64 rows on layers where each SM
 // streams >= 128 KB (with the 512-column tile at 9-16 rows from 768 KB on), and every M above
-// 64, in slices of 64 or 128 rows (wg_slice_rows below). Elsewhere the rules above apply. (Since columns are split in equal
-// parts, 7B qkv / down and 70B o at 32-64 rows run 9-29% faster with it than with the tiled
-// kernel; 7B o, 64 KB per SM, stays 15-25% faster on the tiled kernel.)
+// 64, in slices of 64 or 128 rows (wg_slice_rows below). Elsewhere the rules above apply.
+// (Since columns are split in equal parts, 7B qkv / down and 70B o at 32-64 rows run 9-29%
+// faster with it than with the tiled kernel; 7B o, 64 KB per SM, stays 15-25% faster on the
+// tiled kernel.)
 constexpr long long kWgBytesPerSm = 128LL << 10;
 constexpr long long kWg512BytesPerSm = 768LL << 10;
 constexpr int kWgSliceRows = 64;
+
+// Blocks per column when every column is split in equal parts (plan_split): as many as the
+// block slots allow, at most 8 (the portable cluster size) and at most one per k-tile; 0 or 1:
+// no split.
+int split_parts(long long columns, long long slots, int k_tiles) {
+  return static_cast<int>(std::min<long long>({8, slots / columns, k_tiles}));
+}
 
 // Above 64 rows (wgmma): 128-row slices dequantize each weight half as often as 64-row ones and
 // give each wgmma twice the N, but make half as many columns, so more blocks share each column,
 // and the last of them reads every block's 128 KB fp32 partial. That read grows with the parts
 // per column, the stream it ends with the k-tiles per part: 128 rows where parts^2 * 6 <= k-tiles
-// (parts = the blocks per column that plan_split gives at one block per SM). Fitted on an H200
-// (benchmarks/NOTES.md "Session 6" and "Session 7", all 8 model layers at M = 96-4096 with both
-// sizes forced, group 128): 128 rows win by 7-32% at 7B qkv M=128 (2 parts of 32 k-tiles), 7B o
-// M=512 (2 of 32), 70B down M=128 (4 of 224; per column 3% slower), 70B qkv M=96 (3 of 64), and
-// wherever a column has one block; 64 rows win by 16-95% at 7B down M=256 (4 of 86), 70B o M=128
-// (4 of 64), 7B o M=256 (4 of 32). 70B qkv M=128 (3 of 64) is a tie. (Not captured: M just above a multiple of 128, e.g. 192,
-// where 128-row slices compute 256 rows; 7-9% slower there on 7B qkv / gate_up and 70B qkv.)
+// (parts at one block per SM). Fitted on an H200 (benchmarks/NOTES.md "Session 6" and "Session
+// 7", all 8 model layers at M = 96-4096 with both sizes forced, group 128): 128 rows win by 7-32%
+// at 7B qkv M=128 (2 parts of 32 k-tiles), 7B o M=512 (2 of 32), 70B down M=128 (4 of 224; per
+// column 3% slower), 70B qkv M=96 (3 of 64), and wherever a column has one block; 64 rows win by
+// 16-95% at 7B down M=256 (4 of 86), 70B o M=128 (4 of 64), 7B o M=256 (4 of 32). 70B qkv M=128
+// (3 of 64) is a tie. (Not captured: M just above a multiple of 128, e.g. 192, where 128-row
+// slices compute 256 rows; 7-9% slower there on 7B qkv / gate_up and 70B qkv.)
 int wg_slice_rows(const GemmArgs& a) {
   if (a.wg_slice_rows == 64 || a.wg_slice_rows == 128) return a.wg_slice_rows;
   const long long columns = static_cast<long long>((a.m + 127) / 128) * (a.n / 256);
-  const long long parts = std::max(1LL, std::min(8LL, a.sms / columns));
+  const long long parts = std::max(1, split_parts(columns, a.sms, a.k / 128));
   return parts * parts * 6 <= a.k / 128 ? 128 : 64;
 }
 
@@ -166,7 +174,7 @@ void plan_split(const GemmArgs& args, const Instance& inst, int k_tiles, int n_t
   if (args.split_mode <= 0) return;
   const long long columns = static_cast<long long>(plan->m_slices) * n_tiles;
   const long long slots = static_cast<long long>(args.sms) * plan->blocks_per_sm;
-  const int parts = static_cast<int>(std::min<long long>({8, slots / columns, k_tiles}));
+  const int parts = split_parts(columns, slots, k_tiles);
   if (parts < 2) return;
   const int longest = (k_tiles + parts - 1) / parts;
   const long long tile_bytes = static_cast<long long>(plan->tile.tile_k) * plan->tile.tile_n / 2;
