@@ -20,8 +20,11 @@ table and the check of the issue's speed targets.  What is timed and why (benchm
   * Weights rotate through ``copies`` identical-size tensors with copies * bytes >= 4 x L2, so that
     no call finds its weights in L2 (in a model, each layer's weights are read once per token).
   * Calls shorter than 2 ms are captured in a CUDA graph (launch overhead excluded, as in a
-    model run under CUDA graphs), longer ones are timed as a plain loop; CUDA events; the median
-    over up to 10 samples of about budget/10 each; at least 3 samples.
+    model run under CUDA graphs), longer ones are timed as a plain loop; CUDA events.
+  * All kernels of one (shape, M) are timed together, in rounds (default 3) whose kernel order
+    rotates, and the median is taken over the pooled samples (3 to 10 per round).  A GPU's power
+    limiter slows the clock for a while after heavy work, so timing one kernel's whole M sweep
+    after another's would charge one kernel for the other's power draw.
   * Before a marlin kernel is timed on a shape, its output is checked against an fp32
     reference of ``a @ dequant(b_q, b_scales)`` (packing.unpack is the spec); a wrong result aborts
     the run and no results file is written.
@@ -69,8 +72,9 @@ GRAPH_BELOW_S = 2e-3  # calls shorter than this are timed inside a CUDA graph
 MAX_GRAPH_CALLS = 2000
 
 METHOD = (
-    "per-call time = median over samples (3..10) of (CUDA-event time of a sample / calls in it); "
-    "calls < 2 ms captured in a CUDA graph and replayed, longer calls timed as a plain loop; "
+    "per-call time = median over the samples of all rounds (3..10 samples per round) of (CUDA-event "
+    "time of a sample / calls in it); per (shape, M) the kernels run back to back in rounds "
+    "(default 3, budget split between them), the kernel order rotating by one each round; calls < 2 ms captured in a CUDA graph and replayed, longer calls timed as a plain loop; "
     "weights rotate through copies with copies*bytes >= 4*L2; one warm-up call plus one estimate "
     "call first; fp16 = torch.matmul(a, W.t()) with W [N,K] contiguous (nn.Linear layout); marlin "
     "with a reused workspace; torch_int4 = aten._weight_int4pack_mm, bf16 activations, group 128, "
@@ -615,7 +619,67 @@ def _summary(times: list[float], how: str, samples: int, calls: int) -> dict:
         "samples": samples,
         "calls": calls,
         "spread": (max(times) - min(times)) / med if med > 0 else float("nan"),
+        "times_s": list(times),  # pooled over rounds by measure_point, then dropped
     }
+
+
+def round_orders(kernels: list[str], rounds: int) -> list[list[str]]:
+    """The kernel order of each timing round: round r starts r places further along the list, so
+    that each kernel follows a different one from round to round (no kernel always inherits the
+    clocks and power state that the same neighbour left)."""
+    n = len(kernels)
+    return [[kernels[(r + i) % n] for i in range(n)] for r in range(max(1, rounds))] if n else []
+
+
+def measure_point(preps: dict, shape: str, k: int, n: int, m: int, dev: torch.device, *, rounds: int,
+                  budget_s: float, max_call_s: Optional[float], use_graph: bool, notes: list[str]) -> list[dict]:
+    """One point per kernel of ``preps`` at batch m: ``rounds`` rounds of budget_s / rounds each,
+    the kernels back to back in round_orders' order; time_us = median of the pooled samples.
+
+    Why rounds: on an H200 the power limiter lowers the SM clock for a second or more after a
+    heavy kernel (nvidia-smi reports the 'SW power cap' reason), and the 16-row large-layer calls
+    took 926 us right after 2 s of fp16 matmuls against 643 us after 3 s idle (benchmarks/NOTES.md,
+    session 8).  Timing every kernel of one M together, in rotating order, lets them share that
+    state instead of charging it to whichever kernel runs after fp16's large-M points."""
+    a = torch.randn(m, k, dtype=torch.float16, device=dev)
+    pooled: dict[str, list[float]] = {kern: [] for kern in preps}
+    info: dict[str, dict] = {kern: {"timing": None} for kern in preps}
+    for order in round_orders(list(preps), rounds):
+        for kern in order:
+            prep = preps[kern]
+            if prep is None or info[kern]["timing"] in ("skipped", "error"):
+                continue
+            try:
+                res = measure(
+                    prep.make_fn(a), prep.copies, dev, budget_s=budget_s / max(1, rounds),
+                    max_call_s=max_call_s if kern == "torch_int4" else None, use_graph=use_graph,
+                )
+                pooled[kern] += res.pop("times_s")
+                res.pop("time_us"), res.pop("spread")
+                res["samples"] += info[kern].get("samples", 0)
+                info[kern].update(res)
+            except Skipped as e:
+                info[kern]["timing"] = "skipped"
+                notes.append(f"{shape} {kern} M={m}: skipped: {e}")
+            except Exception as e:  # noqa: BLE001 - record and go on
+                info[kern]["timing"] = "error"
+                msg = f"{shape} {kern} M={m}: {type(e).__name__}: {str(e).splitlines()[0][:200]}"
+                notes.append(msg)
+                print("NOTE " + msg, file=sys.stderr, flush=True)
+            finally:
+                _sync(dev)
+    out = []
+    for kern, prep in preps.items():
+        point = {"shape": shape, "K": k, "N": n, "M": m, "kernel": kern, "time_us": None, "timing": None,
+                 "copies": prep.copies if prep else None}
+        point.update(info[kern])
+        times = pooled[kern]
+        if times and point["timing"] not in ("skipped", "error"):
+            med = statistics.median(times)
+            point.update({"time_us": med * 1e6, "rounds": max(1, rounds),
+                          "spread": (max(times) - min(times)) / med if med > 0 else float("nan")})
+        out.append(point)
+    return out
 
 
 def measure_copy_bandwidth(dev: torch.device, nbytes: int = 2 << 30, samples: int = 10) -> float:
@@ -915,6 +979,8 @@ def resolve_plan(args, sms: int) -> tuple[str, dict[str, tuple[int, int]], list[
         raise SystemExit(f"unknown kernel(s) {badk}; known: {list(KERNELS)}")
     if any(m <= 0 for m in ms):
         raise SystemExit("--ms must be positive")
+    if args.rounds < 1:
+        raise SystemExit(f"--rounds must be at least 1, got {args.rounds}")
     # fp16 first: speedups need it, and its time is the reference
     kernels = sorted(dict.fromkeys(kernels), key=KERNELS.index)
     return mode, {s: known[s] for s in names}, ms, kernels
@@ -942,6 +1008,11 @@ def parse_args(argv=None):
     p.add_argument(
         "--max-call-ms", type=float, default=500.0,
         help="torch_int4 points whose first call takes longer are skipped (time null, noted in meta)",
+    )
+    p.add_argument(
+        "--rounds", type=int, default=3,
+        help="timing rounds per (shape, M); the kernels of one M run back to back, in an order that "
+        "rotates from round to round, and the samples of all rounds are pooled (default 3)",
     )
     p.add_argument("--no-graph", action="store_true", help="time plain loops only (no CUDA graphs)")
     p.add_argument("--seed", type=int, default=0)
@@ -1000,6 +1071,7 @@ def main(argv=None) -> int:
             "method": METHOD,
             "l2_factor": L2_FACTOR,
             "budget_ms": args.budget_ms,
+            "rounds": args.rounds,
             "max_call_ms": args.max_call_ms,
             "graphs": not args.no_graph,
             "shapes": {s: list(kn) for s, kn in shape_map.items()},
@@ -1014,52 +1086,43 @@ def main(argv=None) -> int:
     bar = tqdm(total=len(shape_map) * len(ms) * len(kernels), unit="pt", dynamic_ncols=True)
     try:
         for shape, (k, n) in shape_map.items():
+            # every kernel of the shape is prepared first, so that the kernels of one M are timed
+            # back to back (same clocks and power state; see measure_point)
+            preps: dict[str, Optional[Prepared]] = {}
             for kernel in kernels:
-                bar.set_description(f"{shape} {kernel}")
-                prep = None
+                bar.set_description(f"{shape} prepare {kernel}")
+                preps[kernel] = None
                 try:
-                    prep = prepare(kernel, k, n, dev, l2, min_copies)
+                    preps[kernel] = prepare(kernel, k, n, dev, l2, min_copies)
                 except CorrectnessError:
                     raise
                 except Exception as e:  # noqa: BLE001 - record and go on
                     msg = f"{shape} {kernel}: preparation failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}"
                     notes.append(msg)
                     tqdm.write("NOTE " + msg)
+                prep = preps[kernel]
                 for c in prep.checks if prep else []:
                     checks.append({"shape": shape, "kernel": kernel, "K": k, "N": n, **c})
                     if kernel == "torch_int4":
                         tqdm.write(f"torch_int4 sanity {shape}: rel err {c['rel_err']:.2e} "
                                    f"({'ok' if c['ok'] else 'ABOVE ' + str(INT4_SANITY_TOL)})")
-                for m in ms:
-                    point = {"shape": shape, "K": k, "N": n, "M": m, "kernel": kernel, "time_us": None,
-                             "timing": None, "copies": prep.copies if prep else None}
-                    if prep is not None:
-                        try:
-                            a = torch.randn(m, k, dtype=torch.float16, device=dev)
-                            res = measure(
-                                prep.make_fn(a), prep.copies, dev, budget_s=budget_s,
-                                max_call_s=args.max_call_ms * 1e-3 if kernel == "torch_int4" else None,
-                                use_graph=not args.no_graph,
-                            )
-                            point.update(res)
-                        except Skipped as e:
-                            point["timing"] = "skipped"
-                            notes.append(f"{shape} {kernel} M={m}: skipped: {e}")
-                        except Exception as e:  # noqa: BLE001
-                            point["timing"] = "error"
-                            msg = f"{shape} {kernel} M={m}: {type(e).__name__}: {str(e).splitlines()[0][:200]}"
-                            notes.append(msg)
-                            tqdm.write("NOTE " + msg)
-                        finally:
-                            a = None
-                            _sync(dev)
-                    points.append(point)
-                    bar.update(1)
+            shape_points = []
+            for m in ms:
+                bar.set_description(f"{shape} M={m}")
+                shape_points += measure_point(
+                    preps, shape, k, n, m, dev, rounds=args.rounds, budget_s=budget_s,
+                    max_call_s=args.max_call_ms * 1e-3, use_graph=not args.no_graph, notes=notes,
+                )
+                bar.update(len(kernels))
+            for prep in preps.values():
                 if prep is not None:
                     prep.free()
-                prep = None
-                _free(dev)
-            tqdm.write(format_table([p for p in points if p["shape"] == shape], copy_bw))
+            preps = {}
+            _free(dev)
+            # stored shape by shape, kernel by kernel, M ascending (readable diffs of results files)
+            shape_points.sort(key=lambda p: (kernels.index(p["kernel"]), ms.index(p["M"])))
+            points += shape_points
+            tqdm.write(format_table(shape_points, copy_bw))
     except CorrectnessError as e:
         bar.close()
         print("\n" + "X" * 100 + f"\nABORTED: {e}\nNo results file was written.\n" + "X" * 100, file=sys.stderr)

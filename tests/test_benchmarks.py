@@ -82,6 +82,36 @@ def test_timing_plan_walks_all_copies():
     assert (samples, calls) == (3, 1)
 
 
+def test_round_orders_rotate_the_kernels():
+    ks = list(B.KERNELS)
+    orders = B.round_orders(ks, 3)
+    assert len(orders) == 3 and all(sorted(o) == sorted(ks) for o in orders)
+    assert [o[0] for o in orders] == ks[:3]  # a different kernel leads (and follows fp16) each round
+    assert len({tuple(o) for o in orders}) == 3
+    assert B.round_orders(ks, 0) == [ks] and B.round_orders([], 2) == []
+
+
+def test_measure_point_pools_the_rounds(monkeypatch):
+    calls = []
+
+    def fake_measure(fn, copies, dev, **kw):
+        calls.append(fn(0))
+        t = {"fp16": 2e-6, "marlin_g128": 1e-6}[calls[-1]]
+        return {"time_us": t * 1e6, "timing": "wall", "samples": 2, "calls": 1, "spread": 0.0,
+                "times_s": [t, t * (1 + len(calls) / 10)]}
+
+    monkeypatch.setattr(B, "measure", fake_measure)
+    preps = {k: B.Prepared(k, 1, 1, (lambda k: lambda a: (lambda i: k))(k)) for k in ("fp16", "marlin_g128")}
+    preps["torch_int4"] = None  # failed preparation: a point with no time
+    pts = B.measure_point(preps, "s", 64, 64, 4, torch.device("cpu"), rounds=2, budget_s=1e-3,
+                          max_call_s=None, use_graph=False, notes=[])
+    assert calls == ["fp16", "marlin_g128", "marlin_g128", "fp16"]  # rotated in round 2
+    by = {p["kernel"]: p for p in pts}
+    assert by["fp16"]["samples"] == 4 and by["fp16"]["rounds"] == 2 and "times_s" not in by["fp16"]
+    assert by["fp16"]["time_us"] == pytest.approx(2.1)  # median of 2, 2.2, 2, 2.8
+    assert by["torch_int4"]["time_us"] is None
+
+
 def test_shapes_table():
     assert S.BENCH_SHAPES["7B_qkv"] == (4096, 12288)
     assert S.BENCH_SHAPES["7B_o"] == (4096, 4096)
