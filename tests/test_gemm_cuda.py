@@ -324,6 +324,50 @@ def test_default_plan_splits_columns_in_equal_parts():
     assert all(f" split_parts={min(8, sms // 16)} " in ln for ln in lines), lines
 
 
+_FIRST_CALLS_IN_CAPTURE = r"""
+import torch, marlin
+from marlin import packing
+
+torch.manual_seed(0)
+# (M, K, N): the small-batch kernel reduced in clusters, the tiled kernel, the wgmma variant at 16
+# rows and above 64 rows; each plan's kernel instance is first used inside the capture
+for m, k, n in [(1, 4096, 12288), (16, 4096, 4096), (16, 8192, 10240), (200, 4096, 12288)]:
+    q, s = packing.quantize(torch.randn(k, n, device="cuda"), 128)
+    b_q, b_s = packing.pack(q, s)
+    a = torch.randn(m, k, device="cuda", dtype=torch.float16)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):  # no warm-up call before it
+        c = marlin.gemm(a, b_q, b_s)
+    c.fill_(float("nan"))
+    g.replay()
+    torch.cuda.synchronize()
+    ref = a.double() @ packing.dequantize(q, s).double()
+    err = ((c.double() - ref).norm() / ref.norm()).item()
+    assert err < 2e-3, (m, k, n, err)
+    assert torch.equal(c, marlin.gemm(a, b_q, b_s)), (m, k, n)
+    print("ok", m, k, n, f"{err:.2e}")
+"""
+
+
+def test_first_calls_of_a_process_inside_graph_capture():
+    """A process's first call of a kernel instance (function attributes, occupancy and cluster
+    queries) may come while a CUDA graph is being captured, as under torch.compile's
+    reduce-overhead mode: in a fresh process, each plan kind captured without a warm-up call,
+    then replayed onto poisoned output and compared with the fp64 reference and an eager call."""
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, MARLIN_LOG_PLAN="1")
+    r = subprocess.run([sys.executable, "-c", _FIRST_CALLS_IN_CAPTURE], env=env, capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode == 0 and r.stdout.count("ok ") == 4, r.stdout[-3000:] + r.stderr[-3000:]
+    kernels = set(re.findall(r"^marlin\.gemm plan: .* kernel=(\w+)", r.stderr, re.M))
+    assert {"small_m", "tiled"} <= kernels, r.stderr[-3000:]
+    if torch.cuda.get_device_capability() == (9, 0):
+        assert "small_m_wgmma" in kernels and any(c for _, c in _plans(r.stderr)), r.stderr[-3000:]
+
+
 def test_two_streams_at_once():
     layers = [get_layer(8192, 8192, 128)]
     b_q, b_s = layers[0].b_q, layers[0].b_s
