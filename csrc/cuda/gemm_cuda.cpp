@@ -112,15 +112,20 @@ at::Tensor gemm_cuda(const at::Tensor& a, const at::Tensor& b_q, const at::Tenso
   TORCH_CHECK(why.empty(), why);
   if (log_plan()) std::fprintf(stderr, "marlin.gemm plan: %s\n", describe_plan(args, plan).c_str());
 
+  // The locks count the blocks of a column reduced through global memory (plan.needs_partial);
+  // plans whose columns are reduced in clusters or owned by one block never touch them. Without
+  // a workspace, a zeroed buffer is made only where they are used: an allocation and a memset
+  // per call otherwise, and the memset would also stand between two programmatically dependent
+  // gemm launches.
   at::Tensor locks;
   if (workspace.has_value()) {
     TORCH_CHECK(workspace->numel() >= plan.grid, "marlin.gemm: workspace.numel() = ", num(workspace->numel()),
                 ", expected at least ", num(plan.grid), " (marlin.ops.workspace_size(device) always suffices)");
     locks = *workspace;
-  } else {
+  } else if (plan.needs_partial) {
     locks = at::zeros({max_locks(args.sms)}, a.options().dtype(at::kInt));
   }
-  args.locks = locks.data_ptr<int>();
+  args.locks = locks.defined() ? locks.data_ptr<int>() : nullptr;
   at::Tensor partial;
   if (plan.needs_partial) {
     partial = at::empty({static_cast<int64_t>(plan.partial_floats)}, a.options().dtype(at::kFloat));
