@@ -74,7 +74,8 @@ MAX_GRAPH_CALLS = 2000
 METHOD = (
     "per-call time = median over the samples of all rounds (3..10 samples per round) of (CUDA-event "
     "time of a sample / calls in it); per (shape, M) the kernels run back to back in rounds "
-    "(default 3, budget split between them), the kernel order rotating by one each round; calls < 2 ms captured in a CUDA graph and replayed, longer calls timed as a plain loop; "
+    "(default 3, budget split between them), the kernel order rotating by one each round; "
+    "calls < 2 ms captured in a CUDA graph and replayed, longer calls timed as a plain loop; "
     "weights rotate through copies with copies*bytes >= 4*L2; one warm-up call plus one estimate "
     "call first; fp16 = torch.matmul(a, W.t()) with W [N,K] contiguous (nn.Linear layout); marlin "
     "with a reused workspace; torch_int4 = aten._weight_int4pack_mm, bf16 activations, group 128, "
@@ -619,7 +620,7 @@ def _summary(times: list[float], how: str, samples: int, calls: int) -> dict:
         "samples": samples,
         "calls": calls,
         "spread": (max(times) - min(times)) / med if med > 0 else float("nan"),
-        "times_s": list(times),  # pooled over rounds by measure_point, then dropped
+        "times_s": list(times),  # the samples, pooled over rounds by measure_point (not stored)
     }
 
 
@@ -654,10 +655,9 @@ def measure_point(preps: dict, shape: str, k: int, n: int, m: int, dev: torch.de
                     prep.make_fn(a), prep.copies, dev, budget_s=budget_s / max(1, rounds),
                     max_call_s=max_call_s if kern == "torch_int4" else None, use_graph=use_graph,
                 )
-                pooled[kern] += res.pop("times_s")
-                res.pop("time_us"), res.pop("spread")
-                res["samples"] += info[kern].get("samples", 0)
-                info[kern].update(res)
+                pooled[kern] += res["times_s"]
+                info[kern].update(timing=res["timing"], calls=res["calls"],
+                                  samples=info[kern].get("samples", 0) + res["samples"])
             except Skipped as e:
                 info[kern]["timing"] = "skipped"
                 notes.append(f"{shape} {kern} M={m}: skipped: {e}")
@@ -673,11 +673,10 @@ def measure_point(preps: dict, shape: str, k: int, n: int, m: int, dev: torch.de
         point = {"shape": shape, "K": k, "N": n, "M": m, "kernel": kern, "time_us": None, "timing": None,
                  "copies": prep.copies if prep else None}
         point.update(info[kern])
-        times = pooled[kern]
-        if times and point["timing"] not in ("skipped", "error"):
-            med = statistics.median(times)
-            point.update({"time_us": med * 1e6, "rounds": max(1, rounds),
-                          "spread": (max(times) - min(times)) / med if med > 0 else float("nan")})
+        if pooled[kern] and point["timing"] not in ("skipped", "error"):
+            summary = _summary(pooled[kern], point["timing"], point["samples"], point["calls"])
+            del summary["times_s"]
+            point.update(summary, rounds=max(1, rounds))
         out.append(point)
     return out
 
