@@ -142,16 +142,7 @@ def test_every_small_batch_instance(mb, tile, g):
 def test_mma_sync_small_batch_instances_with_wgmma_off():
     """On a wgmma device the mma.sync slices of 16 and 32 rows run only with MARLIN_WGMMA=0 (the
     knob is read once per process): the instance test above again, in a subprocess with it set."""
-    import os
-    import subprocess
-    import sys
-
-    env = dict(os.environ, MARLIN_WGMMA="0")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    cmd = [sys.executable, "-m", "pytest", "tests/test_gemm_cuda.py", "-q", "-p", "no:cacheprovider",
-           "-k", "test_every_small_batch_instance"]
-    r = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=900)
-    assert r.returncode == 0 and " passed" in r.stdout and "skipped" not in r.stdout, r.stdout[-3000:] + r.stderr[-3000:]
+    _pytest_subprocess({"MARLIN_WGMMA": "0"}, "test_every_small_batch_instance")
 
 
 def test_repeated_calls_are_bit_identical():
@@ -215,16 +206,7 @@ def test_chained_calls_read_the_previous_output(m):
 def test_plain_launches_without_pdl():
     """MARLIN_PDL=0 (plain launches instead of programmatic dependent launch on sm_90+) is read
     once per process: the instance, chained-call and graph tests again in a subprocess."""
-    import os
-    import subprocess
-    import sys
-
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ, MARLIN_PDL="0")
-    cmd = [sys.executable, "-m", "pytest", "tests/test_gemm_cuda.py", "-q", "-p", "no:cacheprovider",
-           "-k", "test_every_small_batch_instance or test_chained_calls or test_cuda_graph"]
-    r = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=900)
-    assert r.returncode == 0 and " passed" in r.stdout and "skipped" not in r.stdout, r.stdout[-3000:] + r.stderr[-3000:]
+    _pytest_subprocess({"MARLIN_PDL": "0"}, "test_every_small_batch_instance or test_chained_calls or test_cuda_graph")
 
 
 def _pytest_subprocess(env_vars, select):
