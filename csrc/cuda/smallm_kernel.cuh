@@ -527,6 +527,9 @@ __global__ void __launch_bounds__(kThreads, kSmallMMinBlocksPerSm<MB, WG>) marli
   // Chunk x of a reduced column (4 fp32 sums of row x / kRowChunks of the slice, tile columns
   // 4 (x % kRowChunks) + 0..3) to C: per-column scales applied, rounded to fp16.
   constexpr int kRowChunks = S::kTileN / 4;
+  // 16-byte slots per thread in the pipeline's shared memory (finish_column's staged reduction)
+  constexpr int kStagedSlots = S::kPipeInt4 / kThreads;
+  static_assert(kStagedSlots >= 8, "the staged reduction must hold 8 parts of a chunk per thread");
   auto store_chunk = [&](const Where& w, int x, float4 v) {
     const int r = x / kRowChunks, cc = 4 * (x % kRowChunks);
     const long long c_col = static_cast<long long>(w.nt) * S::kTileN + cc;
@@ -640,8 +643,9 @@ __global__ void __launch_bounds__(kThreads, kSmallMMinBlocksPerSm<MB, WG>) marli
     cluster_sync();  // the other blocks have read this block's partial: its shared memory may go
   };
 
-  // ---- end of a column of a stream-K stripe: add the K warps, reduce with the other blocks, write C
-  auto finish_column = [&](const Where& w) {
+  // ---- end of a column of a stream-K stripe: add the K warps, reduce with the other blocks, write C.
+  // `block_done`: the block's last column, after which its pipeline's shared memory is idle.
+  auto finish_column = [&](const Where& w, bool block_done) {
     combine_column();
     // Lane's element (j, b, e) is C[row 8 b + 2 c4 + e % 2][tile column 64 wn + jcol + g + 16 j + 8 (e / 2)]:
     // one base per lane plus compile-time offsets, and a row limit instead of per-element tests.
@@ -700,14 +704,52 @@ __global__ void __launch_bounds__(kThreads, kSmallMMinBlocksPerSm<MB, WG>) marli
     __syncthreads();
     if (arrived != n_parts - 1) return;
 
+    __threadfence();
+    const int chunks = w.rows * kRowChunks;
+    auto chunk_off = [&](int x) { return (x / kRowChunks) * S::kTileN + 4 * (x % kRowChunks); };
+
+    // WG, the block's last column (every column of split parts): the pipeline's shared memory
+    // is idle, so each thread copies the parts of its chunks there with cp.async, kStagedSlots
+    // 16-byte copies in flight at once instead of the 8 loads its registers hold below, then
+    // adds them in block order. The last arriver's read was latency-bound: 8 loads x 256
+    // threads = 32 KB per L2 round trip, 256 KB at 16 rows x 512 columns x 8 parts (benchmarks/NOTES.md).
+    // (Not in the mma.sync instances: their partials are 1-8 rows at M <= 8 on Hopper, and the
+    // extra code made the 128-register ones spill.)
+    if (S::kWG && block_done && n_parts <= kStagedSlots) {
+      float4* mine = reinterpret_cast<float4*>(smem) + tid;  // slot e of this thread: mine[e * kThreads]
+      const int per_pass = kStagedSlots / n_parts;             // chunks per thread per pass
+      for (int x0 = tid; x0 < chunks; x0 += per_pass * kThreads) {
+        for (int u = 0; u < per_pass && x0 + u * kThreads < chunks; u++) {
+          const int off = chunk_off(x0 + u * kThreads);
+          for (int q = 0; q < n_parts; q++)
+            cp_async16(mine + (u * n_parts + q) * kThreads, slot_of(first_block + q) + off);
+        }
+        cp_async_commit();
+        cp_async_wait<0>();
+        asm volatile("" ::: "memory");  // each thread reads only its own copies; keeps the reads after the wait
+        for (int u = 0; u < per_pass && x0 + u * kThreads < chunks; u++) {
+          const float4* v = mine + u * n_parts * kThreads;
+          float4 sum = v[0];
+          for (int q = 1; q < n_parts; q++) {
+            const float4 t = v[q * kThreads];
+            sum.x += t.x;
+            sum.y += t.y;
+            sum.z += t.z;
+            sum.w += t.w;
+          }
+          store_chunk(w, x0 + u * kThreads, sum);
+        }
+        asm volatile("" ::: "memory");  // and before the next pass's copies into the same slots
+      }
+      return;
+    }
+
     // The last to arrive adds the parts in block order, 4 columns per thread and step, then
     // scales and writes 4 halves of C per chunk. Each thread keeps 8 loads in flight: kU = 2
     // chunks x kPB = 4 parts at a time. (One chunk x 8 parts kept only 2 loads in flight where
     // a column has 2 parts, typical from 32 rows on: H200, 70B qkv / 7B gate_up / ideal at
     // M = 32-64 went 5-11% faster; more chunks at once spilled registers.)
-    __threadfence();
     constexpr int kU = 2, kPB = 4;
-    const int chunks = w.rows * kRowChunks;
     for (int x0 = tid; x0 < chunks; x0 += kU * kThreads) {
       float4 sum[kU];
 #pragma unroll
@@ -718,7 +760,7 @@ __global__ void __launch_bounds__(kThreads, kSmallMMinBlocksPerSm<MB, WG>) marli
 #pragma unroll
         for (int u = 0; u < kU; u++) {
           const int x = x0 + u * kThreads;
-          const int off = (x / kRowChunks) * S::kTileN + 4 * (x % kRowChunks);
+          const int off = chunk_off(x);
 #pragma unroll
           for (int q = 0; q < kPB; q++)
             if (x < chunks && blk + q <= last_block) v[u][q] = __ldcg(reinterpret_cast<const float4*>(slot_of(blk + q) + off));
@@ -814,7 +856,7 @@ __global__ void __launch_bounds__(kThreads, kSmallMMinBlocksPerSm<MB, WG>) marli
     }
     if (i == col_end) {
       if (p.cluster_reduce) break;  // the block's only column: reduced in its cluster below
-      finish_column(cur);
+      finish_column(cur, i == n_mine);
       if (i < n_mine) {
         cur = where(i);
         col_end = min(n_mine, i + k_tiles);
