@@ -263,7 +263,7 @@ def test_wgmma_slices_above_64_rows(rows):
         pytest.skip("the wgmma variant runs on compute capability 9.0 only")
     select = "test_small_shapes or test_every_small_batch_instance or test_llama_shapes"
     _, log = _pytest_subprocess({"MARLIN_WG_SLICE": rows, "MARLIN_LOG_PLAN": "1"}, select)
-    found = re.findall(r"^marlin\.gemm plan: m=(\d+) .* kernel=small_m_wgmma tile=128x(\d+) m_blocks=(\d+) ", log, re.M)
+    found = re.findall(r"^marlin\.gemm plan: m=(\d+) .* tile_k=128 tile_n=(\d+) m_blocks=(\d+) kernel=small_m_wgmma ", log, re.M)
     large = [(int(tile), int(mb)) for m, tile, mb in found if int(m) > 64]
     assert len(large) > 20, log[-2000:]
     want = {256: 16 if rows == "128" else 8, 512: 8}

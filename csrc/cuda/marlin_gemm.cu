@@ -295,13 +295,10 @@ std::string plan_gemm(const GemmArgs& args, int tile_k, int tile_n, GemmPlan* pl
 
 std::string describe_plan(const GemmArgs& args, const GemmPlan& plan) {
   const char* kernel = !plan.small_m ? "tiled" : plan.wgmma ? "small_m_wgmma" : "small_m";
-  return "m=" + std::to_string(args.m) + " n=" + std::to_string(args.n) + " k=" + std::to_string(args.k) +
-         " groups=" + std::to_string(args.groups) + " kernel=" + kernel + " tile=" + std::to_string(plan.tile.tile_k) +
-         "x" + std::to_string(plan.tile.tile_n) + " m_blocks=" + std::to_string(plan.m_blocks) +
-         " m_slices=" + std::to_string(plan.m_slices) + " grid=" + std::to_string(plan.grid) +
-         " blocks_per_sm=" + std::to_string(plan.blocks_per_sm) + " tiles_per_block=" + std::to_string(plan.tiles_per_block) +
-         " split_parts=" + std::to_string(plan.split_parts) + " clusters=" + (plan.cluster_reduce ? "1" : "0") +
-         " global_reduction=" + (plan.needs_partial ? "1" : "0");
+  return describe(args, plan.tile, plan.m_blocks) + " kernel=" + kernel + " m_slices=" + std::to_string(plan.m_slices) +
+         " grid=" + std::to_string(plan.grid) + " blocks_per_sm=" + std::to_string(plan.blocks_per_sm) +
+         " tiles_per_block=" + std::to_string(plan.tiles_per_block) + " split_parts=" + std::to_string(plan.split_parts) +
+         " clusters=" + (plan.cluster_reduce ? "1" : "0") + " global_reduction=" + (plan.needs_partial ? "1" : "0");
 }
 
 std::string launch_gemm(const GemmArgs& args, const GemmPlan& plan, cudaStream_t stream) {
