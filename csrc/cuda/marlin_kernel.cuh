@@ -6,10 +6,11 @@
 //  * Striped partition: the columns' tiles are numbered column by column; block b takes the
 //    contiguous range [b T, (b + 1) T), so a stripe may end in one column and go on at the top
 //    of the next. Columns shared by several blocks are reduced in fp32: each block stores its
-//    partial in its own slot of `partial`, the last to arrive (an atomic counter per column,
-//    reset to zero by that block) adds the slots in block order and writes C. The paper orders
-//    the blocks with a lock and reduces serially; on Hopper that chain of global round trips
-//    dominated small layers (benchmarks/NOTES.md), and this keeps the result deterministic.
+//    partial in its own slot of `partial`, the last to arrive (an acquire-release atomic
+//    counter per column, reset to zero by that block) adds the slots in block order and writes
+//    C. The paper orders the blocks with a lock and reduces serially; on Hopper that chain of
+//    global round trips dominated small layers (benchmarks/NOTES.md), and this keeps the result
+//    deterministic.
 //  * Pipeline: STAGES shared-memory stages filled with cp.async (weights with L2 evict-first),
 //    and the next k16 sub-step's operands loaded into registers while the current one runs.
 //    The stage loop is unrolled so that every shared-memory address is static.
@@ -329,17 +330,15 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm<TM>) marlin_gemm_ker
 #pragma unroll
           for (int j = 0; j < 8; j++)
             __stcg(mine + (i * 8 + j) * NG * 32, make_float4(acc[i][j][0], acc[i][j][1], acc[i][j][2], acc[i][j][3]));
-        __threadfence();
       }
-      __syncthreads();
+      __syncthreads();  // the partial is stored: thread 0's release below publishes all of it
       if (tid == 0) {
-        arrived = atomicAdd(p.locks + first_block, 1);
+        arrived = arrive_acq_rel_gpu(p.locks + first_block);
         if (arrived == n_parts - 1) p.locks[first_block] = 0;  // last one: leave the lock zeroed
       }
-      __syncthreads();
+      __syncthreads();  // after thread 0's acquire: the other blocks' partials are visible to all
       writes_c = arrived == n_parts - 1;
       if (writes_c && wk == 0) {
-        __threadfence();
 #pragma unroll
         for (int i = 0; i < TM; i++)
 #pragma unroll

@@ -63,6 +63,19 @@ __device__ __forceinline__ void grid_launch_dependents() {
 #endif
 }
 
+// The arrival counter of a split column's last-arriver reduction: adds 1 and returns the old
+// value, as one acquire-release operation at GPU scope. Called by one thread after a
+// __syncthreads(), it publishes the partial that its whole block stored before the barrier
+// (release is cumulative over what the barrier ordered before it), and if this block is the last
+// to arrive, the block's reads after the next __syncthreads() see every other block's partial
+// (acquire). This replaces a full fence (fence.sc.gpu) in every thread before and after the
+// counter, the pattern of CUTLASS's stream-K barrier.
+__device__ __forceinline__ int arrive_acq_rel_gpu(int* counter) {
+  int old;
+  asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], 1;\n" : "=r"(old) : "l"(counter) : "memory");
+  return old;
+}
+
 // Asks L2 for the 128-byte line at `gmem`. Only a hint: it returns no data, so it is correct even
 // while another kernel still writes there.
 __device__ __forceinline__ void prefetch_l2(const void* gmem) {

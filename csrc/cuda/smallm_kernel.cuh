@@ -23,8 +23,11 @@
 //    inside a column; the tile's position (two divisions) is recomputed only at column changes.
 // Two partitions of the tiles over the blocks (the planner picks, marlin_gemm.cu):
 //  * stream-K stripes of tiles_per_block tiles. Split columns are reduced as in marlin_kernel.cuh
-//    (fp32 partial per block, the last to arrive adds them in block order and leaves the counter
-//    at zero), but by all 256 threads, 4 columns each, with 8 partial loads in flight at once.
+//    (fp32 partial per block, one acquire-release arrival on the column's counter, the last to
+//    arrive adds the partials in block order and leaves the counter at zero), but by all 256
+//    threads, 4 columns each: with 8 partial loads in registers in flight at once, or, for the
+//    wgmma instances at a block's last column, copied into the idle pipeline's shared memory
+//    with cp.async first (26-51 copies in flight per thread; finish_column).
 //  * split_parts > 0: each column in that many nearly equal parts, one per block, so that no
 //    block stops streaming at a column end in mid-stripe. Reduced through global memory as above,
 //    or (cluster_reduce, sm_90+) the parts of a column form one thread-block cluster: each block
@@ -127,6 +130,14 @@ struct SmallMShape {
   static_assert((STAGES * kSub) % 2 == 0, "register double buffer needs an even sub-step count");
   static_assert(kBStage % kThreads == 0, "B stage must split evenly over threads");
 };
+
+// Component-wise a += b (the split-column reductions add fp32 partials four columns at a time).
+__device__ __forceinline__ void add4(float4& a, const float4& b) {
+  a.x += b.x;
+  a.y += b.y;
+  a.z += b.z;
+  a.w += b.w;
+}
 
 // MB <= 2 fits in 128 registers, so two blocks can share an SM (more warps to hide latency).
 // WG instances keep group sums and double-buffered A fragments: one block, up to 255 registers.
@@ -632,12 +643,7 @@ __global__ void __launch_bounds__(kThreads, kSmallMMinBlocksPerSm<MB, WG>) marli
       float4 sum = v[0];
 #pragma unroll
       for (int q = 1; q < kMaxParts; q++)
-        if (q < parts) {
-          sum.x += v[q].x;
-          sum.y += v[q].y;
-          sum.z += v[q].z;
-          sum.w += v[q].w;
-        }
+        if (q < parts) add4(sum, v[q]);
       store_chunk(w, x, sum);
     }
     cluster_sync();  // the other blocks have read this block's partial: its shared memory may go
@@ -691,20 +697,16 @@ __global__ void __launch_bounds__(kThreads, kSmallMMinBlocksPerSm<MB, WG>) marli
       const bool starts_here = parts > 0 || static_cast<long long>(block) * T >= col_start;
       return reinterpret_cast<float*>(p.partial) + static_cast<long long>(2 * block + (starts_here ? 0 : 1)) * S::kPartialFloats;
     };
-    if (wk == 0) {
-      store_partial(lim, slot_of(blockIdx.x), S::kTileN, [](float* at, float v) { __stcg(at, v); });
-      __threadfence();
-    }
+    if (wk == 0) store_partial(lim, slot_of(blockIdx.x), S::kTileN, [](float* at, float v) { __stcg(at, v); });
     zero(tot);
-    __syncthreads();
+    __syncthreads();  // the partial is stored: thread 0's release below publishes all of it
     if (tid == 0) {
-      arrived = atomicAdd(p.locks + first_block, 1);
+      arrived = arrive_acq_rel_gpu(p.locks + first_block);
       if (arrived == n_parts - 1) p.locks[first_block] = 0;  // last one: leave the counter zeroed
     }
-    __syncthreads();
+    __syncthreads();  // after thread 0's acquire: the other blocks' partials are visible to all
     if (arrived != n_parts - 1) return;
 
-    __threadfence();
     const int chunks = w.rows * kRowChunks;
     auto chunk_off = [&](int x) { return (x / kRowChunks) * S::kTileN + 4 * (x % kRowChunks); };
 
@@ -730,13 +732,7 @@ __global__ void __launch_bounds__(kThreads, kSmallMMinBlocksPerSm<MB, WG>) marli
         for (int u = 0; u < per_pass && x0 + u * kThreads < chunks; u++) {
           const float4* v = mine + u * n_parts * kThreads;
           float4 sum = v[0];
-          for (int q = 1; q < n_parts; q++) {
-            const float4 t = v[q * kThreads];
-            sum.x += t.x;
-            sum.y += t.y;
-            sum.z += t.z;
-            sum.w += t.w;
-          }
+          for (int q = 1; q < n_parts; q++) add4(sum, v[q * kThreads]);
           store_chunk(w, x0 + u * kThreads, sum);
         }
         asm volatile("" ::: "memory");  // and before the next pass's copies into the same slots
@@ -769,12 +765,7 @@ __global__ void __launch_bounds__(kThreads, kSmallMMinBlocksPerSm<MB, WG>) marli
         for (int u = 0; u < kU; u++)
 #pragma unroll
           for (int q = 0; q < kPB; q++)
-            if (x0 + u * kThreads < chunks && blk + q <= last_block) {
-              sum[u].x += v[u][q].x;
-              sum[u].y += v[u][q].y;
-              sum[u].z += v[u][q].z;
-              sum[u].w += v[u][q].w;
-            }
+            if (x0 + u * kThreads < chunks && blk + q <= last_block) add4(sum[u], v[u][q]);
       }
 #pragma unroll
       for (int u = 0; u < kU; u++) {
