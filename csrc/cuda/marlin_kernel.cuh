@@ -322,7 +322,6 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm<TM>) marlin_gemm_ker
         const bool first_col = (block * T) / k_tiles == col;  // block * T < total < 2^31
         return slot_base + static_cast<long long>(2 * block + (first_col ? 0 : 1)) * (S::kPartialFloats / 4);
       };
-      __shared__ int arrived;
       if (wk == 0) {
         float4* mine = slot_of(blockIdx.x);
 #pragma unroll
@@ -331,13 +330,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm<TM>) marlin_gemm_ker
           for (int j = 0; j < 8; j++)
             __stcg(mine + (i * 8 + j) * NG * 32, make_float4(acc[i][j][0], acc[i][j][1], acc[i][j][2], acc[i][j][3]));
       }
-      __syncthreads();  // the partial is stored: thread 0's release below publishes all of it
-      if (tid == 0) {
-        arrived = arrive_acq_rel_gpu(p.locks + first_block);
-        if (arrived == n_parts - 1) p.locks[first_block] = 0;  // last one: leave the lock zeroed
-      }
-      __syncthreads();  // after thread 0's acquire: the other blocks' partials are visible to all
-      writes_c = arrived == n_parts - 1;
+      writes_c = last_to_arrive(p.locks + first_block, n_parts);
       if (writes_c && wk == 0) {
 #pragma unroll
         for (int i = 0; i < TM; i++)

@@ -76,6 +76,21 @@ __device__ __forceinline__ int arrive_acq_rel_gpu(int* counter) {
   return old;
 }
 
+// The end of a split column's arrival, for the whole block: every thread has stored its share of
+// the block's fp32 partial. Returns, in every thread, whether this block is the last of `parts`
+// to arrive on `counter`; if so its reads after the call see every other block's partial, and it
+// has reset the counter to zero for the next call (the kernels leave the workspace zeroed).
+__device__ __forceinline__ bool last_to_arrive(int* counter, int parts) {
+  __shared__ int arrived;  // one per block: thread 0's answer for the others
+  __syncthreads();         // the partial is stored: thread 0's release publishes all of it
+  if (threadIdx.x == 0) {
+    arrived = arrive_acq_rel_gpu(counter);
+    if (arrived == parts - 1) *counter = 0;
+  }
+  __syncthreads();  // after thread 0's acquire: the other blocks' partials are visible to all
+  return arrived == parts - 1;
+}
+
 // Asks L2 for the 128-byte line at `gmem`. Only a hint: it returns no data, so it is correct even
 // while another kernel still writes there.
 __device__ __forceinline__ void prefetch_l2(const void* gmem) {

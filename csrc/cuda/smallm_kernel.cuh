@@ -149,7 +149,6 @@ __global__ void __launch_bounds__(kThreads, kSmallMMinBlocksPerSm<MB, WG>) marli
   using S = SmallMShape<MB, NW, STAGES, GROUPED, WG>;
   constexpr int KW = S::kKW, SUB = S::kSub;
   extern __shared__ int4 smem_raw[];
-  __shared__ int arrived;
   int4* smem = smem_raw;
   if constexpr (WG) smem += ((1024 - (smem_addr(smem_raw) & 1023)) & 1023) / 16;
 
@@ -699,13 +698,7 @@ __global__ void __launch_bounds__(kThreads, kSmallMMinBlocksPerSm<MB, WG>) marli
     };
     if (wk == 0) store_partial(lim, slot_of(blockIdx.x), S::kTileN, [](float* at, float v) { __stcg(at, v); });
     zero(tot);
-    __syncthreads();  // the partial is stored: thread 0's release below publishes all of it
-    if (tid == 0) {
-      arrived = arrive_acq_rel_gpu(p.locks + first_block);
-      if (arrived == n_parts - 1) p.locks[first_block] = 0;  // last one: leave the counter zeroed
-    }
-    __syncthreads();  // after thread 0's acquire: the other blocks' partials are visible to all
-    if (arrived != n_parts - 1) return;
+    if (!last_to_arrive(p.locks + first_block, n_parts)) return;
 
     const int chunks = w.rows * kRowChunks;
     auto chunk_off = [&](int x) { return (x / kRowChunks) * S::kTileN + 4 * (x % kRowChunks); };
