@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -225,12 +226,17 @@ def test_cli_and_overwrite(tmp_path, capsys):
 
 
 def test_script_wrapper(tmp_path):
+    # Without PYTHONPATH, as a user runs it from a checkout that was built in place but not
+    # installed (the script finds the package next to scripts/).
     src, layers = make_src(tmp_path, num_shards=1)
     dst = tmp_path / "dst"
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     run = subprocess.run(
         [sys.executable, str(REPO / "scripts" / "convert_gptq.py"), str(src), str(dst), "--quiet"],
         capture_output=True,
         text=True,
+        env=env,
+        cwd=tmp_path,
     )
     assert run.returncode == 0, run.stderr
     assert_converted(src, dst, layers, 128, num_shards=1)
