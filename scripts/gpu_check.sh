@@ -10,7 +10,7 @@ rc=0
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,power.draw,temperature.gpu --format=csv | tee "$OUT/gpu.txt"
 ( time bash scripts/setup_env.sh ) > "$OUT/build.log" 2>&1 || { tail -50 "$OUT/build.log"; exit 1; }
 tail -3 "$OUT/build.log"
-# ptxas warning C7518: it serialized a kernel's wgmma (correct but 10-30% slower; .ci/run fails on
+# ptxas warning C7518: it serialized a kernel's wgmma (correct but a third slower; .ci/run fails on
 # it for the nvcc there, this catches the nvcc of this machine when this run built the extension)
 if grep -q "C7518" "$OUT/build.log"; then grep "C7518" "$OUT/build.log" | head -3; echo "error: ptxas serialized wgmma (C7518)"; rc=1; fi
 for step in $steps; do
