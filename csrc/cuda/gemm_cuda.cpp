@@ -114,18 +114,23 @@ at::Tensor gemm_cuda(const at::Tensor& a, const at::Tensor& b_q, const at::Tenso
 
   // The locks count the blocks of a column reduced through global memory (plan.needs_partial);
   // plans whose columns are reduced in clusters or owned by one block never touch them. Without
-  // a workspace, a zeroed buffer is made only where they are used: an allocation and a memset
-  // per call otherwise, and the memset would also stand between two programmatically dependent
-  // gemm launches.
+  // a workspace, the stream's own zeroed slot of static device memory is used (stream_locks.cu):
+  // no allocation, no memset launch between two programmatically dependent gemm launches, and
+  // safe under graph capture. Only if every slot is taken is a zeroed buffer allocated.
+  const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   at::Tensor locks;
+  args.locks = nullptr;
   if (workspace.has_value()) {
     TORCH_CHECK(workspace->numel() >= plan.grid, "marlin.gemm: workspace.numel() = ", num(workspace->numel()),
                 ", expected at least ", num(plan.grid), " (marlin.ops.workspace_size(device) always suffices)");
-    locks = *workspace;
+    args.locks = workspace->data_ptr<int>();
   } else if (plan.needs_partial) {
-    locks = at::zeros({max_locks(args.sms)}, a.options().dtype(at::kInt));
+    args.locks = stream_locks(a.get_device(), stream, max_locks(args.sms));
+    if (args.locks == nullptr) {
+      locks = at::zeros({max_locks(args.sms)}, a.options().dtype(at::kInt));
+      args.locks = locks.data_ptr<int>();
+    }
   }
-  args.locks = locks.defined() ? locks.data_ptr<int>() : nullptr;
   at::Tensor partial;
   if (plan.needs_partial) {
     partial = at::empty({static_cast<int64_t>(plan.partial_floats)}, a.options().dtype(at::kFloat));
@@ -134,7 +139,7 @@ at::Tensor gemm_cuda(const at::Tensor& a, const at::Tensor& b_q, const at::Tenso
     args.partial = nullptr;
   }
 
-  const std::string err = launch_gemm(args, plan, at::cuda::getCurrentCUDAStream());
+  const std::string err = launch_gemm(args, plan, stream);
   TORCH_CHECK(err.empty(), err);
   return c;
 }

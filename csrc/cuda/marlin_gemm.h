@@ -83,4 +83,9 @@ constexpr bool kBuiltWithSm90a =
 // The lock counters the kernel may use: one per block, at most this many (2 blocks per SM).
 int max_locks(int sms);
 
+// Zeroed lock counters owned by (device, stream), for calls without a workspace (stream_locks.cu):
+// at least `needed` of them, or null when none is free (then the caller allocates a zeroed buffer).
+// Call with `device` current.
+int* stream_locks(int device, cudaStream_t stream, int needed);
+
 }  // namespace marlin
