@@ -77,6 +77,8 @@ class GPTQConfig:
         if not isinstance(config, dict):
             raise ConversionError(f"{source}: the quantization config is a {type(config).__name__}, expected a JSON object")
         method = config.get("quant_method", "gptq")
+        if method == "marlin":
+            raise ConversionError(f"{source}: quant_method = 'marlin': this checkpoint is already converted")
         if not isinstance(method, str) or method.lower() != "gptq":
             raise ConversionError(f"{source}: quant_method = {method!r}, expected 'gptq' (only GPTQ checkpoints convert)")
         if config.get("is_marlin_format"):
