@@ -61,7 +61,9 @@ def _dtype_kwargs(dtype: torch.dtype) -> dict:
 
 
 def _marlin_layers(ckpt: SafetensorsDir) -> dict:
-    """{prefix: dict(k, n, group_size, bias, act_order)} from the checkpoint's headers, checked."""
+    """{prefix: dict(k, n, group_size, bias, act_order, dtype, bits, zero_points)} from the
+    checkpoint's headers, checked. The format of each layer follows from its tensors: the dtype
+    from b_scales, the width from b_q's columns (2 N: 4 bits, 4 N: 8 bits), zero points from b_zeros."""
     from . import packing
 
     layers = {}
@@ -70,14 +72,27 @@ def _marlin_layers(ckpt: SafetensorsDir) -> dict:
             continue
         prefix = name[: -len(".b_q")]
         scales = ckpt.tensors.get(f"{prefix}.b_scales")
-        if info.dtype != torch.int32 or len(info.shape) != 2 or info.shape[1] % 2:
-            raise ConversionError(f"{name}: dtype {info.dtype} shape {list(info.shape)}, expected torch.int32 [K / 16, 2 N]")
+        if info.dtype != torch.int32 or len(info.shape) != 2:
+            raise ConversionError(f"{name}: dtype {info.dtype} shape {list(info.shape)}, expected torch.int32 [K / 16, 2 N or 4 N]")
         if scales is None:
             raise ConversionError(f"{name} has no {prefix}.b_scales next to it")
-        k, n = info.shape[0] * packing.TILE_K, info.shape[1] // 2
-        if scales.dtype != torch.float16 or len(scales.shape) != 2 or scales.shape[1] != n or k % scales.shape[0]:
+        k = info.shape[0] * packing.TILE_K
+        if len(scales.shape) != 2 or scales.dtype not in packing.SUPPORTED_DTYPES:
             raise ConversionError(
-                f"{prefix}.b_scales: dtype {scales.dtype} shape {list(scales.shape)}, expected torch.float16 [groups, {n}]"
+                f"{prefix}.b_scales: dtype {scales.dtype} shape {list(scales.shape)}, expected float16 or bfloat16 [groups, N]"
+            )
+        n = scales.shape[1]
+        bits = {2 * n: 4, 4 * n: 8}.get(info.shape[1])
+        if bits is None or k % scales.shape[0]:
+            raise ConversionError(
+                f"{name}: shape {list(info.shape)} does not fit {prefix}.b_scales {list(scales.shape)}: expected "
+                f"[K / 16, 2 N] (4 bits) or [K / 16, 4 N] (8 bits) with N = {n} and groups dividing K"
+            )
+        zeros = ckpt.tensors.get(f"{prefix}.b_zeros")
+        if zeros is not None and (tuple(zeros.shape) != tuple(scales.shape) or zeros.dtype != scales.dtype or bits != 4):
+            raise ConversionError(
+                f"{prefix}.b_zeros: dtype {zeros.dtype} shape {list(zeros.shape)}, expected the dtype and shape of "
+                f"{prefix}.b_scales ({scales.dtype} {list(scales.shape)}) and 4-bit weights"
             )
         layers[prefix] = dict(
             k=k,
@@ -85,6 +100,9 @@ def _marlin_layers(ckpt: SafetensorsDir) -> dict:
             group_size=packing.group_size_of(k, scales.shape[0]),
             bias=f"{prefix}.bias" in ckpt.tensors,
             act_order=f"{prefix}.perm" in ckpt.tensors,
+            dtype=scales.dtype,
+            bits=bits,
+            zero_points=zeros is not None,
         )
     if not layers:
         raise ConversionError(f"{ckpt.directory}: no Marlin layers ('*.b_q' tensors) in the checkpoint")
@@ -111,7 +129,10 @@ def _install_marlin_layers(model: nn.Module, layers: dict, device: torch.device)
             bias=spec["bias"],
             group_size=spec["group_size"],
             device=device,
+            dtype=spec["dtype"],
             act_order=spec["act_order"],
+            bits=spec["bits"],
+            zero_points=spec["zero_points"],
         )
         parent_name, _, child = prefix.rpartition(".")
         setattr(model.get_submodule(parent_name) if parent_name else model, child, new)
@@ -120,14 +141,15 @@ def _install_marlin_layers(model: nn.Module, layers: dict, device: torch.device)
 def load_quantized(
     model_dir: Union[str, Path],
     device: Optional[Union[str, torch.device]] = None,
-    dtype: torch.dtype = torch.float16,
+    dtype: Optional[torch.dtype] = None,
     *,
     trust_remote_code: bool = False,
 ) -> nn.Module:
     """Load a converted (Marlin) checkpoint directory as a transformers causal LM, in eval mode.
 
     ``device``: where the model goes (None: "cuda" if available, else "cpu"; the CPU op is a slow
-    reference). ``dtype`` must be torch.float16, the dtype the kernel computes in. The model
+    reference). ``dtype``: the model's dtype, which must be the one its Marlin layers compute in
+    (their scales' dtype, float16 or bfloat16); None takes it from the checkpoint. The model
     class comes from config.json via transformers.AutoModelForCausalLM (``trust_remote_code`` is
     passed on). Raises ConversionError (a ValueError) when the directory is not a Marlin
     checkpoint or does not match the model its config.json describes.
@@ -136,8 +158,8 @@ def load_quantized(
         import transformers
     except ImportError as e:  # pragma: no cover
         raise ImportError("load_quantized needs transformers: pip install 'transformers>=4.40'") from e
-    if dtype != torch.float16:
-        raise ValueError(f"load_quantized: dtype = {dtype}, expected torch.float16 (the Marlin kernel computes in fp16)")
+    if dtype is not None and dtype not in (torch.float16, torch.bfloat16):
+        raise ValueError(f"load_quantized: dtype = {dtype}, expected torch.float16, torch.bfloat16 or None")
     model_dir = Path(model_dir)
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -162,6 +184,17 @@ def load_quantized(
 
     with SafetensorsDir(model_dir) as ckpt:
         layers = _marlin_layers(ckpt)
+        layer_dtypes = {spec["dtype"] for spec in layers.values()}
+        if len(layer_dtypes) != 1:
+            raise ConversionError(f"{model_dir}: the Marlin layers mix scale dtypes {sorted(map(str, layer_dtypes))}")
+        (layer_dtype,) = layer_dtypes
+        if dtype is None:
+            dtype = layer_dtype
+        elif dtype != layer_dtype:
+            raise ValueError(
+                f"load_quantized: dtype = {dtype}, but the checkpoint's Marlin layers compute in {layer_dtype} "
+                "(their scales' dtype); pass that dtype or None"
+            )
         with _parameters_on_meta():
             model = transformers.AutoModelForCausalLM.from_config(
                 config, trust_remote_code=trust_remote_code, **_dtype_kwargs(dtype)
@@ -171,7 +204,7 @@ def load_quantized(
         for name in ckpt.tensors:
             t = ckpt.get(name)
             if t.is_floating_point() and t.dtype != dtype:
-                t = t.to(dtype)  # e.g. norms saved in fp32; b_scales were checked to be fp16
+                t = t.to(dtype)  # e.g. norms saved in fp32; b_scales and b_zeros were checked to have dtype
             state[name] = t.to(device)
 
     ignored = [k for k in state if k.endswith(_DERIVED_BUFFER_SUFFIXES)]

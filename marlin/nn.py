@@ -1,11 +1,11 @@
-"""MarlinLinear, a drop-in for nn.Linear with INT4 weights, and replace_linear to swap them in.
+"""MarlinLinear, a drop-in for nn.Linear with 4- or 8-bit weights, and replace_linear to swap them in.
 
     layer = marlin.MarlinLinear.from_linear(nn.Linear(4096, 11008).half().cuda())
     report = marlin.replace_linear(model)            # every eligible nn.Linear, lm_head excluded
-    model = marlin.nn.load_quantized("llama-marlin")  # a converted GPTQ checkpoint (marlin-convert)
+    model = marlin.nn.load_quantized("llama-marlin")  # a converted checkpoint (marlin-convert)
 
-A MarlinLinear computes y = x @ B + bias with B [in_features, out_features] stored in the Marlin
-format (marlin/packing.py), fp16 in and fp16 out. See docs/USAGE.md.
+A MarlinLinear computes y = x @ B + bias with B [in_features, out_features] stored in one of the
+Marlin formats (marlin/packing.py), in float16 or bfloat16. See docs/USAGE.md and docs/FORMAT.md.
 """
 
 from __future__ import annotations
@@ -25,8 +25,12 @@ __all__ = ["MarlinLinear", "replace_linear", "ReplaceReport", "load_quantized"]
 
 log = logging.getLogger(__name__)
 
-# The packed word of eight q = 0 values (stored nibble q + 8 = 0x8): an unloaded layer computes 0.
-_ZERO_WORD = 0x88888888 - 2**32
+
+def _zero_word(bits: int) -> int:
+    """The packed int32 word whose values all equal the symmetric zero (u = 8 or 128): an unloaded
+    layer computes 0 (with zero points 8 too)."""
+    value = 0x88888888 if bits == 4 else 0x80808080
+    return value - 2**32
 
 
 def _new_workspace(device: torch.device) -> torch.Tensor:
@@ -36,28 +40,43 @@ def _new_workspace(device: torch.device) -> torch.Tensor:
     return torch.zeros(1, dtype=torch.int32, device=device)
 
 
+def _default_dtype(dtype: Optional[torch.dtype]) -> torch.dtype:
+    """A float weight's dtype -> the layer's: bf16 stays bf16, everything else becomes fp16."""
+    return dtype if dtype in packing.SUPPORTED_DTYPES else torch.float16
+
+
 class MarlinLinear(nn.Module):
-    """y = x @ dequant(b_q, b_scales) + bias, for x fp16 [..., in_features] -> y fp16 [..., out_features].
+    """y = x @ dequant(b_q, b_scales, b_zeros) + bias, for x [..., in_features] -> y [..., out_features].
+
+    The layer has one compute dtype, float16 or bfloat16 (``dtype``): the input, the scales, the
+    zero points, the bias and the output all have it. Weights: ``bits`` 4 (symmetric, or with
+    ``zero_points``) or 8 (symmetric), in groups of ``group_size`` input rows (32, 64, 128) or
+    one scale per output column (-1).
 
     Buffers (all in ``state_dict`` except ``workspace``):
-      * ``b_q``       int32 [in_features / 16, 2 * out_features]: INT4 weights, Marlin layout;
-      * ``b_scales``  fp16 [groups, out_features]: groups = in_features / group_size, or 1 (group_size -1);
-      * ``bias``      fp16 [out_features], or None;
+      * ``b_q``       int32 [in_features / 16, 2 * out_features] (4 bits) or [.., 4 * out_features]
+                      (8 bits): the weights, Marlin layout;
+      * ``b_scales``  dtype [groups, out_features]: groups = in_features / group_size, or 1 (group_size -1);
+      * ``b_zeros``   dtype [groups, out_features] (integer zero points 0..15), or None (symmetric);
+      * ``bias``      dtype [out_features], or None;
       * ``perm``      int32 [in_features], or None: act-order checkpoints store the rows of B
                       sorted by group; the layer then computes x[..., perm] @ B;
       * ``workspace`` int32, non-persistent: the kernel's lock buffer, zeroed, one per layer
                       (so one layer must not run on two CUDA streams at the same time).
 
-    The input must be float16 (TypeError otherwise: the kernel computes in fp16, and a silent cast
-    would hide a model that runs in another dtype). ``.to(dtype)``/``.float()``/``.bfloat16()``
-    leave the layer in fp16: its scales are part of the weight format. A new layer holds zero
-    weights; fill it with ``from_linear``, ``from_gptq`` or ``load_state_dict``.
+    The input must have the layer's dtype (TypeError otherwise: a silent cast would hide a model
+    that runs in another dtype). ``.to(dtype)``/``.float()``/``.half()`` leave the layer's dtype
+    as it is: its scales are part of the weight format. A new layer holds zero weights; fill it
+    with ``from_linear``, ``from_gptq`` or ``load_state_dict``.
 
     forward has no host synchronisation and no data-dependent control flow, so it works under
     torch.compile(fullgraph=True) and CUDA graph capture.
     """
 
-    _version = 1  # of the state_dict layout; _load_from_state_dict refuses newer versions
+    # Of the state_dict layout; _load_from_state_dict refuses newer versions. 1: fp16, 4-bit
+    # symmetric, group 128 or -1. 2: adds bf16, 8 bits, zero points (b_zeros), groups 32 and 64;
+    # a version-1 state dict is a valid version-2 one (same keys, fp16, 4-bit symmetric).
+    _version = 2
 
     def __init__(
         self,
@@ -68,52 +87,83 @@ class MarlinLinear(nn.Module):
         device: Optional[Union[torch.device, str]] = None,
         dtype: torch.dtype = torch.float16,
         act_order: bool = False,
+        *,
+        bits: int = 4,
+        zero_points: bool = False,
     ):
         super().__init__()
-        if dtype != torch.float16:
-            raise ValueError(f"MarlinLinear: dtype = {dtype}, expected torch.float16 (the kernel computes in fp16 only)")
-        reason = ops.check_shape(in_features, out_features, group_size)
+        if dtype not in packing.SUPPORTED_DTYPES:
+            raise ValueError(f"MarlinLinear: dtype = {dtype}, expected torch.float16 or torch.bfloat16")
+        if isinstance(bits, bool) or bits not in packing.SUPPORTED_BITS:
+            raise ValueError(f"MarlinLinear: bits = {bits!r}, expected one of {packing.SUPPORTED_BITS}")
+        if zero_points and bits != 4:
+            raise ValueError(f"MarlinLinear: zero_points=True with bits = {bits}; zero points exist for 4-bit weights only")
+        reason = ops.check_shape(in_features, out_features, group_size, bits)
         if reason is not None:
             raise ValueError(
                 f"MarlinLinear(in_features={in_features}, out_features={out_features}, group_size={group_size}) "
                 f"is not supported by the kernel: {reason}. It takes in_features a positive multiple of "
-                f"{ops.K_MULTIPLE}, out_features a positive multiple of {ops.N_MULTIPLE}, and group_size "
-                f"one of {packing.SUPPORTED_GROUP_SIZES} (-1: per column); keep such a layer as nn.Linear."
+                f"{ops.K_MULTIPLE} and of the group size, out_features a positive multiple of {ops.N_MULTIPLE}, and "
+                f"group_size one of {packing.SUPPORTED_GROUP_SIZES} (-1: per column); keep such a layer as nn.Linear."
             )
         self.in_features = in_features
         self.out_features = out_features
         self.group_size = group_size
+        self.bits = bits
+        self.dtype = dtype
         groups = packing.num_groups(in_features, group_size)
+        width = packing.words_per_column(bits) * out_features
         self.register_buffer(
             "b_q",
-            torch.full((in_features // packing.TILE_K, 2 * out_features), _ZERO_WORD, dtype=torch.int32, device=device),
+            torch.full((in_features // packing.TILE_K, width), _zero_word(bits), dtype=torch.int32, device=device),
         )
         dev = self.b_q.device
-        self.register_buffer("b_scales", torch.ones(groups, out_features, dtype=torch.float16, device=dev))
-        self.register_buffer("bias", torch.zeros(out_features, dtype=torch.float16, device=dev) if bias else None)
+        self.register_buffer("b_scales", torch.ones(groups, out_features, dtype=dtype, device=dev))
+        self.register_buffer("b_zeros", torch.full((groups, out_features), 8.0, dtype=dtype, device=dev) if zero_points else None)
+        self.register_buffer("bias", torch.zeros(out_features, dtype=dtype, device=dev) if bias else None)
         self.register_buffer("perm", torch.arange(in_features, dtype=torch.int32, device=dev) if act_order else None)
         self.register_buffer("workspace", _new_workspace(dev), persistent=False)
 
+    @property
+    def zero_points(self) -> bool:
+        return self.b_zeros is not None
+
     # -- construction from float or GPTQ weights ---------------------------------------------
     @classmethod
-    def from_linear(cls, linear: nn.Linear, group_size: int = 128) -> "MarlinLinear":
-        """Round-to-nearest symmetric INT4 quantization of ``linear`` (marlin.packing.quantize),
-        on the device of its weight. Raises ValueError for shapes the kernel cannot take."""
+    def from_linear(
+        cls,
+        linear: nn.Linear,
+        group_size: int = 128,
+        *,
+        bits: int = 4,
+        sym: bool = True,
+        dtype: Optional[torch.dtype] = None,
+    ) -> "MarlinLinear":
+        """Round-to-nearest quantization of ``linear`` (marlin.packing.quantize), on the device of its
+        weight: ``bits`` 4 or 8, ``sym=False`` for 4-bit zero points. ``dtype`` (default: the
+        weight's dtype if it is bfloat16 or float16, else float16) is the layer's compute dtype.
+        Raises ValueError for shapes and formats the kernel cannot take."""
         if not isinstance(linear, nn.Linear):
             raise TypeError(f"from_linear: expected an nn.Linear, got {type(linear).__name__}")
         weight = linear.weight
         if weight.is_meta:
             raise ValueError("from_linear: the layer's weight is on the meta device (no values to quantize)")
+        dtype = _default_dtype(weight.dtype) if dtype is None else dtype
         layer = cls(
             linear.in_features,
             linear.out_features,
             bias=linear.bias is not None,
             group_size=group_size,
             device=weight.device,
+            dtype=dtype,
+            bits=bits,
+            zero_points=not sym,
         )
-        b_q, b_scales = packing.quantize_and_pack(weight.detach().t(), group_size)  # B = weight^T [K, N]
-        layer.b_q.copy_(b_q)
-        layer.b_scales.copy_(b_scales)
+        packed = packing.quantize_and_pack(weight.detach().t(), group_size, bits=bits, sym=sym, dtype=dtype)  # B = W^T
+        layer.b_q.copy_(packed[0])
+        layer.b_scales.copy_(packed[1])
+        if not sym:
+            layer.b_zeros.copy_(packed[2])
         if linear.bias is not None:
             layer.bias.copy_(linear.bias.detach())
         return layer
@@ -130,44 +180,67 @@ class MarlinLinear(nn.Module):
         bits: int = 4,
         group_size: int = 128,
         checkpoint_format: str = "gptq",
+        sym: Optional[bool] = None,
     ) -> "MarlinLinear":
         """A layer from one GPTQ layer's tensors (see marlin.convert.gptq for the format).
 
-        Supported: bits 4, symmetric zeros (8), group_size 128 or -1, any g_idx that gives every
-        group group_size rows (act-order included: then the layer gets a ``perm``). ``g_idx``
-        None means no act-order. ``checkpoint_format`` "gptq" (stored zeros are zero - 1) or
-        "gptq_v2". The layer lives on qweight's device. Raises ValueError (ConversionError).
+        Supported: bits 4 or 8, group_size 32, 64, 128 or -1, any g_idx that gives every group
+        group_size rows (act-order included: then the layer gets a ``perm``); ``g_idx`` None
+        means no act-order. ``sym`` None decides from the zero points (all 2^(bits-1):
+        symmetric, else 4-bit zero points); True/False insist. ``checkpoint_format`` "gptq"
+        (stored zeros are zero - 1) or "gptq_v2". The layer computes in the scales' dtype and
+        lives on qweight's device. Raises ValueError (ConversionError).
         """
         from .convert.errors import ConversionError
         from .convert.gptq import gptq_to_marlin
 
-        if bits != 4:
-            raise ConversionError(f"from_gptq: bits = {bits!r} is not supported; the Marlin kernel takes 4-bit weights only")
         converted = gptq_to_marlin(
-            "from_gptq", qweight, qzeros, scales, g_idx, group_size=group_size, checkpoint_format=checkpoint_format
+            "from_gptq",
+            qweight,
+            qzeros,
+            scales,
+            g_idx,
+            group_size=group_size,
+            checkpoint_format=checkpoint_format,
+            bits=bits,
+            sym=sym,
         )
-        k, n = qweight.shape[0] * 8, qweight.shape[1]
+        k, n = qweight.shape[0] * 32 // bits, qweight.shape[1]
         if bias is not None and (bias.dim() != 1 or bias.shape[0] != n):
             raise ConversionError(f"from_gptq: bias shape {tuple(bias.shape)}, expected [{n}] (out_features)")
         layer = cls(
-            k, n, bias=bias is not None, group_size=group_size, device=qweight.device, act_order=converted.perm is not None
+            k,
+            n,
+            bias=bias is not None,
+            group_size=group_size,
+            device=qweight.device,
+            dtype=scales.dtype,
+            act_order=converted.perm is not None,
+            bits=bits,
+            zero_points=converted.b_zeros is not None,
         )
-        layer.b_q.copy_(converted.b_q)
-        layer.b_scales.copy_(converted.b_scales)
-        if converted.perm is not None:
-            layer.perm.copy_(converted.perm)
+        layer.load_converted(converted)
         if bias is not None:
             layer.bias.copy_(bias.detach())
         return layer
+
+    def load_converted(self, converted) -> None:
+        """Copy a converted layer (marlin.convert.gptq.MarlinTensors) into this layer's buffers."""
+        self.b_q.copy_(converted.b_q)
+        self.b_scales.copy_(converted.b_scales)
+        if converted.b_zeros is not None:
+            self.b_zeros.copy_(converted.b_zeros)
+        if converted.perm is not None:
+            self.perm.copy_(converted.perm)
 
     # -- compute ------------------------------------------------------------------------------
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Both checks depend only on dtype and shape, which torch.compile specializes on, so they
         # cost nothing in a compiled graph.
-        if x.dtype != torch.float16:
+        if x.dtype != self.dtype:
             raise TypeError(
-                f"MarlinLinear: input dtype is {x.dtype}, expected torch.float16 (the kernel computes in fp16; "
-                "run the model in half precision, e.g. model.half())"
+                f"MarlinLinear: input dtype is {x.dtype}, expected {self.dtype} (the layer's compute dtype; "
+                f"run the model in that dtype, e.g. model.to({self.dtype}), or build the layer with dtype={x.dtype})"
             )
         if x.shape[-1] != self.in_features:
             raise ValueError(f"MarlinLinear: input shape {tuple(x.shape)}, expected [..., {self.in_features}]")
@@ -175,7 +248,7 @@ class MarlinLinear(nn.Module):
         a = x.reshape(-1, self.in_features)
         if self.perm is not None:
             a = a.index_select(1, self.perm)
-        y = ops.gemm(a, self.b_q, self.b_scales, self.workspace)
+        y = ops.gemm(a, self.b_q, self.b_scales, self.workspace, b_zeros=self.b_zeros, bits=self.bits)
         if self.bias is not None:
             y = y + self.bias
         return y.reshape(*lead, self.out_features)
@@ -183,13 +256,14 @@ class MarlinLinear(nn.Module):
     def extra_repr(self) -> str:
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
-            f"group_size={self.group_size}, act_order={self.perm is not None}"
+            f"group_size={self.group_size}, act_order={self.perm is not None}, dtype={self.dtype}, "
+            f"bits={self.bits}, zero_points={self.zero_points}"
         )
 
     # -- device moves and state_dict ----------------------------------------------------------
     def _apply(self, fn, recurse=True):
-        # Keep fp16: a dtype change of the scales (bf16 has fewer mantissa bits) would change the
-        # weights. Device moves and to_empty still apply.
+        # Keep the dtype: a dtype change of the scales (bf16 has fewer mantissa bits than fp16,
+        # fp16 less range than bf16) would change the weights. Device moves and to_empty still apply.
         def keep_dtype(t: torch.Tensor) -> torch.Tensor:
             out = fn(t)
             return out if out.dtype == t.dtype else t.to(device=out.device)
@@ -205,7 +279,9 @@ class MarlinLinear(nn.Module):
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
         version = local_metadata.get("version")
-        # None: no metadata (e.g. a converted safetensors checkpoint), which is written in the current layout.
+        # None: no metadata (e.g. a converted safetensors checkpoint), which is written in the current
+        # layout. Version 1 (fp16, 4-bit symmetric) has the keys and layout of version 2's fp16 4-bit
+        # symmetric layers, so it loads as it is; the checks below refuse it for any other format.
         if version is not None and version > self._version:
             error_msgs.append(
                 f"{prefix}: state_dict version {version} was written by a newer marlin (this one reads up to "
@@ -217,15 +293,7 @@ class MarlinLinear(nn.Module):
             # An act-order checkpoint: take its permutation (built without act_order=True, the
             # layer has no perm buffer yet; ignoring the key would give wrong outputs).
             self.perm = torch.empty(self.in_features, dtype=torch.int32, device=self.b_q.device)
-        scales = state_dict.get(prefix + "b_scales")
-        if isinstance(scales, torch.Tensor) and scales.dim() == 2 and scales.shape[0] != self.b_scales.shape[0]:
-            error_msgs.append(
-                f"{prefix}b_scales: {scales.shape[0]} scale rows, i.e. group size "
-                f"{packing.group_size_of(self.in_features, scales.shape[0])}, but this layer was built with "
-                f"group_size={self.group_size} ({self.b_scales.shape[0]} rows)"
-            )
-        if isinstance(scales, torch.Tensor) and scales.dtype != torch.float16:
-            error_msgs.append(f"{prefix}b_scales: dtype {scales.dtype}, expected torch.float16")
+        self._check_format(state_dict, prefix, error_msgs)
         super()._load_from_state_dict(
             state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
         )
@@ -235,6 +303,35 @@ class MarlinLinear(nn.Module):
             expected = torch.arange(self.in_features, device=self.perm.device)
             if self.perm.shape != (self.in_features,) or not torch.equal(self.perm.sort().values.long(), expected):
                 error_msgs.append(f"{perm_key}: not a permutation of range({self.in_features})")
+
+    def _check_format(self, state_dict, prefix, error_msgs) -> None:
+        """The checkpoint's format (group size, dtype, bits, zero points) must be the layer's:
+        load_state_dict copies values and would cast a dtype silently."""
+        scales = state_dict.get(prefix + "b_scales")
+        if isinstance(scales, torch.Tensor) and scales.dim() == 2 and scales.shape[0] != self.b_scales.shape[0]:
+            error_msgs.append(
+                f"{prefix}b_scales: {scales.shape[0]} scale rows, i.e. group size "
+                f"{packing.group_size_of(self.in_features, scales.shape[0])}, but this layer was built with "
+                f"group_size={self.group_size} ({self.b_scales.shape[0]} rows)"
+            )
+        for name in ("b_scales", "b_zeros", "bias"):
+            t = state_dict.get(prefix + name)
+            if isinstance(t, torch.Tensor) and t.dtype != self.dtype:
+                error_msgs.append(f"{prefix}{name}: dtype {t.dtype}, but this layer computes in {self.dtype}")
+        b_q = state_dict.get(prefix + "b_q")
+        if isinstance(b_q, torch.Tensor) and b_q.dim() == 2 and b_q.shape[1] != self.b_q.shape[1]:
+            bits = {2 * self.out_features: 4, 4 * self.out_features: 8}.get(b_q.shape[1])
+            what = f"{bits}-bit weights" if bits else "not a Marlin width"
+            error_msgs.append(
+                f"{prefix}b_q: width {b_q.shape[1]} ({what}), but this layer was built with bits={self.bits} "
+                f"(width {self.b_q.shape[1]})"
+            )
+        has_zeros = (prefix + "b_zeros") in state_dict
+        if has_zeros != self.zero_points:
+            error_msgs.append(
+                f"{prefix}b_zeros: the checkpoint {'has' if has_zeros else 'has no'} zero points, but this layer was "
+                f"built with zero_points={self.zero_points}"
+            )
 
 
 # -- replace_linear ---------------------------------------------------------------------------
@@ -285,6 +382,8 @@ def replace_linear(
     exclude: Union[None, str, Sequence[str]] = ("lm_head",),
     *,
     strict: bool = False,
+    bits: int = 4,
+    sym: bool = True,
 ) -> ReplaceReport:
     """Swap every eligible ``nn.Linear`` of ``model`` for a MarlinLinear (quantized with
     MarlinLinear.from_linear), in place, and return a ReplaceReport.
@@ -295,15 +394,22 @@ def replace_linear(
 
     Kept as they are, with the reason in the report (and logged: WARNING for layers that were
     selected but cannot be converted, INFO for the ones filtered out by name): layers excluded by
-    name, shapes the kernel cannot take (in/out features not multiples of 128), subclasses of
+    name, shapes the kernel cannot take (in/out features not multiples of 64 or of the group
+    size), subclasses of
     nn.Linear (they may use their weight directly, as nn.MultiheadAttention does), weights on the
     meta device. With ``strict`` a selected layer that cannot be converted raises ValueError instead.
 
-    The model should run in fp16 (e.g. ``model.half()``): MarlinLinear takes fp16 inputs only.
-    A Linear shared by several parents is converted once and replaced everywhere.
+    ``bits`` (4 or 8) and ``sym`` (False: 4-bit zero points) choose the weight format. Each new
+    layer computes in its Linear's dtype if that is bfloat16 or float16, else float16 (so run an
+    fp32 model in fp16 afterwards, e.g. ``model.half()``). A Linear shared by several parents is
+    converted once and replaced everywhere.
     """
     if group_size not in packing.SUPPORTED_GROUP_SIZES:
         raise ValueError(f"replace_linear: group_size = {group_size!r}, expected one of {packing.SUPPORTED_GROUP_SIZES} (-1: per column)")
+    if isinstance(bits, bool) or bits not in packing.SUPPORTED_BITS:
+        raise ValueError(f"replace_linear: bits = {bits!r}, expected one of {packing.SUPPORTED_BITS}")
+    if not sym and bits != 4:
+        raise ValueError(f"replace_linear: sym=False with bits = {bits}; zero points exist for 4-bit weights only")
     include_p, exclude_p = _as_patterns(include, "include"), _as_patterns(exclude, "exclude") or ()
     report = ReplaceReport()
     converted: dict[int, nn.Module] = {}  # id(old Linear) -> its MarlinLinear (shared layers)
@@ -317,14 +423,14 @@ def replace_linear(
                 setattr(parent, child_name, converted[id(child)])
                 report.replaced.append(name)
                 continue
-            why, selected = _skip_reason(name, child, include_p, exclude_p, group_size)
+            why, selected = _skip_reason(name, child, include_p, exclude_p, group_size, bits)
             if why is not None:
                 if selected and strict:
                     raise ValueError(f"replace_linear: cannot replace {name}: {why}")
                 report.skipped.append((name, why))
                 log.log(logging.WARNING if selected else logging.INFO, "replace_linear: kept %s: %s", name, why)
                 continue
-            new = MarlinLinear.from_linear(child, group_size)
+            new = MarlinLinear.from_linear(child, group_size, bits=bits, sym=sym)
             converted[id(child)] = new
             setattr(parent, child_name, new)
             report.replaced.append(name)
@@ -334,7 +440,7 @@ def replace_linear(
     return report
 
 
-def _skip_reason(name, linear, include, exclude, group_size) -> tuple[Optional[str], bool]:
+def _skip_reason(name, linear, include, exclude, group_size, bits=4) -> tuple[Optional[str], bool]:
     """(why the layer is kept, or None; whether the name filters selected it)."""
     pattern = _matches(name, exclude)
     if pattern is not None:
@@ -343,7 +449,7 @@ def _skip_reason(name, linear, include, exclude, group_size) -> tuple[Optional[s
         return f"not matched by include {list(include)}", False
     if type(linear) is not nn.Linear:
         return f"{type(linear).__name__} is a subclass of nn.Linear (only plain nn.Linear is replaced)", True
-    reason = ops.check_shape(linear.in_features, linear.out_features, group_size)
+    reason = ops.check_shape(linear.in_features, linear.out_features, group_size, bits)
     if reason is not None:
         return f"shape not supported by the kernel: {reason}", True
     if linear.weight.is_meta:

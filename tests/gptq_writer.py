@@ -7,11 +7,11 @@ description, so that a misreading of the format in marlin.convert would not be m
 GPTQ works on the nn.Linear weight W [N, K] (out_features x in_features) and groups columns of K:
   * groups: with act-order, K is walked in a permuted order and group g is the g-th block of
     group_size columns in that order; g_idx[k] is the group of column k (not monotone then);
-  * symmetric: scale = 2 * max|w| / 15, zero = 8; asymmetric: scale = (max - min) / 15 over the
-    range widened to include 0, zero = round(-min / scale);
-  * q = clamp(round(w / scale) + zero, 0, 15), with the scale already rounded to fp16;
-  * qweight int32 [K / 8, N]: column n of W^T, 8 consecutive k per word, lowest nibble first;
-  * qzeros int32 [G, N / 8]: 8 consecutive n per word, lowest nibble first; the stored value is
+  * maxq = 2^bits - 1; symmetric: scale = 2 * max|w| / maxq, zero = (maxq + 1) / 2; asymmetric:
+    scale = (max - min) / maxq over the range widened to include 0, zero = round(-min / scale);
+  * q = clamp(round(w / scale) + zero, 0, maxq), with the scale already rounded to fp16;
+  * qweight int32 [K / P, N] (P = 32 / bits): column n of W^T, P consecutive k per word, lowest bits first;
+  * qzeros int32 [G, N / P]: P consecutive n per word, lowest bits first; the stored value is
     zero - 1 in checkpoint_format "gptq" and zero in "gptq_v2";
   * scales fp16 [G, N], g_idx int32 [K], bias fp16 [N].
 """
@@ -27,7 +27,6 @@ import numpy as np
 import torch
 from safetensors.torch import save_file
 
-MAXQ = 15
 
 
 @dataclass
@@ -39,6 +38,7 @@ class GPTQLayer:
     scales: np.ndarray  # float16 [G, N]
     g_idx: np.ndarray  # int32 [K]
     bias: Optional[np.ndarray] = None  # float16 [N]
+    bits: int = 4
 
     def dequantize(self) -> torch.Tensor:
         """W^T = B [K, N] in float32: scales[g_idx[k]] * (q[k] - zeros[g_idx[k]])."""
@@ -50,33 +50,36 @@ class GPTQLayer:
         """The tensors of this layer as stored in a checkpoint, by suffix."""
         stored_zeros = self.zeros - 1 if checkpoint_format == "gptq" else self.zeros
         out = {
-            "qweight": torch.from_numpy(pack_along_k(self.q)),
-            "qzeros": torch.from_numpy(pack_along_n(stored_zeros)),
-            "scales": torch.from_numpy(self.scales.copy()),
+            "qweight": torch.from_numpy(pack_along_k(self.q, self.bits)),
+            "qzeros": torch.from_numpy(pack_along_n(stored_zeros, self.bits)),
+            "scales": _to_torch(self.scales),
             "g_idx": torch.from_numpy(self.g_idx.copy()),
         }
         if self.bias is not None:
-            out["bias"] = torch.from_numpy(self.bias.copy())
+            out["bias"] = _to_torch(self.bias)
         return out
 
 
-def pack_along_k(q: np.ndarray) -> np.ndarray:
-    """q [K, N] of 4-bit values -> int32 [K / 8, N]: word i holds rows 8i..8i+7, row 8i+j at bits 4j."""
+def pack_along_k(q: np.ndarray, bits: int = 4) -> np.ndarray:
+    """q [K, N] -> int32 [K / P, N] (P = 32 / bits): word i holds rows Pi..Pi+P-1, row Pi+j at bits bits*j."""
     k, n = q.shape
-    rows = (q.astype(np.uint32) & 0xF).reshape(k // 8, 8, n)
-    words = np.zeros((k // 8, n), dtype=np.uint32)
-    for j in range(8):
-        words |= rows[:, j, :] << np.uint32(4 * j)
+    p, mask = 32 // bits, (1 << bits) - 1
+    rows = (q.astype(np.int64) & mask).astype(np.uint32).reshape(k // p, p, n)
+    words = np.zeros((k // p, n), dtype=np.uint32)
+    for j in range(p):
+        words |= rows[:, j, :] << np.uint32(bits * j)
     return words.view(np.int32)
 
 
-def pack_along_n(z: np.ndarray) -> np.ndarray:
-    """z [G, N] of 4-bit values -> int32 [G, N / 8]: word c holds columns 8c..8c+7, column 8c+j at bits 4j."""
+def pack_along_n(z: np.ndarray, bits: int = 4) -> np.ndarray:
+    """z [G, N] -> int32 [G, N / P]: word c holds columns Pc..Pc+P-1, column Pc+j at bits bits*j.
+    A negative value (v1's zero - 1 for a zero of 0) wraps to its low bits."""
     g, n = z.shape
-    cols = (z.astype(np.int64) & 0xF).astype(np.uint32).reshape(g, n // 8, 8)
-    words = np.zeros((g, n // 8), dtype=np.uint32)
-    for j in range(8):
-        words |= cols[:, :, j] << np.uint32(4 * j)
+    p, mask = 32 // bits, (1 << bits) - 1
+    cols = (z.astype(np.int64) & mask).astype(np.uint32).reshape(g, n // p, p)
+    words = np.zeros((g, n // p), dtype=np.uint32)
+    for j in range(p):
+        words |= cols[:, :, j] << np.uint32(bits * j)
     return words.view(np.int32)
 
 
@@ -88,8 +91,11 @@ def quantize_gptq(
     act_order: bool = False,
     bias: Optional[np.ndarray] = None,
     rng: Optional[np.random.Generator] = None,
+    bits: int = 4,
+    scale_dtype=np.float16,
 ) -> GPTQLayer:
     """GPTQ-style round-to-nearest quantization of an nn.Linear weight [N, K] (float)."""
+    maxq = (1 << bits) - 1
     w = np.asarray(weight, dtype=np.float32)
     n, k = w.shape
     gs = k if group_size == -1 else group_size
@@ -99,7 +105,7 @@ def quantize_gptq(
     g_idx = np.empty(k, dtype=np.int32)
     g_idx[order] = np.arange(k) // gs
     q = np.empty((k, n), dtype=np.int64)
-    scales = np.empty((groups, n), dtype=np.float16)
+    scales = np.empty((groups, n), dtype=np.float32)
     zeros = np.empty((groups, n), dtype=np.int64)
     for g in range(groups):
         cols = order[g * gs : (g + 1) * gs]
@@ -109,24 +115,64 @@ def quantize_gptq(
         if sym:
             amax = np.maximum(-lo, hi)
             amax = np.where(amax == 0, 1.0, amax)
-            scale = (2 * amax / MAXQ).astype(np.float16)
-            zero = np.full(n, (MAXQ + 1) // 2)
+            scale = _round_scale(2 * amax / maxq, scale_dtype)
+            zero = np.full(n, (maxq + 1) // 2)
         else:
             span = np.where(hi - lo == 0, 1.0, hi - lo)
-            scale = (span / MAXQ).astype(np.float16)
-            zero = np.round(-lo / scale.astype(np.float32)).astype(np.int64)
-        s = scale.astype(np.float32)
-        qg = np.clip(np.round(block / s[:, None]) + zero[:, None], 0, MAXQ).astype(np.int64)  # [N, gs]
+            scale = _round_scale(span / maxq, scale_dtype)
+            zero = np.round(-lo / scale).astype(np.int64)
+        s = scale
+        qg = np.clip(np.round(block / s[:, None]) + zero[:, None], 0, maxq).astype(np.int64)  # [N, gs]
         q[cols, :] = qg.T
         scales[g], zeros[g] = scale, zero
-    return GPTQLayer(q=q, zeros=zeros, scales=scales, g_idx=g_idx, bias=None if bias is None else bias.astype(np.float16))
+    return GPTQLayer(
+        q=q,
+        zeros=zeros,
+        scales=_wrap(scales, scale_dtype),
+        g_idx=g_idx,
+        bias=None if bias is None else _wrap(bias.astype(np.float32), scale_dtype, round_=True),
+        bits=bits,
+    )
 
 
-def random_layer(k: int, n: int, group_size: int, *, seed: int, act_order=False, sym=True, bias=True) -> GPTQLayer:
+def _round_scale(x: np.ndarray, scale_dtype) -> np.ndarray:
+    """Round float32 values to fp16 (numpy) or bf16 (round to nearest even on the float32 bits), as float32."""
+    x = np.asarray(x, dtype=np.float32)
+    if scale_dtype == "bfloat16":
+        u = x.view(np.uint32).astype(np.uint64)
+        u = (u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000
+        return u.astype(np.uint32).view(np.float32)
+    return x.astype(np.float16).astype(np.float32)
+
+
+def _wrap(values: np.ndarray, scale_dtype, round_: bool = False) -> np.ndarray:
+    """Scales (or bias) as fp16 numpy values, or bf16 values held as float32 in a _BF16Array
+    (numpy has no bf16), which tensors() stores as torch.bfloat16."""
+    if scale_dtype == "bfloat16":
+        return _BF16Array(_round_scale(values, "bfloat16") if round_ else values)
+    return values.astype(np.float16)
+
+
+class _BF16Array(np.ndarray):
+    """float32 values that are exactly bf16 numbers."""
+
+    def __new__(cls, values):
+        return np.asarray(values, dtype=np.float32).view(cls)
+
+
+def _to_torch(a: np.ndarray) -> torch.Tensor:
+    t = torch.from_numpy(np.asarray(a).copy())
+    return t.bfloat16() if isinstance(a, _BF16Array) else t
+
+
+def random_layer(
+    k: int, n: int, group_size: int, *, seed: int, act_order=False, sym=True, bias=True, bits=4, scale_dtype=np.float16
+) -> GPTQLayer:
+    """scale_dtype: np.float16 or "bfloat16" (bf16 scales and bias)."""
     rng = np.random.default_rng(seed)
     w = rng.standard_normal((n, k)).astype(np.float32) * 0.05
     b = rng.standard_normal(n).astype(np.float32) * 0.1 if bias else None
-    return quantize_gptq(w, group_size, sym=sym, act_order=act_order, bias=b, rng=rng)
+    return quantize_gptq(w, group_size, sym=sym, act_order=act_order, bias=b, rng=rng, bits=bits, scale_dtype=scale_dtype)
 
 
 def write_gptq_checkpoint(

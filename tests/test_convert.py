@@ -55,9 +55,11 @@ def other_tensors() -> dict:
     }
 
 
-def make_layers(group_size=128, act_order=False, sym=True, shapes=LAYERS) -> dict:
+def make_layers(group_size=128, act_order=False, sym=True, shapes=LAYERS, bits=4, scale_dtype=np.float16) -> dict:
     return {
-        prefix: random_layer(k, n, group_size, seed=i, act_order=act_order, sym=sym, bias=bias)
+        prefix: random_layer(
+            k, n, group_size, seed=i, act_order=act_order, sym=sym, bias=bias, bits=bits, scale_dtype=scale_dtype
+        )
         for i, (prefix, k, n, bias) in enumerate(shapes)
     }
 
@@ -95,7 +97,9 @@ def rel_err(out, ref) -> float:
 
 def marlin_weight(tensors: dict, prefix: str) -> torch.Tensor:
     """B [K, N] of a converted layer in the natural order of the input features."""
-    b = packing.dequantize(*packing.unpack(tensors[f"{prefix}.b_q"], tensors[f"{prefix}.b_scales"]))
+    b_q, b_s, b_z = tensors[f"{prefix}.b_q"], tensors[f"{prefix}.b_scales"], tensors.get(f"{prefix}.b_zeros")
+    bits = 4 if b_q.shape[1] == 2 * b_s.shape[1] else 8
+    b = packing.dequantize(*packing.unpack(b_q, b_s, b_z, bits=bits))
     perm = tensors.get(f"{prefix}.perm")
     if perm is None:
         return b
@@ -104,7 +108,7 @@ def marlin_weight(tensors: dict, prefix: str) -> torch.Tensor:
     return natural
 
 
-def assert_converted(src: Path, dst: Path, layers: dict, group_size: int, num_shards: int) -> dict:
+def assert_converted(src: Path, dst: Path, layers: dict, group_size: int, num_shards: int, bits: int = 4) -> dict:
     tensors = load_dir(dst)
     shard_names = sorted(p.name for p in dst.glob("*.safetensors"))
     assert shard_names == sorted(p.name for p in src.glob("*.safetensors")) and len(shard_names) == num_shards
@@ -118,25 +122,29 @@ def assert_converted(src: Path, dst: Path, layers: dict, group_size: int, num_sh
     for prefix, layer in layers.items():
         assert f"{prefix}.qweight" not in tensors
         assert torch.equal(marlin_weight(tensors, prefix), layer.dequantize())  # exact
+        gptq = layer.tensors("gptq_v2")
         if layer.bias is not None:
-            assert torch.equal(tensors[f"{prefix}.bias"], torch.from_numpy(layer.bias))
+            assert torch.equal(tensors[f"{prefix}.bias"], gptq["bias"])
         # the keys load into a MarlinLinear as they are (strict), which computes x @ W
         k, n = layer.q.shape
         state = {key[len(prefix) + 1 :]: t for key, t in tensors.items() if key.startswith(prefix + ".")}
-        module = MarlinLinear(k, n, bias=layer.bias is not None, group_size=group_size)
+        dtype = gptq["scales"].dtype
+        module = MarlinLinear(
+            k, n, bias=layer.bias is not None, group_size=group_size, dtype=dtype, bits=bits, zero_points="b_zeros" in state
+        )
         module.load_state_dict(state)
-        x = torch.randn(3, k, generator=torch.Generator().manual_seed(0)).half()
+        x = torch.randn(3, k, generator=torch.Generator().manual_seed(0)).to(dtype)
         ref = x.float() @ layer.dequantize()
         if layer.bias is not None:
-            ref += torch.from_numpy(layer.bias).float()
-        assert rel_err(module(x), ref) < LAYER_TOL
+            ref += gptq["bias"].float()
+        assert rel_err(module(x), ref) < (LAYER_TOL if dtype == torch.float16 else 8e-3)
     for name, t in other_tensors().items():
         assert torch.equal(tensors[name], t)
     for name, text in EXTRA_FILES.items():
         assert (dst / name).read_text() == text
     config = json.loads((dst / "config.json").read_text())
     qc = config["quantization_config"]
-    assert qc["checkpoint_format"] == "marlin" and qc["bits"] == 4 and qc["group_size"] == group_size
+    assert qc["checkpoint_format"] == "marlin" and qc["bits"] == bits and qc["group_size"] == group_size
     return tensors
 
 
@@ -162,6 +170,40 @@ def test_convert_sharded_matches_gptq(tmp_path, fmt, act_order, group_size):
     assert sorted(report.act_order_layers) == (sorted(layers) if has_perm else [])
     assert all((f"{p}.perm" in tensors) == has_perm for p in layers)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["dst", "src"]
+
+
+@pytest.mark.parametrize(
+    "fmt, bits, sym, group_size, act_order, scale_dtype",
+    [
+        ("gptq", 4, False, 128, True, np.float16),  # AutoGPTQ v1 asymmetric
+        ("gptq_v2", 4, False, 32, True, np.float16),  # GPTQModel v2 asymmetric, group 32
+        ("gptq_v2", 4, False, -1, False, "bfloat16"),
+        ("gptq", 8, True, 128, True, np.float16),  # 8-bit GPTQ
+        ("gptq_v2", 8, True, -1, False, np.float16),
+        ("gptq", 4, True, 64, True, "bfloat16"),  # group 64, bf16 scales
+        ("gptq_v2", 4, True, 32, False, np.float16),
+    ],
+)
+def test_convert_formats(tmp_path, fmt, bits, sym, group_size, act_order, scale_dtype):
+    layers = make_layers(group_size, act_order, sym=sym, bits=bits, scale_dtype=scale_dtype)
+    if fmt == "gptq" and not sym:
+        for layer in layers.values():  # v1 cannot store a zero of 0 (test_gptq_v1_zero_of_zero_is_refused)
+            layer.zeros[layer.zeros == 0] = 1
+    src, _ = make_src(tmp_path, layers=layers, group_size=group_size, act_order=act_order, fmt=fmt, bits=bits, sym=sym)
+    dst = tmp_path / "dst"
+    report = convert_gptq_checkpoint(src, dst, quiet=True, verify=True)
+    tensors = assert_converted(src, dst, layers, group_size, num_shards=2, bits=bits)
+    assert all((f"{p}.b_zeros" in tensors) == (not sym) for p in layers)
+    assert report.max_verify_error < (1e-3 if scale_dtype == np.float16 else 8e-3)
+
+
+def test_convert_asymmetric_v1_zero_of_zero_is_refused(tmp_path):
+    layers = make_layers(128, sym=False)
+    layers["model.layers.0.mlp.up_proj"].zeros[1, 5] = 0
+    src, _ = make_src(tmp_path, layers=layers, sym=False, fmt="gptq")
+    with pytest.raises(ConversionError, match=r"up_proj\.qzeros: zero point 16 at group 1, column 5 is outside \[0, 15\]"):
+        convert_gptq_checkpoint(src, tmp_path / "dst", quiet=True)
+    assert_no_output(tmp_path, tmp_path / "dst")
 
 
 @pytest.mark.parametrize("style", ["quantize_config", "both"])
@@ -203,7 +245,7 @@ def test_gptq_format_stored_zero_convention(tmp_path):
     config = json.loads((src / "config.json").read_text())
     config["quantization_config"]["checkpoint_format"] = "gptq"
     (src / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ConversionError, match="asymmetric zeros are not supported.*'gptq_v2'"):
+    with pytest.raises(ConversionError, match="the config says sym = true, but 768 of 768 zero points are not 8.*'gptq_v2'"):
         convert_gptq_checkpoint(src, tmp_path / "dst", quiet=True)
 
 
@@ -320,14 +362,16 @@ BROKEN = {
     "no config.json": (lambda src: (src / "config.json").unlink(), ["config.json not found"]),
     "config without bits": (drop_key("bits"), ["lacks 'bits'"]),
     "config without sym": (drop_key("sym"), ["lacks 'sym'"]),
-    "bits 8": (set_key("bits", 8), ["bits = 8 is not supported", "4-bit"]),
-    "sym false": (set_key("sym", False), ["sym = false", "asymmetric"]),
+    "bits 3": (set_key("bits", 3), ["bits = 3 is not supported", "4- or 8-bit"]),
+    "bits 8 with 4-bit tensors": (set_key("bits", 8), ["down_proj", "in_features = 192 is not a multiple of group_size = 128"]),
+    "sym false with bits 8": (lambda src: (set_key("sym", False)(src), set_key("bits", 8)(src)), ["sym = false with bits = 8", "4-bit weights only"]),
+    "scales fp16, bias bf16": (lambda src: rewrite_tensor(src, f"{Q}.bias", lambda t: t.bfloat16()), [f"{Q}.bias: dtype torch.bfloat16, expected torch.float16"]),
     "group size 48 in config": (set_key("group_size", 48), ["group_size = 48 is not supported", "(32, 64, 128, -1)"]),
     "already marlin": (set_key("checkpoint_format", "marlin"), ["already converted"]),
     "unknown format": (set_key("checkpoint_format", "awq"), ["checkpoint_format = 'awq' is not supported"]),
     "not gptq": (set_key("quant_method", "awq"), ["quant_method = 'awq'", "expected 'gptq'"]),
     "qweight int64": (lambda src: rewrite_tensor(src, f"{Q}.qweight", lambda t: t.long()), [f"{Q}.qweight: dtype torch.int64"]),
-    "scales fp32": (lambda src: rewrite_tensor(src, f"{Q}.scales", lambda t: t.float()), [f"{Q}.scales: dtype torch.float32", "float16"]),
+    "scales fp32": (lambda src: rewrite_tensor(src, f"{Q}.scales", lambda t: t.float()), [f"{Q}.scales: dtype torch.float32", "torch.float16 or torch.bfloat16"]),
     "scales wrong shape": (lambda src: rewrite_tensor(src, f"{Q}.scales", lambda t: t[:1].contiguous()), [f"{Q}.scales: shape [1, 384], expected [2, 384]"]),
     "missing scales": (lambda src: (rewrite_tensor(src, f"{Q}.scales", None), edit_json(src / "model.safetensors.index.json", lambda i: i["weight_map"].pop(f"{Q}.scales"))), [f"{Q}.scales is missing"]),
     "index lists absent tensor": (lambda src: edit_json(src / "model.safetensors.index.json", lambda i: i["weight_map"].__setitem__("ghost.weight", "model-00001-of-00002.safetensors")), ["not in their shard", "ghost.weight"]),
@@ -381,7 +425,7 @@ def test_asymmetric_zeros_refused_after_conversion_started(tmp_path):
     src, _ = make_src(tmp_path, layers=layers)
     before = tree_hash(src)
     dst = tmp_path / "dst"
-    with pytest.raises(ConversionError, match=r"model\.layers\.0\.mlp\.down_proj\.qzeros: asymmetric zeros are not supported"):
+    with pytest.raises(ConversionError, match=r"model\.layers\.0\.mlp\.down_proj\.qzeros: the config says sym = true, but"):
         convert_gptq_checkpoint(src, dst, quiet=True)
     assert_no_output(tmp_path, dst)
     assert tree_hash(src) == before
@@ -404,7 +448,7 @@ def test_unsupported_shapes(tmp_path, group_size, shapes, needle):
 
 
 # -- load_quantized on a converted Llama ----------------------------------------------------------
-def llama_gptq_checkpoint(tmp_path, act_order=True, group_size=128):
+def llama_gptq_checkpoint(tmp_path, act_order=True, group_size=128, *, bits=4, sym=True, dtype=torch.float16):
     """A tiny random Llama (tied embeddings), its Linear layers GPTQ-quantized by the test writer,
     written as a sharded GPTQ checkpoint; returns (src, fp32 reference model with the GPTQ weights)."""
     transformers = pytest.importorskip("transformers")
@@ -417,12 +461,20 @@ def llama_gptq_checkpoint(tmp_path, act_order=True, group_size=128):
         if isinstance(module, torch.nn.Linear) and name != "lm_head":
             rng_seed += 1
             layers[name] = quantize_gptq(
-                module.weight.detach().numpy(), group_size, act_order=act_order, rng=np.random.default_rng(rng_seed)
+                module.weight.detach().numpy(),
+                group_size,
+                act_order=act_order,
+                rng=np.random.default_rng(rng_seed),
+                bits=bits,
+                sym=sym,
+                scale_dtype="bfloat16" if dtype == torch.bfloat16 else np.float16,
             )
+            if not sym:
+                layers[name].zeros[layers[name].zeros == 0] = 1  # storable in v1 "gptq"
     for name, t in model.state_dict().items():
         prefix = name.rsplit(".", 1)[0]
         if prefix not in layers and name != "lm_head.weight":  # tied: saved once, as the embedding
-            other[name] = t.half()
+            other[name] = t.to(dtype)
     model_config = json.loads(config.to_json_string())
     src = write_gptq_checkpoint(
         tmp_path / "src",
@@ -430,6 +482,8 @@ def llama_gptq_checkpoint(tmp_path, act_order=True, group_size=128):
         other,
         group_size=group_size,
         desc_act=act_order,
+        bits=bits,
+        sym=sym,
         num_shards=3,
         model_config=model_config,
         extra_files={"generation_config.json": json.dumps({"max_new_tokens": 3, "do_sample": False})},
@@ -437,7 +491,7 @@ def llama_gptq_checkpoint(tmp_path, act_order=True, group_size=128):
     ref = copy.deepcopy(model).float()
     with torch.no_grad():
         for name, p in ref.named_parameters():
-            p.copy_(p.half().float())
+            p.copy_(p.to(dtype).float())
         for name, layer in layers.items():
             ref.get_submodule(name).weight.copy_(layer.dequantize().t())
     return src, ref
@@ -459,6 +513,28 @@ def test_load_quantized_llama_matches_gptq_reference(tmp_path):
         assert rel_err(logits, ref(ids).logits) < MODEL_TOL
     out = model.generate(ids[:1], max_new_tokens=3, do_sample=False)
     assert out.shape == (1, 12)
+
+
+@pytest.mark.parametrize(
+    "bits, sym, dtype, group_size",
+    [(4, False, torch.bfloat16, 64), (8, True, torch.float16, 128), (4, True, torch.bfloat16, 32)],
+)
+def test_load_quantized_formats(tmp_path, bits, sym, dtype, group_size):
+    src, ref = llama_gptq_checkpoint(tmp_path, group_size=group_size, bits=bits, sym=sym, dtype=dtype)
+    dst = tmp_path / "dst"
+    convert_gptq_checkpoint(src, dst, quiet=True)
+    model = load_quantized(dst, device="cpu")
+    layers = [m for m in model.modules() if isinstance(m, MarlinLinear)]
+    assert len(layers) == 14
+    assert all(m.bits == bits and m.zero_points == (not sym) and m.dtype == dtype for m in layers)
+    assert model.model.norm.weight.dtype == dtype
+    ids = torch.randint(0, 1000, (2, 9), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        err = rel_err(model(ids).logits, ref(ids).logits)
+    assert err < (MODEL_TOL if dtype == torch.float16 else 5e-2)
+    other = torch.float16 if dtype == torch.bfloat16 else torch.bfloat16
+    with pytest.raises(ValueError, match=f"dtype = {other}, but the checkpoint's Marlin layers compute in {dtype}"):
+        load_quantized(dst, device="cpu", dtype=other)
 
 
 def test_load_quantized_refuses_mismatches(tmp_path):

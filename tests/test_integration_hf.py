@@ -127,8 +127,8 @@ def test_gptq_config_refuses_unsupported(checkpoints, tmp_path):
 
     bad = tmp_path / "bad"
     shutil.copytree(src, bad)
-    edit_json(bad / "config.json", lambda c: c["quantization_config"].update(sym=False))
-    with pytest.raises(ConversionError, match="sym = false"):
+    edit_json(bad / "config.json", lambda c: c["quantization_config"].update(bits=3))
+    with pytest.raises(ConversionError, match="bits = 3 is not supported"):
         hf_quantizer.gptq_config(bad)
 
 

@@ -40,7 +40,8 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 def dequantized_weight(layer: MarlinLinear) -> torch.Tensor:
     """B [K, N] fp32 of a MarlinLinear, in the order of the *original* input features."""
-    b = packing.dequantize(*packing.unpack(layer.b_q.cpu(), layer.b_scales.cpu()))
+    zeros = None if layer.b_zeros is None else layer.b_zeros.cpu()
+    b = packing.dequantize(*packing.unpack(layer.b_q.cpu(), layer.b_scales.cpu(), zeros, bits=layer.bits))
     if layer.perm is not None:  # row i of B belongs to input feature perm[i]
         out = torch.empty_like(b)
         out[layer.perm.cpu().long()] = b
@@ -114,11 +115,20 @@ def test_bad_shape_raises_valueerror_saying_what_works(k, n, group_size, needle)
 
 
 def test_dtype_errors():
-    with pytest.raises(ValueError, match="dtype = torch.bfloat16, expected torch.float16"):
-        MarlinLinear(256, 128, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="dtype = torch.float32, expected torch.float16 or torch.bfloat16"):
+        MarlinLinear(256, 128, dtype=torch.float32)
     layer = MarlinLinear(256, 128)
     with pytest.raises(TypeError, match="input dtype is torch.float32, expected torch.float16"):
         layer(torch.randn(2, 256))
+    with pytest.raises(TypeError, match="input dtype is torch.bfloat16, expected torch.float16"):
+        layer(torch.randn(2, 256).bfloat16())
+    bf = MarlinLinear(256, 128, dtype=torch.bfloat16)
+    with pytest.raises(TypeError, match="input dtype is torch.float16, expected torch.bfloat16"):
+        bf(torch.randn(2, 256).half())
+    with pytest.raises(ValueError, match=r"bits = 3, expected one of \(4, 8\)"):
+        MarlinLinear(256, 128, bits=3)
+    with pytest.raises(ValueError, match="zero points exist for 4-bit weights only"):
+        MarlinLinear(256, 128, bits=8, zero_points=True)
     with pytest.raises(ValueError, match=r"expected \[\.\.\., 256\]"):
         layer(torch.randn(2, 128).half())
 
@@ -154,11 +164,131 @@ def test_from_gptq_matches_gptq_formula(fmt, act_order, group_size):
 
 def test_from_gptq_refuses_unsupported():
     layer = random_layer(256, 128, 128, seed=3, sym=False)
+    t = layer.tensors("gptq_v2")
+    with pytest.raises(ValueError, match="the config says sym = true, but"):
+        MarlinLinear.from_gptq(t["qweight"], t["qzeros"], t["scales"], t["g_idx"], sym=True, checkpoint_format="gptq_v2")
+    with pytest.raises(ValueError, match=r"K = in_features = 32, .* expected a positive multiple of 64"):
+        MarlinLinear.from_gptq(t["qweight"][:8], t["qzeros"], t["scales"], t["g_idx"], bits=8)
+    with pytest.raises(ValueError, match="bits = 3"):
+        MarlinLinear.from_gptq(t["qweight"], t["qzeros"], t["scales"], t["g_idx"], bits=3)
+
+
+@pytest.mark.parametrize("fmt", ["gptq", "gptq_v2"])
+@pytest.mark.parametrize("group_size", [32, 64, -1])
+@pytest.mark.parametrize("act_order", [False, True])
+def test_from_gptq_asymmetric(fmt, group_size, act_order):
+    layer = random_layer(256, 192, group_size, seed=11, sym=False, act_order=act_order)
+    layer.zeros[layer.zeros == 0] = 1  # v1 cannot store a zero of 0 (see test_gptq_v1_zero_of_zero_is_refused)
+    t = layer.tensors(fmt)
+    module = MarlinLinear.from_gptq(
+        t["qweight"], t["qzeros"], t["scales"], t["g_idx"], t["bias"], group_size=group_size, checkpoint_format=fmt
+    )
+    assert module.zero_points and module.bits == 4 and module.b_zeros.dtype == torch.float16
+    w = layer.dequantize()
+    assert torch.equal(dequantized_weight(module), w)
+    x = torch.randn(5, 256).half()
+    assert rel_err(module(x), x.float() @ w + torch.from_numpy(layer.bias).float()) < LAYER_TOL
+
+
+def test_gptq_v1_zero_of_zero_is_refused():
+    layer = random_layer(256, 128, 128, seed=12, sym=False)
+    layer.zeros[0, 3] = 0
     t = layer.tensors("gptq")
-    with pytest.raises(ValueError, match="asymmetric zeros are not supported"):
-        MarlinLinear.from_gptq(t["qweight"], t["qzeros"], t["scales"], t["g_idx"])
-    with pytest.raises(ValueError, match="bits = 8 is not supported"):
-        MarlinLinear.from_gptq(t["qweight"], t["qzeros"], t["scales"], t["g_idx"], bits=8)
+    with pytest.raises(ValueError, match=r"zero point 16 at group 0, column 3 is outside \[0, 15\]"):
+        MarlinLinear.from_gptq(t["qweight"], t["qzeros"], t["scales"], t["g_idx"], checkpoint_format="gptq")
+
+
+# -- formats: dtype, bits, zero points, groups -------------------------------------------------------
+FORMATS = [(4, True), (4, False), (8, True)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("bits,sym", FORMATS)
+@pytest.mark.parametrize("group_size", [32, 64, 128, -1])
+def test_from_linear_every_format(dtype, bits, sym, group_size):
+    torch.manual_seed(group_size + bits)
+    linear = nn.Linear(256, 192).to(dtype)
+    layer = MarlinLinear.from_linear(linear, group_size, bits=bits, sym=sym)
+    assert layer.b_scales.dtype == dtype and layer.bias.dtype == dtype and layer.dtype == dtype
+    assert layer.zero_points == (not sym) and layer.b_q.shape == (16, bits // 2 * 192)
+    x = torch.randn(3, 5, 256).to(dtype)
+    y = layer(x)
+    assert y.dtype == dtype and y.shape == (3, 5, 192)
+    assert rel_err(y, reference(layer, x)) < (LAYER_TOL if dtype == torch.float16 else 8e-3)
+    # the quantization is as good as its format: 8 bits ~16x closer to the float layer than 4 bits
+    exact = x.float() @ linear.weight.detach().float().t() + linear.bias.detach().float()
+    assert rel_err(y, exact) < (0.02 if bits == 8 else 0.2)
+
+
+def test_from_linear_fp32_gives_fp16_and_dtype_override():
+    linear = nn.Linear(128, 64)
+    assert MarlinLinear.from_linear(linear).dtype == torch.float16
+    assert MarlinLinear.from_linear(linear, dtype=torch.bfloat16).b_scales.dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("group_size", [32, 64])
+def test_act_order_with_small_groups_and_zero_points(group_size):
+    """A perm with zero points and groups of 32/64: x[..., perm] @ B equals the GPTQ formula."""
+    layer = random_layer(256, 128, group_size, seed=13, sym=False, act_order=True)
+    t = layer.tensors("gptq_v2")
+    module = MarlinLinear.from_gptq(
+        t["qweight"], t["qzeros"], t["scales"], t["g_idx"], group_size=group_size, checkpoint_format="gptq_v2"
+    )
+    assert module.perm is not None and module.zero_points
+    x = torch.randn(4, 256).half()
+    ref = x.float() @ layer.dequantize()
+    assert rel_err(module(x), ref) < LAYER_TOL
+    module.perm = None  # the bound catches a missing permutation
+    assert rel_err(module(x), ref) > 0.3
+
+
+@pytest.mark.parametrize("bits,sym,dtype", [(4, False, torch.bfloat16), (8, True, torch.float16), (4, True, torch.bfloat16)])
+def test_state_dict_round_trip_formats(bits, sym, dtype):
+    linear = nn.Linear(128, 192).to(dtype)
+    module = MarlinLinear.from_linear(linear, 64, bits=bits, sym=sym)
+    state = module.state_dict()
+    assert ("b_zeros" in state) == (not sym)
+    fresh = MarlinLinear(128, 192, group_size=64, dtype=dtype, bits=bits, zero_points=not sym)
+    fresh.load_state_dict(state)
+    x = torch.randn(2, 128).to(dtype)
+    assert torch.equal(fresh(x), module(x))
+
+
+def test_state_dict_format_mismatch_errors():
+    state = MarlinLinear.from_linear(nn.Linear(128, 192).bfloat16(), 64, sym=False).state_dict()
+    with pytest.raises(RuntimeError, match="b_scales: dtype torch.bfloat16, but this layer computes in torch.float16"):
+        MarlinLinear(128, 192, group_size=64, zero_points=True).load_state_dict(state)
+    with pytest.raises(RuntimeError, match="the checkpoint has zero points, but this layer was built with zero_points=False"):
+        MarlinLinear(128, 192, group_size=64, dtype=torch.bfloat16).load_state_dict(state)
+    state8 = MarlinLinear.from_linear(nn.Linear(128, 192).half(), 64, bits=8).state_dict()
+    with pytest.raises(RuntimeError, match=r"b_q: width 768 \(8-bit weights\), but this layer was built with bits=4"):
+        MarlinLinear(128, 192, group_size=64).load_state_dict(state8)
+
+
+def test_version_1_state_dict_loads():
+    """A state dict written by marlin before the formats (version 1: fp16, 4-bit symmetric) loads unchanged."""
+    module = MarlinLinear.from_linear(nn.Linear(256, 128).half())
+    state = module.state_dict()
+    state._metadata[""]["version"] = 1
+    assert set(state) == {"b_q", "b_scales", "bias"}  # version 1 had exactly these keys (perm with act-order)
+    old = MarlinLinear(256, 128)
+    old.load_state_dict(state)
+    x = torch.randn(3, 256).half()
+    assert torch.equal(old(x), module(x))
+    with pytest.raises(RuntimeError, match="dtype torch.float16, but this layer computes in torch.bfloat16"):
+        MarlinLinear(256, 128, dtype=torch.bfloat16).load_state_dict(state)
+
+
+def test_replace_linear_formats():
+    model = nn.Sequential(nn.Linear(192, 576), nn.ReLU(), nn.Linear(576, 192)).bfloat16()
+    x = torch.randn(2, 192).bfloat16()
+    ref = model(x).float()
+    report = replace_linear(model, group_size=64, bits=8, exclude=None)
+    assert report.replaced == ["0", "2"]
+    assert all(m.bits == 8 and m.dtype == torch.bfloat16 for m in (model[0], model[2]))
+    assert rel_err(model(x), ref) < 0.03
+    with pytest.raises(ValueError, match="zero points exist for 4-bit weights only"):
+        replace_linear(model, bits=8, sym=False)
 
 
 # -- state_dict ---------------------------------------------------------------------------------

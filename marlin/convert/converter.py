@@ -25,7 +25,7 @@ from .checkpoint import INDEX_SUFFIX, PICKLE_SUFFIXES, SafetensorsDir, TensorInf
 from .errors import ConversionError
 from .gptq import GPTQConfig, check_layer_tensors, gptq_to_marlin
 from .staging import check_destination, staged_directory
-from .verify import VERIFY_TOLERANCE, verify_layer
+from .verify import VERIFY_TOLERANCE, verify_layer, verify_tolerance
 
 __all__ = ["convert_gptq_checkpoint", "ConversionReport", "MARLIN_FORMAT", "CONFIG_FILE", "QUANTIZE_CONFIG_FILE"]
 
@@ -137,11 +137,15 @@ def _plan_layers(ckpt: SafetensorsDir, cfg: GPTQConfig) -> tuple[dict, list]:
             passthrough.append(name)
     for prefix, infos in sorted(layers.items()):
         check_layer_tensors(
-            prefix, {s: i.shape for s, i in infos.items()}, {s: i.dtype for s, i in infos.items()}, cfg.group_size
+            prefix,
+            {s: i.shape for s, i in infos.items()},
+            {s: i.dtype for s, i in infos.items()},
+            cfg.group_size,
+            cfg.bits,
         )
         if "g_idx" not in infos and cfg.desc_act:
             raise ConversionError(f"layer {prefix}: {prefix}.g_idx is missing, but desc_act = true needs it")
-    outputs = {f"{p}.{s}" for p in layers for s in ("b_q", "b_scales", "perm")}
+    outputs = {f"{p}.{s}" for p in layers for s in ("b_q", "b_scales", "b_zeros", "perm")}
     clash = sorted(outputs & set(passthrough))
     if clash:
         raise ConversionError(f"{ckpt.directory}: tensor {clash[0]} would clash with a converted layer's output name")
@@ -194,11 +198,13 @@ def convert_gptq_checkpoint(
 
     ``src`` is a Hugging Face model directory as written by AutoGPTQ, Optimum/transformers or
     GPTQModel (config.json with quantization_config, or quantize_config.json; safetensors weights,
-    one file or shards with their index). Supported: bits 4, sym true, group_size 128 or -1,
-    desc_act false or true, checkpoint_format "gptq" or "gptq_v2".
+    one file or shards with their index). Supported: bits 4 (sym true or false) or 8 (sym true),
+    group_size 32, 64, 128 or -1, desc_act false or true, checkpoint_format "gptq" or "gptq_v2",
+    scales in fp16 or bf16 (the converted layers compute in that dtype).
 
     ``dst`` gets the same shard files, each GPTQ layer ``<prefix>`` replaced by ``<prefix>.b_q``,
-    ``<prefix>.b_scales``, ``<prefix>.bias`` (if any) and ``<prefix>.perm`` (act-order only) --
+    ``<prefix>.b_scales``, ``<prefix>.b_zeros`` (sym false only), ``<prefix>.bias`` (if any) and
+    ``<prefix>.perm`` (act-order only) --
     the state_dict keys of marlin.MarlinLinear -- and every other tensor copied unchanged; the
     index json; config.json with quantization_config.checkpoint_format = "marlin"; the other files
     (tokenizer, generation config, ...). ``dst`` must not exist unless ``overwrite``.
@@ -279,12 +285,13 @@ def _convert_layer(
         gptq.get("g_idx"),
         group_size=cfg.group_size,
         checkpoint_format=cfg.checkpoint_format,
+        bits=cfg.bits,
+        sym=cfg.sym,
     )
-    out = {f"{prefix}.b_q": converted.b_q, f"{prefix}.b_scales": converted.b_scales}
+    out = converted.tensors(prefix)
     if "bias" in gptq:
         out[f"{prefix}.bias"] = gptq["bias"]
     if converted.perm is not None:
-        out[f"{prefix}.perm"] = converted.perm
         report.act_order_layers.append(prefix)
     report.layers.append(prefix)
     if dev is not None:
@@ -294,13 +301,16 @@ def _convert_layer(
             converted,
             checkpoint_format=cfg.checkpoint_format,
             group_size=cfg.group_size,
+            bits=cfg.bits,
             device=dev,
             workspace=workspace,
         )
-        if not err <= report.verify_tolerance:  # also catches nan
+        tolerance = verify_tolerance(converted.b_scales.dtype)
+        report.verify_tolerance = max(report.verify_tolerance, tolerance)
+        if not err <= tolerance:  # also catches nan
             raise ConversionError(
                 f"verify: layer {prefix}: normwise relative error {err:.3e} of the converted layer against the GPTQ "
-                f"weights exceeds {report.verify_tolerance:.0e}; nothing was written"
+                f"weights exceeds {tolerance:.0e}; nothing was written"
             )
         report.max_verify_error = max(err, report.max_verify_error or 0.0)
     return out

@@ -1,7 +1,7 @@
 """Numerical check of one converted layer against the GPTQ formula.
 
-On random fp16 inputs x, compare what the Marlin op computes from the converted tensors,
-gemm(x[:, perm], b_q, b_scales), with x @ W in float32, where W = scales[g_idx] * (q - zero) is
+On random inputs x (fp16, or bf16 for bf16 scales), compare what the Marlin op computes from the converted tensors,
+gemm(x[:, perm], b_q, b_scales, b_zeros), with x @ W in float32, where W = scales[g_idx] * (q - zero) is
 dequantized from the GPTQ tensors as stored (so a wrong zero, scale, nibble order, group or
 permutation shows up as an O(1) error).
 
@@ -26,9 +26,15 @@ import torch
 from .. import ops
 from .gptq import MarlinTensors, dequantize_gptq
 
-__all__ = ["VERIFY_TOLERANCE", "VERIFY_ROWS", "verify_layer", "normwise_relative_error"]
+__all__ = ["VERIFY_TOLERANCE", "BF16_VERIFY_TOLERANCE", "VERIFY_ROWS", "verify_tolerance", "verify_layer", "normwise_relative_error"]
 
 VERIFY_TOLERANCE = 1e-3
+BF16_VERIFY_TOLERANCE = 8e-3  # bf16 rounds the output to 8 significant bits instead of 11: 8x the bound
+
+
+def verify_tolerance(dtype: torch.dtype) -> float:
+    """The bound for a layer computing in ``dtype`` (its scales' dtype)."""
+    return BF16_VERIFY_TOLERANCE if dtype == torch.bfloat16 else VERIFY_TOLERANCE
 VERIFY_ROWS = 16  # sample inputs per layer: enough to see every column, cheap on the CPU op
 
 
@@ -48,6 +54,7 @@ def verify_layer(
     *,
     checkpoint_format: str,
     group_size: int,
+    bits: int = 4,
     device: torch.device,
     workspace: Optional[torch.Tensor] = None,
 ) -> float:
@@ -57,14 +64,15 @@ def verify_layer(
     The inputs are seeded from the layer name, so a run is reproducible.
     """
     w = dequantize_gptq(
-        gptq["qweight"], gptq["qzeros"], gptq["scales"], gptq.get("g_idx"), checkpoint_format, group_size
+        gptq["qweight"], gptq["qzeros"], gptq["scales"], gptq.get("g_idx"), checkpoint_format, group_size, bits
     )
     k = w.shape[0]
     gen = torch.Generator().manual_seed(zlib.crc32(prefix.encode()))
-    x = torch.randn(VERIFY_ROWS, k, generator=gen).to(torch.float16)
+    x = torch.randn(VERIFY_ROWS, k, generator=gen).to(marlin.b_scales.dtype)
     ref = x.float() @ w
     x_in = x if marlin.perm is None else x.index_select(1, marlin.perm.to(torch.int64))
+    zeros = None if marlin.b_zeros is None else marlin.b_zeros.to(device)
     out = ops.gemm(
-        x_in.to(device), marlin.b_q.to(device), marlin.b_scales.to(device), workspace
+        x_in.to(device), marlin.b_q.to(device), marlin.b_scales.to(device), workspace, b_zeros=zeros, bits=marlin.bits
     ).float().cpu()
     return normwise_relative_error(out, ref)
