@@ -397,3 +397,14 @@ def test_direct_and_kn_kernels_have_byte_counts():
     k, n = 4096, 11008
     assert BM.weight_bytes("fp16_kn", k, n) == BM.weight_bytes("fp16", k, n)
     assert BM.weight_bytes("marlin_direct", k, n) == BM.weight_bytes("marlin_g128", k, n)
+
+
+def test_roofline_bound_is_the_slower_of_memory_and_math():
+    k, n = 8192, 8192
+    bw, tf = 3000.0, 700.0  # GB/s, TFLOP/s
+    t_mem = BM.kernel_bytes("marlin_g128", k, n, 1) / 3000e3
+    assert BM.roofline_us("marlin_g128", k, n, 1, bw, tf) == pytest.approx(t_mem)
+    t_math = BM.gemm_flops(k, n, 4096) / 700e6
+    assert BM.roofline_us("marlin_g128", k, n, 4096, bw, tf) == pytest.approx(t_math)
+    assert BM.roofline_fraction("marlin_g128", k, n, 1, 2 * t_mem, bw, tf) == pytest.approx(0.5)
+    assert math.isnan(BM.roofline_fraction("marlin_g128", k, n, 1, 2 * t_mem, None, tf))
