@@ -111,7 +111,7 @@ class GPTQConfig:
         if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size not in packing.SUPPORTED_GROUP_SIZES:
             raise ConversionError(
                 f"{source}: group_size = {group_size!r} is not supported; the Marlin kernel takes "
-                f"{ops.GROUP_SIZE} or -1 (per column)"
+                f"one of {packing.SUPPORTED_GROUP_SIZES} (-1: per column)"
             )
         if not isinstance(sym, bool):
             raise ConversionError(f"{source}: sym = {sym!r}, expected true or false")
