@@ -20,3 +20,8 @@ __all__ = ["gemm", "workspace_size", "make_workspace", "ops", "packing", "__vers
 from .nn import MarlinLinear, load_quantized, replace_linear
 
 __all__ += ["MarlinLinear", "replace_linear", "load_quantized"]
+
+from . import parallel  # noqa: E402  (tensor parallelism on torch.distributed)
+from .parallel import tensor_parallel  # noqa: E402
+
+__all__ += ["parallel", "tensor_parallel"]

@@ -93,9 +93,10 @@ def test_column_shards_unpack_to_column_slices(group_size, world):
 
 
 @pytest.mark.parametrize("group_size", [128, -1])
-@pytest.mark.parametrize("world", [2, 4])
-def test_row_shards_unpack_to_row_slices(group_size, world):
-    k, n = 1024, 256
+@pytest.mark.parametrize("k, world", [(1024, 2), (1024, 4), (512, 4)])
+def test_row_shards_unpack_to_row_slices(group_size, k, world):
+    """(512, 4): one group per rank, which the kernel reads as per-column scales (natural order)."""
+    n = 256
     q, scales, b_q, b_scales = random_layer(k, n, group_size, seed=12)
     layer = MarlinLinear(k, n, group_size=group_size)
     layer.b_q.copy_(b_q)
@@ -107,6 +108,7 @@ def test_row_shards_unpack_to_row_slices(group_size, world):
         assert torch.equal(lq, q[r * part : (r + 1) * part])
         want = scales if group_size == -1 else scales[r * part // 128 : (r + 1) * part // 128]
         assert torch.equal(ls, want)
+        assert row.local.group_size == (-1 if part == 128 else group_size)
         assert row.local.bias is None and row.gather_index is None
 
 
@@ -136,10 +138,10 @@ def row_parallel_sum(layer, x, world, name="down"):
     return total, shards
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("k, world", [(1024, 2), (1024, 4), (256, 2)])
 @pytest.mark.parametrize("group_size", [128, -1])
-def test_row_parallel_sums_to_the_layer(world, group_size):
-    k, n = 1024, 256
+def test_row_parallel_sums_to_the_layer(k, world, group_size):
+    n = 256
     layer, w = marlin_layer(k, n, group_size)
     x = random_input(5, k)
     y, _ = row_parallel_sum(layer, x, world)
@@ -147,9 +149,9 @@ def test_row_parallel_sums_to_the_layer(world, group_size):
 
 
 @pytest.mark.parametrize("interleave", [False, True])
-@pytest.mark.parametrize("world", [2, 4])
-def test_act_order_aligned_groups_permute_the_local_slice(world, interleave):
-    k, n = 1024, 256
+@pytest.mark.parametrize("k, world", [(1024, 2), (1024, 4), (512, 4)])
+def test_act_order_aligned_groups_permute_the_local_slice(k, world, interleave):
+    n = 256
     perm = aligned_perm(k, world, 128, interleave=interleave)
     layer, w = marlin_layer(k, n, 128, perm=perm)
     x = random_input(9, k)
@@ -160,10 +162,10 @@ def test_act_order_aligned_groups_permute_the_local_slice(world, interleave):
     assert rel_err(y, reference(layer, w, x)) < TOL
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("k, world", [(1024, 2), (1024, 4), (256, 2)])
 @pytest.mark.parametrize("group_size", [128, -1])
-def test_act_order_straddling_groups_gather_the_input(world, group_size):
-    k, n = 1024, 256
+def test_act_order_straddling_groups_gather_the_input(k, world, group_size):
+    n = 256
     perm = straddling_perm(k)
     layer, w = marlin_layer(k, n, group_size, perm=perm)
     assert sh.row_groups(perm, 128, world) is None  # the case that needs the gathered input

@@ -13,6 +13,7 @@ See docs/PARALLEL.md.
 """
 
 from .layers import ColumnParallelLinear, RowParallelLinear
+from .model import TPReport, tensor_parallel
 from .shard import ShardError
 
-__all__ = ["ColumnParallelLinear", "RowParallelLinear", "ShardError"]
+__all__ = ["ColumnParallelLinear", "RowParallelLinear", "ShardError", "TPReport", "tensor_parallel"]

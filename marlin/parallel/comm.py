@@ -35,7 +35,13 @@ def all_gather_last(x: torch.Tensor, group: Optional[dist.ProcessGroup], world_s
     """The ranks' ``x`` [..., D] concatenated in rank order along the last dim: [..., world_size D]."""
     if world_size == 1:
         return x
-    x = x.contiguous()
-    out = torch.empty((world_size,) + tuple(x.shape), dtype=x.dtype, device=x.device)
-    dist.all_gather_into_tensor(out, x, group=group)
-    return torch.movedim(out, 0, -2).reshape(*x.shape[:-1], world_size * x.shape[-1])
+    lead, d = x.shape[:-1], x.shape[-1]
+    flat = x.reshape(-1, d).contiguous()
+    out = torch.empty((world_size * flat.shape[0], d), dtype=x.dtype, device=x.device)
+    _all_gather_single(out, flat, group=group)  # rank r's rows at out[r M : (r + 1) M]
+    out = out.view(world_size, flat.shape[0], d).transpose(0, 1)
+    return out.reshape(*lead, world_size * d)
+
+
+# torch 2.13 renamed all_gather_into_tensor (kept as a deprecated alias) to all_gather_single.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor

@@ -191,6 +191,8 @@ class RowParallelLinear(nn.Module):
             plan = sh.plan_row(name, k, n, scale_rows, layer.perm, rank, world_size)
             tensors = sh.row_tensors(plan, _buffer_take(layer), scale_rows, _has(layer))
             local = local_marlin(layer, plan.in_features, n, tensors)
+            if sh.single_group(plan, layer.group_size):
+                local.group_size = -1  # one group per shard: stored as per-column scales
             gather_index = plan.gather_index
         else:
             part = sh._check_split(name, "in_features", k, world_size, 1, "")

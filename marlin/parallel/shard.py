@@ -191,6 +191,24 @@ def _merge(blocks: list) -> list:
     return out
 
 
+def single_group(shard: RowShard, group_size: int) -> bool:
+    """True when a grouped layer's row shard holds exactly one group.
+
+    The kernel infers the group size from the number of scale rows, and one row means per-column
+    scales, which it reads in natural column order. One group spanning the whole shard is the same
+    arithmetic as per-column scales, but the stored row is in the grouped (permuted) order: it must
+    be put back in natural order, and the local layer has group size -1.
+    """
+    return group_size != -1 and shard.in_features == group_size
+
+
+def to_natural_order(scales: torch.Tensor) -> torch.Tensor:
+    """Grouped-layout scale rows [g, N] back to natural column order (the 8 x 8 transpose inside
+    each 64-column chunk, packing.permute_scales, applied whatever g is)."""
+    g, n = scales.shape
+    return scales.reshape(g, n // packing.TILE_N, 8, 8).transpose(-1, -2).reshape(g, n).contiguous()
+
+
 # -- taking the slices ------------------------------------------------------------------------
 # ``take(name, index)`` returns tensor ``name`` indexed by ``index`` (a tuple of slices): a view of
 # an in-memory buffer, or a partial read of a safetensors file (marlin.parallel.loader).
@@ -226,6 +244,8 @@ def row_tensors(shard: RowShard, take: Take, scale_rows: int, has: Callable[[str
     for name in ("b_scales", "b_zeros"):
         if name == "b_scales" or has(name):
             out[name] = take(name, (slice(None),)) if gs == -1 else rows(name, gs)
+            if single_group(shard, gs):
+                out[name] = to_natural_order(out[name])
     if shard.local_perm is not None:
         out["perm"] = shard.local_perm.to(torch.int32)
     return out
