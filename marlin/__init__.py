@@ -21,6 +21,12 @@ from .nn import MarlinLinear, load_quantized, replace_linear
 
 __all__ += ["MarlinLinear", "replace_linear", "load_quantized"]
 
+# transformers' from_pretrained loads Marlin checkpoints once transformers is imported (lazily:
+# importing transformers here would cost about a second).
+from .integrations import install_transformers_hook as _install_transformers_hook
+
+_install_transformers_hook()
+
 from . import parallel  # noqa: E402  (tensor parallelism on torch.distributed)
 from .parallel import tensor_parallel  # noqa: E402
 
