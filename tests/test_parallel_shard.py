@@ -213,12 +213,18 @@ def test_fp16_linear_shards_for_the_baseline():
 
 
 # -- refusals -----------------------------------------------------------------------------------------
-def test_column_shard_narrower_than_the_kernel_takes_names_the_layer():
+def test_column_shard_narrower_than_a_tile_names_the_layer():
     layer, _ = marlin_layer(256, 256, 128)
-    with pytest.raises(ShardError, match=r"model\.layers\.0\.self_attn\.k_proj.*\[256 -> 64\].*multiple of 128"):
-        ColumnParallelLinear.from_layer(layer, "model.layers.0.self_attn.k_proj", rank=0, world_size=4)
+    with pytest.raises(ShardError, match=r"model\.layers\.0\.self_attn\.k_proj: out_features = 256 over 8 ranks gives 32.*tile width"):
+        ColumnParallelLinear.from_layer(layer, "model.layers.0.self_attn.k_proj", rank=0, world_size=8)
     with pytest.raises(ShardError, match=r"k_proj: out_features = 256 does not split evenly over 3 ranks"):
         ColumnParallelLinear.from_layer(layer, "k_proj", rank=0, world_size=3)
+
+
+def test_row_shard_the_kernel_refuses_names_the_layer():
+    layer, _ = marlin_layer(256, 128, -1)  # per column: 32-row shards are whole tiles, but K < 64
+    with pytest.raises(ShardError, match=r"down_proj: the shard of each of 8 ranks would be a \[32 -> 128\] layer"):
+        RowParallelLinear.from_layer(layer, "down_proj", rank=0, world_size=8)
 
 
 def test_row_shard_that_splits_a_group_names_the_layer():

@@ -94,7 +94,7 @@ def llama_scenario(rank: int, world_size: int, act_order: bool) -> None:
         intermediate_size=512,
         num_hidden_layers=2,
         num_attention_heads=4,
-        num_key_value_heads=4,  # k/v_proj 256 wide: 128 per rank, the kernel's minimum
+        num_key_value_heads=2,  # grouped-query attention: k/v_proj 128 wide, 64 per rank
         vocab_size=1000,
         max_position_embeddings=256,
     )

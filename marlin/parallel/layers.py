@@ -70,6 +70,10 @@ def local_linear(layer: nn.Linear, in_features: int, out_features: int, weight: 
     return new
 
 
+def _bits(layer: MarlinLinear) -> int:
+    return getattr(layer, "bits", 4)
+
+
 def _words_per_column(layer: MarlinLinear) -> int:
     return layer.b_q.shape[1] // layer.out_features
 
@@ -118,7 +122,7 @@ class ColumnParallelLinear(nn.Module):
         rank, world_size = _rank_args(group, rank, world_size)
         k, n = layer.in_features, layer.out_features
         if isinstance(layer, MarlinLinear):
-            plan = sh.plan_column(name, k, n, layer.b_scales.shape[0], rank, world_size)
+            plan = sh.plan_column(name, k, n, layer.b_scales.shape[0], rank, world_size, _bits(layer))
             tensors = sh.column_tensors(plan, _buffer_take(layer), _words_per_column(layer), _has(layer))
             local = local_marlin(layer, k, plan.out_features, tensors)
         else:
@@ -188,7 +192,7 @@ class RowParallelLinear(nn.Module):
         gather_index = None
         if isinstance(layer, MarlinLinear):
             scale_rows = layer.b_scales.shape[0]
-            plan = sh.plan_row(name, k, n, scale_rows, layer.perm, rank, world_size)
+            plan = sh.plan_row(name, k, n, scale_rows, layer.perm, rank, world_size, _bits(layer))
             tensors = sh.row_tensors(plan, _buffer_take(layer), scale_rows, _has(layer))
             local = local_marlin(layer, plan.in_features, n, tensors)
             if sh.single_group(plan, layer.group_size):

@@ -116,8 +116,8 @@ def _check_split(name: str, what: str, total: int, world_size: int, multiple: in
     return part
 
 
-def _check_kernel(name: str, k: int, n: int, group_size: int, world_size: int) -> None:
-    reason = ops.check_shape(k, n, group_size)
+def _check_kernel(name: str, k: int, n: int, group_size: int, world_size: int, bits: int) -> None:
+    reason = ops.check_shape(k, n, group_size, bits)
     if reason is not None:
         raise ShardError(
             f"{name}: the shard of each of {world_size} ranks would be a [{k} -> {n}] layer (group size "
@@ -126,11 +126,11 @@ def _check_kernel(name: str, k: int, n: int, group_size: int, world_size: int) -
         )
 
 
-def plan_column(name: str, k: int, n: int, scale_rows: int, rank: int, world_size: int) -> ColumnShard:
+def plan_column(name: str, k: int, n: int, scale_rows: int, rank: int, world_size: int, bits: int = 4) -> ColumnShard:
     """Columns of rank ``rank``; ShardError naming the layer when a shard breaks the tile or kernel rules."""
     _check_rank(name, rank, world_size)
     part = _check_split(name, "out_features", n, world_size, packing.TILE_N, "the packed tile width")
-    _check_kernel(name, k, part, _group_size(k, scale_rows), world_size)
+    _check_kernel(name, k, part, _group_size(k, scale_rows), world_size, bits)
     return ColumnShard(name, k, n, rank * part, (rank + 1) * part)
 
 
@@ -146,7 +146,14 @@ def row_groups(perm: torch.Tensor, group_rows: int, world_size: int) -> Optional
 
 
 def plan_row(
-    name: str, k: int, n: int, scale_rows: int, perm: Optional[torch.Tensor], rank: int, world_size: int
+    name: str,
+    k: int,
+    n: int,
+    scale_rows: int,
+    perm: Optional[torch.Tensor],
+    rank: int,
+    world_size: int,
+    bits: int = 4,
 ) -> RowShard:
     """Rows of rank ``rank`` (see the module docstring); ``perm`` the layer's act-order permutation."""
     _check_rank(name, rank, world_size)
@@ -155,7 +162,7 @@ def plan_row(
     multiple = packing.TILE_K if gs == -1 else gs
     why = "the packed tile height" if gs == -1 else f"whole groups of {gs} rows"
     part = _check_split(name, "in_features", k, world_size, multiple, why)
-    _check_kernel(name, part, n, gs, world_size)
+    _check_kernel(name, part, n, gs, world_size, bits)
     k0, k1 = rank * part, (rank + 1) * part
     if perm is None or world_size == 1:
         return RowShard(name, k, n, k0, k1, ((k0, k1),), _as_long(perm), None)
