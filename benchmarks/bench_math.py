@@ -126,6 +126,24 @@ def ideal_speedup(kernel: str, k: int, n: int) -> float:
     return weight_bytes("fp16", k, n) / weight_bytes(kernel, k, n)
 
 
+def roofline_us(kernel: str, k: int, n: int, m: int, copy_bw_gbps: float, fp16_tflops: float) -> float:
+    """The physical bound of one call, us: max(bytes moved / measured copy bandwidth, 2MKN / measured
+    FP16 tensor rate); bytes = the kernel's weights + A + C (kernel_bytes)."""
+    if not (_finite(copy_bw_gbps) and _finite(fp16_tflops)) or copy_bw_gbps <= 0 or fp16_tflops <= 0:
+        return float("nan")
+    t_mem = kernel_bytes(kernel, k, n, m) / (copy_bw_gbps * 1e3)
+    t_math = gemm_flops(k, n, m) / (fp16_tflops * 1e6)
+    return max(t_mem, t_math)
+
+
+def roofline_fraction(kernel: str, k: int, n: int, m: int, time_us: float, copy_bw_gbps: float,
+                      fp16_tflops: float) -> float:
+    """roofline_us / measured time: 1.0 = at the bound."""
+    if not _finite(time_us) or time_us <= 0:
+        return float("nan")
+    return roofline_us(kernel, k, n, m, copy_bw_gbps, fp16_tflops) / time_us
+
+
 def copies_needed(nbytes: int, l2_bytes: int, factor: int = L2_FACTOR, minimum: int = 1) -> int:
     """Copies of a weight tensor of nbytes so that copies * nbytes >= factor * L2 (at least 1)."""
     if nbytes <= 0:

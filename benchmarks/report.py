@@ -165,6 +165,36 @@ def plot_roofline(points: list[dict], meta: dict, out: Path) -> str:
     return msg
 
 
+def plot_roofline_fraction(points: list[dict], meta: dict, out: Path, kernel: str = "marlin_g128",
+                           max_m: int = 128) -> str:
+    """Fraction of the roofline bound vs M (decode batches), one line per shape."""
+    bw, peak = _f(meta.get("copy_bw_GBps")), _f(meta.get("fp16_tflops"))
+    if not (math.isfinite(bw) and math.isfinite(peak)):
+        return "skipped roofline-fraction plot: meta lacks copy_bw_GBps / fp16_tflops"
+    pts = [p for p in points if p["kernel"] == kernel and p["M"] <= max_m and _f(p.get("time_us")) > 0
+           and not p["shape"].startswith("sq")]
+    if not pts:
+        return f"skipped roofline-fraction plot: no {kernel} points at M <= {max_m}"
+    fig, ax = plt.subplots(figsize=(7.5, 4.8))
+    shapes = list(dict.fromkeys(BM.canonical_shape(p["shape"]) for p in pts))
+    for i, shape in enumerate(shapes):
+        sel = sorted((p for p in pts if BM.canonical_shape(p["shape"]) == shape), key=lambda p: p["M"])
+        fr = [BM.roofline_fraction(kernel, p["K"], p["N"], p["M"], p["time_us"], bw, peak) for p in sel]
+        ax.plot([p["M"] for p in sel], fr, marker="o", ms=3, lw=1, color=plt.cm.tab10(i % 10), label=shape)
+    ax.axhline(1.0, color="black", lw=1)
+    ax.set_xscale("log", base=2)
+    ax.set_ylim(0, 1.1)
+    ax.set_xlabel("batch size M")
+    ax.set_ylabel("roofline bound / measured time")
+    ax.set_title(f"{LABEL.get(kernel, kernel)}: fraction of the roofline ({meta.get('gpu')})")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=7, ncol=3)
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+    return f"wrote {out.name}"
+
+
 # ----------------------------------------------------------------------------- markdown
 
 
@@ -230,7 +260,7 @@ def targets_md(points: list[dict]) -> list[str]:
     return lines
 
 
-def times_md(points: list[dict], copy_bw) -> list[str]:
+def times_md(points: list[dict], copy_bw, peak=None) -> list[str]:
     idx = BM.time_index(points)
     kernels = [k for k in BM.KERNELS if any(p["kernel"] == k for p in points)]
     quant = [k for k in kernels if k not in BM.BASELINES]
@@ -238,9 +268,9 @@ def times_md(points: list[dict], copy_bw) -> list[str]:
     for p in points:
         kn.setdefault(BM.canonical_shape(p["shape"]), (int(p["K"]), int(p["N"])))
     head = "| shape | M | " + " | ".join(
-        ["fp16 us (faster layout)"] + [f"{k} us | {k} x | {k} % copy BW" for k in quant]
+        ["fp16 us (faster layout)"] + [f"{k} us | {k} x | {k} % copy BW | {k} % roofline" for k in quant]
     ) + " |"
-    ncols = 2 + 1 + 3 * len(quant)
+    ncols = 2 + 1 + 4 * len(quant)
     lines = [head, "|" + "---|" * ncols]
     for shape, (k_, n_) in kn.items():
         for m in sorted({m for (s, m, _) in idx if s == shape}):
@@ -250,7 +280,8 @@ def times_md(points: list[dict], copy_bw) -> list[str]:
                 t = idx.get((shape, m, k), float("nan"))
                 sp = t16 / t if math.isfinite(t) and math.isfinite(t16) and t > 0 else float("nan")
                 pct = 100 * BM.gbps(BM.kernel_bytes(k, k_, n_, m), t) / copy_bw if _f(copy_bw) > 0 else float("nan")
-                cells += [_cell(t), _cell(sp, ".2f"), _cell(pct, ".0f")]
+                roof = 100 * BM.roofline_fraction(k, k_, n_, m, t, _f(copy_bw), _f(peak))
+                cells += [_cell(t), _cell(sp, ".2f"), _cell(pct, ".0f"), _cell(roof, ".0f")]
             lines.append("| " + " | ".join(cells) + " |")
     return lines
 
@@ -271,6 +302,7 @@ def report_gemm(data: dict, stem: str, outdir: Path) -> list[str]:
         plot_ideal(points, outdir / f"{stem}-ideal.png"),
         plot_layers(points, outdir / f"{stem}-layers.png"),
         plot_roofline(points, meta, outdir / f"{stem}-roofline.png"),
+        plot_roofline_fraction(points, meta, outdir / f"{stem}-roofline-fraction.png"),
     ]
     md = [f"# marlin.gemm benchmark: {meta.get('gpu')} ({meta.get('mode')})", ""]
     md += meta_lines(meta)
@@ -283,7 +315,10 @@ def report_gemm(data: dict, stem: str, outdir: Path) -> list[str]:
         else:
             md.append(f"- {m}")
     md += ["", "## Targets (marlin_g128 speedup over FP16)", ""] + targets_md(points)
-    md += ["", "## Times (us per call) and speedups over FP16", ""] + times_md(points, meta.get("copy_bw_GBps"))
+    md += ["", "## Times (us per call) and speedups over FP16", "",
+           "% roofline: max(bytes / copy bandwidth, 2MKN / FP16 rate) over the time, both rates measured in "
+           "this run (meta); bytes = weights + A + C.", ""]
+    md += times_md(points, meta.get("copy_bw_GBps"), meta.get("fp16_tflops"))
     md += ["", "## Correctness checks", ""] + checks_md(data.get("checks", []))
     if meta.get("notes"):
         md += ["", "## Notes", ""] + [f"- {n}" for n in meta["notes"]]

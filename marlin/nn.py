@@ -78,7 +78,7 @@ class MarlinLinear(nn.Module):
                 f"MarlinLinear(in_features={in_features}, out_features={out_features}, group_size={group_size}) "
                 f"is not supported by the kernel: {reason}. It takes in_features a positive multiple of "
                 f"{ops.K_MULTIPLE}, out_features a positive multiple of {ops.N_MULTIPLE}, and group_size "
-                f"{ops.GROUP_SIZE} or -1 (per column); keep such a layer as nn.Linear."
+                f"one of {packing.SUPPORTED_GROUP_SIZES} (-1: per column); keep such a layer as nn.Linear."
             )
         self.in_features = in_features
         self.out_features = out_features
@@ -244,10 +244,13 @@ class ReplaceReport:
 
     replaced: list = field(default_factory=list)
     skipped: list = field(default_factory=list)
+    fused: Optional[object] = None  # marlin.fuse.FuseReport when replace_linear(..., fuse=True)
 
     def __str__(self) -> str:
         lines = [f"replaced {len(self.replaced)} nn.Linear layers with MarlinLinear, kept {len(self.skipped)}"]
         lines += [f"  kept {name}: {why}" for name, why in self.skipped]
+        if self.fused is not None:
+            lines.append(str(self.fused))
         return "\n".join(lines)
 
 
@@ -285,6 +288,7 @@ def replace_linear(
     exclude: Union[None, str, Sequence[str]] = ("lm_head",),
     *,
     strict: bool = False,
+    fuse: bool = False,
 ) -> ReplaceReport:
     """Swap every eligible ``nn.Linear`` of ``model`` for a MarlinLinear (quantized with
     MarlinLinear.from_linear), in place, and return a ReplaceReport.
@@ -301,9 +305,12 @@ def replace_linear(
 
     The model should run in fp16 (e.g. ``model.half()``): MarlinLinear takes fp16 inputs only.
     A Linear shared by several parents is converted once and replaced everywhere.
+
+    With ``fuse`` the projections that read the same input (q/k/v, gate/up) are then merged into
+    one layer each by marlin.fuse_projections (exact; its report is ``report.fused``).
     """
     if group_size not in packing.SUPPORTED_GROUP_SIZES:
-        raise ValueError(f"replace_linear: group_size = {group_size!r}, expected {ops.GROUP_SIZE} or -1 (per column)")
+        raise ValueError(f"replace_linear: group_size = {group_size!r}, expected one of {packing.SUPPORTED_GROUP_SIZES} (-1: per column)")
     include_p, exclude_p = _as_patterns(include, "include"), _as_patterns(exclude, "exclude") or ()
     report = ReplaceReport()
     converted: dict[int, nn.Module] = {}  # id(old Linear) -> its MarlinLinear (shared layers)
@@ -331,6 +338,10 @@ def replace_linear(
     if isinstance(model, nn.Linear):
         report.skipped.append(("", "the model itself is an nn.Linear; wrap it or use MarlinLinear.from_linear"))
     log.info("replace_linear: replaced %d layers, kept %d", len(report.replaced), len(report.skipped))
+    if fuse:
+        from .fuse import fuse_projections  # imports this module: import here, not at the top
+
+        report.fused = fuse_projections(model)
     return report
 
 
