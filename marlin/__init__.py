@@ -21,6 +21,10 @@ from .nn import MarlinLinear, load_quantized, replace_linear
 
 __all__ += ["MarlinLinear", "replace_linear", "load_quantized"]
 
+from .fuse import fuse_projections
+
+__all__ += ["fuse_projections"]
+
 # transformers' from_pretrained loads Marlin checkpoints once transformers is imported (lazily:
 # importing transformers here would cost about a second).
 from .integrations import install_transformers_hook as _install_transformers_hook
