@@ -31,3 +31,8 @@ __all__ += ["fuse_projections", "compile_for_decode"]
 from .integrations import install_transformers_hook as _install_transformers_hook
 
 _install_transformers_hook()
+
+from . import parallel  # noqa: E402  (tensor parallelism on torch.distributed)
+from .parallel import tensor_parallel  # noqa: E402
+
+__all__ += ["parallel", "tensor_parallel"]
