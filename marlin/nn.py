@@ -341,10 +341,13 @@ class ReplaceReport:
 
     replaced: list = field(default_factory=list)
     skipped: list = field(default_factory=list)
+    fused: Optional[object] = None  # marlin.fuse.FuseReport when replace_linear(..., fuse=True)
 
     def __str__(self) -> str:
         lines = [f"replaced {len(self.replaced)} nn.Linear layers with MarlinLinear, kept {len(self.skipped)}"]
         lines += [f"  kept {name}: {why}" for name, why in self.skipped]
+        if self.fused is not None:
+            lines.append(str(self.fused))
         return "\n".join(lines)
 
 
@@ -384,6 +387,7 @@ def replace_linear(
     strict: bool = False,
     bits: int = 4,
     sym: bool = True,
+    fuse: bool = False,
 ) -> ReplaceReport:
     """Swap every eligible ``nn.Linear`` of ``model`` for a MarlinLinear (quantized with
     MarlinLinear.from_linear), in place, and return a ReplaceReport.
@@ -403,6 +407,9 @@ def replace_linear(
     layer computes in its Linear's dtype if that is bfloat16 or float16, else float16 (so run an
     fp32 model in fp16 afterwards, e.g. ``model.half()``). A Linear shared by several parents is
     converted once and replaced everywhere.
+
+    With ``fuse`` the projections that read the same input (q/k/v, gate/up) are then merged into
+    one layer each by marlin.fuse_projections (exact; its report is ``report.fused``).
     """
     if group_size not in packing.SUPPORTED_GROUP_SIZES:
         raise ValueError(f"replace_linear: group_size = {group_size!r}, expected one of {packing.SUPPORTED_GROUP_SIZES} (-1: per column)")
@@ -437,6 +444,10 @@ def replace_linear(
     if isinstance(model, nn.Linear):
         report.skipped.append(("", "the model itself is an nn.Linear; wrap it or use MarlinLinear.from_linear"))
     log.info("replace_linear: replaced %d layers, kept %d", len(report.replaced), len(report.skipped))
+    if fuse:
+        from .fuse import fuse_projections  # imports this module: import here, not at the top
+
+        report.fused = fuse_projections(model)
     return report
 
 
