@@ -21,9 +21,10 @@ from .nn import MarlinLinear, load_quantized, replace_linear
 
 __all__ += ["MarlinLinear", "replace_linear", "load_quantized"]
 
+from .decode import compile_for_decode
 from .fuse import fuse_projections
 
-__all__ += ["fuse_projections"]
+__all__ += ["fuse_projections", "compile_for_decode"]
 
 # transformers' from_pretrained loads Marlin checkpoints once transformers is imported (lazily:
 # importing transformers here would cost about a second).
