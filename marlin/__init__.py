@@ -21,12 +21,18 @@ from .nn import MarlinLinear, load_quantized, replace_linear
 
 __all__ += ["MarlinLinear", "replace_linear", "load_quantized"]
 
+from .decode import compile_for_decode
 from .fuse import fuse_projections
 
-__all__ += ["fuse_projections"]
+__all__ += ["fuse_projections", "compile_for_decode"]
 
 # transformers' from_pretrained loads Marlin checkpoints once transformers is imported (lazily:
 # importing transformers here would cost about a second).
 from .integrations import install_transformers_hook as _install_transformers_hook
 
 _install_transformers_hook()
+
+from . import parallel  # noqa: E402  (tensor parallelism on torch.distributed)
+from .parallel import tensor_parallel  # noqa: E402
+
+__all__ += ["parallel", "tensor_parallel"]
