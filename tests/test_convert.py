@@ -261,7 +261,7 @@ def test_cli_and_overwrite(tmp_path, capsys):
     assert "exists" in capsys.readouterr().err and marker.exists()
     assert cli_main([str(src), str(dst), "--overwrite", "--verify"]) == 0
     out = capsys.readouterr().out
-    assert "converted 3 GPTQ layers" in out and "verified" in out
+    assert "converted 3 quantized layers" in out and "verified" in out
     assert not marker.exists()
     assert_converted(src, dst, layers, 128, num_shards=2)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["dst", "src"]
@@ -369,7 +369,7 @@ BROKEN = {
     "group size 48 in config": (set_key("group_size", 48), ["group_size = 48 is not supported", "(32, 64, 128, -1)"]),
     "already marlin": (set_key("checkpoint_format", "marlin"), ["already converted"]),
     "unknown format": (set_key("checkpoint_format", "awq"), ["checkpoint_format = 'awq' is not supported"]),
-    "not gptq": (set_key("quant_method", "awq"), ["quant_method = 'awq'", "expected 'gptq'"]),
+    "not gptq": (set_key("quant_method", "bitsandbytes"), ["quant_method = 'bitsandbytes'", "expected 'gptq' or 'awq'"]),
     "qweight int64": (lambda src: rewrite_tensor(src, f"{Q}.qweight", lambda t: t.long()), [f"{Q}.qweight: dtype torch.int64"]),
     "scales fp32": (lambda src: rewrite_tensor(src, f"{Q}.scales", lambda t: t.float()), [f"{Q}.scales: dtype torch.float32", "torch.float16 or torch.bfloat16"]),
     "scales wrong shape": (lambda src: rewrite_tensor(src, f"{Q}.scales", lambda t: t[:1].contiguous()), [f"{Q}.scales: shape [1, 384], expected [2, 384]"]),

@@ -167,3 +167,93 @@ def test_doc_constants(doc):
     assert packing.SUPPORTED_GROUP_SIZES == (32, 64, 128, -1)
     assert "SUPPORTED_GROUP_SIZES = (32, 64, 128, -1)" in doc
     assert packing.group_size_of(256, 1) == -1 and packing.group_size_of(256, 2) == 128
+
+
+# -- 8-bit weights and zero points (sections 3b and 4) ----------------------------------------------
+EXPECTED_WORDS_8 = {
+    0: (0x90108000, 0x98188808, 0xA0209010, 0xA8289818, 0xB030A020, 0xB838A828, 0xC040B030, 0xC848B838),
+    1: (0xB030A020, 0xB838A828, 0xC040B030, 0xC848B838, 0xD050C040, 0xD858C848, 0xE060D050, 0xE868D858),
+    4: (0x91118101, 0x99198909, 0xA1219111, 0xA9299919, 0xB131A121, 0xB939A929, 0xC141B131, 0xC949B939),
+    31: (0xF777E767, 0xFF7FEF6F, 0x0787F777, 0x0F8FFF7F, 0x17970787, 0x1F9F0F8F, 0x27A71797, 0x2FAF1F9F),
+}
+
+
+def locate8(k, n):
+    """The doc's closed formula for 8 bits: weight (k, n) is bits shift .. shift+7 of b_q[row, col]."""
+    kt, rk, nt, rn = k // 16, k % 16, n // 64, n % 64
+    j, half, g = rn // 16, (rn % 16) // 8, rn % 8
+    c, r = (rk % 8) // 2, rk % 2 + 2 * (rk // 8)
+    t = 4 * g + c
+    return kt, 256 * nt + 8 * t + 2 * j + half, 8 * packing.INTERLEAVE_8.index(r)
+
+
+def prmt(a: int, b: int, sel: int) -> int:
+    """PTX prmt.b32 (default mode): byte i of the result is byte sel[i] of the 8 bytes {b, a}."""
+    pool = [(a >> (8 * i)) & 0xFF for i in range(4)] + [(b >> (8 * i)) & 0xFF for i in range(4)]
+    return sum(pool[(sel >> (4 * i)) & 0x7] << (8 * i) for i in range(4))
+
+
+def _words8():
+    k, n = _kn()
+    b_q, _ = packing.pack(((16 * k + n) % 256 - 128).to(torch.int8), torch.ones(1, 64, dtype=torch.float16), bits=8)
+    assert b_q.shape == (1, 256)
+    return [w & 0xFFFFFFFF for w in b_q.view(-1).tolist()]
+
+
+def test_8bit_worked_example(doc):
+    assert packing.INTERLEAVE_8 == (0, 2, 1, 3) and "INTERLEAVE_8 = (0, 2, 1, 3)" in doc
+    w = _words8()
+    for t in LANES:
+        got = tuple(w[8 * t + i] for i in range(8))
+        assert got == EXPECTED_WORDS_8[t], (t, [hex(x) for x in got])
+        line = f"lane {t:2d}: " + " ".join(f"0x{x:08x}" for x in got)
+        assert line in doc, f"docs/FORMAT.md lacks the line {line!r}"
+    for sel, bits, pair in [(0x5250, 0x64106400, (-128, -112)), (0x5351, 0x64906480, (0, 16))]:
+        h = prmt(w[0], 0x64646464, sel)
+        assert h == bits
+        v = torch.tensor([h], dtype=torch.int64).to(torch.int32).view(torch.float16).tolist()
+        assert tuple(a - 1152 for a in v) == pair
+        assert f"prmt(w, 0x64646464, 0x{sel:04x}) = 0x{h:08x}" in doc
+
+
+def test_8bit_prmt_gives_fragments_for_every_word():
+    q = torch.randint(-128, 128, (16, 64), dtype=torch.int8, generator=torch.Generator().manual_seed(2))
+    b_q, _ = packing.pack(q, torch.ones(1, 64, dtype=torch.float16), bits=8)
+    w = [x & 0xFFFFFFFF for x in b_q.view(-1).tolist()]
+    for t in range(32):
+        g, c = divmod(t, 4)
+        rows = [2 * c, 2 * c + 1, 2 * c + 8, 2 * c + 9]
+        for j in range(4):
+            for h in range(2):
+                x = w[8 * t + 2 * j + h]
+                vals = []
+                for sel in (0x5250, 0x5351):
+                    r = prmt(x, 0x64646464, sel)
+                    vals += [((r >> s) & 0x3FF) - 128 for s in (0, 16)]  # fp16 1024 + u -> u - 128
+                assert vals == [int(q[r, 16 * j + 8 * h + g]) for r in rows], (t, j, h)
+
+
+def test_locate8_formula(doc):
+    assert "locate8(17, 70) = (1, 448, 16)" in doc and locate8(17, 70) == (1, 448, 16)
+    k, n = 32, 128
+    q = torch.randint(-128, 128, (k, n), dtype=torch.int8, generator=torch.Generator().manual_seed(3))
+    b_q, _ = packing.pack(q, torch.ones(1, n, dtype=torch.float16), bits=8)
+    words = b_q.tolist()
+    for kk in range(k):
+        for nn in range(n):
+            row, col, shift = locate8(kk, nn)
+            assert ((words[row][col] >> shift) & 0xFF) - 128 == q[kk, nn], (kk, nn)
+
+
+def test_zero_point_worked_example(doc):
+    col = torch.cat([torch.tensor([-0.2, 0.0, 0.13, 0.55]), torch.linspace(-0.15, 0.5, 28)])
+    q, s, z = packing.quantize(col.view(32, 1).repeat(1, 64), 32, sym=False)
+    assert s[0, 0].item() == 0.04998779296875 and z[0, 0].item() == 4.0
+    assert q[:4, 0].tolist() == [0, 4, 7, 15]
+    deq = packing.dequantize(q, s, z)[:4, 0].tolist()
+    assert [f"{v:.8f}".rstrip("0").rstrip(".") for v in deq] == ["-0.19995117", "0", "0.14996338", "0.54986572"]
+    assert "scale = fp16(0.75 / 15) = 0.04998779296875       zero = round(0.2 / scale) = 4" in doc
+    assert "B'    = scale * (u - 4) = -0.19995117  0.0  0.14996338  0.54986572" in doc
+    zz = (torch.arange(64) % 16).repeat(2, 1).half()
+    stored = [int(v) for v in packing.permute_scales(zz)[0, :16].tolist()]
+    assert ", ".join(map(str, stored)) in doc

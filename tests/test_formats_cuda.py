@@ -1,6 +1,8 @@
 """Every format of the op on CUDA: the result equals the CPU reference within the dtype's bound,
 or the call is refused with a clear error. Never a wrong answer (GPU only; the CPU side is
-tests/test_gemm_cpu.py). The full per-kernel suites are in tests/test_gemm_cuda.py."""
+tests/test_gemm_cpu.py). The per-kernel suites are in tests/test_gemm_cuda_formats.py."""
+
+import re
 
 import pytest
 import torch
@@ -30,7 +32,7 @@ def test_cuda_matches_cpu_or_refuses(dtype, bits, sym, group_size, m, k, n):
     try:
         c = marlin.gemm(a.cuda(), *args, b_zeros=None if b_z is None else b_z.cuda(), bits=bits)
     except RuntimeError as e:
-        assert "not supported by the CUDA kernel" in str(e), str(e)
+        assert re.search("CUDA kernel|no tile configuration fits", str(e)), str(e)
         return
     assert c.dtype == dtype and c.shape == (m, n)
     assert rel_err(c.cpu(), ref) < BOUND[dtype], (dtype, bits, sym, group_size, m, k, n)

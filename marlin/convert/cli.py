@@ -17,19 +17,20 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="marlin-convert",
         description=(
-            "Convert a GPTQ checkpoint directory (AutoGPTQ, Optimum/transformers, GPTQModel; 4-bit, sym, "
-            "group size 128 or -1, with or without act-order; safetensors only) into the Marlin format "
+            "Convert a GPTQ checkpoint directory (AutoGPTQ, Optimum/transformers, GPTQModel; 4-bit symmetric "
+            "or asymmetric, 8-bit symmetric, group size 32, 64, 128 or -1, with or without act-order) or an "
+            "AutoAWQ 'gemm' checkpoint (4-bit with zero points), safetensors only, into the Marlin format "
             "read by marlin.load_quantized. SRC is never modified; DST is written completely or not at all."
         ),
     )
-    parser.add_argument("src", metavar="SRC", help="GPTQ model directory (config.json, *.safetensors, tokenizer, ...)")
+    parser.add_argument("src", metavar="SRC", help="GPTQ or AWQ model directory (config.json, *.safetensors, tokenizer, ...)")
     parser.add_argument("dst", metavar="DST", help="output directory; must not exist (see --overwrite)")
     parser.add_argument("--overwrite", action="store_true", help="replace DST if it exists")
     parser.add_argument(
         "--verify",
         action="store_true",
-        help=f"check every converted layer on random inputs against the GPTQ weights (fails above a normwise "
-        f"relative error of {VERIFY_TOLERANCE:.0e})",
+        help=f"check every converted layer on random inputs against the checkpoint's weights (fails above a "
+        f"normwise relative error of {VERIFY_TOLERANCE:.0e}, 8x that for bf16 layers)",
     )
     parser.add_argument("--device", default="cpu", help="where --verify runs the Marlin op: cpu (default) or cuda")
     parser.add_argument("--quiet", action="store_true", help="no progress bar and no summary")

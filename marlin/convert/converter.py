@@ -1,4 +1,4 @@
-"""convert_gptq_checkpoint: a GPTQ model directory in, a Marlin model directory out.
+"""convert_gptq_checkpoint: a GPTQ or AWQ model directory in, a Marlin model directory out.
 
 Order of work, so that a bad input costs nothing and leaves nothing behind:
   1. check DST, read and validate the quantization config;
@@ -15,7 +15,7 @@ import logging
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional, Union
+from typing import Any, Optional, Union
 
 import torch
 from tqdm.auto import tqdm
@@ -23,7 +23,8 @@ from tqdm.auto import tqdm
 from .. import ops
 from .checkpoint import INDEX_SUFFIX, PICKLE_SUFFIXES, SafetensorsDir, TensorInfo, read_json, write_json, write_shard
 from .errors import ConversionError
-from .gptq import GPTQConfig, check_layer_tensors, gptq_to_marlin
+from .awq import AWQConfig, awq_to_marlin, check_awq_layer_tensors, dequantize_awq
+from .gptq import GPTQConfig, check_layer_tensors, dequantize_gptq, gptq_to_marlin
 from .staging import check_destination, staged_directory
 from .verify import VERIFY_TOLERANCE, verify_layer, verify_tolerance
 
@@ -34,6 +35,7 @@ log = logging.getLogger(__name__)
 MARLIN_FORMAT = "marlin"  # quantization_config.checkpoint_format of a converted checkpoint
 CONFIG_FILE = "config.json"
 QUANTIZE_CONFIG_FILE = "quantize_config.json"  # AutoGPTQ / GPTQModel's separate quantization config
+AWQ_CONFIG_FILE = "quant_config.json"  # AutoAWQ's separate quantization config
 _GPTQ_ONLY_SUFFIXES = ("qzeros", "scales", "g_idx")  # tensors that make no sense without a qweight
 
 
@@ -54,7 +56,7 @@ class ConversionReport:
 
     def summary(self) -> str:
         lines = [
-            f"converted {len(self.layers)} GPTQ layers ({len(self.act_order_layers)} with an act-order permutation) "
+            f"converted {len(self.layers)} quantized layers ({len(self.act_order_layers)} with an act-order permutation) "
             f"and copied {self.copied_tensors} other tensors from {self.src} into {self.dst} "
             f"({len(self.shards)} shard{'s' if len(self.shards) != 1 else ''})"
         ]
@@ -73,8 +75,18 @@ class ConversionReport:
 class _QuantConfigs:
     config: dict  # config.json
     in_config: Optional[dict]  # config.json's quantization_config
-    in_file: Optional[dict]  # quantize_config.json
-    parsed: GPTQConfig
+    in_file: Optional[dict]  # quantize_config.json (GPTQ) or quant_config.json (AWQ)
+    in_file_name: Optional[str]
+    parsed: Union[GPTQConfig, AWQConfig]
+
+
+def _parse_quant_config(qc: Any, where: str, awq_file: bool) -> Union[GPTQConfig, AWQConfig]:
+    """AWQ when quant_method says so (or for AutoAWQ's own quant_config.json), else GPTQ, whose
+    parser refuses any other method."""
+    method = qc.get("quant_method") if isinstance(qc, dict) else None
+    if (isinstance(method, str) and method.lower() == "awq") or (awq_file and method is None):
+        return AWQConfig.from_dict(qc, where)
+    return GPTQConfig.from_dict(qc, where)
 
 
 def _read_quant_configs(src: Path) -> _QuantConfigs:
@@ -85,31 +97,42 @@ def _read_quant_configs(src: Path) -> _QuantConfigs:
     if not isinstance(config, dict):
         raise ConversionError(f"{config_path}: expected a JSON object, got a {type(config).__name__}")
     in_config = config.get("quantization_config")
-    qc_path = src / QUANTIZE_CONFIG_FILE
-    in_file = read_json(qc_path) if qc_path.is_file() else None
+    in_file, in_file_name = None, None
+    for name in (QUANTIZE_CONFIG_FILE, AWQ_CONFIG_FILE):
+        if (src / name).is_file():
+            in_file, in_file_name = read_json(src / name), name
+            break
     if in_config is None and in_file is None:
         raise ConversionError(
-            f"{src}: no quantization config: {CONFIG_FILE} has no 'quantization_config' and there is no {QUANTIZE_CONFIG_FILE}"
+            f"{src}: no quantization config: {CONFIG_FILE} has no 'quantization_config' and there is no "
+            f"{QUANTIZE_CONFIG_FILE} or {AWQ_CONFIG_FILE}"
         )
     parsed = [
-        GPTQConfig.from_dict(qc, where)
-        for qc, where in ((in_config, f"{config_path} (quantization_config)"), (in_file, str(qc_path)))
+        _parse_quant_config(qc, where, awq_file)
+        for qc, where, awq_file in (
+            (in_config, f"{config_path} (quantization_config)", False),
+            (in_file, str(src / (in_file_name or "")), in_file_name == AWQ_CONFIG_FILE),
+        )
         if qc is not None
     ]
     if len(parsed) == 2:
         a, b = parsed
-        keys = ("bits", "group_size", "sym", "checkpoint_format")
+        if type(a) is not type(b):
+            raise ConversionError(f"{src}: {CONFIG_FILE} and {in_file_name} describe different methods (GPTQ vs AWQ)")
+        keys = ("bits", "group_size", "sym", "checkpoint_format") if isinstance(a, GPTQConfig) else ("bits", "group_size")
         if any(getattr(a, k) != getattr(b, k) for k in keys):
             raise ConversionError(
-                f"{src}: {CONFIG_FILE} and {QUANTIZE_CONFIG_FILE} disagree: "
+                f"{src}: {CONFIG_FILE} and {in_file_name} disagree: "
                 + ", ".join(f"{k} {getattr(a, k)!r} vs {getattr(b, k)!r}" for k in keys if getattr(a, k) != getattr(b, k))
             )
-    return _QuantConfigs(config=config, in_config=in_config, in_file=in_file, parsed=parsed[0])
+    return _QuantConfigs(config=config, in_config=in_config, in_file=in_file, in_file_name=in_file_name, parsed=parsed[0])
 
 
-def _marlin_quant_config(qc: dict) -> dict:
+def _marlin_quant_config(qc: dict, cfg: Union[GPTQConfig, AWQConfig]) -> dict:
     """The input's quantization config (bits, group_size, desc_act, ... kept) marked as Marlin format."""
     out = dict(qc)
+    if isinstance(cfg, AWQConfig):  # in the GPTQ field names that MarlinConfig reads; the rest is kept
+        out.update(bits=cfg.bits, group_size=cfg.group_size, sym=False, desc_act=False, source_quant_method="awq")
     # quant_method "marlin" routes transformers' from_pretrained to marlin's quantizer
     # (marlin.integrations.hf_quantizer); "gptq" would send it to the GPTQ kernels.
     out["quant_method"] = MARLIN_FORMAT
@@ -119,12 +142,14 @@ def _marlin_quant_config(qc: dict) -> dict:
     return out
 
 
-def _plan_layers(ckpt: SafetensorsDir, cfg: GPTQConfig) -> tuple[dict, list]:
-    """Split the tensors into GPTQ layers {prefix: {suffix: TensorInfo}} and pass-through names,
+def _plan_layers(ckpt: SafetensorsDir, cfg: Union[GPTQConfig, AWQConfig]) -> tuple[dict, list]:
+    """Split the tensors into quantized layers {prefix: {suffix: TensorInfo}} and pass-through names,
     and check every layer's names, shapes and dtypes."""
     prefixes = {name[: -len(".qweight")] for name in ckpt.tensors if name.endswith(".qweight")}
     if not prefixes:
-        raise ConversionError(f"{ckpt.directory}: no quantized layers (no '*.qweight' tensors); is this a GPTQ checkpoint?")
+        raise ConversionError(
+            f"{ckpt.directory}: no quantized layers (no '*.qweight' tensors); is this a GPTQ or AWQ checkpoint?"
+        )
     layers: dict[str, dict[str, TensorInfo]] = {p: {} for p in prefixes}
     passthrough = []
     for name, info in ckpt.tensors.items():
@@ -136,13 +161,11 @@ def _plan_layers(ckpt: SafetensorsDir, cfg: GPTQConfig) -> tuple[dict, list]:
         else:
             passthrough.append(name)
     for prefix, infos in sorted(layers.items()):
-        check_layer_tensors(
-            prefix,
-            {s: i.shape for s, i in infos.items()},
-            {s: i.dtype for s, i in infos.items()},
-            cfg.group_size,
-            cfg.bits,
-        )
+        shapes, dtypes = {s: i.shape for s, i in infos.items()}, {s: i.dtype for s, i in infos.items()}
+        if isinstance(cfg, AWQConfig):
+            check_awq_layer_tensors(prefix, shapes, dtypes, cfg.group_size)
+            continue
+        check_layer_tensors(prefix, shapes, dtypes, cfg.group_size, cfg.bits)
         if "g_idx" not in infos and cfg.desc_act:
             raise ConversionError(f"layer {prefix}: {prefix}.g_idx is missing, but desc_act = true needs it")
     outputs = {f"{p}.{s}" for p in layers for s in ("b_q", "b_scales", "b_zeros", "perm")}
@@ -194,11 +217,12 @@ def convert_gptq_checkpoint(
     device: Union[str, torch.device] = "cpu",
     quiet: bool = False,
 ) -> ConversionReport:
-    """Convert the GPTQ checkpoint directory ``src`` into a Marlin checkpoint directory ``dst``.
+    """Convert the GPTQ or AWQ checkpoint directory ``src`` into a Marlin checkpoint directory ``dst``.
 
-    ``src`` is a Hugging Face model directory as written by AutoGPTQ, Optimum/transformers or
-    GPTQModel (config.json with quantization_config, or quantize_config.json; safetensors weights,
-    one file or shards with their index). Supported: bits 4 (sym true or false) or 8 (sym true),
+    ``src`` is a Hugging Face model directory as written by AutoGPTQ, Optimum/transformers,
+    GPTQModel or AutoAWQ (config.json with quantization_config, or quantize_config.json /
+    quant_config.json; safetensors weights, one file or shards with their index). AWQ: the "gemm"
+    layout, 4 bits with zero points, any supported group size. GPTQ: Supported: bits 4 (sym true or false) or 8 (sym true),
     group_size 32, 64, 128 or -1, desc_act false or true, checkpoint_format "gptq" or "gptq_v2",
     scales in fp16 or bf16 (the converted layers compute in that dtype).
 
@@ -255,13 +279,15 @@ def convert_gptq_checkpoint(
                 metadata = dict(ckpt.index_metadata, total_size=total_size)
                 write_json(out / ckpt.index_name, {"metadata": metadata, "weight_map": dict(sorted(weight_map.items()))})
             quant_config = configs.in_config if configs.in_config is not None else configs.in_file
-            write_json(out / CONFIG_FILE, dict(configs.config, quantization_config=_marlin_quant_config(quant_config)))
+            write_json(
+                out / CONFIG_FILE, dict(configs.config, quantization_config=_marlin_quant_config(quant_config, cfg))
+            )
             handled = {CONFIG_FILE, *ckpt.shard_names}
             if ckpt.index_name is not None:
                 handled.add(ckpt.index_name)
             if configs.in_file is not None:
-                write_json(out / QUANTIZE_CONFIG_FILE, _marlin_quant_config(configs.in_file))
-                handled.add(QUANTIZE_CONFIG_FILE)
+                write_json(out / configs.in_file_name, _marlin_quant_config(configs.in_file, cfg))
+                handled.add(configs.in_file_name)
             _copy_other_files(src, out, handled, report)
     return report
 
@@ -270,24 +296,27 @@ def _convert_layer(
     ckpt: SafetensorsDir,
     prefix: str,
     infos: dict,
-    cfg: GPTQConfig,
+    cfg: Union[GPTQConfig, AWQConfig],
     dev: Optional[torch.device],
     workspace: Optional[torch.Tensor],
     report: ConversionReport,
 ) -> dict[str, torch.Tensor]:
-    """The output tensors of one layer (its GPTQ tensors may sit in other shards)."""
+    """The output tensors of one layer (its tensors may sit in other shards)."""
     gptq = {suffix: ckpt.get(f"{prefix}.{suffix}") for suffix in infos}
-    converted = gptq_to_marlin(
-        prefix,
-        gptq["qweight"],
-        gptq["qzeros"],
-        gptq["scales"],
-        gptq.get("g_idx"),
-        group_size=cfg.group_size,
-        checkpoint_format=cfg.checkpoint_format,
-        bits=cfg.bits,
-        sym=cfg.sym,
-    )
+    if isinstance(cfg, AWQConfig):
+        converted = awq_to_marlin(prefix, gptq["qweight"], gptq["qzeros"], gptq["scales"], group_size=cfg.group_size)
+    else:
+        converted = gptq_to_marlin(
+            prefix,
+            gptq["qweight"],
+            gptq["qzeros"],
+            gptq["scales"],
+            gptq.get("g_idx"),
+            group_size=cfg.group_size,
+            checkpoint_format=cfg.checkpoint_format,
+            bits=cfg.bits,
+            sym=cfg.sym,
+        )
     out = converted.tensors(prefix)
     if "bias" in gptq:
         out[f"{prefix}.bias"] = gptq["bias"]
@@ -295,22 +324,19 @@ def _convert_layer(
         report.act_order_layers.append(prefix)
     report.layers.append(prefix)
     if dev is not None:
-        err = verify_layer(
-            prefix,
-            gptq,
-            converted,
-            checkpoint_format=cfg.checkpoint_format,
-            group_size=cfg.group_size,
-            bits=cfg.bits,
-            device=dev,
-            workspace=workspace,
-        )
+        if isinstance(cfg, AWQConfig):
+            reference = dequantize_awq(gptq["qweight"], gptq["qzeros"], gptq["scales"])
+        else:
+            reference = dequantize_gptq(
+                gptq["qweight"], gptq["qzeros"], gptq["scales"], gptq.get("g_idx"), cfg.checkpoint_format, cfg.group_size, cfg.bits
+            )
+        err = verify_layer(prefix, reference, converted, device=dev, workspace=workspace)
         tolerance = verify_tolerance(converted.b_scales.dtype)
         report.verify_tolerance = max(report.verify_tolerance, tolerance)
         if not err <= tolerance:  # also catches nan
             raise ConversionError(
-                f"verify: layer {prefix}: normwise relative error {err:.3e} of the converted layer against the GPTQ "
-                f"weights exceeds {tolerance:.0e}; nothing was written"
+                f"verify: layer {prefix}: normwise relative error {err:.3e} of the converted layer against the "
+                f"checkpoint's weights exceeds {tolerance:.0e}; nothing was written"
             )
         report.max_verify_error = max(err, report.max_verify_error or 0.0)
     return out

@@ -89,7 +89,9 @@ class GPTQConfig:
         if method == "marlin":
             raise ConversionError(f"{source}: quant_method = 'marlin': this checkpoint is already converted")
         if not isinstance(method, str) or method.lower() != "gptq":
-            raise ConversionError(f"{source}: quant_method = {method!r}, expected 'gptq' (only GPTQ checkpoints convert)")
+            raise ConversionError(
+                f"{source}: quant_method = {method!r}, expected 'gptq' or 'awq' (only GPTQ and AWQ checkpoints convert)"
+            )
         if config.get("is_marlin_format"):
             raise ConversionError(
                 f"{source}: is_marlin_format = true: this is AutoGPTQ's own Marlin layout, not a GPTQ checkpoint; "

@@ -1,19 +1,21 @@
-"""Numerical check of one converted layer against the GPTQ formula.
+"""Numerical check of one converted layer against its source format's formula.
 
-On random inputs x (fp16, or bf16 for bf16 scales), compare what the Marlin op computes from the converted tensors,
-gemm(x[:, perm], b_q, b_scales, b_zeros), with x @ W in float32, where W = scales[g_idx] * (q - zero) is
-dequantized from the GPTQ tensors as stored (so a wrong zero, scale, nibble order, group or
-permutation shows up as an O(1) error).
+On random inputs x (in the layer's dtype: fp16, or bf16 for bf16 scales), compare what the Marlin
+op computes from the converted tensors, gemm(x[:, perm], b_q, b_scales, b_zeros), with x @ W in
+float32, where W = scales[g] * (q - zero) is dequantized from the source tensors as stored (GPTQ or
+AWQ), so a wrong zero, scale, nibble order, group or permutation shows up as an O(1) error.
 
 Why VERIFY_TOLERANCE = 1e-3 (normwise relative error ||out - ref||_F / ||ref||_F):
-  * both sides see the same fp16 x and the same weights: scale * (q - 8) is exact in fp32
-    (11-bit fp16 mantissa times a 4-bit integer), in GPTQ's dequantization and in Marlin's;
+  * both sides see the same x and the same weights: scale * (q - zero) is exact in fp32
+    (11-bit fp16 mantissa times an integer of at most 8 bits), in the source's dequantization
+    and in Marlin's;
   * the op sums in fp32 (CPU reference and CUDA kernel, including the reduction between
     thread blocks) and rounds once to fp16: at most 2^-11 ~ 4.9e-4 relative per element, so at
     most 4.9e-4 normwise (about 2.8e-4 on average for random data);
   * fp32 summation in a different order adds ~ sqrt(K) * 2^-24 ~ 1e-5 for K = 16384.
 So a correct layer stays below ~5e-4, and 1e-3 leaves a factor two while any layout mistake
-(errors of order 1) fails by orders of magnitude.
+(errors of order 1) fails by orders of magnitude. bf16 rounds the output to 8 significant bits
+instead of 11, so its bound is 8 times larger (BF16_VERIFY_TOLERANCE).
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from typing import Optional
 import torch
 
 from .. import ops
-from .gptq import MarlinTensors, dequantize_gptq
+from .gptq import MarlinTensors
 
 __all__ = ["VERIFY_TOLERANCE", "BF16_VERIFY_TOLERANCE", "VERIFY_ROWS", "verify_tolerance", "verify_layer", "normwise_relative_error"]
 
@@ -49,23 +51,18 @@ def normwise_relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 def verify_layer(
     prefix: str,
-    gptq: dict,
+    w: torch.Tensor,
     marlin: MarlinTensors,
     *,
-    checkpoint_format: str,
-    group_size: int,
-    bits: int = 4,
     device: torch.device,
     workspace: Optional[torch.Tensor] = None,
 ) -> float:
     """Normwise relative error of the converted layer ``prefix`` on VERIFY_ROWS random inputs.
 
-    ``gptq`` holds the layer's GPTQ tensors by suffix (qweight, qzeros, scales, optional g_idx).
-    The inputs are seeded from the layer name, so a run is reproducible.
+    ``w`` is the checkpoint's weight B [K, N] in float32, dequantized by the source format's own
+    formula (marlin.convert.gptq.dequantize_gptq, marlin.convert.awq.dequantize_awq). The inputs
+    are seeded from the layer name, so a run is reproducible.
     """
-    w = dequantize_gptq(
-        gptq["qweight"], gptq["qzeros"], gptq["scales"], gptq.get("g_idx"), checkpoint_format, group_size, bits
-    )
     k = w.shape[0]
     gen = torch.Generator().manual_seed(zlib.crc32(prefix.encode()))
     x = torch.randn(VERIFY_ROWS, k, generator=gen).to(marlin.b_scales.dtype)

@@ -122,7 +122,7 @@ class _GPTQHolder(nn.Module):
             self.register_buffer(suffix, torch.empty(shape, dtype=dtypes[suffix], device="meta"))
 
 
-def _gptq_layers(ckpt: SafetensorsDir, group_size: int) -> dict:
+def _gptq_layers(ckpt: SafetensorsDir, group_size: int, bits: int = 4) -> dict:
     """{prefix: (shapes, dtypes)} of the GPTQ layers in the checkpoint, each checked from its header."""
     prefixes = sorted(name[: -len(".qweight")] for name in ckpt.tensors if name.endswith(".qweight"))
     if not prefixes:
@@ -136,7 +136,7 @@ def _gptq_layers(ckpt: SafetensorsDir, group_size: int) -> dict:
         }
         shapes = {s: tuple(i.shape) for s, i in infos.items()}
         dtypes = {s: i.dtype for s, i in infos.items()}
-        check_layer_tensors(prefix, shapes, dtypes, group_size)
+        check_layer_tensors(prefix, shapes, dtypes, group_size, bits)
         layers[prefix] = (shapes, dtypes)
     return layers
 
@@ -173,9 +173,9 @@ class MarlinHfQuantizer(HfQuantizer):
             else:
                 cfg = GPTQConfig.from_dict(dict(self.quantization_config.to_dict(), quant_method="gptq"), str(directory))
                 self._gptq = cfg
-                for prefix, (shapes, dtypes) in _gptq_layers(ckpt, cfg.group_size).items():
+                for prefix, (shapes, dtypes) in _gptq_layers(ckpt, cfg.group_size, cfg.bits).items():
                     old = _existing_linear(model, prefix)
-                    k, n = shapes["qweight"][0] * 8, shapes["qweight"][1]
+                    k, n = shapes["qweight"][0] * 32 // cfg.bits, shapes["qweight"][1]
                     if (old.in_features, old.out_features) != (k, n):
                         raise ConversionError(
                             f"{prefix}: the checkpoint holds a [{k} -> {n}] GPTQ layer, but the model has {old!r}"
@@ -242,6 +242,7 @@ def _repack_gptq(model: nn.Module, cfg: GPTQConfig) -> None:
                 bits=cfg.bits,
                 group_size=cfg.group_size,
                 checkpoint_format=cfg.checkpoint_format,
+                sym=cfg.sym,
             )
         except ConversionError as e:
             raise ConversionError(f"{name}: {e}") from None
