@@ -1,9 +1,9 @@
-"""convert_gptq_checkpoint: a GPTQ or AWQ model directory in, a Marlin model directory out.
+"""convert_gptq_checkpoint: a GPTQ, AWQ or compressed-tensors model directory in, a Marlin model directory out.
 
 Order of work, so that a bad input costs nothing and leaves nothing behind:
   1. check DST, read and validate the quantization config;
   2. open every shard (validating the safetensors headers and the index) and check the name,
-     shape and dtype of every GPTQ tensor;
+     shape and dtype of every quantized layer's tensors;
   3. only then convert, shard by shard, into a hidden directory next to DST, which is renamed to
      DST at the very end (or removed on any error, including a failed --verify).
 The input is only ever read.
@@ -24,6 +24,7 @@ from .. import ops
 from .checkpoint import INDEX_SUFFIX, PICKLE_SUFFIXES, SafetensorsDir, TensorInfo, read_json, write_json, write_shard
 from .errors import ConversionError
 from .awq import AWQConfig, awq_to_marlin, check_awq_layer_tensors, dequantize_awq
+from .compressed import CompressedTensorsConfig, check_ct_layer_tensors, ct_to_marlin, dequantize_ct
 from .gptq import GPTQConfig, check_layer_tensors, dequantize_gptq, gptq_to_marlin
 from .staging import check_destination, staged_directory
 from .verify import VERIFY_TOLERANCE, verify_layer, verify_tolerance
@@ -77,16 +78,27 @@ class _QuantConfigs:
     in_config: Optional[dict]  # config.json's quantization_config
     in_file: Optional[dict]  # quantize_config.json (GPTQ) or quant_config.json (AWQ)
     in_file_name: Optional[str]
-    parsed: Union[GPTQConfig, AWQConfig]
+    parsed: "SourceConfig"
 
 
-def _parse_quant_config(qc: Any, where: str, awq_file: bool) -> Union[GPTQConfig, AWQConfig]:
-    """AWQ when quant_method says so (or for AutoAWQ's own quant_config.json), else GPTQ, whose
-    parser refuses any other method."""
+SourceConfig = Union[GPTQConfig, AWQConfig, CompressedTensorsConfig]
+
+
+def _parse_quant_config(qc: Any, where: str, awq_file: bool) -> SourceConfig:
+    """AWQ or compressed-tensors when quant_method says so (AWQ also for AutoAWQ's own
+    quant_config.json), else GPTQ, whose parser refuses any other method."""
     method = qc.get("quant_method") if isinstance(qc, dict) else None
-    if (isinstance(method, str) and method.lower() == "awq") or (awq_file and method is None):
+    method = method.lower() if isinstance(method, str) else method
+    if method == "awq" or (awq_file and method is None):
         return AWQConfig.from_dict(qc, where)
+    if method == "compressed-tensors":
+        return CompressedTensorsConfig.from_dict(qc, where)
     return GPTQConfig.from_dict(qc, where)
+
+
+def _anchor(cfg: SourceConfig) -> str:
+    """The tensor suffix that marks a quantized layer in the source format."""
+    return "weight_packed" if isinstance(cfg, CompressedTensorsConfig) else "qweight"
 
 
 def _read_quant_configs(src: Path) -> _QuantConfigs:
@@ -120,6 +132,7 @@ def _read_quant_configs(src: Path) -> _QuantConfigs:
         if type(a) is not type(b):
             raise ConversionError(f"{src}: {CONFIG_FILE} and {in_file_name} describe different methods (GPTQ vs AWQ)")
         keys = ("bits", "group_size", "sym", "checkpoint_format") if isinstance(a, GPTQConfig) else ("bits", "group_size")
+        keys = ("bits", "group_size", "sym") if isinstance(a, CompressedTensorsConfig) else keys
         if any(getattr(a, k) != getattr(b, k) for k in keys):
             raise ConversionError(
                 f"{src}: {CONFIG_FILE} and {in_file_name} disagree: "
@@ -128,11 +141,19 @@ def _read_quant_configs(src: Path) -> _QuantConfigs:
     return _QuantConfigs(config=config, in_config=in_config, in_file=in_file, in_file_name=in_file_name, parsed=parsed[0])
 
 
-def _marlin_quant_config(qc: dict, cfg: Union[GPTQConfig, AWQConfig]) -> dict:
+def _marlin_quant_config(qc: dict, cfg: SourceConfig) -> dict:
     """The input's quantization config (bits, group_size, desc_act, ... kept) marked as Marlin format."""
     out = dict(qc)
     if isinstance(cfg, AWQConfig):  # in the GPTQ field names that MarlinConfig reads; the rest is kept
         out.update(bits=cfg.bits, group_size=cfg.group_size, sym=False, desc_act=False, source_quant_method="awq")
+    if isinstance(cfg, CompressedTensorsConfig):
+        out = {  # compressed-tensors' nested config means nothing to Marlin layers: keep the facts only
+            "bits": cfg.bits,
+            "group_size": cfg.group_size,
+            "sym": cfg.sym,
+            "desc_act": False,
+            "source_quant_method": "compressed-tensors",
+        }
     # quant_method "marlin" routes transformers' from_pretrained to marlin's quantizer
     # (marlin.integrations.hf_quantizer); "gptq" would send it to the GPTQ kernels.
     out["quant_method"] = MARLIN_FORMAT
@@ -142,13 +163,15 @@ def _marlin_quant_config(qc: dict, cfg: Union[GPTQConfig, AWQConfig]) -> dict:
     return out
 
 
-def _plan_layers(ckpt: SafetensorsDir, cfg: Union[GPTQConfig, AWQConfig]) -> tuple[dict, list]:
+def _plan_layers(ckpt: SafetensorsDir, cfg: SourceConfig) -> tuple[dict, list]:
     """Split the tensors into quantized layers {prefix: {suffix: TensorInfo}} and pass-through names,
     and check every layer's names, shapes and dtypes."""
-    prefixes = {name[: -len(".qweight")] for name in ckpt.tensors if name.endswith(".qweight")}
+    anchor = "." + _anchor(cfg)
+    prefixes = {name[: -len(anchor)] for name in ckpt.tensors if name.endswith(anchor)}
     if not prefixes:
         raise ConversionError(
-            f"{ckpt.directory}: no quantized layers (no '*.qweight' tensors); is this a GPTQ or AWQ checkpoint?"
+            f"{ckpt.directory}: no quantized layers (no '*{anchor}' tensors); is this a GPTQ, AWQ or "
+            "compressed-tensors checkpoint?"
         )
     layers: dict[str, dict[str, TensorInfo]] = {p: {} for p in prefixes}
     passthrough = []
@@ -156,7 +179,7 @@ def _plan_layers(ckpt: SafetensorsDir, cfg: Union[GPTQConfig, AWQConfig]) -> tup
         prefix, _, suffix = name.rpartition(".")
         if prefix in layers:
             layers[prefix][suffix] = info
-        elif suffix in _GPTQ_ONLY_SUFFIXES:
+        elif suffix in _GPTQ_ONLY_SUFFIXES and anchor == ".qweight":
             raise ConversionError(f"{ckpt.directory}: tensor {name} (in {info.file}) has no {prefix}.qweight next to it")
         else:
             passthrough.append(name)
@@ -164,6 +187,9 @@ def _plan_layers(ckpt: SafetensorsDir, cfg: Union[GPTQConfig, AWQConfig]) -> tup
         shapes, dtypes = {s: i.shape for s, i in infos.items()}, {s: i.dtype for s, i in infos.items()}
         if isinstance(cfg, AWQConfig):
             check_awq_layer_tensors(prefix, shapes, dtypes, cfg.group_size)
+            continue
+        if isinstance(cfg, CompressedTensorsConfig):
+            check_ct_layer_tensors(prefix, shapes, dtypes, cfg)
             continue
         check_layer_tensors(prefix, shapes, dtypes, cfg.group_size, cfg.bits)
         if "g_idx" not in infos and cfg.desc_act:
@@ -217,16 +243,18 @@ def convert_gptq_checkpoint(
     device: Union[str, torch.device] = "cpu",
     quiet: bool = False,
 ) -> ConversionReport:
-    """Convert the GPTQ or AWQ checkpoint directory ``src`` into a Marlin checkpoint directory ``dst``.
+    """Convert a GPTQ, AWQ or compressed-tensors checkpoint directory ``src`` into a Marlin one, ``dst``.
 
     ``src`` is a Hugging Face model directory as written by AutoGPTQ, Optimum/transformers,
     GPTQModel or AutoAWQ (config.json with quantization_config, or quantize_config.json /
     quant_config.json; safetensors weights, one file or shards with their index). AWQ: the "gemm"
-    layout, 4 bits with zero points, any supported group size. GPTQ: Supported: bits 4 (sym true or false) or 8 (sym true),
+    layout, 4 bits with zero points, any supported group size. compressed-tensors (llm-compressor):
+    "pack-quantized" W4A16 / W8A16, group or channel strategy, symmetric or (4 bits) asymmetric,
+    with or without activation ordering (weight_g_idx). GPTQ: bits 4 (sym true or false) or 8 (sym true),
     group_size 32, 64, 128 or -1, desc_act false or true, checkpoint_format "gptq" or "gptq_v2",
     scales in fp16 or bf16 (the converted layers compute in that dtype).
 
-    ``dst`` gets the same shard files, each GPTQ layer ``<prefix>`` replaced by ``<prefix>.b_q``,
+    ``dst`` gets the same shard files, each quantized layer ``<prefix>`` replaced by ``<prefix>.b_q``,
     ``<prefix>.b_scales``, ``<prefix>.b_zeros`` (sym false only), ``<prefix>.bias`` (if any) and
     ``<prefix>.perm`` (act-order only) --
     the state_dict keys of marlin.MarlinLinear -- and every other tensor copied unchanged; the
@@ -265,8 +293,8 @@ def convert_gptq_checkpoint(
                     if name in passthrough_set:
                         tensors[name] = ckpt.get(name)
                         report.copied_tensors += 1
-                    elif name.endswith(".qweight"):
-                        prefix = name[: -len(".qweight")]
+                    elif name.endswith("." + _anchor(cfg)):
+                        prefix = name[: -len(_anchor(cfg)) - 1]
                         tensors.update(_convert_layer(ckpt, prefix, layers[prefix], cfg, dev, workspace, report))
                         bar.update(1)
                 total_size += write_shard(out / shard, tensors)
@@ -296,7 +324,7 @@ def _convert_layer(
     ckpt: SafetensorsDir,
     prefix: str,
     infos: dict,
-    cfg: Union[GPTQConfig, AWQConfig],
+    cfg: SourceConfig,
     dev: Optional[torch.device],
     workspace: Optional[torch.Tensor],
     report: ConversionReport,
@@ -305,6 +333,8 @@ def _convert_layer(
     gptq = {suffix: ckpt.get(f"{prefix}.{suffix}") for suffix in infos}
     if isinstance(cfg, AWQConfig):
         converted = awq_to_marlin(prefix, gptq["qweight"], gptq["qzeros"], gptq["scales"], group_size=cfg.group_size)
+    elif isinstance(cfg, CompressedTensorsConfig):
+        converted = ct_to_marlin(prefix, gptq, cfg)
     else:
         converted = gptq_to_marlin(
             prefix,
@@ -326,6 +356,8 @@ def _convert_layer(
     if dev is not None:
         if isinstance(cfg, AWQConfig):
             reference = dequantize_awq(gptq["qweight"], gptq["qzeros"], gptq["scales"])
+        elif isinstance(cfg, CompressedTensorsConfig):
+            reference = dequantize_ct(gptq, cfg)
         else:
             reference = dequantize_gptq(
                 gptq["qweight"], gptq["qzeros"], gptq["scales"], gptq.get("g_idx"), cfg.checkpoint_format, cfg.group_size, cfg.bits

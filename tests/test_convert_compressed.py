@@ -1,0 +1,142 @@
+"""marlin-convert on compressed-tensors "pack-quantized" checkpoints written by the compressed-tensors
+library's own quantization and packing code (skipped where the library is not installed)."""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from marlin import packing
+from marlin.convert import ConversionError, convert_gptq_checkpoint
+from marlin.nn import MarlinLinear
+
+ct = pytest.importorskip("compressed_tensors")
+from compressed_tensors.compressors.pack_quantized import PackedQuantizationCompressor  # noqa: E402
+from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme  # noqa: E402
+from compressed_tensors.quantization.utils import calculate_qparams  # noqa: E402
+
+LAYERS = [("model.layers.0.mlp.up_proj", 256, 384, True), ("model.layers.0.mlp.down_proj", 384, 192, False)]
+
+
+def ct_layer(k, n, bits, sym, group_size, dtype, seed):
+    """One Linear [N, K] quantized and packed by compressed-tensors; returns (tensors, B [K, N] exact)."""
+    g = torch.Generator().manual_seed(seed)
+    w = (torch.randn(n, k, generator=g) * 0.05 + (0 if sym else 0.02)).to(dtype)
+    strategy = "channel" if group_size == -1 else "group"
+    args = QuantizationArgs(
+        num_bits=bits, type="int", symmetric=sym, strategy=strategy, group_size=None if group_size == -1 else group_size
+    )
+    scheme = QuantizationScheme(targets=["Linear"], weights=args)
+    gs = k if group_size == -1 else group_size
+    blocks = w.float().reshape(n, k // gs, gs)
+    scale, zp = calculate_qparams(blocks.amin(-1), blocks.amax(-1), args)
+    scale = scale.to(dtype)
+    state = {"weight": w, "weight_scale": scale, "weight_zero_point": zp.to(torch.int8)}
+    packed = dict(PackedQuantizationCompressor.compress(state, scheme))
+    # the exact weight, from the library's own decompression path's integers
+    from compressed_tensors.compressors.pack_quantized import unpack_from_int32
+
+    q = unpack_from_int32(packed["weight_packed"], bits, torch.Size([n, k])).float()
+    z = zp.float() if not sym else torch.zeros_like(scale, dtype=torch.float32)
+    rows = k // scale.shape[1]
+    b = (scale.float().repeat_interleave(rows, 1) * (q - z.round().repeat_interleave(rows, 1))).t().contiguous()
+    return packed, b
+
+
+def write(tmp_path, bits, sym, group_size, dtype):
+    tensors, refs = {}, {}
+    for i, (prefix, k, n, bias) in enumerate(LAYERS):
+        packed, b = ct_layer(k, n, bits, sym, group_size, dtype, seed=i)
+        tensors.update({f"{prefix}.{s}": t.contiguous() for s, t in packed.items()})
+        if bias:
+            tensors[f"{prefix}.bias"] = torch.randn(n).to(dtype)
+        refs[prefix] = b
+    tensors["lm_head.weight"] = torch.randn(64, 256).to(dtype)  # in "ignore": stays a plain tensor
+    src = tmp_path / "src"
+    src.mkdir()
+    save_file(tensors, str(src / "model.safetensors"))
+    weights = {"num_bits": bits, "type": "int", "symmetric": sym, "strategy": "channel" if group_size == -1 else "group"}
+    if group_size != -1:
+        weights["group_size"] = group_size
+    config = {
+        "model_type": "llama",
+        "quantization_config": {
+            "quant_method": "compressed-tensors",
+            "format": "pack-quantized",
+            "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": None}},
+            "ignore": ["lm_head"],
+        },
+    }
+    (src / "config.json").write_text(json.dumps(config))
+    return src, tensors, refs
+
+
+@pytest.mark.parametrize(
+    "bits,sym,group_size,dtype",
+    [
+        (4, True, 128, torch.float16),
+        (4, False, 128, torch.float16),
+        (4, False, 64, torch.bfloat16),
+        (4, True, -1, torch.bfloat16),
+        (4, False, -1, torch.float16),
+        (8, True, 128, torch.float16),
+        (8, True, -1, torch.bfloat16),
+    ],
+)
+def test_convert_pack_quantized(tmp_path, bits, sym, group_size, dtype):
+    src, tensors, refs = write(tmp_path, bits, sym, group_size, dtype)
+    dst = tmp_path / "dst"
+    report = convert_gptq_checkpoint(src, dst, verify=True, quiet=True)
+    assert sorted(report.layers) == sorted(refs)
+    out = load_file(str(dst / "model.safetensors"))
+    assert torch.equal(out["lm_head.weight"], tensors["lm_head.weight"])
+    for prefix, k, n, bias in LAYERS:
+        zeros = out.get(f"{prefix}.b_zeros")
+        assert (zeros is None) == sym
+        parts = packing.unpack(out[f"{prefix}.b_q"], out[f"{prefix}.b_scales"], zeros, bits=bits)
+        assert torch.equal(packing.dequantize(*parts), refs[prefix])  # exact
+        state = {key[len(prefix) + 1 :]: t for key, t in out.items() if key.startswith(prefix + ".")}
+        module = MarlinLinear(k, n, bias=bias, group_size=group_size, dtype=dtype, bits=bits, zero_points=not sym)
+        module.load_state_dict(state)
+        x = torch.randn(3, k).to(dtype)
+        ref = x.float() @ refs[prefix] + (tensors[f"{prefix}.bias"].float() if bias else 0)
+        err = float((module(x).double() - ref.double()).norm() / ref.double().norm())
+        assert err < (1e-3 if dtype == torch.float16 else 8e-3)
+    qc = json.loads((dst / "config.json").read_text())["quantization_config"]
+    assert qc["quant_method"] == "marlin" and qc["bits"] == bits and qc["sym"] == sym
+
+
+@pytest.mark.parametrize(
+    "edit,needle",
+    [
+        (lambda q: q.update(format="naive-quantized"), "format = 'naive-quantized' is not supported"),
+        (lambda q: q["config_groups"]["group_0"]["weights"].update(num_bits=2), "num_bits = 2 is not supported"),
+        (lambda q: q["config_groups"]["group_0"]["weights"].update(strategy="tensor"), "strategy = 'tensor' is not supported"),
+        (lambda q: q["config_groups"]["group_0"]["weights"].update(group_size=16), "group_size = 16 is not supported"),
+        (lambda q: q["config_groups"]["group_0"].update(input_activations={"num_bits": 8}), "quantized input activations"),
+    ],
+)
+def test_pack_quantized_config_errors(tmp_path, edit, needle):
+    src, _, _ = write(tmp_path, 4, True, 128, torch.float16)
+    config = json.loads((src / "config.json").read_text())
+    edit(config["quantization_config"])
+    (src / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ConversionError, match=needle):
+        convert_gptq_checkpoint(src, tmp_path / "dst", quiet=True)
+    assert not (tmp_path / "dst").exists()
+
+
+def test_pack_quantized_tensor_errors(tmp_path):
+    src, tensors, _ = write(tmp_path, 4, False, 128, torch.float16)
+    broken = dict(tensors)
+    del broken["model.layers.0.mlp.up_proj.weight_zero_point"]
+    save_file(broken, str(src / "model.safetensors"))
+    with pytest.raises(ConversionError, match=r"up_proj\.weight_zero_point is missing"):
+        convert_gptq_checkpoint(src, tmp_path / "dst", quiet=True)
+    broken = dict(tensors)
+    broken["model.layers.0.mlp.up_proj.weight_shape"] = torch.tensor([384, 128])
+    save_file(broken, str(src / "model.safetensors"))
+    with pytest.raises(ConversionError, match=r"weight_shape \[384, 128\] does not match"):
+        convert_gptq_checkpoint(src, tmp_path / "dst", quiet=True)
+    assert not (tmp_path / "dst").exists()
