@@ -250,7 +250,7 @@ def _prepare_format(kernel: str, k: int, n: int, dev, nbytes: int, copies: int) 
     def call(a, bq, bs, bz):
         return marlin_ops.gemm(a, bq, bs, workspace, b_zeros=bz, bits=bits)
 
-    tiles = _check_tiles(n, k, CHECK_MAX_ELEMS)
+    tiles = _check_tiles(n, k, CHECK_MAX_ELEMS // 8)  # unpacked one tile at a time: fewer of them
     ws, cols = [], []
     for t in tiles:  # one 64-column tile at a time: 64 * wpc words of each row of b_q
         part = packing.unpack(
