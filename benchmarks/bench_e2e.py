@@ -130,6 +130,7 @@ def run_kernel(model, kernel: str, args, dev, points: list, notes: list, bar) ->
                     notes.append(f"{kernel} {mode} batch {batch}: {point['error']}")
                     traceback.print_exc(limit=3)
                 points.append(point)
+                bar.write(_one_line(point))
                 bar.update(1)
                 del step
                 _free()
@@ -149,6 +150,7 @@ def run_kernel(model, kernel: str, args, dev, points: list, notes: list, bar) ->
                 notes.append(f"{kernel} {mode} batch {batch}: {point['error']}")
                 traceback.print_exc(limit=3)
             points.append(point)
+            bar.write(_one_line(point))  # as it comes: a run cut short still shows what it measured
             bar.update(1)
             del step, fn
             _free()
@@ -156,6 +158,13 @@ def run_kernel(model, kernel: str, args, dev, points: list, notes: list, bar) ->
     for attr in ("_compiled_call", "_last_compile_config"):  # generate()'s compiled forward of this kernel
         if hasattr(model, attr):
             delattr(model, attr)
+
+
+def _one_line(p: dict) -> str:
+    head = f"{p['kernel']:15} {p['mode']:9} batch {p['batch']:>4}"
+    if "tpot_ms" not in p:
+        return f"{head}  failed: {p.get('error', '?')[:100]}"
+    return f"{head}  TPOT {p['tpot_ms']:8.3f} ms  {p['tokens_per_s']:9.1f} tok/s  TTFT {p['ttft_ms']:8.2f} ms"
 
 
 def speedups(points: list) -> list:
