@@ -1,7 +1,7 @@
 """Worker processes for tests/test_parallel_dist.py: each runs under torch.multiprocessing.spawn as
 one rank of a gloo process group on the CPU, builds the same full model from the same seed as every
 other rank, shards it, and compares the sharded result with the full one (an AssertionError in any
-rank fails the test)."""
+rank fails the test). tests/tp_torchrun.py runs the same scenarios on GPUs with NCCL (DEVICE)."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ import marlin
 from marlin.nn import MarlinLinear
 from marlin.parallel import ColumnParallelLinear, RowParallelLinear
 
+DEVICE = torch.device("cpu")  # tests/tp_torchrun.py sets each rank's GPU
 TOL = 3e-3  # one layer: partial outputs rounded to fp16 and summed in fp16 (see test_parallel_shard)
 MODEL_TOL = 1e-2  # logits after two decoder layers of fp16 activations
 
@@ -37,7 +38,7 @@ def run(rank: int, world_size: int, init_file: str, scenario: str, arg) -> None:
 
 def marlin_from_seed(k: int, n: int, seed: int, group_size: int = 128, bias: bool = True) -> MarlinLinear:
     torch.manual_seed(seed)
-    return MarlinLinear.from_linear(nn.Linear(k, n, bias=bias).half(), group_size=group_size)
+    return MarlinLinear.from_linear(nn.Linear(k, n, bias=bias).half(), group_size=group_size).to(DEVICE)
 
 
 def straddling_perm(k: int, seed: int) -> torch.Tensor:
@@ -54,14 +55,14 @@ def aligned_perm(k: int, world_size: int, group_size: int, seed: int) -> torch.T
 
 
 def set_perm(layer: MarlinLinear, perm: torch.Tensor) -> None:
-    layer.perm = perm.clone()  # 'perm' is a registered (None) buffer: this makes the layer act-order
+    layer.perm = perm.to(layer.b_q.device)  # 'perm' is a registered (None) buffer: makes the layer act-order
 
 
 def layers_scenario(rank: int, world_size: int, group_size: int) -> None:
     """An MLP (column-parallel up, row-parallel down) with act-order off, aligned and straddling,
     and a column-parallel layer with its output gathered."""
     k, hidden = 512, 1024
-    x = torch.randn(6, k, generator=torch.Generator().manual_seed(1)).half()
+    x = torch.randn(6, k, generator=torch.Generator().manual_seed(1)).half().to(DEVICE)
     up = marlin_from_seed(k, hidden, seed=2, group_size=group_size)
     set_perm(up, straddling_perm(k, seed=3))  # column-parallel: perm on the whole K
     col = ColumnParallelLinear.from_layer(up, "up")
@@ -85,8 +86,9 @@ def layers_scenario(rank: int, world_size: int, group_size: int) -> None:
         assert rel_err(split(h_full), down(h_full)) < TOL, f"row-parallel on the full input, act-order {what}"
 
 
-def llama_scenario(rank: int, world_size: int, act_order: bool) -> None:
-    """A tiny Llama: logits of a prompt and of one cached decode step, sharded vs unsharded."""
+def tiny_llama(world_size: int, act_order: bool):
+    """The same random tiny Llama with Marlin layers on every rank (seeded); with act-order, o_proj
+    of layer 0 gets an aligned permutation and every other layer a straddling one."""
     import transformers
 
     config = transformers.LlamaConfig(
@@ -101,22 +103,33 @@ def llama_scenario(rank: int, world_size: int, act_order: bool) -> None:
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(config).half().eval()
     marlin.replace_linear(model, group_size=128)
+    model.to(DEVICE)
     if act_order:
         for i, (name, layer) in enumerate(m for m in model.named_modules() if isinstance(m[1], MarlinLinear)):
             # o_proj of layer 0 aligned, every other layer straddling
             aligned = name == "model.layers.0.self_attn.o_proj"
             k = layer.in_features
             set_perm(layer, aligned_perm(k, world_size, 128, seed=i) if aligned else straddling_perm(k, seed=i))
-    ids = torch.randint(0, config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(7))
-    nxt = torch.randint(0, config.vocab_size, (2, 1), generator=torch.Generator().manual_seed(8))
+    return model
 
-    def logits(m):
-        with torch.no_grad():
-            out = m(ids, use_cache=True)
-            step = m(nxt, past_key_values=out.past_key_values, use_cache=True)
-        return out.logits, step.logits
 
-    ref_prompt, ref_step = logits(model)
+def prompt_and_step(model):
+    """Logits of a prompt and of one cached decode step after it."""
+    vocab = model.config.vocab_size
+    ids = torch.randint(0, vocab, (2, 9), generator=torch.Generator().manual_seed(7))
+    nxt = torch.randint(0, vocab, (2, 1), generator=torch.Generator().manual_seed(8))
+    ids, nxt = ids.to(DEVICE), nxt.to(DEVICE)
+    with torch.no_grad():
+        out = model(ids, use_cache=True)
+        step = model(nxt, past_key_values=out.past_key_values, use_cache=True)
+    return out.logits, step.logits
+
+
+def llama_scenario(rank: int, world_size: int, act_order: bool) -> None:
+    """A tiny Llama: logits of a prompt and of one cached decode step, sharded vs unsharded."""
+    model = tiny_llama(world_size, act_order)
+    config = model.config
+    ref_prompt, ref_step = prompt_and_step(model)
     report = marlin.tensor_parallel(model)
     assert len(report.sharded) == 7 * config.num_hidden_layers + 1, report  # + lm_head (fp16, gathered)
     assert ("model.embed_tokens" in dict(report.kept)), report
@@ -125,9 +138,50 @@ def llama_scenario(rank: int, world_size: int, act_order: bool) -> None:
     if act_order and world_size > 1:
         assert o_proj.gather_index is None and o_proj.local.perm is not None
         assert model.model.layers[1].mlp.down_proj.gather_index is not None
-    prompt, step = logits(model)
+    prompt, step = prompt_and_step(model)
     err_prompt, err_step = rel_err(prompt, ref_prompt), rel_err(step, ref_step)
     assert err_prompt < MODEL_TOL and err_step < MODEL_TOL, (err_prompt, err_step)
 
 
-SCENARIOS = {"layers": layers_scenario, "llama": llama_scenario}
+def save_marlin_checkpoint(model, directory) -> None:
+    """A Marlin checkpoint directory (config.json with the Marlin quantization config, safetensors)."""
+    import json
+    from pathlib import Path
+
+    from marlin.convert.checkpoint import write_shard
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    model.config.save_pretrained(directory)
+    config = json.loads((directory / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "marlin", "checkpoint_format": "marlin", "bits": 4, "group_size": 128}
+    (directory / "config.json").write_text(json.dumps(config))
+    write_shard(directory / "model.safetensors", dict(model.state_dict()))
+
+
+def load_scenario(rank: int, world_size: int, arg) -> None:
+    """load_sharded reads each rank's slices of a checkpoint; logits equal the unsharded model's."""
+    from marlin.parallel.loader import load_sharded
+
+    directory, act_order = arg
+    model = tiny_llama(world_size, act_order)
+    if rank == 0:
+        save_marlin_checkpoint(model, directory)
+    dist.barrier()
+    ref_prompt, ref_step = prompt_and_step(model)
+    sharded = load_sharded(directory, device=DEVICE)
+    up = sharded.model.layers[0].mlp.up_proj
+    assert isinstance(up, ColumnParallelLinear) and tuple(up.local.b_q.shape) == (256 // 16, 2 * 512 // world_size)
+    full_up = model.model.layers[0].mlp.up_proj
+    part = 2 * 512 // world_size
+    assert torch.equal(up.local.b_q, full_up.b_q[:, rank * part : (rank + 1) * part])
+    down = sharded.model.layers[1].mlp.down_proj
+    assert isinstance(down, RowParallelLinear) and (down.gather_index is not None) == (act_order and world_size > 1)
+    assert isinstance(sharded.lm_head, ColumnParallelLinear) and sharded.lm_head.local.out_features == 1000 // world_size
+    assert len(sharded.tp_report.sharded) == 15, sharded.tp_report
+    prompt, step = prompt_and_step(sharded)
+    err_prompt, err_step = rel_err(prompt, ref_prompt), rel_err(step, ref_step)
+    assert err_prompt < MODEL_TOL and err_step < MODEL_TOL, (err_prompt, err_step)
+
+
+SCENARIOS = {"layers": layers_scenario, "llama": llama_scenario, "load": load_scenario}
