@@ -2,8 +2,9 @@
 the same code path NCCL takes on GPUs. The scenarios live in tests/tp_workers.py: each rank builds
 the full model from a shared seed, shards it, and checks the sharded outputs against the full
 model's (MLP layers with act-order off, aligned and straddling; a tiny Llama through
-marlin.tensor_parallel and through marlin.parallel.load_sharded from a checkpoint, prompt and one
-cached decode step, act-order on and off)."""
+marlin.tensor_parallel and through marlin.parallel.load_sharded from a Marlin checkpoint and from a
+GPTQ checkpoint (each rank converting its slices), prompt and one cached decode step, act-order on
+and off)."""
 
 from __future__ import annotations
 
@@ -40,3 +41,9 @@ def test_tiny_llama_two_ranks(tmp_path, act_order):
 def test_load_sharded_two_ranks(tmp_path, act_order):
     pytest.importorskip("transformers")
     spawn(tmp_path, "load", (str(tmp_path / "ckpt"), act_order))
+
+
+@pytest.mark.parametrize("act_order", [False, True])
+def test_load_sharded_gptq_two_ranks(tmp_path, act_order):
+    pytest.importorskip("transformers")
+    spawn(tmp_path, "load_gptq", (str(tmp_path), act_order))
