@@ -9,7 +9,6 @@ and off)."""
 from __future__ import annotations
 
 import pytest
-import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
@@ -18,7 +17,7 @@ import tp_workers
 pytestmark = pytest.mark.skipif(
     not (dist.is_available() and dist.is_gloo_available()), reason="torch.distributed with gloo is not available"
 )
-WORLD = 2
+WORLD = 2  # each spawn costs a few seconds of start-up (torch, transformers): few spawns, many checks each
 
 
 def spawn(tmp_path, scenario: str, arg) -> None:
@@ -26,24 +25,12 @@ def spawn(tmp_path, scenario: str, arg) -> None:
     mp.spawn(tp_workers.run, args=(WORLD, str(init_file), scenario, arg), nprocs=WORLD, join=True)
 
 
-@pytest.mark.parametrize("group_size", [128, -1])
-def test_layers_two_ranks(tmp_path, group_size):
-    spawn(tmp_path, "layers", group_size)
+def test_layers_two_ranks(tmp_path):
+    """Column- and row-parallel MLPs, group 128 and per column, act-order off / aligned / straddling."""
+    spawn(tmp_path, "all_layers", None)
 
 
-@pytest.mark.parametrize("act_order", [False, True])
-def test_tiny_llama_two_ranks(tmp_path, act_order):
+def test_models_two_ranks(tmp_path):
+    """Tiny Llama via tensor_parallel, load_sharded of a Marlin and of a GPTQ checkpoint; act-order off and on."""
     pytest.importorskip("transformers")
-    spawn(tmp_path, "llama", act_order)
-
-
-@pytest.mark.parametrize("act_order", [False, True])
-def test_load_sharded_two_ranks(tmp_path, act_order):
-    pytest.importorskip("transformers")
-    spawn(tmp_path, "load", (str(tmp_path / "ckpt"), act_order))
-
-
-@pytest.mark.parametrize("act_order", [False, True])
-def test_load_sharded_gptq_two_ranks(tmp_path, act_order):
-    pytest.importorskip("transformers")
-    spawn(tmp_path, "load_gptq", (str(tmp_path), act_order))
+    spawn(tmp_path, "all_models", str(tmp_path / "ckpts"))

@@ -37,7 +37,17 @@ from ..nn import MarlinLinear, _new_workspace
 from .comm import rank_and_size
 from .gptq_source import GPTQSource
 from .layers import ColumnParallelLinear, RowParallelLinear, local_linear, marlin_column_shard, marlin_row_shard
-from .model import _COLUMN, _ROW, TPReport, _compile, _check_heads, model_tp_plan, style_of
+from .model import (
+    _COLUMN,
+    _ROW,
+    LLAMA_PLAN,
+    TPReport,
+    _check_heads,
+    _compile,
+    localize_attention,
+    model_tp_plan,
+    style_of,
+)
 from .shard import ShardError
 
 __all__ = ["load_sharded"]
@@ -190,10 +200,11 @@ def load_sharded(
                 config, trust_remote_code=trust_remote_code, **_dtype_kwargs(dtype)
             )
         _install_marlin_layers(model, layers, torch.device("meta"))  # shapes only; no memory
-        compiled = _compile(model_tp_plan(model) if plan is None else plan)
+        compiled = _compile((model_tp_plan(model) or LLAMA_PLAN) if plan is None else plan)
+        base_prefix = getattr(model, "base_model_prefix", "")
         todo = []
         for name, module in model.named_modules():
-            style = style_of(name, compiled)
+            style = style_of(name, compiled, base_prefix)
             if style is None:
                 continue
             if style not in _COLUMN and style not in _ROW:
@@ -229,6 +240,7 @@ def load_sharded(
             t = reader.get(name)
             state[name] = t.to(dtype) if t.is_floating_point() and t.dtype != dtype else t
 
+    localize_attention(model, world_size)
     ignored = [k for k in state if k.endswith(_DERIVED_BUFFER_SUFFIXES)]
     result = model.load_state_dict(state, strict=False, assign=True)
     unexpected = [k for k in result.unexpected_keys if k not in ignored]
