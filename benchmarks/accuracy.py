@@ -202,7 +202,8 @@ def main(argv=None) -> int:
     p.add_argument("--kernel-check", type=int, default=0, metavar="N", help="also run the gptq_variant checkpoint "
                    "through MarlinLinear on N tokens (0: skip)")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT)
-    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice; 1 is much "
+                   "faster on a machine whose cores are shared)")
     p.add_argument("--table", action="store_true", help="print the markdown table of --out and exit")
     p.add_argument("--quiet", action="store_true")
     args = p.parse_args(argv)

@@ -193,3 +193,18 @@ def test_fuse_a_loaded_checkpoint(tmp_path):
     model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "dst2")
     report = fuse_projections(model)
     assert not report.fused and all("act-order" in why for _, why in report.skipped)
+
+
+def test_fused_model_in_continuous_batching():
+    # transformers' continuous batching flattens requests into one token dimension and uses its
+    # paged cache; a fused Marlin model must give the tokens generate() gives for each prompt.
+    model = _family_model("llama")
+    marlin.replace_linear(model, fuse=True)
+    model.generation_config.eos_token_id = -1
+    prompts = [torch.randint(0, 1000, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (5, 9)]
+    out = model.generate_batch(prompts, max_new_tokens=4, warmup=False)
+    got = sorted((len(r.prompt_ids), list(r.generated_tokens)) for r in out.values())
+    want = sorted(
+        (len(p), model.generate(torch.tensor([p]), max_new_tokens=4, do_sample=False)[0, len(p):].tolist()) for p in prompts
+    )
+    assert got == want
