@@ -129,10 +129,11 @@ def _install_marlin_layers(model: nn.Module, layers: dict, device: torch.device)
             bias=spec["bias"],
             group_size=spec["group_size"],
             device=device,
-            dtype=spec["dtype"],
+            # specs built elsewhere (marlin.parallel) may describe only the shape: fp16 4-bit symmetric
+            dtype=spec.get("dtype", torch.float16),
             act_order=spec["act_order"],
-            bits=spec["bits"],
-            zero_points=spec["zero_points"],
+            bits=spec.get("bits", 4),
+            zero_points=spec.get("zero_points", False),
         )
         parent_name, _, child = prefix.rpartition(".")
         setattr(model.get_submodule(parent_name) if parent_name else model, child, new)
