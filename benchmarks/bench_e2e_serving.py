@@ -3,7 +3,7 @@ through transformers' own continuous batching (model.continuous_batching_context
 
     python -m benchmarks.bench_e2e_serving                          # Llama-2-7B shape, rates 1 .. 16 req/s
     python -m benchmarks.bench_e2e_serving --layers 8 --rates 2,8 --num-requests 16
-    python -m benchmarks.bench_e2e_serving --dry-run                # CPU smoke run on a tiny model
+    python -m benchmarks.bench_e2e_serving --dry-run                # smoke run on a tiny model
 
 Workload (fixed seed, so FP16 and Marlin serve the same requests): --num-requests requests with
 ShareGPT-like lengths, prompt and output lengths drawn from log-normal distributions (medians
@@ -123,7 +123,9 @@ def parse_args(argv=None):
     p.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for the last results of a rate")
     p.add_argument("--out")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--dry-run", action="store_true", help="CPU smoke run: tiny model, 4 short requests, 2 rates")
+    p.add_argument("--dry-run", action="store_true",
+                   help="smoke run: tiny model, 4 short requests, 2 rates, on the CPU (on the GPU if there is one: "
+                        "transformers' continuous batching does not serve a CPU model on a CUDA machine)")
     args = p.parse_args(argv)
     args.kernels = [k.strip() for k in args.kernels.split(",") if k.strip()]
     if any(k not in KERNELS for k in args.kernels):
@@ -139,7 +141,13 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     import transformers
 
-    dev = torch.device("cpu") if args.dry_run else torch.device("cuda", torch.cuda.current_device())
+    if torch.cuda.is_available():
+        dev = torch.device("cuda", torch.cuda.current_device())
+    elif args.dry_run:
+        dev = torch.device("cpu")
+    else:
+        print("bench_e2e_serving needs a CUDA GPU (or --dry-run)", file=sys.stderr)
+        return 1
     meta = collect_meta(dev, "dry-run" if args.dry_run else "serving", kind="serving")
     meta.update(transformers=transformers.__version__, model=args.model, rates=args.rates,
                 num_requests=args.num_requests, prompt_median=args.prompt_median, output_median=args.output_median)
