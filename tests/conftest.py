@@ -6,6 +6,11 @@ import torch
 from marlin import packing
 
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+# the 2:4 op's CUDA kernel is built only where CUDA is (and until it exists, not at all)
+requires_cuda_2_4 = pytest.mark.skipif(
+    not torch.cuda.is_available() or not torch._C._dispatch_has_kernel_for_dispatch_key("marlin::gemm_2_4", "CUDA"),
+    reason="needs a CUDA GPU and a build with the gemm_2_4 CUDA kernel",
+)
 
 
 def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
