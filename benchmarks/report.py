@@ -26,17 +26,21 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from . import bench_gemm as B  # noqa: E402
+from . import bench_math as BM
+from . import provenance as PV
 from . import shapes as S  # noqa: E402
 
-QUANT = ("marlin_g128", "marlin_gcol", "torch_int4")
+QUANT = ("marlin_g128", "marlin_gcol", "marlin_direct", "torch_int4")
 LABEL = {
-    "fp16": "FP16 (torch.matmul)",
+    "fp16": "FP16 (F.linear, W [N, K])",
+    "fp16_kn": "FP16 (a @ W, W [K, N])",
+    "marlin_direct": "Marlin, group 128, workspace=None",
     "marlin_g128": "Marlin, group 128",
     "marlin_gcol": "Marlin, per-column",
     "torch_int4": "torch INT4 (tinygemm, g128)",
 }
-COLOR = {"fp16": "tab:gray", "marlin_g128": "tab:red", "marlin_gcol": "tab:orange", "torch_int4": "tab:blue"}
+COLOR = {"fp16": "tab:gray", "fp16_kn": "tab:brown", "marlin_g128": "tab:red", "marlin_gcol": "tab:orange",
+         "marlin_direct": "tab:pink", "torch_int4": "tab:blue"}
 
 
 def load(path: Path) -> dict:
@@ -55,7 +59,7 @@ def _f(x) -> float:
 
 def plot_ideal(points: list[dict], out: Path) -> str:
     pts = [p for p in points if p["shape"] == S.IDEAL]
-    curves = {k: sorted(B.speedups(pts, k).items(), key=lambda kv: kv[0][1]) for k in QUANT}
+    curves = {k: sorted(BM.speedups(pts, k).items(), key=lambda kv: kv[0][1]) for k in QUANT}
     curves = {k: v for k, v in curves.items() if v}
     if not curves:
         return "skipped ideal-layer plot: no 'ideal' points with both fp16 and a quantized kernel"
@@ -64,7 +68,7 @@ def plot_ideal(points: list[dict], out: Path) -> str:
     for kern, kv in curves.items():
         ms = [m for (_, m), _ in kv]
         ax.plot(ms, [v for _, v in kv], marker="o", color=COLOR[kern], label=LABEL[kern])
-    ideal = B.ideal_speedup("marlin_g128", k_, n_)
+    ideal = BM.ideal_speedup("marlin_g128", k_, n_)
     ax.axhline(ideal, color="black", ls="--", lw=1, label=f"ideal (weight bytes, g128) = {ideal:.2f}x")
     ax.axhline(1.0, color="gray", ls=":", lw=1)
     ms_all = sorted({m for kv in curves.values() for (_, m), _ in kv})
@@ -87,7 +91,7 @@ def layer_speedups(points: list[dict], m: int = S.LAYERS_M) -> dict[str, dict[st
     """{'Llama-2-7B/qkv': {kernel: speedup}} at batch m; short names (7B_o) count as their model layer."""
     out: dict[str, dict[str, float]] = {}
     for kern in QUANT:
-        for (shape, mm), v in B.speedups(points, kern).items():
+        for (shape, mm), v in BM.speedups(points, kern).items():
             full = S.ALIASES.get(shape, shape)
             if mm == m and full in S.MODEL_LAYERS:
                 out.setdefault(full, {})[kern] = v
@@ -105,7 +109,7 @@ def plot_layers(points: list[dict], out: Path, m: int = S.LAYERS_M) -> str:
     for j, kern in enumerate(kernels):
         xs = [i + (j - (len(kernels) - 1) / 2) * width for i in range(len(names))]
         ax.bar(xs, [_f(sp[nm].get(kern)) for nm in names], width, color=COLOR[kern], label=LABEL[kern])
-    ax.axhline(B.ideal_speedup("marlin_g128", 4096, 4096), color="black", ls="--", lw=1, label="ideal (g128)")
+    ax.axhline(BM.ideal_speedup("marlin_g128", 4096, 4096), color="black", ls="--", lw=1, label="ideal (g128)")
     ax.axhline(1.0, color="gray", ls=":", lw=1)
     ax.set_xticks(range(len(names)))
     ax.set_xticklabels(names, fontsize=7, rotation=45, ha="right")
@@ -130,13 +134,13 @@ def plot_roofline(points: list[dict], meta: dict, out: Path) -> str:
     markers = dict(zip(sizes, "osD^v<>p"))
     fig, ax = plt.subplots(figsize=(7.5, 5))
     ai_all = []
-    for kern in B.KERNELS:
+    for kern in BM.KERNELS:
         for size in sizes:
             sel = sorted((p for p in pts if p["kernel"] == kern and p["shape"] == size), key=lambda p: p["M"])
             if not sel:
                 continue
-            ai = [B.gemm_flops(p["K"], p["N"], p["M"]) / B.kernel_bytes(kern, p["K"], p["N"], p["M"]) for p in sel]
-            tf = [B.tflops(B.gemm_flops(p["K"], p["N"], p["M"]), p["time_us"]) for p in sel]
+            ai = [BM.gemm_flops(p["K"], p["N"], p["M"]) / BM.kernel_bytes(kern, p["K"], p["N"], p["M"]) for p in sel]
+            tf = [BM.tflops(BM.gemm_flops(p["K"], p["N"], p["M"]), p["time_us"]) for p in sel]
             ai_all += ai
             ax.plot(ai, tf, marker=markers[size], color=COLOR[kern], lw=0.8, ms=4,
                     label=f"{LABEL[kern]} {size}")
@@ -159,6 +163,36 @@ def plot_roofline(points: list[dict], meta: dict, out: Path) -> str:
     fig.savefig(out, dpi=120)
     plt.close(fig)
     return msg
+
+
+def plot_roofline_fraction(points: list[dict], meta: dict, out: Path, kernel: str = "marlin_g128",
+                           max_m: int = 128) -> str:
+    """Fraction of the roofline bound vs M (decode batches), one line per shape."""
+    bw, peak = _f(meta.get("copy_bw_GBps")), _f(meta.get("fp16_tflops"))
+    if not (math.isfinite(bw) and math.isfinite(peak)):
+        return "skipped roofline-fraction plot: meta lacks copy_bw_GBps / fp16_tflops"
+    pts = [p for p in points if p["kernel"] == kernel and p["M"] <= max_m and _f(p.get("time_us")) > 0
+           and not p["shape"].startswith("sq")]
+    if not pts:
+        return f"skipped roofline-fraction plot: no {kernel} points at M <= {max_m}"
+    fig, ax = plt.subplots(figsize=(7.5, 4.8))
+    shapes = list(dict.fromkeys(BM.canonical_shape(p["shape"]) for p in pts))
+    for i, shape in enumerate(shapes):
+        sel = sorted((p for p in pts if BM.canonical_shape(p["shape"]) == shape), key=lambda p: p["M"])
+        fr = [BM.roofline_fraction(kernel, p["K"], p["N"], p["M"], p["time_us"], bw, peak) for p in sel]
+        ax.plot([p["M"] for p in sel], fr, marker="o", ms=3, lw=1, color=plt.cm.tab10(i % 10), label=shape)
+    ax.axhline(1.0, color="black", lw=1)
+    ax.set_xscale("log", base=2)
+    ax.set_ylim(0, 1.1)
+    ax.set_xlabel("batch size M")
+    ax.set_ylabel("roofline bound / measured time")
+    ax.set_title(f"{LABEL.get(kernel, kernel)}: fraction of the roofline ({meta.get('gpu')})")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=7, ncol=3)
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+    return f"wrote {out.name}"
 
 
 # ----------------------------------------------------------------------------- markdown
@@ -198,10 +232,10 @@ def provenance_check(meta: dict) -> str:
     """Where the run could not tell (no git on the benchmark machine), compare its csrc tree hash with
     this checkout's git: the commit it names, else HEAD."""
     work = meta.get("csrc_worktree_tree")
-    if meta.get("git_dirty") is not None or not work or not B._git_usable():
+    if meta.get("git_dirty") is not None or not work or not PV._git_usable():
         return ""
     rev = meta.get("git_rev") or "HEAD"
-    tree = B._git("rev-parse", f"{rev}:csrc")
+    tree = PV._git("rev-parse", f"{rev}:csrc")
     if tree is None:
         return f"Provenance: could not read `{rev}:csrc` from this checkout's git."
     if tree == work:
@@ -213,7 +247,7 @@ def provenance_check(meta: dict) -> str:
 def targets_md(points: list[dict]) -> list[str]:
     lines = ["| target | threshold | statistic | value | median | min (where) | points | verdict |",
              "|---|---|---|---|---|---|---|---|"]
-    for r in B.evaluate_targets(points):
+    for r in BM.evaluate_targets(points):
         if r["passed"] is None:
             lines.append(f"| {r['target']} | {r['threshold']:.1f}x | {r['stat']} | – | – | – | 0 | N/A |")
             continue
@@ -226,27 +260,28 @@ def targets_md(points: list[dict]) -> list[str]:
     return lines
 
 
-def times_md(points: list[dict], copy_bw) -> list[str]:
-    idx = B.time_index(points)
-    kernels = [k for k in B.KERNELS if any(p["kernel"] == k for p in points)]
-    quant = [k for k in kernels if k != "fp16"]
+def times_md(points: list[dict], copy_bw, peak=None) -> list[str]:
+    idx = BM.time_index(points)
+    kernels = [k for k in BM.KERNELS if any(p["kernel"] == k for p in points)]
+    quant = [k for k in kernels if k not in BM.BASELINES]
     kn = {}
     for p in points:
-        kn.setdefault(B.canonical_shape(p["shape"]), (int(p["K"]), int(p["N"])))
+        kn.setdefault(BM.canonical_shape(p["shape"]), (int(p["K"]), int(p["N"])))
     head = "| shape | M | " + " | ".join(
-        ["fp16 us"] + [f"{k} us | {k} x | {k} % copy BW" for k in quant]
+        ["fp16 us (faster layout)"] + [f"{k} us | {k} x | {k} % copy BW | {k} % roofline" for k in quant]
     ) + " |"
-    ncols = 2 + 1 + 3 * len(quant)
+    ncols = 2 + 1 + 4 * len(quant)
     lines = [head, "|" + "---|" * ncols]
     for shape, (k_, n_) in kn.items():
         for m in sorted({m for (s, m, _) in idx if s == shape}):
-            t16 = idx.get((shape, m, "fp16"), float("nan"))
+            t16 = BM.fp16_time(idx, shape, m)
             cells = [f"{shape} ({k_}x{n_})", str(m), _cell(t16)]
             for k in quant:
                 t = idx.get((shape, m, k), float("nan"))
                 sp = t16 / t if math.isfinite(t) and math.isfinite(t16) and t > 0 else float("nan")
-                pct = 100 * B.gbps(B.kernel_bytes(k, k_, n_, m), t) / copy_bw if _f(copy_bw) > 0 else float("nan")
-                cells += [_cell(t), _cell(sp, ".2f"), _cell(pct, ".0f")]
+                pct = 100 * BM.gbps(BM.kernel_bytes(k, k_, n_, m), t) / copy_bw if _f(copy_bw) > 0 else float("nan")
+                roof = 100 * BM.roofline_fraction(k, k_, n_, m, t, _f(copy_bw), _f(peak))
+                cells += [_cell(t), _cell(sp, ".2f"), _cell(pct, ".0f"), _cell(roof, ".0f")]
             lines.append("| " + " | ".join(cells) + " |")
     return lines
 
@@ -267,6 +302,7 @@ def report_gemm(data: dict, stem: str, outdir: Path) -> list[str]:
         plot_ideal(points, outdir / f"{stem}-ideal.png"),
         plot_layers(points, outdir / f"{stem}-layers.png"),
         plot_roofline(points, meta, outdir / f"{stem}-roofline.png"),
+        plot_roofline_fraction(points, meta, outdir / f"{stem}-roofline-fraction.png"),
     ]
     md = [f"# marlin.gemm benchmark: {meta.get('gpu')} ({meta.get('mode')})", ""]
     md += meta_lines(meta)
@@ -279,7 +315,10 @@ def report_gemm(data: dict, stem: str, outdir: Path) -> list[str]:
         else:
             md.append(f"- {m}")
     md += ["", "## Targets (marlin_g128 speedup over FP16)", ""] + targets_md(points)
-    md += ["", "## Times (us per call) and speedups over FP16", ""] + times_md(points, meta.get("copy_bw_GBps"))
+    md += ["", "## Times (us per call) and speedups over FP16", "",
+           "% roofline: max(bytes / copy bandwidth, 2MKN / FP16 rate) over the time, both rates measured in "
+           "this run (meta); bytes = weights + A + C.", ""]
+    md += times_md(points, meta.get("copy_bw_GBps"), meta.get("fp16_tflops"))
     md += ["", "## Correctness checks", ""] + checks_md(data.get("checks", []))
     if meta.get("notes"):
         md += ["", "## Notes", ""] + [f"- {n}" for n in meta["notes"]]
@@ -356,7 +395,7 @@ def report_sustained(data: dict, stem: str, outdir: Path) -> list[str]:
 def report(path: Path, outdir: Path | None = None) -> list[str]:
     path = Path(path)
     data = load(path)
-    outdir = Path(outdir) if outdir else B.RESULTS_DIR
+    outdir = Path(outdir) if outdir else BM.RESULTS_DIR
     outdir.mkdir(parents=True, exist_ok=True)
     if data["meta"].get("kind") == "sustained" or "classes" in data:
         return report_sustained(data, path.stem, outdir)
@@ -368,9 +407,9 @@ def main(argv=None) -> int:
     p.add_argument("results", nargs="*", help="results JSON files (default: benchmarks/results/*.json)")
     p.add_argument("--outdir", help="where to write (default: benchmarks/results/)")
     args = p.parse_args(argv)
-    paths = [Path(x) for x in args.results] or sorted(B.RESULTS_DIR.glob("*.json"))
+    paths = [Path(x) for x in args.results] or sorted(BM.RESULTS_DIR.glob("*.json"))
     if not paths:
-        print(f"no results files given and none in {B.RESULTS_DIR}", file=sys.stderr)
+        print(f"no results files given and none in {BM.RESULTS_DIR}", file=sys.stderr)
         return 1
     rc = 0
     for path in paths:

@@ -32,6 +32,9 @@ from typing import Optional
 import torch
 
 from . import bench_gemm as B
+from . import bench_math as BM
+from . import provenance as PV
+from . import gemm_prep as GP
 from . import shapes as S
 
 SMI_FIELDS = ("sm_mhz", "mem_mhz", "power_w", "temp_c")
@@ -66,7 +69,7 @@ def window_s(duration_s: float) -> float:
 
 
 def _median(xs):
-    xs = [x for x in xs if x is not None and B._finite(x)]
+    xs = [x for x in xs if x is not None and BM._finite(x)]
     return statistics.median(xs) if xs else None
 
 
@@ -262,7 +265,7 @@ def main(argv=None) -> int:
     ms = B._parse_list(args.ms, int) or ([1, 16] if args.dry_run else list(DEFAULT_MS))
     mode = "dry-run" if args.dry_run else "quick" if args.quick else "full"
 
-    facts = B.device_facts(dev)
+    facts = PV.device_facts(dev)
     if args.dry_run:
         shape, (k, n) = "tiny_512x384", B.DRY_SHAPES["tiny_512x384"]
     else:
@@ -270,22 +273,22 @@ def main(argv=None) -> int:
         if args.shape not in known:
             raise SystemExit(f"unknown shape {args.shape!r}")
         shape, (k, n) = args.shape, known[args.shape]
-    meta = B.collect_meta(dev, mode, kind="sustained", expect_rev=args.git_rev, expect_tree=args.csrc_tree)
-    warn = B.dirty_warning(meta)
+    meta = PV.collect_meta(dev, mode, kind="sustained", expect_rev=args.git_rev, expect_tree=args.csrc_tree)
+    warn = PV.dirty_warning(meta)
     if warn:
         print(warn, file=sys.stderr, flush=True)
     out_path = Path(args.out) if args.out else (
         Path(tempfile.gettempdir()) / "marlin-sustained-dry-run.json" if args.dry_run
-        else B.RESULTS_DIR / f"{meta['gpu_slug']}-sustained.json"
+        else BM.RESULTS_DIR / f"{meta['gpu_slug']}-sustained.json"
     )
 
     print(f"{meta['gpu']}: {shape} (K={k}, N={n}), M in {ms}, {seconds:g} s each -> {out_path}", flush=True)
     preps, checks = {}, []
     try:
         for name in KERNEL_PAIR:
-            preps[name] = B.prepare(name, k, n, dev, facts["l2_bytes"], 2 if dev.type != "cuda" else 1)
+            preps[name] = GP.prepare(name, k, n, dev, facts["l2_bytes"], 2 if dev.type != "cuda" else 1)
             checks += [{"shape": shape, "kernel": name, "K": k, "N": n, **c} for c in preps[name].checks]
-    except B.CorrectnessError as e:
+    except GP.CorrectnessError as e:
         print(f"ABORTED: {e}\nNo results file was written.", file=sys.stderr)
         return 2
 

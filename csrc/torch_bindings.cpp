@@ -4,19 +4,25 @@
 #include <torch/library.h>
 
 TORCH_LIBRARY(marlin, m) {
-  // C[M, N] (fp16) = a[M, K] (fp16) @ dequant(b_q, b_scales).
-  //   b_q       int32 [K/16, 2N]: INT4 weights in the Marlin layout (marlin/packing.py).
-  //   b_scales  fp16 [K/128, N] (group size 128, permuted) or [1, N] (per column, natural order).
-  //   b_zeros   reserved for zero points (asymmetric formats); must be None today.
+  // C[M, N] = a[M, K] @ dequant(b_q, b_scales, b_zeros), in a's dtype, fp32 accumulation.
+  //   a         float16 or bfloat16 [M, K]; b_scales and b_zeros have the same dtype (no implicit cast).
+  //   b_q       int32 [K/16, 2N] (bits = 4) or [K/16, 4N] (bits = 8): weights in the Marlin layout
+  //             (marlin/packing.py is the executable spec, docs/FORMAT.md the prose).
+  //   b_scales  [groups, N]: groups = K / group_size (group size 32, 64 or 128; permuted layout) or
+  //             1 (per column, natural order). The group size is inferred from the row count.
+  //   b_zeros   None (symmetric: w = (u - 2^(bits-1)) * s) or, for bits = 4 only, the integer zero
+  //             points z in [0, 15] with b_scales' shape, dtype and layout: w = (u - z) * s.
   //   workspace int32, all zero, at least marlin.ops.workspace_size(device) elements, or None
-  //             (then one is allocated per call). Read and written by the kernel as locks, and
-  //             left all zero again on return, hence declared immutable. One workspace must not
+  //             (then the stream's own lock slot is used). Read and written by the kernel as locks,
+  //             and left all zero again on return, hence declared immutable. One workspace must not
   //             be used by two calls that can run at the same time (two streams).
   //   tile_k, tile_n  force a tile configuration, (128, 128) or (64, 256); None picks from the
   //             table. For tuning and tests; the CPU implementation checks and ignores them.
+  //   bits      4 or 8: the weight width.
+  // Shapes: K and N positive multiples of 64, K a multiple of the group size.
   m.def(
       "gemm(Tensor a, Tensor b_q, Tensor b_scales, Tensor? b_zeros=None, Tensor? workspace=None, "
-      "int? tile_k=None, int? tile_n=None) -> Tensor");
+      "int? tile_k=None, int? tile_n=None, int bits=4) -> Tensor");
 }
 
 // 2:4-sparse INT4 weights (Sparse-MARLIN; layout in marlin/sparse.py). A separate block so that

@@ -27,3 +27,9 @@ from .ops import gemm_2_4  # noqa: E402
 from .sparse_nn import MarlinLinear24, replace_linear_2_4  # noqa: E402
 
 __all__ += ["sparse", "gemm_2_4", "MarlinLinear24", "replace_linear_2_4"]
+
+# transformers' from_pretrained loads Marlin checkpoints once transformers is imported (lazily:
+# importing transformers here would cost about a second).
+from .integrations import install_transformers_hook as _install_transformers_hook
+
+_install_transformers_hook()

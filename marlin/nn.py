@@ -78,7 +78,7 @@ class MarlinLinear(nn.Module):
                 f"MarlinLinear(in_features={in_features}, out_features={out_features}, group_size={group_size}) "
                 f"is not supported by the kernel: {reason}. It takes in_features a positive multiple of "
                 f"{ops.K_MULTIPLE}, out_features a positive multiple of {ops.N_MULTIPLE}, and group_size "
-                f"{ops.GROUP_SIZE} or -1 (per column); keep such a layer as nn.Linear."
+                f"one of {packing.SUPPORTED_GROUP_SIZES} (-1: per column); keep such a layer as nn.Linear."
             )
         self.in_features = in_features
         self.out_features = out_features
@@ -317,7 +317,7 @@ def replace_linear(
         sparse_nn.check_sparsity(sparsity, "replace_linear")
         return sparse_nn.replace_linear_2_4(model, group_size, include, exclude, strict=strict)
     if group_size not in packing.SUPPORTED_GROUP_SIZES:
-        raise ValueError(f"replace_linear: group_size = {group_size!r}, expected {ops.GROUP_SIZE} or -1 (per column)")
+        raise ValueError(f"replace_linear: group_size = {group_size!r}, expected one of {packing.SUPPORTED_GROUP_SIZES} (-1: per column)")
     include_p, exclude_p = _as_patterns(include, "include"), _as_patterns(exclude, "exclude") or ()
     report = ReplaceReport()
     converted: dict[int, nn.Module] = {}  # id(old Linear) -> its MarlinLinear (shared layers)

@@ -14,20 +14,33 @@ from . import _C  # noqa: F401  (loads the library that defines the schemas)
 from . import packing
 from .sparse import K_MULTIPLE_2_4, N_MULTIPLE_2_4, STRIP_K
 
-__all__ = ["gemm", "gemm_2_4", "workspace_size", "make_workspace", "K_MULTIPLE", "N_MULTIPLE", "GROUP_SIZE", "check_shape"]
+__all__ = [
+    "gemm",
+    "gemm_2_4",
+    "workspace_size",
+    "make_workspace",
+    "K_MULTIPLE",
+    "N_MULTIPLE",
+    "GROUP_SIZES",
+    "check_shape",
+]
 
 # What the gemm op accepts (must match csrc/gemm_checks.h).
-K_MULTIPLE = 128
-N_MULTIPLE = 128
-GROUP_SIZE = 128  # besides per-column (-1)
+K_MULTIPLE = 64
+N_MULTIPLE = 64
+GROUP_SIZES = (32, 64, 128)  # besides per column (-1)
 
 
-def check_shape(in_features: int, out_features: int, group_size: int) -> Optional[str]:
-    """None if gemm takes B [K=in_features, N=out_features] with this group size, else why not."""
-    if group_size not in packing.SUPPORTED_GROUP_SIZES:
-        return f"group_size = {group_size}, expected one of {packing.SUPPORTED_GROUP_SIZES} (-1: per column)"
+def check_shape(in_features: int, out_features: int, group_size: int, bits: int = 4) -> Optional[str]:
+    """None if gemm takes B [K=in_features, N=out_features] with this group size and width, else why not."""
+    if isinstance(bits, bool) or bits not in packing.SUPPORTED_BITS:
+        return f"bits = {bits!r}, expected one of {packing.SUPPORTED_BITS}"
+    if isinstance(group_size, bool) or group_size not in packing.SUPPORTED_GROUP_SIZES:
+        return f"group_size = {group_size!r}, expected one of {packing.SUPPORTED_GROUP_SIZES} (-1: per column)"
     if in_features <= 0 or in_features % K_MULTIPLE:
         return f"in_features = {in_features}, expected a positive multiple of {K_MULTIPLE}"
+    if group_size != -1 and in_features % group_size:
+        return f"in_features = {in_features} is not a multiple of group_size = {group_size}"
     if out_features <= 0 or out_features % N_MULTIPLE:
         return f"out_features = {out_features}, expected a positive multiple of {N_MULTIPLE}"
     return None
@@ -54,34 +67,49 @@ def gemm(
     b_scales: torch.Tensor,
     workspace: Optional[torch.Tensor] = None,
     *,
+    b_zeros: Optional[torch.Tensor] = None,
+    bits: int = 4,
     tile_k: Optional[int] = None,
     tile_n: Optional[int] = None,
 ) -> torch.Tensor:
-    """C[M, N] = a[M, K] @ dequant(b_q, b_scales), fp16 in, fp16 out. See torch.ops.marlin.gemm."""
-    return torch.ops.marlin.gemm(a, b_q, b_scales, None, workspace, tile_k, tile_n)
+    """C[M, N] = a[M, K] @ dequant(b_q, b_scales, b_zeros) in a's dtype (float16 or bfloat16).
+    See torch.ops.marlin.gemm and marlin.packing for the formats."""
+    return torch.ops.marlin.gemm(a, b_q, b_scales, b_zeros, workspace, tile_k, tile_n, bits)
+
+
+_DTYPES = (torch.float16, torch.bfloat16)
 
 
 @torch.library.register_fake("marlin::gemm")
-def _gemm_fake(a, b_q, b_scales, b_zeros=None, workspace=None, tile_k=None, tile_n=None):
+def _gemm_fake(a, b_q, b_scales, b_zeros=None, workspace=None, tile_k=None, tile_n=None, bits=4):
     torch._check(a.dim() == 2, lambda: f"marlin.gemm: a.dim() = {a.dim()}, expected 2 (a is [M, K])")
-    torch._check(a.dtype == torch.float16, lambda: f"marlin.gemm: a.dtype = {a.dtype}, expected torch.float16")
-    torch._check(b_q.dim() == 2 and b_q.dtype == torch.int32, lambda: "marlin.gemm: b_q must be int32 [K/16, 2*N]")
+    torch._check(a.dtype in _DTYPES, lambda: f"marlin.gemm: a.dtype = {a.dtype}, expected torch.float16 or torch.bfloat16")
+    torch._check(bits in (4, 8), lambda: f"marlin.gemm: bits = {bits}, expected 4 or 8")
+    wpc = bits // 2
+    torch._check(b_q.dim() == 2 and b_q.dtype == torch.int32, lambda: f"marlin.gemm: b_q must be int32 [K/16, {wpc}*N]")
+    torch._check(b_scales.dim() == 2, lambda: "marlin.gemm: b_scales must be [groups, N]")
     torch._check(
-        b_scales.dim() == 2 and b_scales.dtype == torch.float16,
-        lambda: "marlin.gemm: b_scales must be float16 [groups, N]",
+        b_scales.dtype == a.dtype,
+        lambda: f"marlin.gemm: b_scales.dtype = {b_scales.dtype} but a.dtype = {a.dtype}, expected the same dtype",
     )
-    torch._check(b_zeros is None, lambda: "marlin.gemm: zero points are not supported yet; pass b_zeros=None")
+    torch._check(b_q.shape[1] % wpc == 0, lambda: f"marlin.gemm: b_q.size(1) = {b_q.shape[1]}, expected {wpc}*N")
     k = b_q.shape[0] * 16
-    n = b_q.shape[1] // 2
-    torch._check(b_q.shape[1] % 2 == 0, lambda: f"marlin.gemm: b_q.size(1) = {b_q.shape[1]}, expected 2*N")
+    n = b_q.shape[1] // wpc
     torch._check(a.shape[1] == k, lambda: f"marlin.gemm: a.size(1) = {a.shape[1]}, expected K = b_q.size(0) * 16 = {k}")
     torch._check(k % K_MULTIPLE == 0, lambda: f"marlin.gemm: K = {k}, expected a positive multiple of {K_MULTIPLE}")
     torch._check(n % N_MULTIPLE == 0, lambda: f"marlin.gemm: N = {n}, expected a positive multiple of {N_MULTIPLE}")
     torch._check(b_scales.shape[1] == n, lambda: f"marlin.gemm: b_scales.size(1) = {b_scales.shape[1]}, expected N = {n}")
+    groups = b_scales.shape[0]
     torch._check(
-        b_scales.shape[0] == 1 or b_scales.shape[0] == k // GROUP_SIZE,
-        lambda: f"marlin.gemm: b_scales.size(0) = {b_scales.shape[0]}, expected 1 or K / {GROUP_SIZE}",
+        groups == 1 or any(groups * g == k for g in GROUP_SIZES),
+        lambda: f"marlin.gemm: b_scales.size(0) = {groups}, expected 1 or K / group_size with group_size in {GROUP_SIZES}",
     )
+    if b_zeros is not None:
+        torch._check(bits == 4, lambda: "marlin.gemm: zero points are supported for 4-bit weights only")
+        torch._check(
+            b_zeros.dtype == a.dtype and tuple(b_zeros.shape) == tuple(b_scales.shape),
+            lambda: "marlin.gemm: b_zeros must have the dtype of a and the shape of b_scales",
+        )
     return a.new_empty((a.shape[0], n))
 
 

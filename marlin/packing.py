@@ -1,45 +1,68 @@
-"""Executable specification of the Marlin weight format.
+"""Executable specification of the Marlin weight formats.
 
-Everything the CUDA kernel assumes about the bytes it reads is written down here, in plain torch,
-so that the format can be read, tested bit-exactly and produced on any device.  docs/FORMAT.md
-explains the same layout in prose with a worked example.
+Everything the kernels assume about the bytes they read is written down here, in plain torch, so
+that the formats can be read, tested bit-exactly and produced on any device.  docs/FORMAT.md
+explains the same layouts in prose with worked examples.
 
 Notation: the weight matrix is B with shape [K, N] (K = in_features, N = out_features), so that a
 layer computes C[M, N] = A[M, K] @ B.  ``nn.Linear.weight`` is B transposed.
 
-Quantization (symmetric, round to nearest, as GPTQ's ``sym=True``):
-    scale[g, n] = fp16(2 * max_k |B[k, n]| / 15)       over the K rows of group g
-    q[k, n]     = clamp(round(B[k, n] / scale[g, n]), -8, 7)
-    dequant     = scale[g(k), n] * q[k, n]             (exact in fp32: 11-bit mantissa x 4 bits)
+Formats (``torch.ops.marlin.gemm(a, b_q, b_scales, b_zeros, ..., bits=...)``):
+
+  =========================  ====  =======  ========================  ======================
+  format                     bits  b_zeros  stored value u            weight
+  =========================  ====  =======  ========================  ======================
+  4-bit symmetric (GPTQ)     4     None     u = q + 8 in [0, 15]      (u - 8) * s = q * s
+  4-bit zero points (AWQ)    4     given    u in [0, 15]              (u - z) * s
+  8-bit symmetric            8     None     u = q + 128 in [0, 255]   (u - 128) * s = q * s
+  =========================  ====  =======  ========================  ======================
+
+  Scales ``s`` (and zero points ``z``) have the activation dtype, float16 or bfloat16; the
+  product (u - z) * s is exact in fp32 (a small integer times an 8- or 11-bit mantissa).
+  Groups: 32, 64 or 128 consecutive rows of K share a scale (and zero point), or one scale per
+  column (group_size -1).  The group size is not stored: it is K / b_scales.shape[0].
+
+Quantization (round to nearest, GPTQ's conventions, ``maxq = 2^bits - 1``):
+    symmetric:   s = dtype(2 * max|B| / maxq) over a group, q = clamp(round(B / s), -2^(bits-1), 2^(bits-1) - 1)
+    zero points: lo = min(min B, 0), hi = max(max B, 0), s = dtype((hi - lo) / maxq),
+                 z = clamp(round(-lo / s), 0, maxq), u = clamp(round(B / s) + z, 0, maxq)
+The scale is rounded to its dtype *before* q is computed, so that the dequantized weight is the
+closest representable one for the stored scale.  In this module ``q`` is the signed value
+(u - 2^(bits-1)) for symmetric formats and the stored unsigned value u for zero-point formats, so
+that dequant = (q - z) * s with z = 0 in the symmetric case.
 
 Packing (the paper's section 3, "Maximizing Loading Bandwidth" and "Dequantization"):
-  * B is cut into 16 x 64 tiles (16 rows of K, 64 columns of N).  One tile is 1024 nibbles =
-    128 int32 words = 32 x 16 bytes: exactly one 16-byte load per lane of a warp.
-  * Lane ``t`` of the warp gets the weights it needs as the B operand of ``mma.m16n8k16`` for the
-    four 16 x 16 blocks of the tile: in block ``j`` it holds rows k = 2c, 2c+1, 2c+8, 2c+9
-    (c = t % 4) of columns 16j + g and 16j + 8 + g (g = t // 4).  Those 8 values go in word ``j``.
-  * Inside a word, fragment element e is stored in nibble p with e = INTERLEAVE[p]; listing the
-    low 16-bit half (nibbles 3..0) and then the high half (nibbles 7..4) gives the paper's
-    "64207531".  Then ``(w & 0x000f000f)`` yields the pair
-    (e0, e1), ``(w & 0x00f000f0)`` yields (e2, e3), and the same after ``w >> 8`` yields (e4, e5),
-    (e6, e7): two values per 32-bit operation, already in the tensor-core register order.
-  * Stored nibble = q + 8 (unsigned 0..15).
-  * Packed tensor ``b_q``: int32 [K / 16, 2 * N].  Row ``kt`` holds the tiles of K rows
-    16 kt .. 16 kt + 15, tile ``nt`` at words 128 nt .. 128 nt + 127, lane t's 16 bytes at
-    words 128 nt + 4 t .. 128 nt + 4 t + 3.
-  * Scales ``b_scales``: fp16 [K / group_size, N].  With more than one group, each 64-column chunk
-    is permuted so that position 8 i + j holds column i + 8 j: lane t then finds the scales of its
+  * B is cut into 16 x 64 tiles (16 rows of K, 64 columns of N).  Lane ``t`` of a warp holds the
+    weights it needs as the B operand of ``mma.m16n8k16`` for the four 16 x 16 blocks j of the
+    tile: rows k = 2c, 2c+1, 2c+8, 2c+9 (c = t % 4) of columns 16j + g and 16j + 8 + g
+    (g = t // 4).  Fragment element e = 0..3 are those rows of column 16j + g, e = 4..7 the
+    same rows of column 16j + 8 + g.
+  * 4 bits: a tile is 128 int32 words; lane t's 16 bytes are words 4t .. 4t + 3, word j holds
+    block j's 8 values, fragment element INTERLEAVE[p] in nibble p.  Listing the low 16-bit half
+    (nibbles 3..0) and then the high half (nibbles 7..4) gives the paper's "64207531": then
+    ``(w & 0x000f000f)`` yields the pair (e0, e1), ``(w & 0x00f000f0)`` yields (e2, e3), and the
+    same after ``w >> 8`` yields (e4, e5), (e6, e7): two values per 32-bit operation, already in
+    the tensor-core register order.  ``b_q`` is int32 [K / 16, 2 N].
+  * 8 bits: a tile is 256 int32 words; lane t's 32 bytes are words 8t .. 8t + 7, word 2j + h
+    holds column half h (h = 0: column 16j + g, h = 1: column 16j + 8 + g) of block j, fragment
+    element INTERLEAVE_8[p] in byte p, i.e. bytes (e0, e2, e1, e3): one byte permute
+    (``prmt`` with selectors 0x5250 / 0x5351 on an fp16 magic number) yields the pair (e0, e1),
+    the other (e2, e3).  ``b_q`` is int32 [K / 16, 4 N].
+  * Row ``kt`` of ``b_q`` holds the tiles of K rows 16 kt .. 16 kt + 15, tile ``nt`` at words
+    W nt .. W nt + W - 1 (W = 128 for 4 bits, 256 for 8 bits).
+  * Scales ``b_scales`` [K / group_size, N]: with more than one group, each 64-column chunk is
+    permuted so that position 8 i + j holds column i + 8 j: lane t then finds the scales of its
     8 columns (t // 4 + 8 m, m = 0..7) in one 16-byte vector.  With one group (per-column
-    quantization) the scales are applied to the fp32 result instead and keep natural order.
-
-The group size is not stored: it is K / b_scales.shape[0].  Today the kernel takes group size 128
-and per-column (-1); the functions below take any group size that divides K into 16-row multiples,
-and leave a place for zero points, so that 32/64 groups, bf16 and asymmetric formats can be added.
+    quantization) the scales keep natural order (the kernel applies them to the fp32 result).
+  * Zero points ``b_zeros`` (4 bits only): the integer z as a value of the scales' dtype, in
+    exactly the scales' shape and layout (permuted the same way), so the kernel loads them as it
+    loads the scales.
 """
 
 from __future__ import annotations
 
 from functools import lru_cache
+from typing import Optional
 
 import torch
 
@@ -47,7 +70,10 @@ __all__ = [
     "TILE_K",
     "TILE_N",
     "INTERLEAVE",
+    "INTERLEAVE_8",
     "SUPPORTED_GROUP_SIZES",
+    "SUPPORTED_BITS",
+    "SUPPORTED_DTYPES",
     "quantize",
     "pack",
     "unpack",
@@ -57,16 +83,25 @@ __all__ = [
     "unpermute_scales",
     "num_groups",
     "group_size_of",
+    "words_per_column",
 ]
 
 TILE_K = 16  # rows of K in one packed tile
 TILE_N = 64  # columns of N in one packed tile
-WORDS_PER_TILE = TILE_K * TILE_N // 8  # 128 int32 words
-INTERLEAVE = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble p holds fragment element INTERLEAVE[p]
-SUPPORTED_GROUP_SIZES = (128, -1)  # what torch.ops.marlin.gemm accepts today (-1: per column)
+INTERLEAVE = (0, 2, 4, 6, 1, 3, 5, 7)  # 4 bits: nibble p holds fragment element INTERLEAVE[p]
+INTERLEAVE_8 = (0, 2, 1, 3)  # 8 bits: byte p holds fragment element INTERLEAVE_8[p] of its column half
+SUPPORTED_GROUP_SIZES = (32, 64, 128, -1)  # what torch.ops.marlin.gemm accepts (-1: per column)
+SUPPORTED_BITS = (4, 8)
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)  # activations, scales, zero points, output
 
-_QMIN, _QMAX = -8, 7
-_OFFSET = 8  # stored nibble = q + 8
+
+def words_per_column(bits: int) -> int:
+    """int32 words of b_q per column of B for every 16 rows of K: b_q is [K / 16, words * N]."""
+    return 16 * bits // 32
+
+
+def _bias(bits: int) -> int:
+    return 1 << (bits - 1)  # implicit zero point of the symmetric formats: 8 or 128
 
 
 def num_groups(k: int, group_size: int) -> int:
@@ -79,10 +114,15 @@ def group_size_of(k: int, scale_rows: int) -> int:
     return -1 if scale_rows == 1 else k // scale_rows
 
 
+def _check_bits(bits: int) -> None:
+    if isinstance(bits, bool) or bits not in SUPPORTED_BITS:
+        raise ValueError(f"bits = {bits!r}, expected one of {SUPPORTED_BITS}")
+
+
 def _check_group_size(k: int, group_size: int) -> None:
     if group_size == -1:
         return
-    if not isinstance(group_size, int) or group_size <= 0 or group_size % TILE_K:
+    if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size <= 0 or group_size % TILE_K:
         raise ValueError(f"group_size = {group_size!r}, expected -1 (per column) or a positive multiple of {TILE_K}")
     if k % group_size:
         raise ValueError(f"K = {k} is not a multiple of group_size = {group_size}")
@@ -95,57 +135,91 @@ def _check_kn(k: int, n: int) -> None:
         raise ValueError(f"N = {n}, expected a positive multiple of {TILE_N} (the packed tile width)")
 
 
-def quantize(w: torch.Tensor, group_size: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
-    """Round-to-nearest symmetric INT4 quantization of B [K, N] (float).
+def _scale_dtype(w: torch.Tensor, dtype: Optional[torch.dtype]) -> torch.dtype:
+    if dtype is None:
+        return w.dtype if w.dtype in SUPPORTED_DTYPES else torch.float16
+    if dtype not in SUPPORTED_DTYPES:
+        raise ValueError(f"dtype = {dtype}, expected torch.float16 or torch.bfloat16")
+    return dtype
 
-    Returns ``q`` int8 [K, N] in [-8, 7] and ``scales`` fp16 [num_groups, N] in natural order.
-    The scale is rounded to fp16 *before* q is computed, so that dequantize(q, scales) is the
-    closest representable weight for the stored scale.
+
+def quantize(w: torch.Tensor, group_size: int = 128, bits: int = 4, sym: bool = True, dtype: Optional[torch.dtype] = None):
+    """Round-to-nearest quantization of B [K, N] (float) in groups of ``group_size`` rows (-1: per column).
+
+    Returns ``(q, scales)`` for symmetric formats (q int8 = u - 2^(bits-1)) and
+    ``(q, scales, zeros)`` with ``sym=False`` (4 bits only; q int8 = u in [0, 15], zeros integer
+    values in [0, 15]).  Scales and zeros are [num_groups, N] in natural order, of ``dtype``
+    (default: w's dtype if it is float16 or bfloat16, else float16).
     """
     if w.dim() != 2 or not w.is_floating_point():
         raise ValueError(f"w must be a 2-D float tensor [K, N], got shape {tuple(w.shape)} dtype {w.dtype}")
+    _check_bits(bits)
+    if not sym and bits != 4:
+        raise ValueError(f"sym=False (zero points) with bits = {bits}: zero points are supported for 4-bit weights only")
+    sdtype = _scale_dtype(w, dtype)
     k, n = w.shape
     _check_group_size(k, group_size)
     g = num_groups(k, group_size)
+    maxq = (1 << bits) - 1
     wf = w.detach().float().reshape(g, k // g, n)
-    amax = wf.abs().amax(dim=1)  # [g, N]
-    scales = (amax * (2.0 / 15.0)).to(torch.float16)
-    # An all-zero group (or one so small that its scale underflows fp16) gets scale 1: q is 0 there.
+    if sym:
+        amax = wf.abs().amax(dim=1)  # [g, N]
+        scales = (amax * (2.0 / maxq)).to(sdtype)
+    else:
+        lo = wf.amin(dim=1).clamp(max=0)
+        hi = wf.amax(dim=1).clamp(min=0)
+        scales = ((hi - lo) / maxq).to(sdtype)
+    # An all-zero group (or one so small that its scale underflows) gets scale 1: its weights are 0.
     scales = torch.where(scales == 0, torch.ones_like(scales), scales)
-    q = torch.round(wf / scales.float().unsqueeze(1)).clamp_(_QMIN, _QMAX)
-    return q.reshape(k, n).to(torch.int8), scales
+    sf = scales.float().unsqueeze(1)
+    if sym:
+        q = torch.round(wf / sf).clamp_(-_bias(bits), _bias(bits) - 1)
+        return q.reshape(k, n).to(torch.int8), scales
+    zeros = torch.round(-lo / scales.float()).clamp_(0, maxq)
+    u = (torch.round(wf / sf) + zeros.unsqueeze(1)).clamp_(0, maxq)
+    return u.reshape(k, n).to(torch.int8), scales, zeros.to(sdtype)
 
 
-def dequantize(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """B = scale * q in float32 (exact), from natural-order q [K, N] and scales [groups, N]."""
+def dequantize(q: torch.Tensor, scales: torch.Tensor, zeros: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """B = (q - z) * s in float32 (exact), from natural-order q [K, N], scales and zeros [groups, N].
+
+    Without zeros, z = 0 (q is the signed value of a symmetric format)."""
     k, n = q.shape
     g = scales.shape[0]
-    if scales.shape[1] != n or k % g:
+    if scales.dim() != 2 or scales.shape[1] != n or g < 1 or k % g:
         raise ValueError(f"scales shape {tuple(scales.shape)} does not fit q shape {tuple(q.shape)}")
     s = scales.float().repeat_interleave(k // g, dim=0)
-    return q.float() * s
+    if zeros is None:
+        return q.float() * s
+    if zeros.shape != scales.shape:
+        raise ValueError(f"zeros shape {tuple(zeros.shape)}, expected the scales' shape {tuple(scales.shape)}")
+    return (q.float() - zeros.float().repeat_interleave(k // g, dim=0)) * s
 
 
 @lru_cache(maxsize=None)
-def _tile_order() -> torch.Tensor:
-    """For stored nibble slot o = 32 * lane + 8 * word + nibble: flat index k * 64 + n in the tile."""
-    order = []
+def _tile_order(bits: int = 4) -> torch.Tensor:
+    """For stored value slot o of a tile (word o // (32 / bits), position o % (32 / bits) in it):
+    the flat index k * 64 + n in the 16 x 64 tile."""
+    order = [0] * (TILE_K * TILE_N)
     for lane in range(32):
         g, c = divmod(lane, 4)
-        for word in range(4):  # the 16-column block j of the 64-wide tile
-            for nibble in range(8):
-                e = INTERLEAVE[nibble]
+        for j in range(4):  # the 16-column block of the 64-wide tile
+            for e in range(8):  # fragment element
                 half, r = divmod(e, 4)  # which 8-column half of the block, which of the 4 rows
                 k = 2 * c + (r % 2) + 8 * (r // 2)
-                n = 16 * word + 8 * half + g
-                order.append(k * TILE_N + n)
+                n = 16 * j + 8 * half + g
+                if bits == 4:
+                    slot = 32 * lane + 8 * j + INTERLEAVE.index(e)
+                else:
+                    slot = 32 * lane + 4 * (2 * j + half) + INTERLEAVE_8.index(r)
+                order[slot] = k * TILE_N + n
     perm = torch.tensor(order, dtype=torch.long)
     assert torch.equal(perm.sort().values, torch.arange(TILE_K * TILE_N)), "tile order is not a permutation"
     return perm
 
 
 def permute_scales(scales: torch.Tensor) -> torch.Tensor:
-    """Natural-order scales [groups, N] -> the layout the kernel reads (identity for one group)."""
+    """Natural-order scales (or zeros) [groups, N] -> the layout the kernel reads (identity for one group)."""
     g, n = scales.shape
     if g == 1:
         return scales.contiguous()
@@ -158,52 +232,89 @@ def unpermute_scales(b_scales: torch.Tensor) -> torch.Tensor:
     return permute_scales(b_scales)
 
 
-def pack(q: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Pack natural-order q int8 [K, N] in [-8, 7] and scales fp16 [groups, N] into the Marlin layout.
+def _check_scales(name: str, t: torch.Tensor, k: int, n: int) -> None:
+    if t.dim() != 2 or t.shape[1] != n or t.shape[0] < 1 or k % t.shape[0]:
+        raise ValueError(f"{name} shape {tuple(t.shape)}, expected [groups, {n}] with groups dividing K = {k}")
+    if (k // t.shape[0]) % TILE_K:
+        raise ValueError(f"group size {k // t.shape[0]} is not a multiple of {TILE_K}")
+    if t.dtype not in SUPPORTED_DTYPES:
+        raise ValueError(f"{name}.dtype = {t.dtype}, expected torch.float16 or torch.bfloat16")
 
-    Returns ``b_q`` int32 [K / 16, 2 N] and ``b_scales`` fp16 [groups, N] (permuted when groups > 1).
+
+def pack(q: torch.Tensor, scales: torch.Tensor, zeros: Optional[torch.Tensor] = None, bits: int = 4):
+    """Pack natural-order q int8 [K, N], scales [groups, N] (and zeros) into the Marlin layout.
+
+    Symmetric (zeros None): q in [-2^(bits-1), 2^(bits-1) - 1]; returns (b_q, b_scales).
+    Zero points (4 bits): q = u in [0, 15], zeros integer values in [0, 15] of the scales' dtype
+    and shape; returns (b_q, b_scales, b_zeros).  b_q is int32 [K / 16, words_per_column(bits) * N].
     """
+    _check_bits(bits)
     if q.dim() != 2:
         raise ValueError(f"q must be 2-D [K, N], got shape {tuple(q.shape)}")
     k, n = q.shape
     _check_kn(k, n)
-    if scales.dim() != 2 or scales.shape[1] != n or scales.shape[0] < 1 or k % scales.shape[0]:
-        raise ValueError(f"scales shape {tuple(scales.shape)}, expected [groups, {n}] with groups dividing K = {k}")
-    if (k // scales.shape[0]) % TILE_K:
-        raise ValueError(f"group size {k // scales.shape[0]} is not a multiple of {TILE_K}")
-    if scales.dtype != torch.float16:
-        raise ValueError(f"scales.dtype = {scales.dtype}, expected torch.float16")
-    if int(q.min()) < _QMIN or int(q.max()) > _QMAX:
-        raise ValueError(f"q values must lie in [{_QMIN}, {_QMAX}], got [{int(q.min())}, {int(q.max())}]")
+    _check_scales("scales", scales, k, n)
+    if zeros is None:
+        lo, hi = -_bias(bits), _bias(bits) - 1
+    else:
+        if bits != 4:
+            raise ValueError(f"zeros given with bits = {bits}: zero points are supported for 4-bit weights only")
+        if zeros.shape != scales.shape or zeros.dtype != scales.dtype:
+            raise ValueError(
+                f"zeros {tuple(zeros.shape)} {zeros.dtype}, expected the scales' shape and dtype "
+                f"{tuple(scales.shape)} {scales.dtype}"
+            )
+        zf = zeros.float()
+        if not bool(((zf >= 0) & (zf <= 15) & (zf == zf.round())).all()):
+            raise ValueError("zeros must hold integer values in [0, 15]")
+        lo, hi = 0, 15
+    if int(q.min()) < lo or int(q.max()) > hi:
+        raise ValueError(f"q values must lie in [{lo}, {hi}] for this format, got [{int(q.min())}, {int(q.max())}]")
 
-    u = q.to(torch.int64) + _OFFSET
+    u = q.to(torch.int64) + (_bias(bits) if zeros is None else 0)
+    per_word = 32 // bits
+    tile_words = TILE_K * TILE_N // per_word
     tiles = u.reshape(k // TILE_K, TILE_K, n // TILE_N, TILE_N).permute(0, 2, 1, 3)
     tiles = tiles.reshape(k // TILE_K, n // TILE_N, TILE_K * TILE_N)
-    slots = tiles[..., _tile_order().to(u.device)].reshape(k // TILE_K, n // TILE_N, WORDS_PER_TILE, 8)
-    shifts = torch.arange(0, 32, 4, dtype=torch.int64, device=u.device)
+    slots = tiles[..., _tile_order(bits).to(u.device)].reshape(k // TILE_K, n // TILE_N, tile_words, per_word)
+    shifts = torch.arange(0, 32, bits, dtype=torch.int64, device=u.device)
     words = (slots << shifts).sum(dim=-1)  # 0 .. 2^32 - 1
     words = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
-    b_q = words.reshape(k // TILE_K, 2 * n)
-    return b_q.contiguous(), permute_scales(scales)
+    b_q = words.reshape(k // TILE_K, words_per_column(bits) * n).contiguous()
+    if zeros is None:
+        return b_q, permute_scales(scales)
+    return b_q, permute_scales(scales), permute_scales(zeros)
 
 
-def unpack(b_q: torch.Tensor, b_scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Exact inverse of pack: (b_q, b_scales) -> (q int8 [K, N], scales fp16 [groups, N] natural)."""
-    if b_q.dim() != 2 or b_q.dtype != torch.int32 or b_q.shape[1] % (2 * TILE_N):
-        raise ValueError(f"b_q must be int32 [K/16, 2N] with N a multiple of {TILE_N}, got {tuple(b_q.shape)} {b_q.dtype}")
-    k, n = b_q.shape[0] * TILE_K, b_q.shape[1] // 2
+def unpack(b_q: torch.Tensor, b_scales: torch.Tensor, b_zeros: Optional[torch.Tensor] = None, bits: int = 4):
+    """Exact inverse of pack: returns (q, scales) or, with b_zeros, (q, scales, zeros), in natural order."""
+    _check_bits(bits)
+    wpc = words_per_column(bits)
+    if b_q.dim() != 2 or b_q.dtype != torch.int32 or b_q.shape[1] % (wpc * TILE_N):
+        raise ValueError(
+            f"b_q must be int32 [K/16, {wpc}N] with N a multiple of {TILE_N} for bits = {bits}, "
+            f"got {tuple(b_q.shape)} {b_q.dtype}"
+        )
+    if b_zeros is not None and bits != 4:
+        raise ValueError(f"b_zeros given with bits = {bits}: zero points are supported for 4-bit weights only")
+    k, n = b_q.shape[0] * TILE_K, b_q.shape[1] // wpc
+    per_word = 32 // bits
     words = b_q.to(torch.int64) & 0xFFFFFFFF
-    words = words.reshape(k // TILE_K, n // TILE_N, WORDS_PER_TILE, 1)
-    slots = (words >> torch.arange(0, 32, 4, dtype=torch.int64, device=b_q.device)) & 0xF
+    words = words.reshape(k // TILE_K, n // TILE_N, TILE_K * TILE_N // per_word, 1)
+    slots = (words >> torch.arange(0, 32, bits, dtype=torch.int64, device=b_q.device)) & ((1 << bits) - 1)
     slots = slots.reshape(k // TILE_K, n // TILE_N, TILE_K * TILE_N)
     tiles = torch.empty_like(slots)
-    tiles[..., _tile_order().to(b_q.device)] = slots
+    tiles[..., _tile_order(bits).to(b_q.device)] = slots
     u = tiles.reshape(k // TILE_K, n // TILE_N, TILE_K, TILE_N).permute(0, 2, 1, 3).reshape(k, n)
-    q = (u - _OFFSET).to(torch.int8)
-    return q, unpermute_scales(b_scales)
+    if b_zeros is None:
+        return (u - _bias(bits)).to(torch.int8), unpermute_scales(b_scales)
+    return u.to(torch.int8), unpermute_scales(b_scales), unpermute_scales(b_zeros)
 
 
-def quantize_and_pack(w: torch.Tensor, group_size: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
-    """quantize + pack for B [K, N]; returns (b_q, b_scales) ready for torch.ops.marlin.gemm."""
-    q, scales = quantize(w, group_size)
-    return pack(q, scales)
+def quantize_and_pack(
+    w: torch.Tensor, group_size: int = 128, bits: int = 4, sym: bool = True, dtype: Optional[torch.dtype] = None
+):
+    """quantize + pack for B [K, N]; returns (b_q, b_scales) or (b_q, b_scales, b_zeros) with sym=False,
+    ready for ``torch.ops.marlin.gemm(a, b_q, b_scales, b_zeros, bits=bits)``."""
+    parts = quantize(w, group_size, bits=bits, sym=sym, dtype=dtype)
+    return pack(*parts, bits=bits)

@@ -21,14 +21,17 @@ def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
     return ((x64 - r64).norm() / r64.norm().clamp_min(1e-30)).item()
 
 
-def random_layer(k: int, n: int, group_size: int, device="cpu", seed=None):
-    """Random B [K, N] quantized and packed: returns (q, scales, b_q, b_scales)."""
+def random_layer(k: int, n: int, group_size: int, device="cpu", seed=None, *, bits=4, sym=True, dtype=torch.float16):
+    """Random B [K, N] quantized and packed: returns (q, scales, b_q, b_scales) for symmetric
+    formats and (q, scales, b_q, b_scales, zeros, b_zeros) with sym=False."""
     gen = torch.Generator(device="cpu")
     gen.manual_seed(torch.seed() if seed is None else seed)
     w = torch.randn(k, n, generator=gen)
-    q, scales = packing.quantize(w.to(device), group_size)
-    b_q, b_scales = packing.pack(q, scales)
-    return q, scales, b_q.to(device), b_scales.to(device)
+    parts = packing.quantize(w.to(device), group_size, bits=bits, sym=sym, dtype=dtype)
+    packed = [t.to(device) for t in packing.pack(*parts, bits=bits)]
+    if sym:
+        return parts[0], parts[1], packed[0], packed[1]
+    return parts[0], parts[1], packed[0], packed[1], parts[2], packed[2]
 
 
 def fp32_matmul(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -41,9 +44,9 @@ def fp32_matmul(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         torch.backends.cuda.matmul.allow_tf32 = prev
 
 
-def reference(a: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+def reference(a: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, zeros=None) -> torch.Tensor:
     """A @ dequant(B) with exact weights, in float64 on CPU or float32 (no TF32) on GPU."""
-    w = packing.dequantize(q, scales)
+    w = packing.dequantize(q, scales, zeros)
     return fp32_matmul(a, w) if a.is_cuda else a.double() @ w.double()
 
 

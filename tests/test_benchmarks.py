@@ -17,6 +17,10 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from benchmarks import bench_gemm as B  # noqa: E402
+from benchmarks import bench_math as BM  # noqa: E402
+from benchmarks import provenance as PV  # noqa: E402
+from benchmarks import timing as TM  # noqa: E402
+from benchmarks import gemm_prep as GP  # noqa: E402
 from benchmarks import report as R  # noqa: E402
 from benchmarks import shapes as S  # noqa: E402
 from benchmarks import sustained as SU  # noqa: E402
@@ -37,58 +41,58 @@ from benchmarks import sustained as SU  # noqa: E402
     ],
 )
 def test_sanitize_gpu_name(name, slug):
-    assert B.sanitize_gpu_name(name) == slug
+    assert BM.sanitize_gpu_name(name) == slug
 
 
 def test_byte_counts():
     k, n, m = 4096, 4096, 16
-    assert B.weight_bytes("fp16", k, n) == 2 * k * n
-    assert B.weight_bytes("marlin_g128", k, n) == k * n // 2 + 2 * n * (k // 128)
-    assert B.weight_bytes("marlin_gcol", k, n) == k * n // 2 + 2 * n
-    assert B.weight_bytes("torch_int4", k, n) == k * n // 2 + 4 * n * (k // 128)
-    assert B.io_bytes(k, n, m) == 2 * m * k + 2 * m * n
-    assert B.kernel_bytes("marlin_g128", k, n, m) == B.weight_bytes("marlin_g128", k, n) + 2 * m * (k + n)
-    assert B.gemm_flops(k, n, m) == 2 * m * k * n
+    assert BM.weight_bytes("fp16", k, n) == 2 * k * n
+    assert BM.weight_bytes("marlin_g128", k, n) == k * n // 2 + 2 * n * (k // 128)
+    assert BM.weight_bytes("marlin_gcol", k, n) == k * n // 2 + 2 * n
+    assert BM.weight_bytes("torch_int4", k, n) == k * n // 2 + 4 * n * (k // 128)
+    assert BM.io_bytes(k, n, m) == 2 * m * k + 2 * m * n
+    assert BM.kernel_bytes("marlin_g128", k, n, m) == BM.weight_bytes("marlin_g128", k, n) + 2 * m * (k + n)
+    assert BM.gemm_flops(k, n, m) == 2 * m * k * n
     with pytest.raises(ValueError):
-        B.weight_bytes("nope", k, n)
+        BM.weight_bytes("nope", k, n)
 
 
 def test_bandwidth_and_rates():
-    assert B.gbps(3e9, 1e6) == pytest.approx(3.0)  # 3 GB in 1 s
-    assert B.gbps(1e6, 1.0) == pytest.approx(1000.0)  # 1 MB in 1 us = 1 TB/s
-    assert math.isnan(B.gbps(1e6, float("nan")))
-    assert math.isnan(B.gbps(1e6, 0.0))
-    assert B.tflops(2e12, 1e6) == pytest.approx(2.0)
+    assert BM.gbps(3e9, 1e6) == pytest.approx(3.0)  # 3 GB in 1 s
+    assert BM.gbps(1e6, 1.0) == pytest.approx(1000.0)  # 1 MB in 1 us = 1 TB/s
+    assert math.isnan(BM.gbps(1e6, float("nan")))
+    assert math.isnan(BM.gbps(1e6, 0.0))
+    assert BM.tflops(2e12, 1e6) == pytest.approx(2.0)
     # the issue's ideal: 16 / (4 + 16 / 128)
-    assert B.ideal_speedup("marlin_g128", 8192, 8192) == pytest.approx(16 / (4 + 16 / 128))
-    assert B.ideal_speedup("marlin_gcol", 8192, 8192) == pytest.approx(4.0, rel=1e-3)
+    assert BM.ideal_speedup("marlin_g128", 8192, 8192) == pytest.approx(16 / (4 + 16 / 128))
+    assert BM.ideal_speedup("marlin_gcol", 8192, 8192) == pytest.approx(4.0, rel=1e-3)
 
 
 def test_copies_needed():
     l2 = 50 << 20
-    assert B.copies_needed(8 << 20, l2) == 25  # ceil(200 MiB / 8 MiB)
-    assert B.copies_needed(9 << 30, l2) == 1  # one copy already exceeds 4 x L2
-    assert B.copies_needed(1, 0) == 1
-    assert B.copies_needed(1, 0, minimum=2) == 2
+    assert BM.copies_needed(8 << 20, l2) == 25  # ceil(200 MiB / 8 MiB)
+    assert BM.copies_needed(9 << 30, l2) == 1  # one copy already exceeds 4 x L2
+    assert BM.copies_needed(1, 0) == 1
+    assert BM.copies_needed(1, 0, minimum=2) == 2
     k, n = 4096, 4096
-    c = B.copies_needed(B.weight_bytes("marlin_g128", k, n), l2)
-    assert c * B.weight_bytes("marlin_g128", k, n) >= 4 * l2
+    c = BM.copies_needed(BM.weight_bytes("marlin_g128", k, n), l2)
+    assert c * BM.weight_bytes("marlin_g128", k, n) >= 4 * l2
 
 
 def test_timing_plan_walks_all_copies():
-    samples, calls = B._plan(10e-6, 0.04, 24, 3, 10)
-    assert samples == 10 and calls % 24 == 0 and calls <= B.MAX_GRAPH_CALLS
-    samples, calls = B._plan(0.1, 0.04, 1, 3, 10)  # a 100 ms call: the minimum of 3 samples of 1
+    samples, calls = TM._plan(10e-6, 0.04, 24, 3, 10)
+    assert samples == 10 and calls % 24 == 0 and calls <= BM.MAX_GRAPH_CALLS
+    samples, calls = TM._plan(0.1, 0.04, 1, 3, 10)  # a 100 ms call: the minimum of 3 samples of 1
     assert (samples, calls) == (3, 1)
 
 
 def test_round_orders_rotate_the_kernels():
-    ks = list(B.KERNELS)
-    orders = B.round_orders(ks, 3)
+    ks = list(BM.KERNELS)
+    orders = TM.round_orders(ks, 3)
     assert len(orders) == 3 and all(sorted(o) == sorted(ks) for o in orders)
     assert [o[0] for o in orders] == ks[:3]  # a different kernel leads (and follows fp16) each round
     assert len({tuple(o) for o in orders}) == 3
-    assert B.round_orders(ks, 0) == [ks] and B.round_orders([], 2) == []
+    assert TM.round_orders(ks, 0) == [ks] and TM.round_orders([], 2) == []
 
 
 def test_measure_point_pools_the_rounds(monkeypatch):
@@ -100,10 +104,10 @@ def test_measure_point_pools_the_rounds(monkeypatch):
         return {"time_us": t * 1e6, "timing": "wall", "samples": 2, "calls": 1, "spread": 0.0,
                 "times_s": [t, t * (1 + len(calls) / 10)]}
 
-    monkeypatch.setattr(B, "measure", fake_measure)
-    preps = {k: B.Prepared(k, 1, 1, (lambda k: lambda a: (lambda i: k))(k)) for k in ("fp16", "marlin_g128")}
+    monkeypatch.setattr(TM, "measure", fake_measure)
+    preps = {k: GP.Prepared(k, 1, 1, (lambda k: lambda a: (lambda i: k))(k)) for k in ("fp16", "marlin_g128")}
     preps["torch_int4"] = None  # failed preparation: a point with no time
-    pts = B.measure_point(preps, "s", 64, 64, 4, torch.device("cpu"), rounds=2, budget_s=1e-3,
+    pts = TM.measure_point(preps, "s", 64, 64, 4, torch.device("cpu"), rounds=2, budget_s=1e-3,
                           max_call_s=None, use_graph=False, notes=[])
     assert calls == ["fp16", "marlin_g128", "marlin_g128", "fp16"]  # rotated in round 2
     by = {p["kernel"]: p for p in pts}
@@ -130,16 +134,19 @@ def test_shapes_table():
         assert k % 128 == 0 and n % 128 == 0, name
 
 
-def _points(speedup_fn, shapes=S.DEFAULT_SHAPES, ms=S.DEFAULT_MS, kernels=B.KERNELS):
+def _points(speedup_fn, shapes=S.DEFAULT_SHAPES, ms=S.DEFAULT_MS, kernels=BM.KERNELS):
     """Synthetic points: fp16 time from a bandwidth model, others = fp16 / speedup_fn(kernel, shape, m)."""
     pts = []
     for shape in shapes:
         k, n = S.BENCH_SHAPES.get(shape) or S.MODEL_LAYERS.get(shape) or S.roofline_shapes().get(shape) or S.ideal_shape(132)
-        t16 = B.kernel_bytes("fp16", k, n, 1) / 3000e3  # us at 3 TB/s
+        t16 = BM.kernel_bytes("fp16", k, n, 1) / 3000e3  # us at 3 TB/s
         for m in ms:
-            t_fp16 = max(t16, B.gemm_flops(k, n, m) / 700e6)
+            t_fp16 = max(t16, BM.gemm_flops(k, n, m) / 700e6)
             for kern in kernels:
-                t = t_fp16 if kern == "fp16" else t_fp16 / speedup_fn(kern, shape, m)
+                if kern == "fp16_kn":
+                    t = t_fp16 * 1.1  # the slower layout here: the baseline stays fp16
+                else:
+                    t = t_fp16 if kern == "fp16" else t_fp16 / speedup_fn(kern, shape, m)
                 pts.append({"shape": shape, "K": k, "N": n, "M": m, "kernel": kern, "time_us": t})
     return pts
 
@@ -151,14 +158,14 @@ def _good(kern, shape, m):
 
 
 def test_targets_pass_and_fail():
-    res = B.evaluate_targets(_points(_good))
-    assert all(r["passed"] for r in res), B.format_targets(res)
+    res = BM.evaluate_targets(_points(_good))
+    assert all(r["passed"] for r in res), BM.format_targets(res)
     assert res[0]["n"] == res[0]["expected"] == 25
 
     def one_bad(kern, shape, m):  # one large layer point at 2.9x: median still fine, "every point" fails
         return 2.9 if (shape == "70B_o" and m == 4) else _good(kern, shape, m)
 
-    res = {r["target"]: r for r in B.evaluate_targets(_points(one_bad))}
+    res = {r["target"]: r for r in BM.evaluate_targets(_points(one_bad))}
     every = res["large layers (70B + ideal), M=1..16: every point"]
     assert every["passed"] is False and every["worst"] == {"shape": "70B_o", "M": 4}
     assert every["min"] == pytest.approx(2.9)
@@ -167,24 +174,24 @@ def test_targets_pass_and_fail():
     def slow_big(kern, shape, m):
         return 0.5 if m >= 256 else _good(kern, shape, m)
 
-    res = {r["target"]: r for r in B.evaluate_targets(_points(slow_big))}
+    res = {r["target"]: r for r in BM.evaluate_targets(_points(slow_big))}
     assert res["all 7B/70B/ideal layers, M>=256: every point"]["passed"] is False
 
     # no data: N/A, not a pass
-    res = B.evaluate_targets(_points(_good, shapes=("7B_o",), ms=(1,)))
+    res = BM.evaluate_targets(_points(_good, shapes=("7B_o",), ms=(1,)))
     assert [r["passed"] for r in res][:1] == [None]
-    assert "N/A" in B.format_targets(res)
+    assert "N/A" in BM.format_targets(res)
 
 
 def test_targets_ignore_missing_times_and_use_layer_aliases():
     pts = _points(_good, shapes=("Llama-2-70B/o",), ms=(1, 2, 4, 8, 16))
     pts.append({"shape": "70B_qkv", "K": 8192, "N": 10240, "M": 1, "kernel": "marlin_g128", "time_us": None})
-    r = B.evaluate_targets(pts)[0]
+    r = BM.evaluate_targets(pts)[0]
     assert r["n"] == 5 and r["passed"] is True  # Llama-2-70B/o counts as 70B_o
 
 
 def test_format_table():
-    txt = B.format_table(_points(_good, shapes=("7B_o",), ms=(1, 16)), copy_bw_gbps=3000.0)
+    txt = BM.format_table(_points(_good, shapes=("7B_o",), ms=(1, 16)), copy_bw_gbps=3000.0)
     assert "7B_o" in txt and "g128 us" in txt and "3.60" in txt
 
 
@@ -204,54 +211,54 @@ def test_git_tree_hash_matches_git(tmp_path):
     root = subprocess.run(["git", "write-tree"], cwd=tmp_path, check=True, env=env, capture_output=True, text=True)
     sub = subprocess.run(["git", "rev-parse", f"{root.stdout.strip()}:d"], cwd=tmp_path, check=True, env=env,
                          capture_output=True, text=True).stdout.strip()
-    assert B.git_tree_hash(tmp_path / "d", ignore=[]) == sub
+    assert PV.git_tree_hash(tmp_path / "d", ignore=[]) == sub
     (tmp_path / "d" / "a.cu").write_text("changed\n")
-    assert B.git_tree_hash(tmp_path / "d", ignore=[]) != sub
+    assert PV.git_tree_hash(tmp_path / "d", ignore=[]) != sub
 
 
 def test_git_info_without_git_uses_the_given_tree(monkeypatch):
-    work = B.git_tree_hash(B.REPO / "csrc")
-    monkeypatch.setattr(B, "_git_usable", lambda: False)  # as in a copy of the tree without .git
-    info = B.git_info()
+    work = PV.git_tree_hash(BM.REPO / "csrc")
+    monkeypatch.setattr(PV, "_git_usable", lambda: False)  # as in a copy of the tree without .git
+    info = PV.git_info()
     assert info["git_dirty"] is None and info["csrc_worktree_tree"] == work and info["provenance_source"] == "none"
-    info = B.git_info("abc", work)
+    info = PV.git_info("abc", work)
     assert info["git_dirty"] is False and info["csrc_tree"] == work and info["git_rev"] == "abc"
-    assert B.git_info(None, "0" * 40)["git_dirty"] is True
+    assert PV.git_info(None, "0" * 40)["git_dirty"] is True
     monkeypatch.setenv("MARLIN_CSRC_TREE", work)
-    assert B.collect_meta(torch.device("cpu"), "x")["git_dirty"] is False
+    assert PV.collect_meta(torch.device("cpu"), "x")["git_dirty"] is False
 
 
 def test_given_tree_wins_over_a_copy_with_an_unrelated_git(monkeypatch):
     # the device copy may carry a stale git whose HEAD is an older commit: the given tree decides
-    work = B.git_tree_hash(B.REPO / "csrc")
-    monkeypatch.setattr(B, "_git_usable", lambda: True)
-    monkeypatch.setattr(B, "_git", lambda *a: "s" * 40 if a[:1] == ("rev-parse",) else " M csrc/x.cu")
-    info = B.git_info("abc", work)
+    work = PV.git_tree_hash(BM.REPO / "csrc")
+    monkeypatch.setattr(PV, "_git_usable", lambda: True)
+    monkeypatch.setattr(PV, "_git", lambda *a: "s" * 40 if a[:1] == ("rev-parse",) else " M csrc/x.cu")
+    info = PV.git_info("abc", work)
     assert info["provenance_source"] == "given" and info["git_dirty"] is False and info["git_rev"] == "abc"
-    assert B.git_info("abc", "0" * 40)["git_dirty"] is True
-    assert B.git_info()["provenance_source"] == "git" and B.git_info()["git_dirty"] is True
+    assert PV.git_info("abc", "0" * 40)["git_dirty"] is True
+    assert PV.git_info()["provenance_source"] == "git" and PV.git_info()["git_dirty"] is True
 
 
 def test_git_in_an_empty_repository_is_not_trusted(monkeypatch):
-    answers = {("rev-parse", "--show-toplevel"): str(B.REPO), ("rev-parse", "--verify", "-q", "HEAD"): None}
-    monkeypatch.setattr(B, "_git", lambda *a: answers.get(a))
-    assert B._git_usable() is False  # `git init` in a copied tree: everything looks untracked
+    answers = {("rev-parse", "--show-toplevel"): str(BM.REPO), ("rev-parse", "--verify", "-q", "HEAD"): None}
+    monkeypatch.setattr(PV, "_git", lambda *a: answers.get(a))
+    assert PV._git_usable() is False  # `git init` in a copied tree: everything looks untracked
     answers[("rev-parse", "--verify", "-q", "HEAD")] = "a" * 40
-    assert B._git_usable() is True
+    assert PV._git_usable() is True
 
 
 def test_report_provenance_check(monkeypatch):
-    monkeypatch.setattr(B, "_git_usable", lambda: True)
-    monkeypatch.setattr(B, "_git", lambda *a: "t" * 40)
+    monkeypatch.setattr(PV, "_git_usable", lambda: True)
+    monkeypatch.setattr(PV, "_git", lambda *a: "t" * 40)
     assert R.provenance_check({"git_dirty": None, "csrc_worktree_tree": "t" * 40}).startswith("Provenance: OK")
     assert "MISMATCH" in R.provenance_check({"git_dirty": None, "csrc_worktree_tree": "u" * 40})
     assert R.provenance_check({"git_dirty": False, "csrc_worktree_tree": "u" * 40}) == ""
 
 
 def test_dirty_warning():
-    assert B.dirty_warning({"git_dirty": False}) is None
-    assert "uncommitted" in B.dirty_warning({"git_dirty": True, "git_dirty_files": ["csrc/x.cu"]})
-    assert "cannot tell" in B.dirty_warning({"git_dirty": None})
+    assert PV.dirty_warning({"git_dirty": False}) is None
+    assert "uncommitted" in PV.dirty_warning({"git_dirty": True, "git_dirty_files": ["csrc/x.cu"]})
+    assert "cannot tell" in PV.dirty_warning({"git_dirty": None})
 
 
 def test_dump_results_is_strict_json():
@@ -265,17 +272,17 @@ def test_marlin_check_catches_a_wrong_kernel(monkeypatch):
     k, n = 256, 256
     b_q = torch.randint(-(2**31), 2**31, (k // 16, 2 * n), dtype=torch.int32)
     b_s = torch.empty(2, n, dtype=torch.float16).uniform_(0.001, 0.01)
-    res = B.check_marlin(b_q, b_s, k, n, torch.device("cpu"), None, ms=(3,))
+    res = GP.check_marlin(b_q, b_s, k, n, torch.device("cpu"), None, ms=(3,))
     assert res[0]["ok"] and res[0]["columns"] == n
     real = marlin.ops.gemm
     monkeypatch.setattr(marlin.ops, "gemm", lambda *a, **kw: real(*a, **kw) * 1.01)
-    with pytest.raises(B.CorrectnessError, match="WRONG"):
-        B.check_marlin(b_q, b_s, k, n, torch.device("cpu"), None, ms=(3,))
+    with pytest.raises(GP.CorrectnessError, match="WRONG"):
+        GP.check_marlin(b_q, b_s, k, n, torch.device("cpu"), None, ms=(3,))
 
 
 def test_check_tiles_sampling():
-    assert B._check_tiles(256, 256, 1 << 24) == [0, 1, 2, 3]
-    tiles = B._check_tiles(33792, 135168, 1 << 24)
+    assert GP._check_tiles(256, 256, 1 << 24) == [0, 1, 2, 3]
+    tiles = GP._check_tiles(33792, 135168, 1 << 24)
     assert tiles[0] == 0 and tiles[-1] == 33792 // 64 - 1 and len(tiles) >= 2
 
 
@@ -358,7 +365,7 @@ def test_bench_gemm_dry_run(tmp_path):
     data = json.loads(out.read_text())
     assert data["meta"]["mode"] == "dry-run" and data["meta"]["gpu"] == "cpu"
     kinds = {p["kernel"] for p in data["points"]}
-    assert kinds == set(B.KERNELS)
+    assert kinds == set(BM.KERNELS)
     marlin_pts = [p for p in data["points"] if p["kernel"].startswith("marlin")]
     assert marlin_pts and all(p["time_us"] > 0 for p in marlin_pts)
     assert all(p["time_us"] is None for p in data["points"] if p["kernel"] == "torch_int4")  # CUDA only
@@ -375,3 +382,29 @@ def test_sustained_dry_run(tmp_path):
     data = json.loads(out.read_text())
     assert data["meta"]["kind"] == "sustained" and data["classes"][0]["M"] == 1
     assert all(r["speedup"] > 0 for r in data["classes"][0]["seconds"])
+
+
+def test_speedups_are_over_the_faster_fp16_layout():
+    pts = [{"shape": "7B_o", "K": 4096, "N": 4096, "M": 1, "kernel": k, "time_us": t}
+           for k, t in (("fp16", 30.0), ("fp16_kn", 24.0), ("marlin_g128", 12.0))]
+    assert BM.speedups(pts)[("7B_o", 1)] == pytest.approx(2.0)  # 24 / 12, not 30 / 12
+    pts[1]["time_us"] = None  # fp16_kn not measured: fp16 alone is the baseline
+    assert BM.speedups(pts)[("7B_o", 1)] == pytest.approx(2.5)
+    assert "24.0" in BM.format_table(pts[:1] + [dict(pts[1], time_us=24.0)] + pts[2:])
+
+
+def test_direct_and_kn_kernels_have_byte_counts():
+    k, n = 4096, 11008
+    assert BM.weight_bytes("fp16_kn", k, n) == BM.weight_bytes("fp16", k, n)
+    assert BM.weight_bytes("marlin_direct", k, n) == BM.weight_bytes("marlin_g128", k, n)
+
+
+def test_roofline_bound_is_the_slower_of_memory_and_math():
+    k, n = 8192, 8192
+    bw, tf = 3000.0, 700.0  # GB/s, TFLOP/s
+    t_mem = BM.kernel_bytes("marlin_g128", k, n, 1) / 3000e3
+    assert BM.roofline_us("marlin_g128", k, n, 1, bw, tf) == pytest.approx(t_mem)
+    t_math = BM.gemm_flops(k, n, 4096) / 700e6
+    assert BM.roofline_us("marlin_g128", k, n, 4096, bw, tf) == pytest.approx(t_math)
+    assert BM.roofline_fraction("marlin_g128", k, n, 1, 2 * t_mem, bw, tf) == pytest.approx(0.5)
+    assert math.isnan(BM.roofline_fraction("marlin_g128", k, n, 1, 2 * t_mem, None, tf))

@@ -322,7 +322,7 @@ BROKEN = {
     "config without sym": (drop_key("sym"), ["lacks 'sym'"]),
     "bits 8": (set_key("bits", 8), ["bits = 8 is not supported", "4-bit"]),
     "sym false": (set_key("sym", False), ["sym = false", "asymmetric"]),
-    "group size 64 in config": (set_key("group_size", 64), ["group_size = 64 is not supported", "128 or -1"]),
+    "group size 48 in config": (set_key("group_size", 48), ["group_size = 48 is not supported", "(32, 64, 128, -1)"]),
     "already marlin": (set_key("checkpoint_format", "marlin"), ["already converted"]),
     "unknown format": (set_key("checkpoint_format", "awq"), ["checkpoint_format = 'awq' is not supported"]),
     "not gptq": (set_key("quant_method", "awq"), ["quant_method = 'awq'", "expected 'gptq'"]),
@@ -390,9 +390,9 @@ def test_asymmetric_zeros_refused_after_conversion_started(tmp_path):
 @pytest.mark.parametrize(
     "group_size, shapes, needle",
     [
-        (64, [("model.a", 256, 256, False)], "group_size = 64 is not supported"),
-        (-1, [("model.a", 192, 256, False)], "in_features = 192, expected a positive multiple of 128"),
-        (-1, [("model.a", 256, 200, False)], "out_features = 200, expected a positive multiple of 128"),
+        (256, [("model.a", 256, 256, False)], "group_size = 256 is not supported"),
+        (-1, [("model.a", 160, 256, False)], "in_features = 160, expected a positive multiple of 64"),
+        (-1, [("model.a", 256, 200, False)], "out_features = 200, expected a positive multiple of 64"),
     ],
 )
 def test_unsupported_shapes(tmp_path, group_size, shapes, needle):

@@ -164,6 +164,6 @@ def test_doc_constants(doc):
     assert packing.INTERLEAVE == (0, 2, 4, 6, 1, 3, 5, 7)
     assert "INTERLEAVE = (0, 2, 4, 6, 1, 3, 5, 7)" in doc
     assert packing.TILE_K == 16 and packing.TILE_N == 64
-    assert packing.SUPPORTED_GROUP_SIZES == (128, -1)
-    assert "SUPPORTED_GROUP_SIZES = (128, -1)" in doc
+    assert packing.SUPPORTED_GROUP_SIZES == (32, 64, 128, -1)
+    assert "SUPPORTED_GROUP_SIZES = (32, 64, 128, -1)" in doc
     assert packing.group_size_of(256, 1) == -1 and packing.group_size_of(256, 2) == 128

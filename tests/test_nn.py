@@ -102,7 +102,7 @@ def test_new_layer_computes_zero_and_repr():
     [
         (100, 256, 128, "in_features = 100"),
         (256, 200, 128, "out_features = 200"),
-        (256, 256, 64, "group_size = 64"),
+        (256, 256, 48, "group_size = 48"),
         (0, 256, 128, "in_features = 0"),
     ],
 )
@@ -110,7 +110,7 @@ def test_bad_shape_raises_valueerror_saying_what_works(k, n, group_size, needle)
     with pytest.raises(ValueError) as info:
         MarlinLinear(k, n, group_size=group_size)
     msg = str(info.value)
-    assert needle in msg and "multiple of 128" in msg and "-1 (per column)" in msg
+    assert needle in msg and "multiple of 64" in msg and "(-1: per column)" in msg
 
 
 def test_dtype_errors():
@@ -267,8 +267,8 @@ def test_replace_linear_patterns_and_strict():
     assert report.replaced == ["proj"]
     with pytest.raises(ValueError, match="cannot replace odd"):
         replace_linear(Mixed().half(), strict=True)
-    with pytest.raises(ValueError, match="group_size = 64, expected 128 or -1"):
-        replace_linear(Mixed().half(), group_size=64)
+    with pytest.raises(ValueError, match=r"group_size = 48, expected one of \(32, 64, 128, -1\)"):
+        replace_linear(Mixed().half(), group_size=48)
 
 
 def test_replace_linear_shared_module():

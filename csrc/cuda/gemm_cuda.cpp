@@ -64,8 +64,19 @@ bool log_plan() {
 
 at::Tensor gemm_cuda(const at::Tensor& a, const at::Tensor& b_q, const at::Tensor& b_scales,
                      const std::optional<at::Tensor>& b_zeros, const std::optional<at::Tensor>& workspace,
-                     std::optional<int64_t> tile_k, std::optional<int64_t> tile_n) {
-  const GemmShape sh = check_gemm_args(a, b_q, b_scales, b_zeros, workspace, tile_k, tile_n);
+                     std::optional<int64_t> tile_k, std::optional<int64_t> tile_n, int64_t bits) {
+  const GemmShape sh = check_gemm_args(a, b_q, b_scales, b_zeros, workspace, tile_k, tile_n, bits);
+  // The kernels below implement fp16 activations with symmetric 4-bit weights, group size 128 or
+  // per column, K and N multiples of 128. The op's schema and the CPU reference accept more
+  // (docs/FORMAT.md); refuse the rest here rather than compute a wrong answer.
+  TORCH_CHECK(sh.dtype == at::kHalf, "marlin.gemm: a.dtype = ", dtype_str(a),
+              " is not supported by the CUDA kernel yet (float16 only)");
+  TORCH_CHECK(sh.bits == 4, "marlin.gemm: bits = ", num(sh.bits), " is not supported by the CUDA kernel yet (4 only)");
+  TORCH_CHECK(!sh.has_zeros, "marlin.gemm: b_zeros (zero points) are not supported by the CUDA kernel yet; pass None");
+  TORCH_CHECK(sh.group_size == 128 || sh.group_size == -1, "marlin.gemm: group size ", num(sh.group_size),
+              " is not supported by the CUDA kernel yet (128 or per column)");
+  TORCH_CHECK(sh.k % 128 == 0 && sh.n % 128 == 0, "marlin.gemm: K = ", num(sh.k), ", N = ", num(sh.n),
+              ": the CUDA kernel takes multiples of 128 only yet");
   const c10::cuda::OptionalCUDAGuard guard(a.device());
   const cudaDeviceProp* prop = at::cuda::getCurrentDeviceProperties();
   TORCH_CHECK(prop->major >= 8, "marlin.gemm: needs a GPU of compute capability 8.0 or newer (Ampere+), but ",

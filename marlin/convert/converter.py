@@ -110,6 +110,9 @@ def _read_quant_configs(src: Path) -> _QuantConfigs:
 def _marlin_quant_config(qc: dict) -> dict:
     """The input's quantization config (bits, group_size, desc_act, ... kept) marked as Marlin format."""
     out = dict(qc)
+    # quant_method "marlin" routes transformers' from_pretrained to marlin's quantizer
+    # (marlin.integrations.hf_quantizer); "gptq" would send it to the GPTQ kernels.
+    out["quant_method"] = MARLIN_FORMAT
     out["checkpoint_format"] = MARLIN_FORMAT
     if "format" in out:  # GPTQModel's older name for the same field
         out["format"] = MARLIN_FORMAT

@@ -77,6 +77,8 @@ class GPTQConfig:
         if not isinstance(config, dict):
             raise ConversionError(f"{source}: the quantization config is a {type(config).__name__}, expected a JSON object")
         method = config.get("quant_method", "gptq")
+        if method == "marlin":
+            raise ConversionError(f"{source}: quant_method = 'marlin': this checkpoint is already converted")
         if not isinstance(method, str) or method.lower() != "gptq":
             raise ConversionError(f"{source}: quant_method = {method!r}, expected 'gptq' (only GPTQ checkpoints convert)")
         if config.get("is_marlin_format"):
@@ -109,7 +111,7 @@ class GPTQConfig:
         if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size not in packing.SUPPORTED_GROUP_SIZES:
             raise ConversionError(
                 f"{source}: group_size = {group_size!r} is not supported; the Marlin kernel takes "
-                f"{ops.GROUP_SIZE} or -1 (per column)"
+                f"one of {packing.SUPPORTED_GROUP_SIZES} (-1: per column)"
             )
         if not isinstance(sym, bool):
             raise ConversionError(f"{source}: sym = {sym!r}, expected true or false")

@@ -1,0 +1,281 @@
+"""Timing of one benchmark point: CUDA-graph or loop sampling, rounds in rotating kernel order,
+medians; plus the device's measured copy bandwidth and FP16 tensor rate."""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import gc
+import hashlib
+import json
+import math
+import os
+import platform
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from fnmatch import fnmatch
+from pathlib import Path
+from typing import Callable, Iterable, Optional
+
+import torch
+
+from . import shapes as S
+from .bench_math import GRAPH_BELOW_S, MAX_GRAPH_CALLS
+
+
+# ---------------------------------------------------------------------------------------------
+# Timing
+# ---------------------------------------------------------------------------------------------
+
+
+class Skipped(Exception):
+    """A point not measured on purpose (too slow a call); the message goes to meta.notes."""
+
+
+def _sync(dev: torch.device) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def _plan(t_call: float, budget_s: float, n_variants: int, min_samples: int, max_samples: int) -> tuple[int, int]:
+    """(samples, calls per sample) for a call of t_call seconds within budget_s of timed work."""
+    total = max(1.0, budget_s / max(t_call, 1e-9))
+    samples = int(min(max_samples, max(min_samples, total)))
+    calls = max(1, int(total // samples))
+    if calls >= n_variants:  # every sample walks all copies evenly
+        calls = math.ceil(calls / n_variants) * n_variants
+    elif n_variants * t_call <= budget_s:
+        calls = n_variants
+    if calls > MAX_GRAPH_CALLS:
+        calls = max(n_variants, (MAX_GRAPH_CALLS // n_variants) * n_variants)
+    return samples, calls
+
+
+def measure(
+    fn: Callable[[int], object],
+    n_variants: int,
+    dev: torch.device,
+    *,
+    budget_s: float = 0.04,
+    max_call_s: Optional[float] = None,
+    use_graph: bool = True,
+    min_samples: int = 3,
+    max_samples: int = 10,
+) -> dict:
+    """Per-call time of fn(i) (i selects the weight copy, cycled mod n_variants).
+
+    Returns {"time_us", "timing" ("graph" | "events" | "wall"), "samples", "calls", "spread"} where
+    spread = (max - min) / median of the sample times.  Raises Skipped if the first call takes
+    longer than max_call_s."""
+    t0 = time.perf_counter()
+    fn(0)
+    _sync(dev)
+    first = time.perf_counter() - t0
+    if max_call_s is not None and first > max_call_s:
+        raise Skipped(f"one call took {first * 1e3:.0f} ms > {max_call_s * 1e3:.0f} ms")
+
+    if dev.type != "cuda":  # CPU (dry run): wall clock, a handful of calls
+        t0 = time.perf_counter()
+        fn(1 % n_variants)
+        t_call = time.perf_counter() - t0
+        samples, calls = _plan(t_call, budget_s, n_variants, min_samples, max_samples)
+        times, i = [], 0
+        for _ in range(samples):
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                fn(i % n_variants)
+                i += 1
+            times.append((time.perf_counter() - t0) / calls)
+        return _summary(times, "wall", samples, calls)
+
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn(1 % n_variants)
+    end.record()
+    end.synchronize()
+    t_call = start.elapsed_time(end) * 1e-3
+    samples, calls = _plan(t_call, budget_s, n_variants, min_samples, max_samples)
+
+    if use_graph and t_call < GRAPH_BELOW_S:
+        try:
+            return _measure_graph(fn, n_variants, samples, calls)
+        except Exception as e:  # noqa: BLE001 - fall back to a plain loop, and say so
+            _sync(dev)
+            torch.cuda.empty_cache()
+            res = _measure_loop(fn, n_variants, samples, calls, dev)
+            res["timing"] = "events (graph capture failed: " + str(e).splitlines()[0][:120] + ")"
+            return res
+    return _measure_loop(fn, n_variants, samples, calls, dev)
+
+
+def _measure_graph(fn, n_variants: int, samples: int, calls: int) -> dict:
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up on a side stream, as torch.cuda.graphs asks
+        for i in range(min(n_variants, 3)):
+            fn(i)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(calls):
+            fn(i % n_variants)
+    graph.replay()  # warm
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(samples)]
+    for a, b in events:
+        a.record()
+        graph.replay()
+        b.record()
+    torch.cuda.synchronize()
+    times = [a.elapsed_time(b) * 1e-3 / calls for a, b in events]
+    del graph
+    return _summary(times, "graph", samples, calls)
+
+
+def _measure_loop(fn, n_variants: int, samples: int, calls: int, dev) -> dict:
+    i = 2 % n_variants
+    fn(i)  # one more warm call, continuing the rotation
+    i += 1
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(samples)]
+    for a, b in events:
+        a.record()
+        for _ in range(calls):
+            fn(i % n_variants)
+            i += 1
+        b.record()
+    torch.cuda.synchronize(dev)
+    times = [a.elapsed_time(b) * 1e-3 / calls for a, b in events]
+    return _summary(times, "events", samples, calls)
+
+
+def _summary(times: list[float], how: str, samples: int, calls: int) -> dict:
+    med = statistics.median(times)
+    return {
+        "time_us": med * 1e6,
+        "timing": how,
+        "samples": samples,
+        "calls": calls,
+        "spread": (max(times) - min(times)) / med if med > 0 else float("nan"),
+        "times_s": list(times),  # the samples, pooled over rounds by measure_point (not stored)
+    }
+
+
+def round_orders(kernels: list[str], rounds: int) -> list[list[str]]:
+    """The kernel order of each timing round: round r starts r places further along the list, so
+    that each kernel follows a different one from round to round (no kernel always inherits the
+    clocks and power state that the same neighbour left)."""
+    n = len(kernels)
+    return [[kernels[(r + i) % n] for i in range(n)] for r in range(max(1, rounds))] if n else []
+
+
+def measure_point(preps: dict, shape: str, k: int, n: int, m: int, dev: torch.device, *, rounds: int,
+                  budget_s: float, max_call_s: Optional[float], use_graph: bool, notes: list[str]) -> list[dict]:
+    """One point per kernel of ``preps`` at batch m: ``rounds`` rounds of budget_s / rounds each,
+    the kernels back to back in round_orders' order; time_us = median of the pooled samples.
+
+    Why rounds: on an H200 the power limiter lowers the SM clock for a second or more after a
+    heavy kernel (nvidia-smi reports the 'SW power cap' reason), and the 16-row large-layer calls
+    took 926 us right after 2 s of fp16 matmuls against 643 us after 3 s idle (benchmarks/NOTES.md,
+    session 8).  Timing every kernel of one M together, in rotating order, lets them share that
+    state instead of charging it to whichever kernel runs after fp16's large-M points."""
+    a = torch.randn(m, k, dtype=torch.float16, device=dev)
+    pooled: dict[str, list[float]] = {kern: [] for kern in preps}
+    info: dict[str, dict] = {kern: {"timing": None} for kern in preps}
+    for order in round_orders(list(preps), rounds):
+        for kern in order:
+            prep = preps[kern]
+            if prep is None or info[kern]["timing"] in ("skipped", "error"):
+                continue
+            try:
+                res = measure(
+                    prep.make_fn(a), prep.copies, dev, budget_s=budget_s / max(1, rounds),
+                    max_call_s=max_call_s if kern == "torch_int4" else None, use_graph=use_graph,
+                )
+                pooled[kern] += res["times_s"]
+                info[kern].update(timing=res["timing"], calls=res["calls"],
+                                  samples=info[kern].get("samples", 0) + res["samples"])
+            except Skipped as e:
+                info[kern]["timing"] = "skipped"
+                notes.append(f"{shape} {kern} M={m}: skipped: {e}")
+            except Exception as e:  # noqa: BLE001 - record and go on
+                info[kern]["timing"] = "error"
+                msg = f"{shape} {kern} M={m}: {type(e).__name__}: {str(e).splitlines()[0][:200]}"
+                notes.append(msg)
+                print("NOTE " + msg, file=sys.stderr, flush=True)
+            finally:
+                _sync(dev)
+    out = []
+    for kern, prep in preps.items():
+        point = {"shape": shape, "K": k, "N": n, "M": m, "kernel": kern, "time_us": None, "timing": None,
+                 "copies": prep.copies if prep else None}
+        point.update(info[kern])
+        if pooled[kern] and point["timing"] not in ("skipped", "error"):
+            summary = _summary(pooled[kern], point["timing"], point["samples"], point["calls"])
+            del summary["times_s"]
+            point.update(summary, rounds=max(1, rounds))
+        out.append(point)
+    return out
+
+
+def measure_copy_bandwidth(dev: torch.device, nbytes: int = 2 << 30, samples: int = 10) -> float:
+    """Device-to-device copy: (bytes read + bytes written) / time, GB/s, median of samples."""
+    if dev.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(dev)
+        nbytes = int(min(nbytes, free // 4))
+    src = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device=dev)
+    dst = torch.empty_like(src)
+    for _ in range(2):
+        dst.copy_(src)
+    times = []
+    for _ in range(samples):
+        if dev.type == "cuda":
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            dst.copy_(src)
+            b.record()
+            b.synchronize()
+            times.append(a.elapsed_time(b) * 1e-3)
+        else:
+            t0 = time.perf_counter()
+            dst.copy_(src)
+            times.append(time.perf_counter() - t0)
+    del src, dst
+    _free(dev)
+    return 2 * nbytes / statistics.median(times) / 1e9
+
+
+def measure_fp16_peak(dev: torch.device, n: int = 8192, samples: int = 10, per_sample: int = 5) -> float:
+    """torch.matmul of two random fp16 [n, n] matrices: TFLOP/s, median of samples."""
+    a = torch.randn(n, n, dtype=torch.float16, device=dev)
+    b = torch.randn(n, n, dtype=torch.float16, device=dev)
+    for _ in range(3):
+        torch.matmul(a, b)
+    _sync(dev)
+    times = []
+    for _ in range(samples):
+        if dev.type == "cuda":
+            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            e0.record()
+            for _ in range(per_sample):
+                torch.matmul(a, b)
+            e1.record()
+            e1.synchronize()
+            times.append(e0.elapsed_time(e1) * 1e-3 / per_sample)
+        else:
+            t0 = time.perf_counter()
+            for _ in range(per_sample):
+                torch.matmul(a, b)
+            times.append((time.perf_counter() - t0) / per_sample)
+    del a, b
+    _free(dev)
+    return 2 * n**3 / statistics.median(times) / 1e12
+
+
+def _free(dev: torch.device) -> None:
+    gc.collect()
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
