@@ -252,7 +252,7 @@ def quantize_and_pack_2_4(
     k, n = w.shape
     _check_strips(k, n, "quantize_and_pack_2_4")
     check_2_4(w, "quantize_and_pack_2_4: w")
-    q, scales = packing.quantize(w, group_size)
+    q, scales = packing.quantize(w, group_size, dtype=torch.float16)  # the 2:4 op computes in fp16
     values, indices = compress_2_4(q)
     b_q, _ = packing.pack(values, torch.ones(1, n, dtype=torch.float16, device=w.device))
     return b_q, pack_meta(indices), packing.permute_scales(scales)

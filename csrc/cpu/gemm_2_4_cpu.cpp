@@ -26,7 +26,7 @@ std::vector<float> dequantize_2_4_cpu(const at::Tensor& b_q, const at::Tensor& b
   const int32_t* q = b_q.data_ptr<int32_t>();
   const int32_t* meta = b_meta.data_ptr<int32_t>();
   const at::Half* s = b_scales.data_ptr<at::Half>();
-  const auto& slot_of = tile_slot_of();
+  const auto& slot_of = tile_slot_of(4);
   const auto& meta_slot = meta_slot_of();
   const int64_t group_rows = k / groups;
   const int64_t strips = k / kStrip24;
