@@ -99,6 +99,15 @@ def _git(*args: str) -> Optional[str]:
     return r.stdout.strip() if r.returncode == 0 else None
 
 
+def _git_raw(*args: str) -> Optional[str]:
+    """Like _git, with the output unstripped."""
+    try:
+        r = subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return r.stdout if r.returncode == 0 else None
+
+
 def _git_usable() -> bool:
     """git answers for this repository itself (not for a parent folder's repository, nor for an
     empty one: a copy of the tree, as on a device machine, may sit in either) and HEAD exists."""
@@ -129,12 +138,14 @@ def git_info(expect_rev: Optional[str] = None, expect_tree: Optional[str] = None
     elif _git_usable():
         rev = _git("rev-parse", "HEAD")
         tree = _git("rev-parse", "HEAD:csrc")
-        status = _git("status", "--porcelain", "--", "csrc")
+        # -z: NUL-separated "XY path" entries, not stripped like _git's text (a leading " M" status
+        # would otherwise lose its first column and shift the path)
+        status = _git_raw("status", "--porcelain", "-z", "--", "csrc")
         source = "git"
     else:
         rev, tree, status, source = expect_rev, expect_tree, None, "given" if expect_tree else "none"
     if status is not None:
-        dirty_files = [line[3:] for line in status.splitlines() if line.strip()]
+        dirty_files = [entry[3:] for entry in status.split("\0") if len(entry) > 3]
         dirty: Optional[bool] = bool(dirty_files)
     else:
         dirty_files = []

@@ -28,8 +28,17 @@ from .sparse_nn import MarlinLinear24, replace_linear_2_4  # noqa: E402
 
 __all__ += ["sparse", "gemm_2_4", "MarlinLinear24", "replace_linear_2_4"]
 
+from .fuse import fuse_projections
+
+__all__ += ["fuse_projections"]
+
 # transformers' from_pretrained loads Marlin checkpoints once transformers is imported (lazily:
 # importing transformers here would cost about a second).
 from .integrations import install_transformers_hook as _install_transformers_hook
 
 _install_transformers_hook()
+
+from . import parallel  # noqa: E402  (tensor parallelism on torch.distributed)
+from .parallel import tensor_parallel  # noqa: E402
+
+__all__ += ["parallel", "tensor_parallel"]

@@ -250,10 +250,13 @@ class ReplaceReport:
 
     replaced: list = field(default_factory=list)
     skipped: list = field(default_factory=list)
+    fused: Optional[object] = None  # marlin.fuse.FuseReport when replace_linear(..., fuse=True)
 
     def __str__(self) -> str:
         lines = [f"replaced {len(self.replaced)} nn.Linear layers with MarlinLinear, kept {len(self.skipped)}"]
         lines += [f"  kept {name}: {why}" for name, why in self.skipped]
+        if self.fused is not None:
+            lines.append(str(self.fused))
         return "\n".join(lines)
 
 
@@ -291,6 +294,7 @@ def replace_linear(
     exclude: Union[None, str, Sequence[str]] = ("lm_head",),
     *,
     strict: bool = False,
+    fuse: bool = False,
     sparsity: Optional[str] = None,
 ) -> ReplaceReport:
     """Swap every eligible ``nn.Linear`` of ``model`` for a MarlinLinear (quantized with
@@ -308,13 +312,19 @@ def replace_linear(
 
     The model should run in fp16 (e.g. ``model.half()``): MarlinLinear takes fp16 inputs only.
     A Linear shared by several parents is converted once and replaced everywhere.
+
+    With ``fuse`` the projections that read the same input (q/k/v, gate/up) are then merged into
+    one layer each by marlin.fuse_projections (exact; its report is ``report.fused``).
+
     ``sparsity="2:4"``: 2:4-sparse layers instead (marlin.replace_linear_2_4, whose report also
-    gives per layer the share of the weight norm that pruning removed).
+    gives per layer the share of the weight norm that pruning removed; not with ``fuse``).
     """
     if sparsity is not None:
         from . import sparse_nn
 
         sparse_nn.check_sparsity(sparsity, "replace_linear")
+        if fuse:
+            raise ValueError("replace_linear: fuse=True is not supported with sparsity='2:4' (2:4 layers are not fused)")
         return sparse_nn.replace_linear_2_4(model, group_size, include, exclude, strict=strict)
     if group_size not in packing.SUPPORTED_GROUP_SIZES:
         raise ValueError(f"replace_linear: group_size = {group_size!r}, expected one of {packing.SUPPORTED_GROUP_SIZES} (-1: per column)")
@@ -345,6 +355,10 @@ def replace_linear(
     if isinstance(model, nn.Linear):
         report.skipped.append(("", "the model itself is an nn.Linear; wrap it or use MarlinLinear.from_linear"))
     log.info("replace_linear: replaced %d layers, kept %d", len(report.replaced), len(report.skipped))
+    if fuse:
+        from .fuse import fuse_projections  # imports this module: import here, not at the top
+
+        report.fused = fuse_projections(model)
     return report
 
 

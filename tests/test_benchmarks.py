@@ -232,11 +232,14 @@ def test_given_tree_wins_over_a_copy_with_an_unrelated_git(monkeypatch):
     # the device copy may carry a stale git whose HEAD is an older commit: the given tree decides
     work = PV.git_tree_hash(BM.REPO / "csrc")
     monkeypatch.setattr(PV, "_git_usable", lambda: True)
-    monkeypatch.setattr(PV, "_git", lambda *a: "s" * 40 if a[:1] == ("rev-parse",) else " M csrc/x.cu")
+    monkeypatch.setattr(PV, "_git", lambda *a: "s" * 40 if a[:1] == ("rev-parse",) else None)
+    monkeypatch.setattr(PV, "_git_raw", lambda *a: " M csrc/x.cu\0?? csrc/new.cu\0")
     info = PV.git_info("abc", work)
     assert info["provenance_source"] == "given" and info["git_dirty"] is False and info["git_rev"] == "abc"
     assert PV.git_info("abc", "0" * 40)["git_dirty"] is True
     assert PV.git_info()["provenance_source"] == "git" and PV.git_info()["git_dirty"] is True
+    # the first entry's leading status column must not shift its path
+    assert PV.git_info()["git_dirty_files"] == ["csrc/x.cu", "csrc/new.cu"]
 
 
 def test_git_in_an_empty_repository_is_not_trusted(monkeypatch):

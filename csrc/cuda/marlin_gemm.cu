@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <string>
+#include <type_traits>
 
 #include "marlin_gemm.h"
 #include "marlin_instances.cuh"
@@ -66,8 +67,41 @@ int wg_slice_rows(const GemmArgs& a) {
   return parts * parts * 6 <= a.k / 128 ? 128 : 64;
 }
 
+// The weight format of a call, as the instance table of marlin_instances.cuh names it.
+struct Format {
+  bool bf16 = false;
+  int w = kU4;                     // WType
+  int group_mode = kPerColumn;     // kGroupBlocks128 (fp16 kU4 only), kGroupBlocksRuntime or kPerColumn
+  int group_shift = 0;             // log2 of the group size in k16 blocks (run-time groups)
+  // fp16 symmetric INT4 in groups of 128 or per column: the format every kernel and instance
+  // runs; the others run on the tiled kernel only, for now
+  bool base() const { return !bf16 && w == kU4 && group_mode != kGroupBlocksRuntime; }
+};
+
+// Checks what the instance table can run; returns an empty string or what is unsupported.
+std::string format_of(const GemmArgs& a, Format* f) {
+  if (a.bits != 4 && a.bits != 8) return "marlin.gemm: bits = " + std::to_string(a.bits) + ", expected 4 or 8";
+  if (a.bits == 8 && a.zeros != nullptr)
+    return "marlin.gemm: zero points (b_zeros) are supported with 4-bit weights only, got bits = 8";
+  f->bf16 = a.bf16;
+  f->w = a.bits == 8 ? kU8 : a.zeros != nullptr ? kU4Zp : kU4;
+  if (a.groups == 1) {
+    f->group_mode = kPerColumn;
+    f->group_shift = 0;
+    return "";
+  }
+  const int group = a.groups > 0 && a.k % a.groups == 0 ? a.k / a.groups : 0;
+  if (group != 32 && group != 64 && group != 128)
+    return "marlin.gemm: group size K / b_scales.size(0) = " + std::to_string(a.k) + " / " + std::to_string(a.groups) +
+           " is not one of 32, 64, 128 (or one row of scales: per column)";
+  f->group_shift = group == 32 ? 1 : group == 64 ? 2 : 3;
+  f->group_mode = (!f->bf16 && f->w == kU4 && group == 128) ? kGroupBlocks128 : kGroupBlocksRuntime;
+  return "";
+}
+
 // 0: use the tiled kernel; else the small-batch kernel's tile width.
-int small_m_tile(const GemmArgs& a) {
+int small_m_tile(const GemmArgs& a, const Format& f) {
+  if (!f.base()) return 0;  // the small-batch kernel runs fp16 symmetric INT4 (group 128, per column) only
   if (a.n % 256 != 0 || a.k % 128 != 0) return 0;
   const long long bytes_per_sm = static_cast<long long>(a.k) * a.n / 2 / std::max(1, a.sms);
   if (a.wgmma && a.m > kSmallMAlways) {
@@ -91,29 +125,61 @@ struct Instance {
   int (*max_clusters)(int cluster, int smem);  // resident clusters of that size; null: no cluster support
 };
 
-template <int TM, int TK, int TN, int G>
+template <typename T, int W, int TM, int TK, int TN, int G>
 Instance make_instance() {
-  using S = KernelShape<TM, TK, TN, kStages, G>;
-  return Instance{kMinBlocksPerSm<TM>, S::kSmemBytes, S::kPartialFloats, &launch_instance<TM, TK, TN, G>, nullptr};
+  using S = KernelShape<TM, TK, TN, kStages, G, W>;
+  return Instance{kMinBlocksPerSm<TM>, S::kSmemBytes, S::kPartialFloats, &launch_instance<T, W, TM, TK, TN, G>, nullptr};
 }
 
-// The instances that are compiled: m_blocks 1..4 x the two tiles x (group 128, per column).
-bool find_instance(int m_blocks, TileConfig tile, bool grouped, Instance* out) {
-#define MARLIN_TRY(TM, TK, TN)                                                                         \
-  if (m_blocks == TM && tile.tile_k == 16 * TK && tile.tile_n == 16 * TN) {                            \
-    *out = grouped ? make_instance<TM, TK, TN, kGroupBlocks128>() : make_instance<TM, TK, TN, -1>(); \
-    return true;                                                                                       \
+// The two tiles of one compiled (T, W, TM, G).
+template <typename T, int W, int G, int TM>
+bool find_tiled_tm(int m_blocks, TileConfig tile, Instance* out) {
+  if (m_blocks != TM) return false;
+  if (tile.tile_k == 128 && tile.tile_n == 128) {
+    *out = make_instance<T, W, TM, 8, 8, G>();
+    return true;
   }
-#define MARLIN_TRY_TILES(TM) \
-  MARLIN_TRY(TM, 8, 8)       \
-  MARLIN_TRY(TM, 4, 16)
-  MARLIN_TRY_TILES(1)
-  MARLIN_TRY_TILES(2)
-  MARLIN_TRY_TILES(3)
-  MARLIN_TRY_TILES(4)
-#undef MARLIN_TRY_TILES
-#undef MARLIN_TRY
+  if (tile.tile_k == 64 && tile.tile_n == 256) {
+    *out = make_instance<T, W, TM, 4, 16, G>();
+    return true;
+  }
   return false;
+}
+
+// m_blocks 1, 2, 4 for every format; 3 too for the fp16 base instances (marlin_instances.cuh).
+template <typename T, int W, int G>
+bool find_tiled(int m_blocks, TileConfig tile, Instance* out) {
+  constexpr bool kBase = std::is_same<T, half>::value && W == kU4 && G != kGroupBlocksRuntime;
+  if (kBase && find_tiled_tm<T, W, G, 3>(m_blocks, tile, out)) return true;
+  return find_tiled_tm<T, W, G, 1>(m_blocks, tile, out) || find_tiled_tm<T, W, G, 2>(m_blocks, tile, out) ||
+         find_tiled_tm<T, W, G, 4>(m_blocks, tile, out);
+}
+
+template <typename T, int W>
+bool find_tiled_groups(int m_blocks, TileConfig tile, int group_mode, Instance* out) {
+  if (group_mode == kPerColumn) return find_tiled<T, W, kPerColumn>(m_blocks, tile, out);
+  if constexpr (std::is_same<T, half>::value && W == kU4) {
+    if (group_mode == kGroupBlocks128) return find_tiled<T, W, kGroupBlocks128>(m_blocks, tile, out);
+  }
+  return group_mode == kGroupBlocksRuntime && find_tiled<T, W, kGroupBlocksRuntime>(m_blocks, tile, out);
+}
+
+// The compiled tiled instances (marlin_instances.cuh): element type x weight type x group mode.
+bool find_instance(int m_blocks, TileConfig tile, const Format& f, Instance* out) {
+  if (f.bf16) {
+    if (f.w == kU4) return find_tiled_groups<nv_bfloat16, kU4>(m_blocks, tile, f.group_mode, out);
+    if (f.w == kU4Zp) return find_tiled_groups<nv_bfloat16, kU4Zp>(m_blocks, tile, f.group_mode, out);
+    return find_tiled_groups<nv_bfloat16, kU8>(m_blocks, tile, f.group_mode, out);
+  }
+  if (f.w == kU4) return find_tiled_groups<half, kU4>(m_blocks, tile, f.group_mode, out);
+  if (f.w == kU4Zp) return find_tiled_groups<half, kU4Zp>(m_blocks, tile, f.group_mode, out);
+  return find_tiled_groups<half, kU8>(m_blocks, tile, f.group_mode, out);
+}
+
+// Rows of M per tiled slice / 16: up to 4; 3 only where that instance is compiled (fp16 base).
+int tiled_m_blocks(int m, const Format& f) {
+  const int mb = std::min(4, (m + 15) / 16);
+  return mb == 3 && !f.base() ? 4 : mb;
 }
 
 template <int MB, int NW, bool G, bool WG>
@@ -148,15 +214,17 @@ bool find_smallm_instance(int mb, int tile_n, bool grouped, bool wg, Instance* o
   return false;
 }
 
-bool find_planned_instance(const GemmPlan& plan, bool grouped, Instance* out) {
-  return plan.small_m ? find_smallm_instance(plan.m_blocks, plan.tile.tile_n, grouped, plan.wgmma, out)
-                      : find_instance(plan.m_blocks, plan.tile, grouped, out);
+bool find_planned_instance(const GemmPlan& plan, const Format& f, Instance* out) {
+  return plan.small_m ? f.base() && find_smallm_instance(plan.m_blocks, plan.tile.tile_n, f.group_mode != kPerColumn,
+                                                         plan.wgmma, out)
+                      : find_instance(plan.m_blocks, plan.tile, f, out);
 }
 
 std::string describe(const GemmArgs& a, TileConfig tile, int m_blocks) {
   // std::to_string, not ostream: see the note on message formatting in csrc/gemm_checks.h
   return "m=" + std::to_string(a.m) + " n=" + std::to_string(a.n) + " k=" + std::to_string(a.k) +
-         " groups=" + std::to_string(a.groups) + " tile_k=" + std::to_string(tile.tile_k) +
+         " groups=" + std::to_string(a.groups) + " dtype=" + (a.bf16 ? "bf16" : "fp16") + " bits=" + std::to_string(a.bits) +
+         " zeros=" + (a.zeros != nullptr ? "1" : "0") + " tile_k=" + std::to_string(tile.tile_k) +
          " tile_n=" + std::to_string(tile.tile_n) + " m_blocks=" + std::to_string(m_blocks);
 }
 
@@ -227,6 +295,13 @@ std::string finish_plan(const GemmArgs& args, const Instance& inst, GemmPlan* pl
 // 128 x 256 or 128 x 512. Above 8 rows on a wgmma-capable device and build, the wgmma variant.
 std::string plan_small_m(const GemmArgs& args, int tile_n, GemmPlan* plan) {
   const bool grouped = args.groups > 1;
+  Format f;
+  const std::string bad = format_of(args, &f);
+  if (!bad.empty()) return bad;
+  if (!f.base())
+    return "marlin.gemm: the small-batch tiles (tile_k=128, tile_n=256 or 512) run fp16 symmetric INT4 weights in "
+           "groups of 128 or per column only; " + describe(args, TileConfig{128, tile_n}, 0) +
+           " (leave tile_k / tile_n unset to run it on the tiled kernel)";
   plan->small_m = true;
   plan->wgmma = args.wgmma && args.m > 8;
   // rows per slice / 8: above 64 rows (wgmma) 64 or 128, the latter with the 256-column tile only
@@ -251,20 +326,22 @@ std::string plan_small_m(const GemmArgs& args, int tile_n, GemmPlan* plan) {
 int max_locks(int sms) { return 2 * std::max(sms, 1); }
 
 std::string plan_gemm(const GemmArgs& args, int tile_k, int tile_n, GemmPlan* plan) {
-  const bool grouped = args.groups > 1;
+  Format f;
+  const std::string bad = format_of(args, &f);
+  if (!bad.empty()) return bad;
   const bool forced = tile_k > 0 || tile_n > 0;
   if (forced && tile_k == 128 && (tile_n == 256 || tile_n == 512)) return plan_small_m(args, tile_n, plan);
   if (!forced) {
     // the small-batch kernel where it pays, else (or where its tile does not fit the device's
     // shared memory, e.g. the 512-column tile on sm_80/sm_86) the tiled kernel
-    const int small_tile = small_m_tile(args);
+    const int small_tile = small_m_tile(args, f);
     if (small_tile > 0 && plan_small_m(args, small_tile, plan).empty()) return "";
     if (small_tile == 512 && plan_small_m(args, 256, plan).empty()) return "";
   }
 
   plan->small_m = false;
   plan->wgmma = false;
-  plan->m_blocks = std::min(4, (args.m + 15) / 16);
+  plan->m_blocks = tiled_m_blocks(args.m, f);
   plan->m_slices = (args.m + 16 * plan->m_blocks - 1) / (16 * plan->m_blocks);
   const TileConfig* table = args.m <= 16 ? kSmallBatchTiles : kLargeBatchTiles;
   const int table_len = 2;
@@ -272,7 +349,7 @@ std::string plan_gemm(const GemmArgs& args, int tile_k, int tile_n, GemmPlan* pl
   for (int i = 0; i < (forced ? 1 : table_len); i++) {
     const TileConfig t = forced ? TileConfig{tile_k, tile_n} : table[i];
     Instance inst;
-    if (!find_instance(plan->m_blocks, t, grouped, &inst)) {
+    if (!find_instance(plan->m_blocks, t, f, &inst)) {
       why = "no kernel instance for tile_k=" + std::to_string(t.tile_k) + " tile_n=" + std::to_string(t.tile_n) +
             " (available: 128x128, 64x256, 128x256, 128x512)";
       continue;
@@ -306,7 +383,8 @@ std::string launch_gemm(const GemmArgs& args, const GemmPlan& plan, cudaStream_t
   p.a = static_cast<const int4*>(args.a);
   p.b = static_cast<const int4*>(args.b_q);
   p.s = static_cast<const int4*>(args.scales);
-  p.c = static_cast<half*>(args.c);
+  p.z = static_cast<const int4*>(args.zeros);
+  p.c = args.c;
   p.partial = reinterpret_cast<float4*>(args.partial);
   p.locks = args.locks;
   p.m = args.m;
@@ -318,9 +396,13 @@ std::string launch_gemm(const GemmArgs& args, const GemmPlan& plan, cudaStream_t
   p.prefetch = args.pdl;
   p.split_parts = plan.split_parts;
   p.cluster_reduce = plan.cluster_reduce;
+  Format f;
+  const std::string bad = format_of(args, &f);
+  if (!bad.empty()) return bad;
+  p.group_shift = f.group_shift;
 
   Instance inst;
-  if (!find_planned_instance(plan, args.groups > 1, &inst)) return "marlin.gemm: internal error, planned configuration has no kernel; " + describe(args, plan.tile, plan.m_blocks);
+  if (!find_planned_instance(plan, f, &inst)) return "marlin.gemm: internal error, planned configuration has no kernel; " + describe(args, plan.tile, plan.m_blocks);
   const cudaError_t err = inst.launch(p, plan.grid, plan.smem_bytes, stream, args.pdl, plan.cluster_reduce ? plan.split_parts : 1);
   if (err != cudaSuccess) {
     return std::string("marlin.gemm: kernel launch failed: ") + cudaGetErrorString(err) + "; " +

@@ -17,15 +17,18 @@ struct TileConfig {
 };
 
 struct GemmArgs {
-  const void* a;        // fp16 [m, k], rows lda halves apart, 16-byte aligned
-  const void* b_q;      // int32 [k / 16, 2 n], Marlin layout (marlin/packing.py)
-  const void* scales;   // fp16 [groups, n]
-  void* c;              // fp16 [m, n], contiguous
+  const void* a;        // fp16 or bf16 [m, k], rows lda elements apart, 16-byte aligned
+  const void* b_q;      // int32 [k / 16, 2 n] (4-bit) or [k / 16, 4 n] (8-bit), Marlin layout (marlin/packing.py)
+  const void* scales;   // [groups, n], a's dtype
+  const void* zeros = nullptr;  // 4-bit zero points, scales' shape, dtype and layout; null: symmetric
+  void* c;              // [m, n], a's dtype, contiguous
+  bool bf16 = false;    // element type of a, scales, zeros, c: bf16, else fp16
+  int bits = 4;         // 4 or 8
   float* partial;       // fp32 reduction slots, plan.partial_floats of them (null when unused)
   int* locks;           // int32 arrival counters, >= grid entries, all zero; left all zero on return
   int m, n, k;
   long long lda;        // row stride of a, in halves (multiple of 8)
-  int groups;           // rows of scales: 1 (per column) or k / 128
+  int groups;           // rows of scales: 1 (per column) or k / group size (32, 64, 128)
   int sms;              // multiprocessors of the device
   int max_smem;         // opt-in shared memory per block of the device, bytes
   int max_smem_per_sm;  // shared memory per multiprocessor, bytes

@@ -1,5 +1,6 @@
-// The compiled kernel instances. Each marlin_instances_m<TM>.cu defines the launches for one
-// number of 16-row M blocks, so that nvcc builds them in parallel; marlin_gemm.cu dispatches.
+// The compiled kernel instances. Each marlin_instances_*.cu defines the launches for one number
+// of 16-row M blocks and one element type, so that nvcc builds them in parallel;
+// marlin_gemm.cu dispatches.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -11,24 +12,43 @@ namespace marlin {
 
 constexpr int kStages = 4;
 constexpr int kGroupBlocks128 = 128 / 16;
+constexpr int kGroupBlocksRuntime = 0;  // group size from KernelParams::group_shift
+constexpr int kPerColumn = -1;
 
-template <int TM, int TK, int TN, int G>
+template <typename T, int W, int TM, int TK, int TN, int G>
 cudaError_t launch_instance(const KernelParams& p, int grid, int smem, cudaStream_t stream, bool pdl, int cluster);
 
-#define MARLIN_DEFINE_LAUNCH                                                                                 \
-  template <int TM, int TK, int TN, int G>                                                                   \
-  cudaError_t launch_instance(const KernelParams& p, int grid, int smem, cudaStream_t stream, bool pdl,       \
-                              int cluster) {                                                                 \
-    static SmemAttrCache cache;                                                                              \
-    return launch_kernel(marlin_gemm_kernel<TM, TK, TN, kStages, G>, cache, p, grid, kThreads, smem, stream, pdl, \
-                         cluster);                                                                           \
+#define MARLIN_DEFINE_LAUNCH                                                                                   \
+  template <typename T, int W, int TM, int TK, int TN, int G>                                                  \
+  cudaError_t launch_instance(const KernelParams& p, int grid, int smem, cudaStream_t stream, bool pdl,         \
+                              int cluster) {                                                                   \
+    static SmemAttrCache cache;                                                                                \
+    return launch_kernel(marlin_gemm_kernel<T, W, TM, TK, TN, kStages, G>, cache, p, grid, kThreads, smem, stream, \
+                         pdl, cluster);                                                                        \
   }
 
-// Both tiles x (group 128, per column) for one TM.
-#define MARLIN_INSTANTIATE_TM(TM)                                                                             \
-  template cudaError_t launch_instance<TM, 8, 8, kGroupBlocks128>(const KernelParams&, int, int, cudaStream_t, bool, int); \
-  template cudaError_t launch_instance<TM, 8, 8, -1>(const KernelParams&, int, int, cudaStream_t, bool, int);              \
-  template cudaError_t launch_instance<TM, 4, 16, kGroupBlocks128>(const KernelParams&, int, int, cudaStream_t, bool, int); \
-  template cudaError_t launch_instance<TM, 4, 16, -1>(const KernelParams&, int, int, cudaStream_t, bool, int);
+#define MARLIN_INSTANTIATE_ONE(T, W, TM, G)                                                                   \
+  template cudaError_t launch_instance<T, W, TM, 8, 8, G>(const KernelParams&, int, int, cudaStream_t, bool, int); \
+  template cudaError_t launch_instance<T, W, TM, 4, 16, G>(const KernelParams&, int, int, cudaStream_t, bool, int);
+
+// The format table (marlin_gemm.cu's find_instance follows it): fp16 symmetric INT4 in groups
+// of 128 and per column has its own instances (the original format, unchanged code); every
+// other format and group size takes its group size at run time (kGroupBlocksRuntime) or is per
+// column.
+#define MARLIN_INSTANTIATE_FP16_BASE(TM)              \
+  MARLIN_INSTANTIATE_ONE(half, kU4, TM, kGroupBlocks128) \
+  MARLIN_INSTANTIATE_ONE(half, kU4, TM, kPerColumn)
+
+// Every other format of T: symmetric INT4 (unless T is fp16 and the group size 128), INT4 with
+// zero points, 8-bit; each with run-time group size and per column. Only for TM = 1, 2, 4 (the
+// planner runs 33-48 rows as a slice of 64).
+#define MARLIN_INSTANTIATE_FORMATS(T, TM)                   \
+  MARLIN_INSTANTIATE_ONE(T, kU4, TM, kGroupBlocksRuntime)   \
+  MARLIN_INSTANTIATE_ONE(T, kU4Zp, TM, kGroupBlocksRuntime) \
+  MARLIN_INSTANTIATE_ONE(T, kU4Zp, TM, kPerColumn)          \
+  MARLIN_INSTANTIATE_ONE(T, kU8, TM, kGroupBlocksRuntime)   \
+  MARLIN_INSTANTIATE_ONE(T, kU8, TM, kPerColumn)
+
+#define MARLIN_INSTANTIATE_BF16_SYM_COL(TM) MARLIN_INSTANTIATE_ONE(nv_bfloat16, kU4, TM, kPerColumn)
 
 }  // namespace marlin

@@ -1,7 +1,8 @@
-// Kernel instances for 64 rows of M per slice (see marlin_instances.cuh).
+// fp16 symmetric INT4 kernel instances (group 128, per column) for 64 rows of M per slice
+// (see marlin_instances.cuh).
 #include "marlin_instances.cuh"
 
 namespace marlin {
 MARLIN_DEFINE_LAUNCH
-MARLIN_INSTANTIATE_TM(4)
+MARLIN_INSTANTIATE_FP16_BASE(4)
 }  // namespace marlin

@@ -1,4 +1,5 @@
-// The dense MARLIN kernel: C[M, N] = A[M, K] (fp16) @ dequant(B) (INT4, fp16 scales).
+// The dense MARLIN kernel: C[M, N] = A[M, K] @ dequant(B), A / scales / C in fp16 or bf16 (ET),
+// B in one of the weight formats of dequant.cuh (W: INT4 symmetric or with zero points, 8-bit).
 //
 // Design (paper section 3), in the order the data flows:
 //  * Work unit: a tile of (16 * TK) rows of K by (16 * TN) columns of N of B, for one slice of
@@ -21,12 +22,19 @@
 //    16-byte read per lane gives 8 nibbles for each of 4 16x16 blocks, dequantized two at a
 //    time by lop3 + magic-number subtraction, scaled by the group scale (fp16), and fed to
 //    mma.m16n8k16 with fp32 accumulators. Per-column scales are applied to the fp32 result.
+//  * Groups: GROUP_BLOCKS = 8 is group size 128 (one scale row per stage, fixed at compile time);
+//    0 takes the group size at run time (p.group_shift: 32, 64 or 128 rows), with as many scale
+//    (and zero-point) rows per stage as its groups; -1 is per column.
+//  * Zero points (W == kU4Zp) are stored like the scales and ride along with them: per group,
+//    each lane turns its 8 zero points into the constants the magic-number dequantization
+//    subtracts (dequant.cuh), so (u - z) is exact before the scale multiplies it.
 #pragma once
 
 #include <cuda_fp16.h>
 
 #include <cstdint>
 
+#include "dequant.cuh"
 #include "ptx.cuh"
 
 namespace marlin {
@@ -37,8 +45,9 @@ constexpr int kWarps = kThreads / 32;
 struct KernelParams {
   const int4* a;       // fp16 [m, k]
   const int4* b;       // packed weights, int32 [k / 16, 2 n]
-  const int4* s;       // fp16 scales [groups, n]
-  half* c;             // fp16 [m, n]
+  const int4* s;       // scales [groups, n], element type
+  const int4* z;       // zero points [groups, n], element type, same layout as s (kU4Zp only; else null)
+  void* c;             // T [m, n]
   float4* partial;     // fp32 reduction slots
   int* locks;          // one counter per block, zero on entry and on exit
   int m, n, k;
@@ -51,21 +60,31 @@ struct KernelParams {
   // (sm_90+) and add their partials through distributed shared memory
   int split_parts;
   bool cluster_reduce;
+  int group_shift;  // GROUP_BLOCKS == 0: log2 of the group size in k16 blocks (1, 2 or 3)
 };
 
-template <int TM, int TK, int TN, int STAGES, int GROUP_BLOCKS>
+template <int TM, int TK, int TN, int STAGES, int GROUP_BLOCKS, int W = kU4>
 struct KernelShape {
   static constexpr int kNG = TN / 4;         // warp columns (64 N each)
   static constexpr int kKW = kWarps / kNG;   // warps along K
   static constexpr int kSub = TK / kKW;      // k16 sub-steps per warp per stage
-  static constexpr bool kGrouped = GROUP_BLOCKS > 0;
+  static constexpr bool kGrouped = GROUP_BLOCKS >= 0;
+  // int4 of packed weights per lane and 16 x 64 block: 8-bit weights take twice the 4-bit
+  static constexpr int kBLane = W == kU8 ? 2 : 1;
+  static constexpr int kChunkInt4 = 32 * kBLane;  // one 16 x 64 block of packed weights
+  // scale rows per stage: one at a fixed group of 128 rows; at run-time group sizes as many as
+  // the smallest group (32 rows) needs
+  static constexpr int kSRows = GROUP_BLOCKS == 0 ? (TK >= 2 ? TK / 2 : 1) : 1;
+  static constexpr bool kZeros = W == kU4Zp && kGrouped;  // zero-point rows next to the scales
 
   // shared memory per stage, in int4 (16 bytes)
   static constexpr int kARowInt4 = TK * 2;           // one row of the A stage: 16 TK halves
   static constexpr int kAStage = 16 * TM * kARowInt4;
-  static constexpr int kBStage = TK * TN * 8;        // TK x (TN / 4) chunks of 32 int4
-  static constexpr int kSStage = kGrouped ? TN * 2 : 0;  // one scale row of 16 TN halves
-  static constexpr int kStageInt4 = kAStage + kBStage + kSStage;
+  static constexpr int kBStage = TK * TN / 4 * kChunkInt4;  // TK x (TN / 4) chunks
+  static constexpr int kSRowInt4 = TN * 2;                  // one scale row of 16 TN halves
+  static constexpr int kSStage = kGrouped ? kSRows * kSRowInt4 : 0;
+  static constexpr int kZStage = kZeros ? kSStage : 0;
+  static constexpr int kStageInt4 = kAStage + kBStage + kSStage + kZStage;
   static constexpr int kPipeInt4 = STAGES * kStageInt4;
 
   // end-of-column reduction among the KW warps of a warp column: floats per thread
@@ -85,7 +104,8 @@ struct KernelShape {
   static_assert(TK % kKW == 0 && kSub >= 1, "TK must split over the K warps");
   static_assert((STAGES * kSub) % 2 == 0, "register double buffer needs an even sub-step count");
   static_assert(kARowInt4 >= 8, "XOR swizzle needs 8 int4 per A row");
-  static_assert(!kGrouped || GROUP_BLOCKS % TK == 0, "a stage must not straddle scale groups");
+  static_assert(GROUP_BLOCKS <= 0 || GROUP_BLOCKS % TK == 0, "a stage must not straddle scale groups");
+  static_assert(kSStage + kZStage <= kThreads, "one copy per thread loads a stage's scales and zero points");
   static_assert((kKW & (kKW - 1)) == 0, "K warps must be a power of two for the tree reduction");
 };
 
@@ -94,11 +114,15 @@ struct KernelShape {
 template <int TM>
 constexpr int kMinBlocksPerSm = TM == 1 ? 2 : 1;
 
-template <int TM, int TK, int TN, int STAGES, int GROUP_BLOCKS>
+template <typename ET, int W, int TM, int TK, int TN, int STAGES, int GROUP_BLOCKS>
 __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm<TM>) marlin_gemm_kernel(const KernelParams p) {
-  using S = KernelShape<TM, TK, TN, STAGES, GROUP_BLOCKS>;
+  using S = KernelShape<TM, TK, TN, STAGES, GROUP_BLOCKS, W>;
+  using E = Elem<ET>;
+  using T2 = typename E::T2;
   constexpr int NG = S::kNG, KW = S::kKW, SUB = S::kSub;
+  constexpr bool kBf16 = kIsBf16<ET>;
   extern __shared__ int4 smem[];
+  ET* const c_out = static_cast<ET*>(p.c);
 
   const int tid = threadIdx.x;
   const int lane = tid % 32;
@@ -119,7 +143,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm<TM>) marlin_gemm_ker
   grid_launch_dependents();
   const int end = min(pos + T, total);
 
-  const int b_row_int4 = p.n / 2;  // one packed row (16 rows of K) = 2 n int32 = n / 2 int4
+  const int b_row_int4 = p.n / 2 * S::kBLane;  // one packed row (16 rows of K): 2 n int32 (4 n for 8-bit)
 
   // ---- static shared-memory offsets, computed once (the paper precomputes them in registers)
   // cp.async targets of this thread in a stage
@@ -149,8 +173,10 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm<TM>) marlin_gemm_ker
   // ---- registers
   float acc[TM][8][4];
   uint32_t a_frag[2][TM][4];
-  int4 b_frag[2];
+  int4 b_frag[2][S::kBLane];
   int4 s_frag[2];
+  int4 z_frag[2];  // kZeros: the zero points of the lane's 8 columns, as s_frag
+  int4 z_col;      // per-column zero points (kU4Zp, GROUP_BLOCKS == -1): the segment's, as s_frag
 
   auto zero_acc = [&]() {
 #pragma unroll
@@ -186,9 +212,16 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm<TM>) marlin_gemm_ker
       const int r = a_ok[i] ? a_row[i] : 0;
       a_src[i] = p.a + (row0 + r) * p.lda_int4 + kt0 * S::kARowInt4 + a_col[i];
     }
-    const int4* b_src = p.b + static_cast<long long>(kt0) * TK * b_row_int4 + nt * NG * 32;
+    const int4* b_src = p.b + static_cast<long long>(kt0) * TK * b_row_int4 + nt * NG * S::kChunkInt4;
     const int4* s_src = nullptr;
     if constexpr (S::kGrouped) s_src = p.s + nt * TN * 2;
+    if constexpr (W == kU4Zp && !S::kGrouped) {
+      // per-column zero points, natural order: the lane's columns g + 8 m of its 64 (as s_frag)
+      const ET* zc = reinterpret_cast<const ET*>(p.z) + nt * 16 * TN + wn * 64 + lane / 4;
+      ET* zf = reinterpret_cast<ET*>(&z_col);
+#pragma unroll
+      for (int m8 = 0; m8 < 8; m8++) zf[m8] = zc[8 * m8];
+    }
 
     auto fetch_stage = [&](int stage, int t) {
       if (t < iters) {
@@ -203,14 +236,27 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm<TM>) marlin_gemm_ker
 #pragma unroll
         for (int i = 0; i < kBLoads; i++) {
           const int idx = tid + i * kThreads;
-          const int kb = idx / (NG * 32);
-          const int off = idx % (NG * 32);
+          const int kb = idx / (NG * S::kChunkInt4);
+          const int off = idx % (NG * S::kChunkInt4);
           cp_async16_evict_first(sh_b + idx, src + kb * b_row_int4 + off);
         }
-        if constexpr (S::kGrouped) {
+        if constexpr (GROUP_BLOCKS > 0) {
           if (tid < TN * 2) {
             const int group = ((kt0 + t) * TK) / GROUP_BLOCKS;
             cp_async16(sh + S::kAStage + S::kBStage + tid, s_src + static_cast<long long>(group) * (p.n / 8) + tid);
+            if constexpr (S::kZeros)
+              cp_async16(sh + S::kAStage + S::kBStage + S::kSStage + tid,
+                         p.z + (s_src - p.s) + static_cast<long long>(group) * (p.n / 8) + tid);
+          }
+        } else if constexpr (GROUP_BLOCKS == 0) {
+          // the stage's groups: TK >> shift rows (one where a group spans several stages)
+          const int shift = p.group_shift;
+          const int s_rows = TK >> shift > 0 ? TK >> shift : 1;
+          if (tid < s_rows * S::kSRowInt4) {
+            const int row = tid / S::kSRowInt4, col = tid % S::kSRowInt4;
+            const long long at = static_cast<long long>((((kt0 + t) * TK) >> shift) + row) * (p.n / 8) + col;
+            cp_async16(sh + S::kAStage + S::kBStage + tid, s_src + at);
+            if constexpr (S::kZeros) cp_async16(sh + S::kAStage + S::kBStage + S::kSStage + tid, p.z + (s_src - p.s) + at);
           }
         }
       }
@@ -227,25 +273,41 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm<TM>) marlin_gemm_ker
 #pragma unroll
       for (int i = 0; i < TM; i++) ldmatrix_x4(a_frag[buf][i], sh + a_sh_rd[u][i]);
       const int kb = wk + KW * u;
-      b_frag[buf] = sh[S::kAStage + (kb * NG + wn) * 32 + lane];
-      if constexpr (S::kGrouped) s_frag[buf] = sh[S::kAStage + S::kBStage + wn * 8 + lane / 4];
+#pragma unroll
+      for (int h = 0; h < S::kBLane; h++) b_frag[buf][h] = sh[S::kAStage + (kb * NG + wn) * S::kChunkInt4 + lane * S::kBLane + h];
+      if constexpr (S::kGrouped) {
+        // the k16 block's group row in the stage (always 0 for a fixed group of 128)
+        const int s_row = GROUP_BLOCKS == 0 ? kb >> p.group_shift : 0;
+        const int at = S::kAStage + S::kBStage + s_row * S::kSRowInt4 + wn * 8 + lane / 4;
+        s_frag[buf] = sh[at];
+        if constexpr (S::kZeros) z_frag[buf] = sh[at + S::kSStage];
+      }
     };
 
     auto compute = [&](int buf) {
-      const uint32_t* w = reinterpret_cast<const uint32_t*>(&b_frag[buf]);
-      const half* sc = reinterpret_cast<const half*>(&s_frag[buf]);
+      const uint32_t* w = reinterpret_cast<const uint32_t*>(&b_frag[buf][0]);
+      const ET* sc = reinterpret_cast<const ET*>(&s_frag[buf]);
+      const ET* zc = reinterpret_cast<const ET*>(S::kZeros ? &z_frag[buf] : &z_col);
 #pragma unroll
       for (int j = 0; j < 4; j++) {
         uint32_t lo[2], hi[2];
-        dequant_int4x8(w[j], lo, hi);
+        if constexpr (W == kU8) {
+          dequant_u8<ET>(w[2 * j], lo);
+          dequant_u8<ET>(w[2 * j + 1], hi);
+        } else if constexpr (W == kU4Zp) {
+          dequant_u4<ET, true>(w[j], lo, hi, u4_zero<ET>(zc[2 * j]), u4_zero<ET>(zc[2 * j + 1]));
+        } else {
+          const U4Zero none{0, 0};
+          dequant_u4<ET, false>(w[j], lo, hi, none, none);
+        }
         if constexpr (S::kGrouped) {
-          scale_frag(lo, sc[2 * j]);
-          scale_frag(hi, sc[2 * j + 1]);
+          scale_frag_t<ET>(lo, sc[2 * j]);
+          scale_frag_t<ET>(hi, sc[2 * j + 1]);
         }
 #pragma unroll
         for (int i = 0; i < TM; i++) {
-          mma_16816(a_frag[buf][i], lo, acc[i][2 * j]);
-          mma_16816(a_frag[buf][i], hi, acc[i][2 * j + 1]);
+          mma_16816<kBf16>(a_frag[buf][i], lo, acc[i][2 * j]);
+          mma_16816<kBf16>(a_frag[buf][i], hi, acc[i][2 * j + 1]);
         }
       }
     };
@@ -352,9 +414,9 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm<TM>) marlin_gemm_ker
       }
     }
 
-    // ---- one block per column writes C: scale, round to fp16, stage, 16-byte stores
+    // ---- one block per column writes C: scale, round to ET, stage, 16-byte stores
     if (writes_c) {
-      half* c_sh = reinterpret_cast<half*>(smem);
+      ET* c_sh = reinterpret_cast<ET*>(smem);
       if (wk == 0) {
         const int g = lane / 4, c4 = lane % 4;
 #pragma unroll
@@ -362,17 +424,16 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm<TM>) marlin_gemm_ker
           const int col_in_tile = wn * 64 + 8 * j + 2 * c4;
           float s0 = 1.f, s1 = 1.f;
           if constexpr (!S::kGrouped) {
-            const half2 sv = *reinterpret_cast<const half2*>(reinterpret_cast<const half*>(p.s) + nt * 16 * TN + col_in_tile);
-            s0 = __low2float(sv);
-            s1 = __high2float(sv);
+            const float2 sv = E::to_float2(*reinterpret_cast<const T2*>(reinterpret_cast<const ET*>(p.s) + nt * 16 * TN + col_in_tile));
+            s0 = sv.x;
+            s1 = sv.y;
           }
 #pragma unroll
           for (int i = 0; i < TM; i++) {
             const int r = 16 * i + g;
-            *reinterpret_cast<half2*>(c_sh + r * S::kCRowHalves + col_in_tile) =
-                __floats2half2_rn(acc[i][j][0] * s0, acc[i][j][1] * s1);
-            *reinterpret_cast<half2*>(c_sh + (r + 8) * S::kCRowHalves + col_in_tile) =
-                __floats2half2_rn(acc[i][j][2] * s0, acc[i][j][3] * s1);
+            *reinterpret_cast<T2*>(c_sh + r * S::kCRowHalves + col_in_tile) = E::floats2(acc[i][j][0] * s0, acc[i][j][1] * s1);
+            *reinterpret_cast<T2*>(c_sh + (r + 8) * S::kCRowHalves + col_in_tile) =
+                E::floats2(acc[i][j][2] * s0, acc[i][j][3] * s1);
           }
         }
       }
@@ -382,7 +443,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm<TM>) marlin_gemm_ker
         const int r = idx / kRowInt4;
         const int cc = idx % kRowInt4;
         const int4 v = *reinterpret_cast<const int4*>(c_sh + r * S::kCRowHalves + cc * 8);
-        *reinterpret_cast<int4*>(p.c + static_cast<long long>(row0 + r) * p.n + nt * 16 * TN + cc * 8) = v;
+        *reinterpret_cast<int4*>(c_out + static_cast<long long>(row0 + r) * p.n + nt * 16 * TN + cc * 8) = v;
       }
       __syncthreads();
     }

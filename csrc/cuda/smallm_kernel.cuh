@@ -552,7 +552,7 @@ __global__ void __launch_bounds__(kThreads, kSmallMMinBlocksPerSm<MB, WG>) marli
       v.w *= s23.y;
     }
     half2 out[2] = {__floats2half2_rn(v.x, v.y), __floats2half2_rn(v.z, v.w)};
-    *reinterpret_cast<uint2*>(p.c + static_cast<long long>(w.row0 + r) * p.n + c_col) = *reinterpret_cast<uint2*>(out);
+    *reinterpret_cast<uint2*>(static_cast<half*>(p.c) + static_cast<long long>(w.row0 + r) * p.n + c_col) = *reinterpret_cast<uint2*>(out);
   };
 
   // The column's sums of this block: the last wgmma landed, the raw per-column sum corrected, the
@@ -672,7 +672,7 @@ __global__ void __launch_bounds__(kThreads, kSmallMMinBlocksPerSm<MB, WG>) marli
             s_hi[j] = __half2float(sc[16 * j + 8]);
           }
         }
-        half* c_lane = p.c + static_cast<long long>(w.row0 + 2 * c4) * p.n + col0;
+        half* c_lane = static_cast<half*>(p.c) + static_cast<long long>(w.row0 + 2 * c4) * p.n + col0;
 #pragma unroll
         for (int b = 0; b < MB; b++)
 #pragma unroll

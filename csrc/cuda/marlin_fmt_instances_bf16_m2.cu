@@ -1,0 +1,9 @@
+// bf16 kernel instances of every weight format and group size for 32 rows of M per slice
+// (see marlin_instances.cuh).
+#include "marlin_instances.cuh"
+
+namespace marlin {
+MARLIN_DEFINE_LAUNCH
+MARLIN_INSTANTIATE_FORMATS(nv_bfloat16, 2)
+MARLIN_INSTANTIATE_BF16_SYM_COL(2)
+}  // namespace marlin

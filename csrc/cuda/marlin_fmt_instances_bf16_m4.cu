@@ -1,0 +1,9 @@
+// bf16 kernel instances of every weight format and group size for 64 rows of M per slice
+// (see marlin_instances.cuh).
+#include "marlin_instances.cuh"
+
+namespace marlin {
+MARLIN_DEFINE_LAUNCH
+MARLIN_INSTANTIATE_FORMATS(nv_bfloat16, 4)
+MARLIN_INSTANTIATE_BF16_SYM_COL(4)
+}  // namespace marlin

@@ -1,0 +1,248 @@
+"""Tensor-parallel wrappers around one rank's shard of a linear layer (MarlinLinear or nn.Linear).
+
+    col = ColumnParallelLinear.from_layer(layer, name="q_proj")   # this rank's columns
+    row = RowParallelLinear.from_layer(layer, name="o_proj")      # this rank's rows, one all-reduce
+
+The rank and world size come from ``group`` (default: the default process group; one process
+without torch.distributed counts as world size 1). Every rank must call with the same full layer
+(or, with marlin.parallel.loader, with the same checkpoint), so that all ranks make the same plan.
+
+* ColumnParallelLinear: x [..., K] (the same on every rank) -> this rank's y [..., N / T], or the
+  full y [..., N] with ``gather_output`` (one all-gather).
+* RowParallelLinear: this rank's input slice x [..., K / T] (``input_is_parallel``, the output of a
+  column-parallel layer) or the full x [..., K] -> y [..., N], the partial products summed with one
+  all-reduce, the bias added once after it. Act-order layers whose groups straddle the slices first
+  all-gather the input (see marlin.parallel.shard).
+
+The wrapper holds the local layer as ``.local`` so that its buffers keep their names under the
+wrapper (``<name>.local.b_q``); ``in_features`` / ``out_features`` are the full layer's.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Optional
+
+import torch
+from torch import nn
+
+from ..nn import MarlinLinear, _new_workspace
+from . import shard as sh
+from .comm import all_gather_last, all_reduce_sum, rank_and_size
+
+__all__ = ["ColumnParallelLinear", "RowParallelLinear", "local_marlin", "local_linear"]
+
+
+def _own(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """A compact copy, so that the full layer's storage can be freed after sharding."""
+    return None if t is None else t.clone(memory_format=torch.contiguous_format)
+
+
+def local_marlin(layer: MarlinLinear, in_features: int, out_features: int, tensors: dict) -> MarlinLinear:
+    """A MarlinLinear like ``layer`` (same class, format attributes and dtype) holding ``tensors``.
+
+    The copy keeps every attribute the layer's format adds (bit width, zero points, dtype...) and
+    replaces the shape and the named buffers; buffers not in ``tensors`` that depend on the shape
+    (bias, perm) are dropped. A new workspace is made for it.
+    """
+    new = copy.copy(layer)  # shallow: then give it its own registries before changing them
+    new._parameters = dict(layer._parameters)
+    new._buffers = dict(layer._buffers)
+    new._modules = dict(layer._modules)
+    new._non_persistent_buffers_set = set(layer._non_persistent_buffers_set)
+    new.in_features, new.out_features = in_features, out_features
+    for name in ("bias", "perm", "b_zeros"):
+        if name in new._buffers:
+            new._buffers[name] = None
+    for name, t in tensors.items():
+        new._buffers[name] = _own(t)
+    device = new._buffers["b_q"].device
+    new._buffers["workspace"] = _new_workspace(device)
+    return new
+
+
+def local_linear(layer: nn.Linear, in_features: int, out_features: int, weight: torch.Tensor, bias) -> nn.Linear:
+    """An nn.Linear holding ``weight`` [out, in] and ``bias`` (the FP16 baseline's shards)."""
+    new = nn.Linear(in_features, out_features, bias=bias is not None, device="meta", dtype=layer.weight.dtype)
+    new.weight = nn.Parameter(_own(weight.detach()), requires_grad=layer.weight.requires_grad)
+    if bias is not None:
+        new.bias = nn.Parameter(_own(bias.detach()), requires_grad=layer.bias.requires_grad)
+    return new
+
+
+def _bits(layer: MarlinLinear) -> int:
+    return getattr(layer, "bits", 4)
+
+
+def _words_per_column(layer: MarlinLinear) -> int:
+    return layer.b_q.shape[1] // layer.out_features
+
+
+def _buffer_take(layer: nn.Module):
+    return lambda name, index: getattr(layer, name)[index]
+
+
+def _has(layer: nn.Module):
+    return lambda name: getattr(layer, name, None) is not None
+
+
+def _check_layer(layer: nn.Module, name: str) -> None:
+    if not isinstance(layer, (MarlinLinear, nn.Linear)):
+        raise TypeError(f"{name}: expected a MarlinLinear or nn.Linear to shard, got {type(layer).__name__}")
+
+
+class ColumnParallelLinear(nn.Module):
+    """This rank's output columns of a linear layer (see the module docstring)."""
+
+    def __init__(
+        self,
+        local: nn.Module,
+        in_features: int,
+        out_features: int,
+        *,
+        gather_output: bool = False,
+        group=None,
+        rank: Optional[int] = None,
+        world_size: Optional[int] = None,
+    ):
+        super().__init__()
+        self.rank, self.world_size = _rank_args(group, rank, world_size)
+        self.group = group
+        self.local = local
+        self.in_features, self.out_features = in_features, out_features
+        self.gather_output = gather_output
+
+    @classmethod
+    def from_layer(
+        cls, layer: nn.Module, name: str = "layer", *, gather_output: bool = False, group=None, rank=None, world_size=None
+    ) -> "ColumnParallelLinear":
+        """Shard ``layer`` by columns; ShardError (a ValueError naming ``name``) when the shard would
+        break the packed tile width or the kernel's shape rules."""
+        _check_layer(layer, name)
+        rank, world_size = _rank_args(group, rank, world_size)
+        k, n = layer.in_features, layer.out_features
+        if isinstance(layer, MarlinLinear):
+            plan = sh.plan_column(name, k, n, layer.b_scales.shape[0], rank, world_size, _bits(layer))
+            tensors = sh.column_tensors(plan, _buffer_take(layer), _words_per_column(layer), _has(layer))
+            local = local_marlin(layer, k, plan.out_features, tensors)
+        else:
+            part = sh._check_split(name, "out_features", n, world_size, 1, "")
+            n0, n1 = rank * part, (rank + 1) * part
+            bias = None if layer.bias is None else layer.bias[n0:n1]
+            local = local_linear(layer, k, part, layer.weight[n0:n1], bias)
+        return cls(local, k, n, gather_output=gather_output, group=group, rank=rank, world_size=world_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.local(x)
+        return all_gather_last(y, self.group, self.world_size) if self.gather_output else y
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, rank={self.rank}/{self.world_size}, "
+            f"gather_output={self.gather_output}"
+        )
+
+
+class RowParallelLinear(nn.Module):
+    """This rank's input rows of a linear layer, summed over ranks (see the module docstring)."""
+
+    def __init__(
+        self,
+        local: nn.Module,
+        in_features: int,
+        out_features: int,
+        *,
+        bias: Optional[torch.Tensor] = None,
+        gather_index: Optional[torch.Tensor] = None,
+        input_is_parallel: bool = True,
+        group=None,
+        rank: Optional[int] = None,
+        world_size: Optional[int] = None,
+    ):
+        super().__init__()
+        self.rank, self.world_size = _rank_args(group, rank, world_size)
+        self.group = group
+        self.local = local
+        self.in_features, self.out_features = in_features, out_features
+        self.input_is_parallel = input_is_parallel
+        part = in_features // self.world_size
+        self.k0, self.k1 = self.rank * part, (self.rank + 1) * part
+        self.register_buffer("bias", _own(bias))
+        # Indices into the full input (act-order groups straddling the slices), or None.
+        idx = None if gather_index is None else gather_index.to(device=_device_of(local), dtype=torch.int64)
+        self.register_buffer("gather_index", idx)
+
+    @classmethod
+    def from_layer(
+        cls,
+        layer: nn.Module,
+        name: str = "layer",
+        *,
+        input_is_parallel: bool = True,
+        group=None,
+        rank=None,
+        world_size=None,
+    ) -> "RowParallelLinear":
+        """Shard ``layer`` by input rows; ShardError naming ``name`` when a shard would split a group,
+        a packed tile, or break the kernel's shape rules."""
+        _check_layer(layer, name)
+        rank, world_size = _rank_args(group, rank, world_size)
+        k, n = layer.in_features, layer.out_features
+        bias = layer.bias.detach() if layer.bias is not None else None
+        gather_index = None
+        if isinstance(layer, MarlinLinear):
+            scale_rows = layer.b_scales.shape[0]
+            plan = sh.plan_row(name, k, n, scale_rows, layer.perm, rank, world_size, _bits(layer))
+            tensors = sh.row_tensors(plan, _buffer_take(layer), scale_rows, _has(layer))
+            local = local_marlin(layer, plan.in_features, n, tensors)
+            if sh.single_group(plan, layer.group_size):
+                local.group_size = -1  # one group per shard: stored as per-column scales
+            gather_index = plan.gather_index
+        else:
+            part = sh._check_split(name, "in_features", k, world_size, 1, "")
+            local = local_linear(layer, part, n, layer.weight[:, rank * part : (rank + 1) * part], None)
+        return cls(
+            local,
+            k,
+            n,
+            bias=bias,
+            gather_index=gather_index,
+            input_is_parallel=input_is_parallel,
+            group=group,
+            rank=rank,
+            world_size=world_size,
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gather_index is not None:
+            if self.input_is_parallel:
+                x = all_gather_last(x, self.group, self.world_size)
+            x = x.index_select(-1, self.gather_index)
+        elif not self.input_is_parallel and self.world_size > 1:
+            x = x[..., self.k0 : self.k1]
+        y = all_reduce_sum(self.local(x), self.group, self.world_size)
+        return y + self.bias if self.bias is not None else y
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, rank={self.rank}/{self.world_size}, "
+            f"input_is_parallel={self.input_is_parallel}, gathers_input={self.gather_index is not None}"
+        )
+
+
+def _device_of(module: nn.Module) -> torch.device:
+    for t in module.buffers():
+        return t.device
+    for t in module.parameters():
+        return t.device
+    return torch.device("cpu")
+
+
+def _rank_args(group, rank: Optional[int], world_size: Optional[int]) -> tuple:
+    """(rank, world size): from the group, unless both are given (planning without a process group)."""
+    if rank is None and world_size is None:
+        return rank_and_size(group)
+    if rank is None or world_size is None:
+        raise ValueError(f"rank = {rank}, world_size = {world_size}: give both or neither")
+    return rank, world_size
+

@@ -1,0 +1,151 @@
+"""``marlin-quantize MODEL OUT`` and ``marlin-eval MODEL --text FILE``: the command lines."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Optional, Sequence
+
+from ..convert.errors import ConversionError
+from .calib import parse_seqlen_range
+from .clip import DEFAULT_GRID
+
+__all__ = ["main", "eval_main", "build_parser", "build_eval_parser"]
+
+
+def _group_size(text: str) -> int:
+    value = int(text)
+    if value not in (128, 64, 32, -1):
+        raise argparse.ArgumentTypeError(f"group size {value}, expected 128, 64, 32 or -1 (per column)")
+    return value
+
+
+def _seqlen(text: str) -> tuple:
+    try:
+        return parse_seqlen_range(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="marlin-quantize",
+        description=(
+            "Quantize a transformers causal LM (safetensors directory or GGUF) to a Marlin 4-bit checkpoint with "
+            "the MARLIN paper's GPTQ variant: group-wise clip search and calibration samples of varying length. "
+            "Runs block by block; OUT is written completely or not at all, with a per-layer error report; an "
+            "interrupted run resumes where it stopped."
+        ),
+    )
+    p.add_argument("model", metavar="MODEL", help="model directory (config.json + *.safetensors, or one .gguf) or a .gguf file")
+    p.add_argument("out", metavar="OUT", help="output directory (must not exist, see --overwrite)")
+    p.add_argument("--calib", required=True, metavar="FILE|DIR", help="calibration text: a file or a directory of .txt files")
+    p.add_argument("--group-size", type=_group_size, default=128, help="rows of K per scale: 128 (default), 64, 32, -1")
+    p.add_argument("--act-order", action="store_true", help="quantize inputs in order of decreasing activation size")
+    p.add_argument(
+        "--clip-search",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help=f"choose each group's scale among shrink factors {DEFAULT_GRID[0]}..{DEFAULT_GRID[-1]} of its range by "
+        "Hessian-weighted error (default on)",
+    )
+    p.add_argument("--nsamples", type=int, default=128, help="calibration samples (default 128)")
+    p.add_argument(
+        "--seqlen-range",
+        type=_seqlen,
+        default=(32, 512),
+        metavar="MIN:MAX",
+        help="sample lengths in tokens, drawn uniformly (default 32:512); one number for fixed-length samples",
+    )
+    p.add_argument("--seed", type=int, default=0, help="seed of the calibration sampling (default 0)")
+    p.add_argument("--damp", type=float, default=0.01, help="Hessian dampening, fraction of its mean diagonal (0.01)")
+    p.add_argument("--sparsity", default=None, metavar="2:4", help="2:4 joint pruning (needs the Sparse-MARLIN format)")
+    p.add_argument("--device", default="cpu", help="where a block and its Hessians are computed: cpu (default) or cuda")
+    p.add_argument("--gguf-file", default=None, help="which .gguf of MODEL to read when it has several")
+    p.add_argument("--overwrite", action="store_true", help="replace OUT if it exists")
+    p.add_argument("--no-resume", action="store_true", help="discard the finished blocks of an interrupted run")
+    p.add_argument("--quiet", action="store_true", help="no progress bar and no summary")
+    return p
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Exit status: 0 ok, 1 bad input or failure, 2 usage error."""
+    args = build_parser().parse_args(argv)
+    from .pipeline import quantize_checkpoint
+
+    try:
+        summary = quantize_checkpoint(
+            args.model,
+            args.out,
+            calib=args.calib,
+            group_size=args.group_size,
+            act_order=args.act_order,
+            clip=args.clip_search,
+            damp=args.damp,
+            nsamples=args.nsamples,
+            seqlen_range=args.seqlen_range,
+            seed=args.seed,
+            sparsity=args.sparsity,
+            device=args.device,
+            gguf_file=args.gguf_file,
+            overwrite=args.overwrite,
+            resume=not args.no_resume,
+            progress=not args.quiet,
+        )
+    except (ValueError, NotImplementedError, ConversionError, OSError) as e:
+        print(f"marlin-quantize: error: {e}", file=sys.stderr)
+        return 1
+    if not args.quiet:
+        print(summary.text())
+    return 0
+
+
+def build_eval_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="marlin-eval",
+        description=(
+            "Perplexity of a causal LM on held-out text, with a fixed context and stride. MODEL is a Marlin "
+            "checkpoint (run through marlin's layers: the CPU reference op, or the CUDA kernel on a GPU) or a "
+            "full-precision model directory / .gguf (the FP16 baseline)."
+        ),
+    )
+    p.add_argument("model", metavar="MODEL")
+    p.add_argument("--text", required=True, metavar="FILE|DIR", help="evaluation text: a file or a directory of .txt files")
+    p.add_argument("--context", type=int, default=512, help="tokens per window (default 512)")
+    p.add_argument("--stride", type=int, default=None, help="window step; tokens scored per window (default: context)")
+    p.add_argument("--max-tokens", type=int, default=None, help="evaluate only the first N tokens of the text")
+    p.add_argument("--device", default="cpu", help="cpu (default) or cuda")
+    p.add_argument("--gguf-file", default=None, help="which .gguf of MODEL to read when it has several")
+    p.add_argument("--json", action="store_true", help="print the result as JSON")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    return p
+
+
+def eval_main(argv: Optional[Sequence[str]] = None) -> int:
+    args = build_eval_parser().parse_args(argv)
+    from .evaluate import evaluate_path
+
+    try:
+        result = evaluate_path(
+            args.model,
+            args.text,
+            context=args.context,
+            stride=args.stride,
+            max_tokens=args.max_tokens,
+            device=args.device,
+            gguf_file=args.gguf_file,
+            progress=not args.quiet,
+        )
+    except (ValueError, ConversionError, OSError) as e:
+        print(f"marlin-eval: error: {e}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print(f"perplexity {result['ppl']:.4f} over {result['tokens']} tokens ({result['kind']}, context {result['context']})")
+    return 0
+
+
+if __name__ == "__main__":  # python -m marlin.quantize.cli
+    sys.exit(main())

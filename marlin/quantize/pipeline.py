@@ -1,0 +1,173 @@
+"""quantize_checkpoint: a transformers model in, a Marlin checkpoint out (``marlin-quantize``).
+
+Order of work, so that bad input costs nothing: check the destination, the options, the model
+files and the calibration text; then load, draw the samples, quantize block by block (saving each
+finished block for a resume) and write the checkpoint atomically.
+"""
+
+from __future__ import annotations
+
+import resource
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional, Union
+
+import torch
+
+from ..convert.staging import check_destination
+from .calib import CalibrationSpec, draw_samples, read_texts
+from .clip import DEFAULT_GRID
+from .runner import QuantizeConfig, find_blocks, quantize_model
+from .source import load_model, load_tokenizer, resolve_source
+from .writer import REPORT_FILE, ResumeStore, samples_fingerprint, write_checkpoint
+
+__all__ = ["quantize_checkpoint", "QuantizeSummary", "check_sparsity", "parse_device"]
+
+@dataclass
+class QuantizeSummary:
+    dst: Path
+    quantized: int = 0
+    kept: list = field(default_factory=list)  # (name, why)
+    resumed_blocks: int = 0
+    seconds: float = 0.0
+    peak_rss_mb: float = 0.0
+    peak_device_mb: Optional[float] = None
+    mean_error: Optional[float] = None
+    mean_rtn_error: Optional[float] = None
+
+    def text(self) -> str:
+        lines = [f"wrote {self.dst}: {self.quantized} layers quantized, {len(self.kept)} kept in full precision"]
+        if self.mean_error is not None:
+            lines.append(
+                f"mean relative output error on the calibration data {self.mean_error:.4f} "
+                f"(round to nearest: {self.mean_rtn_error:.4f}); per layer in {self.dst / REPORT_FILE}"
+            )
+        for name, why in self.kept[:10]:
+            lines.append(f"kept {name}: {why}")
+        if len(self.kept) > 10:
+            lines.append(f"... and {len(self.kept) - 10} more (see the report)")
+        extra = f", resumed {self.resumed_blocks} finished blocks" if self.resumed_blocks else ""
+        mem = f", peak device memory {self.peak_device_mb:.0f} MB" if self.peak_device_mb is not None else ""
+        lines.append(f"took {self.seconds:.0f} s{extra}; peak host memory {self.peak_rss_mb:.0f} MB{mem}")
+        return "\n".join(lines)
+
+
+def check_sparsity(sparsity: Optional[str]) -> None:
+    """None is dense. '2:4' needs the Sparse-MARLIN format; refuse it clearly until it exists."""
+    if sparsity is None:
+        return
+    if sparsity != "2:4":
+        raise ValueError(f"sparsity = {sparsity!r}, expected '2:4' (the only pattern of the sparse kernel) or none")
+    try:
+        from .. import sparse  # noqa: F401
+    except ImportError:
+        raise ValueError(
+            "sparsity 2:4 writes weights for the Sparse-MARLIN kernel (marlin.sparse), which this build of marlin "
+            "does not have; quantize dense (no --sparsity)"
+        ) from None
+    raise NotImplementedError(
+        "sparsity 2:4: joint 2:4 pruning and quantization (SparseGPT-style) is not implemented in marlin-quantize "
+        "yet; quantize dense (no --sparsity)"
+    )
+
+
+def parse_device(device: Union[str, torch.device]) -> torch.device:
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise ValueError(f"device = {device!r} is not a device ({e}); expected 'cpu' or 'cuda'") from None
+    if dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"device = {device!r}, expected 'cpu' or 'cuda'")
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device = {device!r}, but CUDA is not available here; use 'cpu'")
+    return dev
+
+
+def quantize_checkpoint(
+    model: Union[str, Path],
+    dst: Union[str, Path],
+    *,
+    calib: Union[str, Path],
+    group_size: int = 128,
+    act_order: bool = False,
+    clip: bool = True,
+    clip_grid: tuple = DEFAULT_GRID,
+    damp: float = 0.01,
+    nsamples: int = 128,
+    seqlen_range: tuple = (32, 512),
+    seed: int = 0,
+    sparsity: Optional[str] = None,
+    device: Union[str, torch.device] = "cpu",
+    gguf_file: Optional[str] = None,
+    overwrite: bool = False,
+    resume: bool = True,
+    progress: bool = True,
+) -> QuantizeSummary:
+    """Quantize the causal LM at ``model`` (safetensors directory or GGUF) with the paper's GPTQ
+    variant and write a Marlin checkpoint to ``dst`` (loadable with marlin.load_quantized).
+
+    ``calib``: a text file or a directory of .txt files; ``nsamples`` windows of its tokens with
+    lengths drawn from ``seqlen_range`` (MIN, MAX) with ``seed`` (MIN == MAX: fixed length).
+    ``clip``: the group-wise clip search; ``act_order``: GPTQ's descending-activation order.
+    Layers whose shapes the kernel does not take stay in full precision (listed in the report).
+    Raises ValueError for bad input, before anything is loaded or written.
+    """
+    start = time.perf_counter()
+    dst = Path(dst).absolute()
+    source = resolve_source(model, gguf_file)
+    check_destination(source.directory, dst, overwrite)
+    check_sparsity(sparsity)
+    dev = parse_device(device)
+    config = QuantizeConfig(group_size=group_size, act_order=act_order, clip=clip, clip_grid=tuple(clip_grid), damp=damp)
+    spec = CalibrationSpec(nsamples=nsamples, min_len=seqlen_range[0], max_len=seqlen_range[1], seed=seed)
+    text = read_texts(calib)
+
+    tokenizer = load_tokenizer(source)
+    net = load_model(source, dtype=torch.float32 if dev.type == "cpu" else torch.float16)
+    find_blocks(net)  # an unsupported architecture fails here, before the calibration runs
+    ids = tokenizer(text, return_tensors="pt", add_special_tokens=False).input_ids[0]
+    samples = draw_samples(ids, spec)
+
+    settings = {
+        "group_size": group_size,
+        "act_order": act_order,
+        "clip_search": clip,
+        "clip_grid": list(config.clip_grid) if clip else None,
+        "damp": damp,
+        "nsamples": nsamples,
+        "seqlen_range": [spec.min_len, spec.max_len],
+        "seed": seed,
+        "calibration": str(Path(calib)),
+        "calibration_tokens": int(sum(s.numel() for s in samples)),
+        "model": source.describe(),
+    }
+    manifest = dict(settings, samples_sha256=samples_fingerprint(samples))
+    store = ResumeStore(dst, manifest)
+    if not resume:
+        store.remove()
+    done = store.load()
+    store.start()
+    if dev.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(dev)
+    results, reports = quantize_model(
+        net, samples, config, device=dev, done=done, on_block_done=store.save_block, progress=progress
+    )
+    if not results:
+        reasons = sorted({r.reason for r in reports})
+        raise ValueError(f"no layer of {source.describe()} could be quantized ({'; '.join(reasons[:3])}); nothing written")
+    write_checkpoint(net, results, reports, dst, settings=settings, tokenizer=tokenizer, overwrite=overwrite)
+    store.remove()
+
+    summary = QuantizeSummary(dst=dst, resumed_blocks=len(done))
+    quantized = [r for r in reports if r.status == "quantized"]
+    summary.quantized = len(quantized)
+    summary.kept = [(r.name, r.reason) for r in reports if r.status != "quantized"]
+    if quantized:
+        summary.mean_error = sum(r.error for r in quantized) / len(quantized)
+        summary.mean_rtn_error = sum(r.rtn_error for r in quantized) / len(quantized)
+    summary.seconds = time.perf_counter() - start
+    summary.peak_rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    if dev.type == "cuda":
+        summary.peak_device_mb = torch.cuda.max_memory_allocated(dev) / 2**20
+    return summary

@@ -1,0 +1,349 @@
+"""Quantize a transformers decoder model block by block with GPTQ (or round to nearest).
+
+The inputs of block i are the outputs of blocks 0..i-1 *after* they were quantized, so every block
+learns to correct the errors of the ones before it, as in GPTQ. Only one block (in float32), its
+Hessians and the calibration activations are on ``device`` at a time; the rest of the model stays
+where it was loaded (the CPU).
+
+For each block:
+  1. run every calibration sample through it with hooks that add each Linear's inputs to its
+     Hessian (marlin.quantize.hessian);
+  2. quantize its Linear layers; layers that read the same input (q/k/v, gate/up) have the same
+     Hessian and are quantized together as one matrix (GPTQ treats rows independently, so this
+     gives the same result in fewer column steps);
+  3. put the dequantized weights in the block and run the samples again: these outputs are the
+     next block's inputs.
+
+The model is left with the dequantized weights in its Linear layers (a "fake-quantized" model
+that computes what the Marlin layers will compute), and the results say what to store.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Callable, Optional, Sequence
+
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+
+from .. import ops
+from .clip import DEFAULT_GRID
+from .gptq import GPTQResult, gptq_quantize, rtn_quantize
+from .hessian import HessianAccumulator, relative_output_error
+
+__all__ = ["QuantizeConfig", "LayerReport", "find_blocks", "quantize_model", "UnsupportedModelError"]
+
+log = logging.getLogger(__name__)
+
+METHODS = ("gptq", "rtn")
+
+
+class UnsupportedModelError(ValueError):
+    """The model is not a decoder stack this runner knows how to walk."""
+
+
+@dataclass(frozen=True)
+class QuantizeConfig:
+    """What to do with every Linear layer of the decoder blocks."""
+
+    group_size: int = 128
+    act_order: bool = False
+    clip: bool = True
+    clip_grid: tuple = DEFAULT_GRID
+    damp: float = 0.01
+    method: str = "gptq"  # or "rtn": round to nearest (no calibration needed for the weights)
+    kernel_shapes_only: bool = True  # keep layers the Marlin kernel cannot take in full precision
+
+    def __post_init__(self):
+        if self.method not in METHODS:
+            raise ValueError(f"method = {self.method!r}, expected one of {METHODS}")
+        if self.group_size != -1 and (not isinstance(self.group_size, int) or self.group_size <= 0 or self.group_size % 16):
+            raise ValueError(f"group_size = {self.group_size!r}, expected -1 (per column) or a multiple of 16 (32, 64, 128)")
+
+    @property
+    def block_size(self) -> int:
+        """GPTQ's lazy block: 128 columns, or the group size when groups are larger."""
+        return max(128, self.group_size)
+
+
+@dataclass
+class LayerReport:
+    """One Linear layer: quantized (with its errors) or kept in full precision (with the reason)."""
+
+    name: str
+    in_features: int
+    out_features: int
+    status: str  # "quantized" or "kept"
+    reason: str = ""
+    error: Optional[float] = None  # relative output error on the calibration data
+    rtn_error: Optional[float] = None  # the same for round to nearest, for comparison
+    seconds: float = 0.0
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class BlockOutcome:
+    """What quantize_model hands to ``on_block_done`` for each finished block."""
+
+    index: int
+    results: dict = field(default_factory=dict)  # full layer name -> GPTQResult
+    reports: list = field(default_factory=list)  # LayerReport
+
+
+def find_blocks(model: nn.Module) -> tuple[str, nn.ModuleList]:
+    """(prefix, blocks) of a transformers decoder model: ``model.model.layers`` (Llama, Mistral,
+    Qwen2, Gemma, Phi-3, ...) or ``model.transformer.h`` (GPT-2 style)."""
+    for base_name, list_name in (("model", "layers"), ("transformer", "h"), ("model.decoder", "layers")):
+        try:
+            base = model.get_submodule(base_name)
+        except AttributeError:
+            continue
+        blocks = getattr(base, list_name, None)
+        if isinstance(blocks, nn.ModuleList) and len(blocks) > 0:
+            return f"{base_name}.{list_name}", blocks
+    raise UnsupportedModelError(
+        f"{type(model).__name__}: no decoder blocks found (expected model.layers, transformer.h or model.decoder.layers "
+        "as an nn.ModuleList); marlin-quantize supports transformers causal LMs built as a stack of decoder blocks"
+    )
+
+
+class _Captured(Exception):
+    pass
+
+
+class _Catcher(nn.Module):
+    """Stands in for block 0: records the block's call and stops the forward pass there."""
+
+    def __init__(self, store: list):
+        super().__init__()
+        self.store = store
+
+    def forward(self, *args, **kwargs):
+        self.store.append((args, kwargs))
+        raise _Captured
+
+
+def _detach(value):
+    if isinstance(value, torch.Tensor):
+        return value.detach()
+    if isinstance(value, tuple):
+        return tuple(_detach(v) for v in value)
+    if isinstance(value, list):
+        return [_detach(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _detach(v) for k, v in value.items()}
+    return value
+
+
+@torch.no_grad()
+def _capture_block_inputs(model, prefix: str, blocks: nn.ModuleList, samples, device) -> list:
+    """The (args, kwargs) of block 0's call for every sample, on ``device``, in float32.
+
+    The blocks are taken out of the model meanwhile, so that moving it to the device moves only
+    what runs before block 0 (embeddings, rotary tables) and the small parts after it.
+    """
+    parent_name, _, attr = prefix.rpartition(".")
+    parent = model.get_submodule(parent_name)
+    store: list = []
+    catcher = _Catcher(store)
+    for name in ("attention_type", "layer_idx"):  # read by some models before calling a block
+        if hasattr(blocks[0], name):
+            setattr(catcher, name, getattr(blocks[0], name))
+    setattr(parent, attr, nn.ModuleList([catcher]))
+    try:
+        model.to(device=device, dtype=torch.float32)
+        for ids in samples:
+            try:
+                model(input_ids=ids.to(device), use_cache=False)
+            except _Captured:
+                pass
+    finally:
+        setattr(parent, attr, blocks)
+    if len(store) != len(samples):
+        raise UnsupportedModelError(
+            f"{type(model).__name__} did not call its first decoder block once per sample ({len(store)} calls for "
+            f"{len(samples)} samples)"
+        )
+    return [_detach(call) for call in store]
+
+
+def _block_output(out):
+    return out[0] if isinstance(out, (tuple, list)) else out
+
+
+def _eligible(name: str, layer: nn.Linear, config: QuantizeConfig) -> Optional[str]:
+    """Why ``layer`` stays in full precision, or None."""
+    k, n = layer.in_features, layer.out_features
+    if type(layer) is not nn.Linear:
+        return f"{type(layer).__name__} is not a plain nn.Linear"
+    if config.group_size != -1 and k % config.group_size:
+        return f"in_features = {k} is not a multiple of group_size = {config.group_size}"
+    if config.kernel_shapes_only:
+        reason = ops.check_shape(k, n, config.group_size)
+        if reason is not None:
+            return f"shape not supported by the Marlin kernel: {reason}"
+    return None
+
+
+def _quantize_group(
+    names: Sequence[str], layers: Sequence[nn.Linear], h: torch.Tensor, config: QuantizeConfig, device
+) -> list[GPTQResult]:
+    """Quantize layers that share the Hessian ``h`` as one stacked matrix; one result per layer."""
+    weights = [layer.weight.detach().to(device, torch.float32) for layer in layers]
+    stacked = torch.cat(weights, dim=0)
+    if config.method == "rtn":
+        joint = rtn_quantize(stacked, config.group_size)
+    else:
+        joint = gptq_quantize(
+            stacked,
+            h,
+            config.group_size,
+            act_order=config.act_order,
+            clip=config.clip,
+            clip_grid=config.clip_grid,
+            damp=config.damp,
+            block_size=config.block_size,
+        )
+    results, n0 = [], 0
+    for w in weights:
+        n1 = n0 + w.shape[0]
+        res = GPTQResult(
+            q=joint.q[:, n0:n1].contiguous(),
+            scales=joint.scales[:, n0:n1].contiguous(),
+            perm=joint.perm,
+            group_size=config.group_size,
+        )
+        res.error = relative_output_error(w, res.dequantized().to(device), h)
+        res.rtn_error = relative_output_error(w, rtn_quantize(w, config.group_size).dequantized().to(device), h)
+        results.append(res)
+        n0 = n1
+    return results
+
+
+def _same_input_groups(names: list, hessians: dict) -> list[list[str]]:
+    """Layers whose Hessians are identical (they read the same tensor), in block order."""
+    groups: list[list[str]] = []
+    for name in names:
+        for group in groups:
+            first = hessians[group[0]]
+            if first.tokens == hessians[name].tokens and torch.equal(first.h, hessians[name].h):
+                group.append(name)
+                break
+        else:
+            groups.append([name])
+    return groups
+
+
+@torch.no_grad()
+def _run_block(block: nn.Module, hidden: list, calls: list) -> list:
+    return [_block_output(block(h, *args[1:], **kwargs)) for h, (args, kwargs) in zip(hidden, calls)]
+
+
+@torch.no_grad()
+def quantize_model(
+    model: nn.Module,
+    samples: Sequence[torch.Tensor],
+    config: QuantizeConfig,
+    *,
+    device="cpu",
+    done: Optional[dict] = None,
+    on_block_done: Optional[Callable[[BlockOutcome], None]] = None,
+    progress: bool = True,
+) -> tuple[dict, list]:
+    """Quantize every eligible Linear in ``model``'s decoder blocks, in place (fake-quantized).
+
+    ``samples``: calibration token ids, each [1, L] (lengths may differ). ``done``: {block index:
+    BlockOutcome} of blocks finished by an earlier, interrupted run; they are not quantized
+    again, only their stored weights are put in and run. ``on_block_done`` is called
+    after each newly quantized block (the checkpoint writer saves it for resuming).
+
+    Returns ({layer name: GPTQResult}, [LayerReport]) over all blocks.
+    """
+    device = torch.device(device)
+    prefix, blocks = find_blocks(model)
+    if not samples:
+        raise ValueError("quantize_model: no calibration samples")
+    done = done or {}
+    first = next(model.parameters())
+    home, home_dtype = first.device, first.dtype
+    calls = _capture_block_inputs(model, prefix, blocks, samples, device)
+    hidden = [args[0] for args, _ in calls]
+    all_results: dict = {}
+    all_reports: list = []
+    bar = tqdm(total=len(blocks), desc=f"marlin-quantize ({config.method})", unit="block", disable=not progress)
+    try:
+        for index, block in enumerate(blocks):
+            block.to(device=device, dtype=torch.float32)
+            block_prefix = f"{prefix}.{index}"
+            linears = {
+                f"{block_prefix}.{name}": m for name, m in block.named_modules() if isinstance(m, nn.Linear)
+            }
+            if index in done:
+                outcome = done[index]
+                for name, res in outcome.results.items():
+                    if name not in linears or tuple(linears[name].weight.shape) != (res.q.shape[1], res.q.shape[0]):
+                        raise ValueError(f"resume data has layer {name} [{tuple(res.q.shape)}], which block {index} lacks")
+                    linears[name].weight.copy_(res.dequantized())
+            else:
+                outcome = _quantize_block(index, linears, block, hidden, calls, config, device)
+            all_results.update(outcome.results)
+            all_reports.extend(outcome.reports)
+            hidden = _run_block(block, hidden, calls)  # with the quantized weights
+            block.to(device=home, dtype=home_dtype)
+            if on_block_done is not None and index not in done:
+                on_block_done(outcome)
+            bar.update(1)
+    finally:
+        bar.close()
+        model.to(device=home, dtype=home_dtype)
+    return all_results, all_reports
+
+
+def _quantize_block(index, linears: dict, block, hidden, calls, config: QuantizeConfig, device) -> BlockOutcome:
+    outcome = BlockOutcome(index)
+    eligible = []
+    for name, layer in linears.items():
+        why = _eligible(name, layer, config)
+        if why is None:
+            eligible.append(name)
+        else:
+            outcome.reports.append(LayerReport(name, layer.in_features, layer.out_features, "kept", reason=why))
+            log.warning("marlin-quantize: kept %s in full precision: %s", name, why)
+    if not eligible:
+        return outcome
+    hessians = {name: HessianAccumulator(linears[name].in_features, device=device) for name in eligible}
+    handles = [
+        linears[name].register_forward_pre_hook(lambda _m, inp, acc=hessians[name]: acc.add(inp[0]))
+        for name in eligible
+    ]
+    try:
+        _run_block(block, hidden, calls)
+    finally:
+        for handle in handles:
+            handle.remove()
+    for group in _same_input_groups(eligible, hessians):
+        start = time.perf_counter()
+        results = _quantize_group(group, [linears[n] for n in group], hessians[group[0]].h, config, device)
+        seconds = (time.perf_counter() - start) / len(group)
+        for name, res in zip(group, results):
+            layer = linears[name]
+            layer.weight.copy_(res.dequantized())
+            outcome.results[name] = res
+            outcome.reports.append(
+                LayerReport(
+                    name,
+                    layer.in_features,
+                    layer.out_features,
+                    "quantized",
+                    error=res.error,
+                    rtn_error=res.rtn_error,
+                    seconds=seconds,
+                )
+            )
+    del hessians
+    return outcome

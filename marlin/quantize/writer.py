@@ -1,0 +1,227 @@
+"""The checkpoint marlin-quantize writes, and the per-block state that lets it resume.
+
+Output directory DST (what marlin.load_quantized reads, the same layout as marlin-convert's):
+  * ``model.safetensors``: for each quantized layer ``<name>.b_q``, ``<name>.b_scales`` (and
+    ``<name>.perm`` with act-order groups, ``<name>.bias`` if any), every other tensor of the
+    model's state dict in fp16 (embeddings, norms, head, layers kept in full precision); tied
+    tensors once;
+  * ``config.json`` with ``quantization_config`` (checkpoint_format "marlin", quant_method
+    "gptq", bits, group_size, desc_act, sym, and how it was made), tokenizer files,
+    generation_config.json;
+  * ``quantize_report.json`` and ``quantize_report.md``: every layer's relative output error on
+    the calibration data (and round to nearest's, for comparison), or why it was kept.
+DST appears complete or not at all: everything is written into a hidden staging directory next to
+it, renamed at the end (marlin.convert.staging).
+
+Resuming: each finished block is saved to ``.<DST name>.quantize-resume/block-NNNN.safetensors``
+(its layers' q, scales, perm and report rows) next to DST, with ``manifest.json`` holding the
+settings and a fingerprint of the calibration samples. A rerun with the same settings loads the
+finished blocks instead of quantizing them again (their stored weights are put into the model and
+run, to give the next block its inputs). The directory is removed once DST is written.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Optional, Sequence
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from .. import ops, packing
+from ..convert.checkpoint import write_json
+from ..convert.converter import MARLIN_FORMAT
+from ..convert.staging import staged_directory
+from .gptq import GPTQResult
+from .runner import BlockOutcome, LayerReport
+
+__all__ = ["ResumeStore", "samples_fingerprint", "write_checkpoint", "report_markdown", "WEIGHTS_FILE", "REPORT_FILE"]
+
+WEIGHTS_FILE = "model.safetensors"
+REPORT_FILE = "quantize_report.json"
+REPORT_MD = "quantize_report.md"
+
+
+def samples_fingerprint(samples: Sequence[torch.Tensor]) -> str:
+    """sha256 of the calibration token ids (a resume must use the very same samples)."""
+    digest = hashlib.sha256()
+    for ids in samples:
+        digest.update(ids.to(torch.int64).contiguous().cpu().numpy().tobytes())
+        digest.update(b"|")
+    return digest.hexdigest()
+
+
+class ResumeStore:
+    """Finished blocks of an interrupted run, in ``.<DST name>.quantize-resume`` next to DST."""
+
+    def __init__(self, dst: Path, manifest: dict):
+        self.dst = Path(dst)
+        self.directory = self.dst.parent / f".{self.dst.name}.quantize-resume"
+        self.manifest = manifest
+
+    def load(self) -> dict:
+        """{block index: BlockOutcome} of the finished blocks; refuses a manifest that does not
+        match this run (other settings or calibration data)."""
+        if not self.directory.is_dir():
+            return {}
+        path = self.directory / "manifest.json"
+        try:
+            stored = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, ValueError) as e:
+            raise ValueError(f"{path}: unreadable resume manifest ({e}); remove {self.directory} to start over") from None
+        if stored != self.manifest:
+            diff = sorted(k for k in set(stored) | set(self.manifest) if stored.get(k) != self.manifest.get(k))
+            raise ValueError(
+                f"{self.directory} holds an interrupted run with other settings ({', '.join(diff)} differ); "
+                "rerun with the same settings, pass --no-resume, or remove that directory"
+            )
+        done = {}
+        for file in sorted(self.directory.glob("block-*.safetensors")):
+            index = int(file.stem.split("-")[1])
+            if not file.with_suffix(".json").is_file():
+                continue  # interrupted while writing this block: quantize it again
+            tensors = load_file(str(file))
+            rows = json.loads(file.with_suffix(".json").read_text(encoding="utf-8"))
+            results = {}
+            for row in rows:
+                if row["status"] != "quantized":
+                    continue
+                name = row["name"]
+                results[name] = GPTQResult(
+                    q=tensors[f"{name}.q"],
+                    scales=tensors[f"{name}.scales"],
+                    perm=tensors.get(f"{name}.perm"),
+                    group_size=self.manifest["group_size"],
+                    error=row["error"],
+                    rtn_error=row["rtn_error"],
+                )
+            done[index] = BlockOutcome(index, results, [LayerReport(**row) for row in rows])
+        return done
+
+    def start(self) -> None:
+        self.directory.mkdir(exist_ok=True)
+        write_json(self.directory / "manifest.json", self.manifest)
+
+    def save_block(self, outcome: BlockOutcome) -> None:
+        """Write one block (tensors, then report rows; the .json last marks it complete)."""
+        tensors = {}
+        for name, res in outcome.results.items():
+            tensors[f"{name}.q"] = res.q
+            tensors[f"{name}.scales"] = res.scales
+            if res.perm is not None:
+                tensors[f"{name}.perm"] = res.perm
+        base = self.directory / f"block-{outcome.index:04d}"
+        tmp = base.with_suffix(".safetensors.tmp")
+        save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp))
+        os.replace(tmp, base.with_suffix(".safetensors"))
+        tmp_json = base.with_suffix(".json.tmp")
+        tmp_json.write_text(json.dumps([r.as_dict() for r in outcome.reports], indent=1), encoding="utf-8")
+        os.replace(tmp_json, base.with_suffix(".json"))
+
+    def remove(self) -> None:
+        shutil.rmtree(self.directory, ignore_errors=True)
+
+
+def _marlin_tensors(name: str, res: GPTQResult, bias: Optional[torch.Tensor]) -> dict:
+    b_q, b_scales = packing.pack(res.q, res.scales)
+    out = {f"{name}.b_q": b_q, f"{name}.b_scales": b_scales}
+    if res.perm is not None:
+        out[f"{name}.perm"] = res.perm.to(torch.int32)
+    if bias is not None:
+        out[f"{name}.bias"] = bias.detach().to(torch.float16)
+    return out
+
+
+def _state_tensors(model: nn.Module, results: dict) -> dict:
+    """The checkpoint's tensors: Marlin tensors for quantized layers, fp16 copies of the rest."""
+    out: dict = {}
+    seen: dict = {}  # storage pointer -> first name (tied weights are stored once)
+    state = model.state_dict()
+    quantized_keys = {f"{name}.{s}" for name in results for s in ("weight", "bias")}
+    for name, res in results.items():
+        out.update(_marlin_tensors(name, res, state.get(f"{name}.bias")))
+    for key, tensor in state.items():
+        if key in quantized_keys:
+            continue
+        ptr = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape))
+        if ptr in seen:
+            continue
+        seen[ptr] = key
+        out[key] = tensor.detach().to(torch.float16) if tensor.is_floating_point() else tensor.detach()
+    return out
+
+
+def report_markdown(reports: Sequence[LayerReport], settings: dict) -> str:
+    lines = [
+        "# marlin-quantize report",
+        "",
+        "Settings: " + ", ".join(f"{k} = {v}" for k, v in settings.items()),
+        "",
+        "Relative output error ||X W^T - X W_q^T|| / ||X W^T|| of each layer on its calibration inputs "
+        "(the inputs it saw with the earlier blocks already quantized); `rtn` is round to nearest of "
+        "the same weights on the same inputs.",
+        "",
+        "| layer | in | out | status | error | rtn error | note |",
+        "|---|---:|---:|---|---:|---:|---|",
+    ]
+    for r in reports:
+        err = f"{r.error:.4f}" if r.error is not None else ""
+        rtn = f"{r.rtn_error:.4f}" if r.rtn_error is not None else ""
+        lines.append(f"| {r.name} | {r.in_features} | {r.out_features} | {r.status} | {err} | {rtn} | {r.reason} |")
+    quantized = [r for r in reports if r.status == "quantized"]
+    if quantized:
+        mean = sum(r.error for r in quantized) / len(quantized)
+        mean_rtn = sum(r.rtn_error for r in quantized) / len(quantized)
+        lines += ["", f"{len(quantized)} layers quantized, mean error {mean:.4f} (round to nearest {mean_rtn:.4f}); "
+                  f"{len(reports) - len(quantized)} kept in full precision."]
+    return "\n".join(lines) + "\n"
+
+
+def write_checkpoint(
+    model: nn.Module,
+    results: dict,
+    reports: Sequence[LayerReport],
+    dst: Path,
+    *,
+    settings: dict,
+    tokenizer=None,
+    overwrite: bool = False,
+) -> None:
+    """Write the Marlin checkpoint of a quantized ``model`` (see the module docstring), atomically."""
+    dst = Path(dst)
+    for name, res in results.items():
+        k, n = res.q.shape
+        reason = ops.check_shape(k, n, res.group_size)
+        if reason is not None:
+            raise ValueError(f"{name}: quantized with a shape the Marlin kernel cannot load ({reason})")
+    tensors = _state_tensors(model, results)
+    config = model.config.to_dict()
+    config["quantization_config"] = {
+        "quant_method": "gptq",
+        "checkpoint_format": MARLIN_FORMAT,
+        "bits": 4,
+        "sym": True,
+        "group_size": settings["group_size"],
+        "desc_act": bool(settings.get("act_order", False)),
+        "quantizer": "marlin-quantize",
+        "settings": settings,
+    }
+    for key in ("dtype", "torch_dtype"):
+        if key in config:
+            config[key] = "float16"
+    report = {"settings": settings, "layers": [r.as_dict() for r in reports]}
+    with staged_directory(dst, overwrite) as out:
+        save_file({k: v.contiguous().cpu() for k, v in tensors.items()}, str(out / WEIGHTS_FILE), metadata={"format": "pt"})
+        write_json(out / "config.json", config)
+        generation = getattr(model, "generation_config", None)
+        if generation is not None:
+            generation.save_pretrained(out)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(out)
+        write_json(out / REPORT_FILE, report)
+        (out / REPORT_MD).write_text(report_markdown(reports, settings), encoding="utf-8")

@@ -1,0 +1,133 @@
+"""Worker processes for tests/test_parallel_dist.py: each runs under torch.multiprocessing.spawn as
+one rank of a gloo process group on the CPU, builds the same full model from the same seed as every
+other rank, shards it, and compares the sharded result with the full one (an AssertionError in any
+rank fails the test)."""
+
+from __future__ import annotations
+
+import traceback
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import marlin
+from marlin.nn import MarlinLinear
+from marlin.parallel import ColumnParallelLinear, RowParallelLinear
+
+TOL = 3e-3  # one layer: partial outputs rounded to fp16 and summed in fp16 (see test_parallel_shard)
+MODEL_TOL = 1e-2  # logits after two decoder layers of fp16 activations
+
+
+def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
+    x, ref = x.double(), ref.double()
+    return float((x - ref).norm() / ref.norm())
+
+
+def run(rank: int, world_size: int, init_file: str, scenario: str, arg) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
+    try:
+        SCENARIOS[scenario](rank, world_size, arg)
+    except BaseException:
+        traceback.print_exc()  # the rank's own traceback; spawn re-raises in the parent
+        raise
+    finally:
+        dist.destroy_process_group()
+
+
+def marlin_from_seed(k: int, n: int, seed: int, group_size: int = 128, bias: bool = True) -> MarlinLinear:
+    torch.manual_seed(seed)
+    return MarlinLinear.from_linear(nn.Linear(k, n, bias=bias).half(), group_size=group_size)
+
+
+def straddling_perm(k: int, seed: int) -> torch.Tensor:
+    return torch.randperm(k, generator=torch.Generator().manual_seed(seed)).to(torch.int32)
+
+
+def aligned_perm(k: int, world_size: int, group_size: int, seed: int) -> torch.Tensor:
+    """Every group's rows inside one rank's slice; stored groups of the ranks interleaved."""
+    gen = torch.Generator().manual_seed(seed)
+    part = k // world_size
+    blocks = [b for r in range(world_size) for b in (r * part + torch.randperm(part, generator=gen)).reshape(-1, group_size)]
+    order = torch.randperm(len(blocks), generator=gen).tolist()
+    return torch.cat([blocks[i] for i in order]).to(torch.int32)
+
+
+def set_perm(layer: MarlinLinear, perm: torch.Tensor) -> None:
+    layer.perm = perm.clone()  # 'perm' is a registered (None) buffer: this makes the layer act-order
+
+
+def layers_scenario(rank: int, world_size: int, group_size: int) -> None:
+    """An MLP (column-parallel up, row-parallel down) with act-order off, aligned and straddling,
+    and a column-parallel layer with its output gathered."""
+    k, hidden = 512, 1024
+    x = torch.randn(6, k, generator=torch.Generator().manual_seed(1)).half()
+    up = marlin_from_seed(k, hidden, seed=2, group_size=group_size)
+    set_perm(up, straddling_perm(k, seed=3))  # column-parallel: perm on the whole K
+    col = ColumnParallelLinear.from_layer(up, "up")
+    full = ColumnParallelLinear.from_layer(up, "up", gather_output=True)
+    assert rel_err(full(x), up(x)) < TOL, "column-parallel, gathered output"
+    h_full, h_local = torch.relu(up(x)), torch.relu(col(x))
+    assert h_local.shape[-1] == hidden // world_size
+    perms = {"none": None, "straddling": straddling_perm(hidden, seed=4)}
+    if group_size != -1:
+        perms["aligned"] = aligned_perm(hidden, world_size, group_size, seed=5)
+    for what, perm in perms.items():
+        down = marlin_from_seed(hidden, k, seed=6, group_size=group_size)
+        if perm is not None:
+            set_perm(down, perm)
+        row = RowParallelLinear.from_layer(down, f"down[{what}]")
+        expect_gather = what == "straddling" and world_size > 1
+        assert (row.gather_index is not None) == expect_gather, what
+        err = rel_err(row(h_local), down(h_full))
+        assert err < TOL, f"row-parallel, act-order {what}: rel err {err:.2e}"
+        split = RowParallelLinear.from_layer(down, f"down[{what}]", input_is_parallel=False)
+        assert rel_err(split(h_full), down(h_full)) < TOL, f"row-parallel on the full input, act-order {what}"
+
+
+def llama_scenario(rank: int, world_size: int, act_order: bool) -> None:
+    """A tiny Llama: logits of a prompt and of one cached decode step, sharded vs unsharded."""
+    import transformers
+
+    config = transformers.LlamaConfig(
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,  # grouped-query attention: k/v_proj 128 wide, 64 per rank
+        vocab_size=1000,
+        max_position_embeddings=256,
+    )
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).half().eval()
+    marlin.replace_linear(model, group_size=128)
+    if act_order:
+        for i, (name, layer) in enumerate(m for m in model.named_modules() if isinstance(m[1], MarlinLinear)):
+            # o_proj of layer 0 aligned, every other layer straddling
+            aligned = name == "model.layers.0.self_attn.o_proj"
+            k = layer.in_features
+            set_perm(layer, aligned_perm(k, world_size, 128, seed=i) if aligned else straddling_perm(k, seed=i))
+    ids = torch.randint(0, config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(7))
+    nxt = torch.randint(0, config.vocab_size, (2, 1), generator=torch.Generator().manual_seed(8))
+
+    def logits(m):
+        with torch.no_grad():
+            out = m(ids, use_cache=True)
+            step = m(nxt, past_key_values=out.past_key_values, use_cache=True)
+        return out.logits, step.logits
+
+    ref_prompt, ref_step = logits(model)
+    report = marlin.tensor_parallel(model)
+    assert len(report.sharded) == 7 * config.num_hidden_layers + 1, report  # + lm_head (fp16, gathered)
+    assert ("model.embed_tokens" in dict(report.kept)), report
+    o_proj = model.model.layers[0].self_attn.o_proj
+    assert isinstance(o_proj, RowParallelLinear) and o_proj.local.in_features == 256 // world_size
+    if act_order and world_size > 1:
+        assert o_proj.gather_index is None and o_proj.local.perm is not None
+        assert model.model.layers[1].mlp.down_proj.gather_index is not None
+    prompt, step = logits(model)
+    err_prompt, err_step = rel_err(prompt, ref_prompt), rel_err(step, ref_step)
+    assert err_prompt < MODEL_TOL and err_step < MODEL_TOL, (err_prompt, err_step)
+
+
+SCENARIOS = {"layers": layers_scenario, "llama": llama_scenario}
