@@ -28,9 +28,10 @@ from .sparse_nn import MarlinLinear24, replace_linear_2_4  # noqa: E402
 
 __all__ += ["sparse", "gemm_2_4", "MarlinLinear24", "replace_linear_2_4"]
 
+from .decode import compile_for_decode
 from .fuse import fuse_projections
 
-__all__ += ["fuse_projections"]
+__all__ += ["fuse_projections", "compile_for_decode"]
 
 # transformers' from_pretrained loads Marlin checkpoints once transformers is imported (lazily:
 # importing transformers here would cost about a second).

@@ -183,3 +183,17 @@ def test_import_is_cheap_and_registration_lazy():
         "print(M['marlin'].__name__)\n"
     )
     assert out.split() == ["MarlinHfQuantizer"]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_from_pretrained_on_cuda(checkpoints):
+    _, dst, ref = checkpoints
+    model = AutoModelForCausalLM.from_pretrained(dst, device_map="cuda")
+    assert all(b.is_cuda for b in model.buffers())
+    for m in marlin_layers(model).values():
+        assert m.workspace.is_cuda and not m.workspace.any()
+    x = ids()
+    with torch.no_grad():
+        assert rel_err(model(x.cuda()).logits.cpu(), ref(x).logits) < MODEL_TOL
+    out = model.generate(x[:1].cuda(), max_new_tokens=4, do_sample=False)
+    assert out.shape == (1, 13)

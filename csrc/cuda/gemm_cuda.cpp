@@ -66,17 +66,14 @@ at::Tensor gemm_cuda(const at::Tensor& a, const at::Tensor& b_q, const at::Tenso
                      const std::optional<at::Tensor>& b_zeros, const std::optional<at::Tensor>& workspace,
                      std::optional<int64_t> tile_k, std::optional<int64_t> tile_n, int64_t bits) {
   const GemmShape sh = check_gemm_args(a, b_q, b_scales, b_zeros, workspace, tile_k, tile_n, bits);
-  // The kernels below implement fp16 activations with symmetric 4-bit weights, group size 128 or
-  // per column, K and N multiples of 128. The op's schema and the CPU reference accept more
-  // (docs/FORMAT.md); refuse the rest here rather than compute a wrong answer.
-  TORCH_CHECK(sh.dtype == at::kHalf, "marlin.gemm: a.dtype = ", dtype_str(a),
-              " is not supported by the CUDA kernel yet (float16 only)");
-  TORCH_CHECK(sh.bits == 4, "marlin.gemm: bits = ", num(sh.bits), " is not supported by the CUDA kernel yet (4 only)");
-  TORCH_CHECK(!sh.has_zeros, "marlin.gemm: b_zeros (zero points) are not supported by the CUDA kernel yet; pass None");
-  TORCH_CHECK(sh.group_size == 128 || sh.group_size == -1, "marlin.gemm: group size ", num(sh.group_size),
-              " is not supported by the CUDA kernel yet (128 or per column)");
-  TORCH_CHECK(sh.k % 128 == 0 && sh.n % 128 == 0, "marlin.gemm: K = ", num(sh.k), ", N = ", num(sh.n),
-              ": the CUDA kernel takes multiples of 128 only yet");
+  // Every format of the schema runs (the planner picks an instance from marlin_gemm.cu's table).
+  // Shapes: the tiled kernel's tiles are 128 x 128 and 64 x 256 (K x N), so N a multiple of 64
+  // but not of 128 (or K of 64 but not 128, with N not a multiple of 256) is refused here.
+  // b_zeros are used as given (integers 0..15 by the format; the CPU reference checks them, a
+  // check here would cost a device synchronisation).
+  TORCH_CHECK((sh.k % 128 == 0 && sh.n % 128 == 0) || (sh.k % 64 == 0 && sh.n % 256 == 0),
+              "marlin.gemm: K = ", num(sh.k), ", N = ", num(sh.n),
+              ": the CUDA kernel takes K and N multiples of 128, or K a multiple of 64 with N a multiple of 256");
   const c10::cuda::OptionalCUDAGuard guard(a.device());
   const cudaDeviceProp* prop = at::cuda::getCurrentDeviceProperties();
   TORCH_CHECK(prop->major >= 8, "marlin.gemm: needs a GPU of compute capability 8.0 or newer (Ampere+), but ",
@@ -99,7 +96,10 @@ at::Tensor gemm_cuda(const at::Tensor& a, const at::Tensor& b_q, const at::Tenso
   args.a = a_use.data_ptr();
   args.b_q = b_q.data_ptr();
   args.scales = b_scales.data_ptr();
+  args.zeros = sh.has_zeros ? b_zeros->data_ptr() : nullptr;
   args.c = c.data_ptr();
+  args.bf16 = sh.dtype == at::kBFloat16;
+  args.bits = static_cast<int>(sh.bits);
   args.m = static_cast<int>(sh.m);
   args.n = static_cast<int>(sh.n);
   args.k = static_cast<int>(sh.k);
@@ -115,8 +115,9 @@ at::Tensor gemm_cuda(const at::Tensor& a, const at::Tensor& b_q, const at::Tenso
   args.split_mode = tuning_split_mode();
   args.clusters = prop->major >= 9;
   args.wg_slice_rows = tuning_wg_slice_rows();
-  TORCH_CHECK(reinterpret_cast<uintptr_t>(args.b_q) % 16 == 0 && reinterpret_cast<uintptr_t>(args.scales) % 16 == 0,
-              "marlin.gemm: b_q and b_scales must be 16-byte aligned (got a view with an offset?)");
+  TORCH_CHECK(reinterpret_cast<uintptr_t>(args.b_q) % 16 == 0 && reinterpret_cast<uintptr_t>(args.scales) % 16 == 0 &&
+                  reinterpret_cast<uintptr_t>(args.zeros) % 16 == 0,
+              "marlin.gemm: b_q, b_scales and b_zeros must be 16-byte aligned (got a view with an offset?)");
 
   GemmPlan plan;
   const std::string why = plan_gemm(args, tile_k.value_or(0), tile_n.value_or(0), &plan);

@@ -74,8 +74,10 @@ struct Format {
   int group_mode = kPerColumn;     // kGroupBlocks128 (fp16 kU4 only), kGroupBlocksRuntime or kPerColumn
   int group_shift = 0;             // log2 of the group size in k16 blocks (run-time groups)
   // fp16 symmetric INT4 in groups of 128 or per column: the format every kernel and instance
-  // runs; the others run on the tiled kernel only, for now
+  // runs; the others run on the tiled kernel and on the small-batch kernel's mma.sync path with
+  // 8 or 16 rows and the 256-column tile (all but per-column zero points)
   bool base() const { return !bf16 && w == kU4 && group_mode != kGroupBlocksRuntime; }
+  bool small_batch() const { return base() || !(w == kU4Zp && group_mode == kPerColumn); }
 };
 
 // Checks what the instance table can run; returns an empty string or what is unsupported.
@@ -101,8 +103,9 @@ std::string format_of(const GemmArgs& a, Format* f) {
 
 // 0: use the tiled kernel; else the small-batch kernel's tile width.
 int small_m_tile(const GemmArgs& a, const Format& f) {
-  if (!f.base()) return 0;  // the small-batch kernel runs fp16 symmetric INT4 (group 128, per column) only
-  if (a.n % 256 != 0 || a.k % 128 != 0) return 0;
+  if (a.n % 256 != 0 || a.k % 128 != 0 || !f.small_batch()) return 0;
+  if (!f.base())  // the mma.sync rules below, 256 columns (the other formats' only instances)
+    return a.m <= kSmallMAlways || (a.m <= kSmallMDeep && a.k >= kSmallMDeepK) ? 256 : 0;
   const long long bytes_per_sm = static_cast<long long>(a.k) * a.n / 2 / std::max(1, a.sms);
   if (a.wgmma && a.m > kSmallMAlways) {
     if (a.m > kWgSliceRows) return 256;
@@ -182,11 +185,36 @@ int tiled_m_blocks(int m, const Format& f) {
   return mb == 3 && !f.base() ? 4 : mb;
 }
 
-template <int MB, int NW, bool G, bool WG>
+template <int MB, int NW, bool G, bool WG, typename ET = half, int W = kU4, bool RG = false>
 Instance make_smallm_instance() {
-  using S = SmallMShapeOf<MB, NW, G, WG>;
-  return Instance{kSmallMMinBlocksPerSm<MB, WG>, S::kSmemBytes, S::kPartialFloats, &launch_smallm<MB, NW, G, WG>,
-                  &smallm_max_clusters<MB, NW, G, WG>};
+  using S = SmallMShapeOf<MB, NW, G, WG, ET, W, RG>;
+  return Instance{kSmallMMinBlocksPerSm<MB, WG>, S::kSmemBytes, S::kPartialFloats,
+                  &launch_smallm<MB, NW, G, WG, ET, W, RG>, &smallm_max_clusters<MB, NW, G, WG, ET, W, RG>};
+}
+
+// The other formats' small-batch instances (smallm_instances.cuh, MARLIN_INSTANTIATE_SMALLM_FORMATS):
+// MB 1 or 2, mma.sync, 256 columns; grouped ones take the group size at run time.
+template <int MB, typename ET>
+bool find_smallm_format_mb(const Format& f, Instance* out) {
+  const bool grouped = f.group_mode != kPerColumn;
+  if (f.w == kU4) {
+    if (grouped) *out = make_smallm_instance<MB, 4, true, false, ET, kU4, true>();
+    else if (std::is_same<ET, nv_bfloat16>::value) *out = make_smallm_instance<MB, 4, false, false, nv_bfloat16, kU4, false>();
+    else return false;  // fp16 per column is the base format
+  } else if (f.w == kU4Zp) {
+    if (!grouped) return false;  // per-column zero points: tiled kernel only
+    *out = make_smallm_instance<MB, 4, true, false, ET, kU4Zp, true>();
+  } else {
+    *out = grouped ? make_smallm_instance<MB, 4, true, false, ET, kU8, true>()
+                   : make_smallm_instance<MB, 4, false, false, ET, kU8, false>();
+  }
+  return true;
+}
+
+bool find_smallm_format(int mb, int tile_n, bool wg, const Format& f, Instance* out) {
+  if (wg || tile_n != 256 || (mb != 1 && mb != 2)) return false;
+  if (f.bf16) return mb == 1 ? find_smallm_format_mb<1, nv_bfloat16>(f, out) : find_smallm_format_mb<2, nv_bfloat16>(f, out);
+  return mb == 1 ? find_smallm_format_mb<1, half>(f, out) : find_smallm_format_mb<2, half>(f, out);
 }
 
 // The small-batch instances: MB n8 tiles of the batch (1, 2, 4 with mma.sync; 2, 4, 8 with
@@ -215,9 +243,9 @@ bool find_smallm_instance(int mb, int tile_n, bool grouped, bool wg, Instance* o
 }
 
 bool find_planned_instance(const GemmPlan& plan, const Format& f, Instance* out) {
-  return plan.small_m ? f.base() && find_smallm_instance(plan.m_blocks, plan.tile.tile_n, f.group_mode != kPerColumn,
-                                                         plan.wgmma, out)
-                      : find_instance(plan.m_blocks, plan.tile, f, out);
+  if (!plan.small_m) return find_instance(plan.m_blocks, plan.tile, f, out);
+  if (!f.base()) return find_smallm_format(plan.m_blocks, plan.tile.tile_n, plan.wgmma, f, out);
+  return find_smallm_instance(plan.m_blocks, plan.tile.tile_n, f.group_mode != kPerColumn, plan.wgmma, out);
 }
 
 std::string describe(const GemmArgs& a, TileConfig tile, int m_blocks) {
@@ -298,20 +326,23 @@ std::string plan_small_m(const GemmArgs& args, int tile_n, GemmPlan* plan) {
   Format f;
   const std::string bad = format_of(args, &f);
   if (!bad.empty()) return bad;
-  if (!f.base())
-    return "marlin.gemm: the small-batch tiles (tile_k=128, tile_n=256 or 512) run fp16 symmetric INT4 weights in "
-           "groups of 128 or per column only; " + describe(args, TileConfig{128, tile_n}, 0) +
-           " (leave tile_k / tile_n unset to run it on the tiled kernel)";
+  if (!f.base() && (tile_n != 256 || !f.small_batch()))
+    return "marlin.gemm: the small-batch kernel runs this format with tile_n=256 only, and per-column zero points "
+           "not at all; " + describe(args, TileConfig{128, tile_n}, 0) +
+           " (leave tile_k / tile_n unset to let the planner choose)";
   plan->small_m = true;
-  plan->wgmma = args.wgmma && args.m > 8;
+  plan->wgmma = args.wgmma && args.m > 8 && f.base();
   // rows per slice / 8: above 64 rows (wgmma) 64 or 128, the latter with the 256-column tile only
   const bool wide = plan->wgmma && args.m > kWgSliceRows && tile_n == 256;
   plan->m_blocks = args.m <= 8 ? 1 : args.m <= 16 ? 2 : (args.m <= 32 || !plan->wgmma) ? 4 : wide ? wg_slice_rows(args) / 8 : 8;
   plan->m_slices = (args.m + 8 * plan->m_blocks - 1) / (8 * plan->m_blocks);
   plan->tile = TileConfig{128, tile_n};
+  if (!f.base() && plan->m_blocks > 2) plan->m_blocks = 2;  // the other formats' slices: 8 or 16 rows
+  plan->m_slices = (args.m + 8 * plan->m_blocks - 1) / (8 * plan->m_blocks);
   Instance inst;
-  if (!find_smallm_instance(plan->m_blocks, tile_n, grouped, plan->wgmma, &inst))
-    return "marlin.gemm: internal error, no small-batch kernel for " + describe(args, plan->tile, plan->m_blocks);
+  const bool found = f.base() ? find_smallm_instance(plan->m_blocks, tile_n, grouped, plan->wgmma, &inst)
+                              : find_smallm_format(plan->m_blocks, tile_n, plan->wgmma, f, &inst);
+  if (!found) return "marlin.gemm: internal error, no small-batch kernel for " + describe(args, plan->tile, plan->m_blocks);
   if (args.k % 128 != 0 || args.n % tile_n != 0)
     return "marlin.gemm: k=" + std::to_string(args.k) + " n=" + std::to_string(args.n) +
            " do not divide into tile_k=128 x tile_n=" + std::to_string(tile_n);

@@ -17,39 +17,58 @@ namespace marlin {
 template <int MB, int NW, bool WG>
 constexpr int kSmallMStages = WG ? (MB >= 8 ? 4 : 5) : (NW == 8 && MB <= 2) ? 3 : 4;
 
-template <int MB, int NW, bool GROUPED, bool WG = false>
-using SmallMShapeOf = SmallMShape<MB, NW, kSmallMStages<MB, NW, WG>, GROUPED, WG>;
+// ET, W, RG: element type, weight format and run-time group size (smallm_kernel.cuh); the
+// defaults are the base format, fp16 symmetric INT4 (group 128 or per column).
+template <int MB, int NW, bool GROUPED, bool WG = false, typename ET = half, int W = kU4, bool RG = false>
+using SmallMShapeOf = SmallMShape<MB, NW, kSmallMStages<MB, NW, WG>, GROUPED, WG, ET, W, RG>;
 
-template <int MB, int NW, bool GROUPED, bool WG>
+template <int MB, int NW, bool GROUPED, bool WG, typename ET = half, int W = kU4, bool RG = false>
 cudaError_t launch_smallm(const KernelParams& p, int grid, int smem, cudaStream_t stream, bool pdl, int cluster);
 
 // How many clusters of `cluster` blocks of the instance can be resident at once (0: none).
-template <int MB, int NW, bool GROUPED, bool WG>
+template <int MB, int NW, bool GROUPED, bool WG, typename ET = half, int W = kU4, bool RG = false>
 int smallm_max_clusters(int cluster, int smem);
 
 // One shared-memory opt-in and occupancy cache per instance.
-template <int MB, int NW, bool GROUPED, bool WG>
+template <int MB, int NW, bool GROUPED, bool WG, typename ET, int W, bool RG>
 SmemAttrCache& smallm_cache() {
   static SmemAttrCache cache;
   return cache;
 }
 
-#define MARLIN_DEFINE_SMALLM_LAUNCH                                                                            \
-  template <int MB, int NW, bool GROUPED, bool WG>                                                             \
-  cudaError_t launch_smallm(const KernelParams& p, int grid, int smem, cudaStream_t stream, bool pdl,          \
-                            int cluster) {                                                                     \
-    return launch_kernel(marlin_smallm_kernel<MB, NW, kSmallMStages<MB, NW, WG>, GROUPED, WG>,                 \
-                         smallm_cache<MB, NW, GROUPED, WG>(), p, grid, kThreads, smem, stream, pdl, cluster);  \
-  }                                                                                                            \
-  template <int MB, int NW, bool GROUPED, bool WG>                                                             \
-  int smallm_max_clusters(int cluster, int smem) {                                                             \
-    return smallm_cache<MB, NW, GROUPED, WG>().max_clusters(                                                   \
-        marlin_smallm_kernel<MB, NW, kSmallMStages<MB, NW, WG>, GROUPED, WG>, cluster, kThreads, smem);        \
+#define MARLIN_DEFINE_SMALLM_LAUNCH                                                                                 \
+  template <int MB, int NW, bool GROUPED, bool WG, typename ET, int W, bool RG>                                     \
+  cudaError_t launch_smallm(const KernelParams& p, int grid, int smem, cudaStream_t stream, bool pdl,               \
+                            int cluster) {                                                                          \
+    return launch_kernel(marlin_smallm_kernel<MB, NW, kSmallMStages<MB, NW, WG>, GROUPED, WG, ET, W, RG>,           \
+                         smallm_cache<MB, NW, GROUPED, WG, ET, W, RG>(), p, grid, kThreads, smem, stream, pdl,      \
+                         cluster);                                                                                  \
+  }                                                                                                                 \
+  template <int MB, int NW, bool GROUPED, bool WG, typename ET, int W, bool RG>                                     \
+  int smallm_max_clusters(int cluster, int smem) {                                                                  \
+    return smallm_cache<MB, NW, GROUPED, WG, ET, W, RG>().max_clusters(                                             \
+        marlin_smallm_kernel<MB, NW, kSmallMStages<MB, NW, WG>, GROUPED, WG, ET, W, RG>, cluster, kThreads, smem);  \
   }
 
 #define MARLIN_INSTANTIATE_SMALLM_ONE(MB, NW, G, WG)                                                        \
   template cudaError_t launch_smallm<MB, NW, G, WG>(const KernelParams&, int, int, cudaStream_t, bool, int); \
   template int smallm_max_clusters<MB, NW, G, WG>(int, int);
+
+// One instance of another format (mma.sync, 256-column tile): G grouped (then RG, the group size at
+// run time) or per column.
+#define MARLIN_INSTANTIATE_SMALLM_FMT(MB, ET, W, G)                                                     \
+  template cudaError_t launch_smallm<MB, 4, G, false, ET, W, G>(const KernelParams&, int, int, cudaStream_t, \
+                                                                bool, int);                            \
+  template int smallm_max_clusters<MB, 4, G, false, ET, W, G>(int, int);
+
+// The small-batch format table (marlin_gemm.cu's find_smallm_instance follows it): for one MB and
+// element type, symmetric INT4 grouped (and per column in bf16), INT4 with zero points grouped,
+// 8-bit grouped and per column.
+#define MARLIN_INSTANTIATE_SMALLM_FORMATS(MB, ET)       \
+  MARLIN_INSTANTIATE_SMALLM_FMT(MB, ET, kU4, true)      \
+  MARLIN_INSTANTIATE_SMALLM_FMT(MB, ET, kU4Zp, true)    \
+  MARLIN_INSTANTIATE_SMALLM_FMT(MB, ET, kU8, true)      \
+  MARLIN_INSTANTIATE_SMALLM_FMT(MB, ET, kU8, false)
 
 // Both tile widths x (group 128, per column) for one MB, with mma.sync (WG false) or wgmma.
 #define MARLIN_INSTANTIATE_SMALLM(MB, WG)        \

@@ -41,6 +41,7 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "dequant.cuh"
 #include "marlin_kernel.cuh"  // KernelParams, kThreads, kWarps
 #include "ptx.cuh"
 #include "wgmma.cuh"
@@ -58,15 +59,21 @@ namespace marlin {
 // the mma.sync kernel issue-bound from 16 rows on, and slices of 64 or 128 rows become possible.
 // Each weight is dequantized once per slice, so for large M the 128-row slice halves that work
 // and gives each wgmma twice the N.
-template <int MB, int NW, int STAGES, bool GROUPED, bool WG = false>
+// ET, W: element type and weight format (dequant.cuh). RG: grouped with the group size taken at
+// run time (KernelParams::group_shift; 32, 64 or 128 rows, so a 128-row stage holds 1, 2 or 4
+// scale rows, read per k16 step). The base format (fp16, symmetric INT4, group 128 fixed or per
+// column) keeps the raw-subnormal and group-sum paths below; every other format dequantizes
+// fully and scales the weights (or, per column, the fp32 sums), on the mma.sync path only.
+template <int MB, int NW, int STAGES, bool GROUPED, bool WG = false, typename ET = half, int W = kU4, bool RG = false>
 struct SmallMShape {
   static constexpr bool kWG = WG;
+  static constexpr bool kBase = std::is_same<ET, half>::value && W == kU4 && !RG;
   // How the group scale is applied: at MB == 1 to fp32 group sums (one FFMA per accumulator per
   // group, 16 extra registers); from MB == 2 on to the dequantized fp16 weights (4 HMUL2 per 8
   // weights, shared by MB mma), which keeps MB == 2 within 128 registers (two blocks per SM).
   // WG: group sums at MB == 2 only. Reading them needs a full wgmma drain at every group's end,
   // which cost more than the 4 HMUL2 it saves at MB == 4 (H200: 70B gate_up M=32 134 vs 98 us).
-  static constexpr bool kGroupSums = GROUPED && (WG ? MB == 2 : MB == 1);
+  static constexpr bool kGroupSums = kBase && GROUPED && (WG ? MB == 2 : MB == 1);
   static constexpr bool kScaleWeights = GROUPED && !kGroupSums;
   // Where scales act on fp32 sums, the weights enter the mma as raw subnormals (see
   // unpack_int4x8_subnormal): 5 instructions per 8 weights instead of 9. The sums are then
@@ -77,7 +84,7 @@ struct SmallMShape {
   // per stage, when they have landed (kPrescale).
   // WG from MB == 4 per column: plain dequantization, scales on the fp32 result (measured: the
   // raw path's correction wgmma and prescale made per column 30% slower than group 128 there).
-  static constexpr bool kRaw = !kScaleWeights && !(WG && MB >= 4);
+  static constexpr bool kRaw = kBase && !kScaleWeights && !(WG && MB >= 4);
   static constexpr bool kPrescale = WG && kRaw;
   // Stages loaded ahead of the one computed. Each stage's last step refills a slot of the ring.
   // mma.sync: before the stage barrier, the slot of the previous stage (every warp has read it
@@ -103,12 +110,17 @@ struct SmallMShape {
   // shared memory per stage, in int4 (16 bytes)
   static constexpr int kARowInt4 = kTK * 2;          // 128 halves of one row of A
   static constexpr int kAStage = kRows * kARowInt4;
-  static constexpr int kBStage = kTK * NW * 32;      // 8 k16 rows x NW chunks of 32 int4
-  // one row of 64 NW scales (kSRow int4); WG pads its slot so that every stage starts on a
-  // 1024-byte swizzle atom
+  static constexpr int kBLane = W == kU8 ? 2 : 1;      // int4 of packed weights per lane and 16 x 64 block
+  static constexpr int kChunkInt4 = 32 * kBLane;       // one 16 x 64 block of packed weights
+  static constexpr int kBStage = kTK * NW * kChunkInt4;  // 8 k16 rows x NW chunks
+  // one row of 64 NW scales (kSRow int4), kSRows of them (RG); WG pads its slot so that every
+  // stage starts on a 1024-byte swizzle atom. Zero points (kU4Zp) follow in the same layout.
   static constexpr int kSRow = GROUPED ? NW * 8 : 0;
-  static constexpr int kSStage = WG && GROUPED ? 64 : kSRow;
-  static constexpr int kStageInt4 = kAStage + kBStage + kSStage;
+  static constexpr int kSRows = RG ? 4 : 1;
+  static constexpr int kSStage = WG && GROUPED ? 64 : kSRows * kSRow;
+  static constexpr bool kZeros = W == kU4Zp;
+  static constexpr int kZStage = kZeros ? kSStage : 0;
+  static constexpr int kStageInt4 = kAStage + kBStage + kSStage + kZStage;
   static constexpr int kPipeInt4 = STAGES * kStageInt4;
   // accumulators per thread: kJW row blocks of 16 columns of N x MB n8 tiles x 4
   static constexpr int kAccFloats = kJW * MB * 4;
@@ -129,6 +141,11 @@ struct SmallMShape {
   static_assert(kJW == 4 || (WG && !kGroupSums), "a warp with half a chunk needs the wgmma, weight-scaled path");
   static_assert((STAGES * kSub) % 2 == 0, "register double buffer needs an even sub-step count");
   static_assert(kBStage % kThreads == 0, "B stage must split evenly over threads");
+  static_assert(kThreads % (NW * kChunkInt4) == 0, "a round of B copies must cover whole k16 rows");
+  static_assert(kBase || (!WG && NW == 4), "other formats: mma.sync instances with the 256-column tile");
+  static_assert(kBase || !GROUPED || RG, "other formats take their group size at run time");
+  static_assert(!kZeros || GROUPED, "per-column zero points run on the tiled kernel");
+  static_assert(kSStage <= kThreads, "one copy per thread loads a stage's scales (and zero points)");
 };
 
 // Component-wise a += b (the split-column reductions add fp32 partials four columns at a time).
@@ -144,9 +161,12 @@ __device__ __forceinline__ void add4(float4& a, const float4& b) {
 template <int MB, bool WG>
 constexpr int kSmallMMinBlocksPerSm = !WG && MB <= 2 ? 2 : 1;
 
-template <int MB, int NW, int STAGES, bool GROUPED, bool WG>
+template <int MB, int NW, int STAGES, bool GROUPED, bool WG, typename ET = half, int W = kU4, bool RG = false>
 __global__ void __launch_bounds__(kThreads, kSmallMMinBlocksPerSm<MB, WG>) marlin_smallm_kernel(const KernelParams p) {
-  using S = SmallMShape<MB, NW, STAGES, GROUPED, WG>;
+  using S = SmallMShape<MB, NW, STAGES, GROUPED, WG, ET, W, RG>;
+  using E = Elem<ET>;
+  using T2 = typename E::T2;
+  constexpr bool kBf16 = kIsBf16<ET>;
   constexpr int KW = S::kKW, SUB = S::kSub;
   extern __shared__ int4 smem_raw[];
   int4* smem = smem_raw;
@@ -177,7 +197,7 @@ __global__ void __launch_bounds__(kThreads, kSmallMMinBlocksPerSm<MB, WG>) marli
     n_mine = min(start + T, total) - start;
     if (n_mine <= 0) return;
   }
-  const long long b_row_int4 = p.n / 2;  // one packed row (16 rows of K)
+  const long long b_row_int4 = p.n / 2 * S::kBLane;  // one packed row (16 rows of K)
 
   // ---- static per-thread offsets of the copies in a stage
   constexpr int kALoads = (S::kAStage + kThreads - 1) / kThreads;
@@ -204,8 +224,8 @@ __global__ void __launch_bounds__(kThreads, kSmallMMinBlocksPerSm<MB, WG>) marli
   constexpr bool kAOnePtr = kALoads > 4;
   const long long a_step = kARowStep * p.lda_int4;
   // B: copy l of a thread reads k16 row kb0 + l * 8 / NW of the tile, at 16-byte column b_off
-  const int b_kb0 = tid / (NW * 32), b_off = tid % (NW * 32);
-  const long long b_step = static_cast<long long>(kThreads / (NW * 32)) * b_row_int4;
+  const int b_kb0 = tid / (NW * S::kChunkInt4), b_off = tid % (NW * S::kChunkInt4);
+  const long long b_step = static_cast<long long>(kThreads / (NW * S::kChunkInt4)) * b_row_int4;
 
   // ldmatrix sources. Matrix mat = lane / 8 of an x4 load is (rows 0-7, k 0-7), (rows 0-7,
   // k 8-15), (rows 8-15, k 0-7), (rows 8-15, k 8-15) of a 16-row pair of n8 tiles; an x2 load (MB
@@ -224,8 +244,9 @@ __global__ void __launch_bounds__(kThreads, kSmallMMinBlocksPerSm<MB, WG>) marli
   float corr[MB][4];                           // kRaw: -8 * 2^-24 * (sum of the activations)
   uint32_t act[2][MB][2];                      // activation B fragments, double buffered
   uint32_t afrag[2][JW][4];                    // WG: dequantized A fragments, double buffered
-  alignas(16) uint32_t wq[2][JW];              // packed weights (8 nibbles per block), double buffered
+  alignas(16) uint32_t wq[2][JW * S::kBLane];  // packed weights (8 nibbles / 2 x 4 bytes per block), double buffered
   alignas(16) uint32_t s_cur[JW];              // this lane's scale pairs of the current group
+  alignas(16) uint32_t z_cur[JW];              // kZeros: its zero-point pairs, as s_cur
 
   // A lane's 16-byte word in shared memory holds one 32-bit entry per 16-column block of its
   // 64-column chunk (packed weights, scale pairs); a warp with kJW == 2 blocks reads its half.
@@ -286,8 +307,12 @@ __global__ void __launch_bounds__(kThreads, kSmallMMinBlocksPerSm<MB, WG>) marli
         f_a[l] = p.a + (w.row0 + (f_a_ok[l] ? a_row[l] : 0)) * p.lda_int4 + w.kt * S::kARowInt4 + a_col;
       }
     }
-    f_b = p.b + (static_cast<long long>(w.kt) * S::kTK + b_kb0) * b_row_int4 + w.nt * NW * 32 + b_off;
-    if constexpr (GROUPED) f_s = p.s + static_cast<long long>(w.kt) * (p.n / 8) + w.nt * S::kSRow + tid;
+    f_b = p.b + (static_cast<long long>(w.kt) * S::kTK + b_kb0) * b_row_int4 + w.nt * NW * S::kChunkInt4 + b_off;
+    if constexpr (RG)  // thread tid < (8 >> shift) kSRow copies row tid / kSRow of the tile's scale rows
+      f_s = p.s + (static_cast<long long>(w.kt) * (S::kTK >> p.group_shift) + tid / S::kSRow) * (p.n / 8) +
+            w.nt * S::kSRow + tid % S::kSRow;
+    else if constexpr (GROUPED)
+      f_s = p.s + static_cast<long long>(w.kt) * (p.n / 8) + w.nt * S::kSRow + tid;
   };
 
   auto fetch_stage = [&](int stage) {
@@ -305,7 +330,12 @@ __global__ void __launch_bounds__(kThreads, kSmallMMinBlocksPerSm<MB, WG>) marli
       int4* sh_b = sh + S::kAStage + tid;
 #pragma unroll
       for (int l = 0; l < kBLoads; l++) cp_async16_evict_first(sh_b + l * kThreads, f_b + l * b_step);
-      if constexpr (GROUPED) {
+      if constexpr (RG) {
+        if (tid < (S::kTK >> p.group_shift) * S::kSRow) {
+          cp_async16(sh + S::kAStage + S::kBStage + tid, f_s);
+          if constexpr (S::kZeros) cp_async16(sh + S::kAStage + S::kBStage + S::kSStage + tid, p.z + (f_s - p.s));
+        }
+      } else if constexpr (GROUPED) {
         if (tid < S::kSRow) cp_async16(sh + S::kAStage + S::kBStage + tid, f_s);
       }
       f_i++;
@@ -315,7 +345,10 @@ __global__ void __launch_bounds__(kThreads, kSmallMMinBlocksPerSm<MB, WG>) marli
 #pragma unroll
         for (int l = 0; l < (kAOnePtr ? 1 : kALoads); l++) f_a[l] += S::kARowInt4;
         f_b += S::kTK * b_row_int4;
-        if constexpr (GROUPED) f_s += p.n / 8;
+        if constexpr (RG)
+          f_s += (S::kTK >> p.group_shift) * (p.n / 8);
+        else if constexpr (GROUPED)
+          f_s += p.n / 8;
       }
     }
     cp_async_commit();
@@ -366,7 +399,14 @@ __global__ void __launch_bounds__(kThreads, kSmallMMinBlocksPerSm<MB, WG>) marli
         act[buf][2 * q + 1][1] = r[3];
       }
     }
-    read_blocks(sh + S::kAStage + ((wk * SUB + u) * NW + wn) * 32 + lane, wq[buf]);
+    if constexpr (S::kBLane == 2) {  // 8-bit: the lane's two int4, words 2j (column g) and 2j + 1 (8 + g)
+      static_assert(JW == 4, "8-bit weights need whole chunks per warp");
+      const int4* at = sh + S::kAStage + ((wk * SUB + u) * NW + wn) * S::kChunkInt4 + 2 * lane;
+      reinterpret_cast<int4*>(wq[buf])[0] = at[0];
+      reinterpret_cast<int4*>(wq[buf])[1] = at[1];
+    } else {
+      read_blocks(sh + S::kAStage + ((wk * SUB + u) * NW + wn) * 32 + lane, wq[buf]);
+    }
     if constexpr (S::kRaw && !WG) {  // rows 8..15 of K meet weights stored x16: divide them by 16 here
       const half2 sixteenth = __float2half2_rn(1.f / 16.f);
 #pragma unroll
@@ -381,13 +421,27 @@ __global__ void __launch_bounds__(kThreads, kSmallMMinBlocksPerSm<MB, WG>) marli
   // The A fragment of the warp's transposed 16x16 block j from its 8 nibbles: rows g (lo) and
   // g + 8 (hi) of N, raw subnormals (kRaw) or dequantized, times the group scales of columns
   // jcol + 16 j + g (lo) and jcol + 16 j + 8 + g (hi) where kScaleWeights.
-  auto weight_frag = [&](uint32_t wj, int j, uint32_t (&a)[4]) {
+  auto weight_frag = [&](int buf, int j, uint32_t (&a)[4]) {
     uint32_t lo[2], hi[2];
-    if constexpr (S::kRaw)
-      unpack_int4x8_subnormal(wj, lo, hi);
-    else
-      dequant_int4x8(wj, lo, hi);
-    if constexpr (S::kScaleWeights) {
+    if constexpr (S::kRaw) {
+      unpack_int4x8_subnormal(wq[buf][j], lo, hi);
+    } else if constexpr (W == kU8) {
+      dequant_u8<ET>(wq[buf][2 * j], lo);
+      dequant_u8<ET>(wq[buf][2 * j + 1], hi);
+    } else if constexpr (W == kU4Zp) {
+      const ET* zc = reinterpret_cast<const ET*>(z_cur);
+      dequant_u4<ET, true>(wq[buf][j], lo, hi, u4_zero<ET>(zc[2 * j]), u4_zero<ET>(zc[2 * j + 1]));
+    } else if constexpr (kBf16) {
+      const U4Zero none{0, 0};
+      dequant_u4<ET, false>(wq[buf][j], lo, hi, none, none);
+    } else {
+      dequant_int4x8(wq[buf][j], lo, hi);
+    }
+    if constexpr (S::kScaleWeights && !S::kBase) {
+      const ET* sc = reinterpret_cast<const ET*>(s_cur);
+      scale_frag_t<ET>(lo, sc[2 * j]);
+      scale_frag_t<ET>(hi, sc[2 * j + 1]);
+    } else if constexpr (S::kScaleWeights) {
       const half2 pair = reinterpret_cast<const half2*>(s_cur)[j];
       const half2 s_lo = __low2half2(pair), s_hi = __high2half2(pair);
       half2* l2 = reinterpret_cast<half2*>(lo);
@@ -412,7 +466,7 @@ __global__ void __launch_bounds__(kThreads, kSmallMMinBlocksPerSm<MB, WG>) marli
   auto compute_wg = [&](int buf, int stage, int u) {
     if constexpr (WG) {  // not instantiated for the mma.sync instances (no wgmma of their width)
 #pragma unroll
-      for (int j = 0; j < JW; j++) weight_frag(wq[buf][j], j, afrag[buf][j]);
+      for (int j = 0; j < JW; j++) weight_frag(buf, j, afrag[buf][j]);
       // k16 block kb of the stage: 64-half block kb / 4, 32 bytes per step in it. The base goes
       // through an empty asm so that the compiler adds the constant here instead of keeping one
       // 64-bit descriptor per (stage, step) alive in registers.
@@ -459,7 +513,7 @@ __global__ void __launch_bounds__(kThreads, kSmallMMinBlocksPerSm<MB, WG>) marli
 #pragma unroll
     for (int j = 0; j < JW; j++) {
       uint32_t a[4];
-      weight_frag(wq[buf][j], j, a);
+      weight_frag(buf, j, a);
 #pragma unroll
       for (int b = 0; b < MB; b++) {
         if constexpr (S::kGroupSums) {
@@ -468,7 +522,7 @@ __global__ void __launch_bounds__(kThreads, kSmallMMinBlocksPerSm<MB, WG>) marli
           else
             mma_16816(a, act[buf][b], grp[j][b]);
         } else
-          mma_16816(a, act[buf][b], tot[j][b]);
+          mma_16816<kBf16>(a, act[buf][b], tot[j][b]);
       }
     }
     if constexpr (S::kRaw) {
@@ -491,8 +545,15 @@ __global__ void __launch_bounds__(kThreads, kSmallMMinBlocksPerSm<MB, WG>) marli
   // at sub-step 0: after the barrier that made the stage visible, before the one after which the
   // slot is refilled.
   const int s_sh_rd = S::kAStage + S::kBStage + wn * 8 + g;
-  auto load_scales = [&](int stage) {
-    if constexpr (GROUPED) read_blocks(smem + stage * S::kStageInt4 + s_sh_rd, s_cur);
+  // RG: the k16 step's own scale row of the stage (read at every step).
+  auto load_scales = [&](int stage, int u) {
+    if constexpr (RG) {
+      const int at = stage * S::kStageInt4 + s_sh_rd + ((wk * SUB + u) >> p.group_shift) * S::kSRow;
+      read_blocks(smem + at, s_cur);
+      if constexpr (S::kZeros) read_blocks(smem + at + S::kSStage, z_cur);
+    } else if constexpr (GROUPED) {
+      read_blocks(smem + stage * S::kStageInt4 + s_sh_rd, s_cur);
+    }
   };
 
   // WG: waits for every wgmma in flight, then pins the accumulators `acc` and (kRaw) corr that
@@ -544,15 +605,15 @@ __global__ void __launch_bounds__(kThreads, kSmallMMinBlocksPerSm<MB, WG>) marli
     const int r = x / kRowChunks, cc = 4 * (x % kRowChunks);
     const long long c_col = static_cast<long long>(w.nt) * S::kTileN + cc;
     if constexpr (!GROUPED) {
-      const half2* sc = reinterpret_cast<const half2*>(reinterpret_cast<const half*>(p.s) + c_col);
-      const float2 s01 = __half22float2(sc[0]), s23 = __half22float2(sc[1]);
+      const T2* sc = reinterpret_cast<const T2*>(reinterpret_cast<const ET*>(p.s) + c_col);
+      const float2 s01 = E::to_float2(sc[0]), s23 = E::to_float2(sc[1]);
       v.x *= s01.x;
       v.y *= s01.y;
       v.z *= s23.x;
       v.w *= s23.y;
     }
-    half2 out[2] = {__floats2half2_rn(v.x, v.y), __floats2half2_rn(v.z, v.w)};
-    *reinterpret_cast<uint2*>(static_cast<half*>(p.c) + static_cast<long long>(w.row0 + r) * p.n + c_col) = *reinterpret_cast<uint2*>(out);
+    T2 out[2] = {E::floats2(v.x, v.y), E::floats2(v.z, v.w)};
+    *reinterpret_cast<uint2*>(static_cast<ET*>(p.c) + static_cast<long long>(w.row0 + r) * p.n + c_col) = *reinterpret_cast<uint2*>(out);
   };
 
   // The column's sums of this block: the last wgmma landed, the raw per-column sum corrected, the
@@ -667,20 +728,20 @@ __global__ void __launch_bounds__(kThreads, kSmallMMinBlocksPerSm<MB, WG>) marli
         for (int j = 0; j < JW; j++) {
           s_lo[j] = s_hi[j] = 1.f;
           if constexpr (!GROUPED) {  // per-column scales, natural order, applied to the fp32 sum
-            const half* sc = reinterpret_cast<const half*>(p.s) + col0;
-            s_lo[j] = __half2float(sc[16 * j]);
-            s_hi[j] = __half2float(sc[16 * j + 8]);
+            const ET* sc = reinterpret_cast<const ET*>(p.s) + col0;
+            s_lo[j] = E::to_float(sc[16 * j]);
+            s_hi[j] = E::to_float(sc[16 * j + 8]);
           }
         }
-        half* c_lane = static_cast<half*>(p.c) + static_cast<long long>(w.row0 + 2 * c4) * p.n + col0;
+        ET* c_lane = static_cast<ET*>(p.c) + static_cast<long long>(w.row0 + 2 * c4) * p.n + col0;
 #pragma unroll
         for (int b = 0; b < MB; b++)
 #pragma unroll
           for (int e = 0; e < 4; e++) {
             if (8 * b + e % 2 < lim) {
-              half* row = c_lane + static_cast<long long>(8 * b + e % 2) * p.n;
+              ET* row = c_lane + static_cast<long long>(8 * b + e % 2) * p.n;
 #pragma unroll
-              for (int j = 0; j < JW; j++) row[16 * j + 8 * (e / 2)] = __float2half_rn(tot[j][b][e] * (e < 2 ? s_lo[j] : s_hi[j]));
+              for (int j = 0; j < JW; j++) row[16 * j + 8 * (e / 2)] = E::from_float(tot[j][b][e] * (e < 2 ? s_lo[j] : s_hi[j]));
             }
           }
       }
@@ -785,11 +846,11 @@ __global__ void __launch_bounds__(kThreads, kSmallMMinBlocksPerSm<MB, WG>) marli
   if (p.prefetch) {
     const Where w0 = where(0);
     const int ahead = min(S::kAhead, min(n_mine, k_tiles - w0.kt));  // tiles of the first column
-    const int4* b0 = p.b + static_cast<long long>(w0.kt) * S::kTK * b_row_int4 + w0.nt * NW * 32;
-    constexpr int kLinesPerRow = NW * 32 / 8;  // 128-byte lines of one packed row of the tile
+    const int4* b0 = p.b + static_cast<long long>(w0.kt) * S::kTK * b_row_int4 + w0.nt * NW * S::kChunkInt4;
+    constexpr int kLinesPerRow = NW * S::kChunkInt4 / 8;  // 128-byte lines of one packed row of the tile
     for (int l = tid; l < S::kTK * ahead * kLinesPerRow; l += kThreads)
       prefetch_l2(b0 + (l / kLinesPerRow) * b_row_int4 + (l % kLinesPerRow) * 8);
-    if constexpr (GROUPED) {
+    if constexpr (GROUPED && !RG) {
       constexpr int kLinesPerScaleRow = S::kSRow / 8;
       if (tid < ahead * kLinesPerScaleRow)
         prefetch_l2(p.s + static_cast<long long>(w0.kt + tid / kLinesPerScaleRow) * (p.n / 8) + w0.nt * S::kSRow +
@@ -814,7 +875,7 @@ __global__ void __launch_bounds__(kThreads, kSmallMMinBlocksPerSm<MB, WG>) marli
 #pragma unroll
       for (int u = 0; u < SUB; u++) {
         const int buf = (stage * SUB + u) % 2;
-        if (u == 0) load_scales(stage);
+        if (u == 0 || RG) load_scales(stage, u);
         // the refill at the stage's last step: before its barrier, or after the barrier and
         // the step's wgmma (kLateRefill; see kAhead)
         const int refill = (stage + S::kAhead) % STAGES;

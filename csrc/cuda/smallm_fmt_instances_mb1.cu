@@ -1,0 +1,10 @@
+// Small-batch kernel instances of the other weight formats and of bf16 for 8 rows of M per
+// slice (see smallm_instances.cuh).
+#include "smallm_instances.cuh"
+
+namespace marlin {
+MARLIN_DEFINE_SMALLM_LAUNCH
+MARLIN_INSTANTIATE_SMALLM_FORMATS(1, half)
+MARLIN_INSTANTIATE_SMALLM_FORMATS(1, nv_bfloat16)
+MARLIN_INSTANTIATE_SMALLM_FMT(1, nv_bfloat16, kU4, false)
+}  // namespace marlin

@@ -1,0 +1,89 @@
+"""compile_for_decode: one line to decode with a static KV cache, torch.compile and CUDA graphs.
+
+    model = marlin.compile_for_decode(model)       # after from_pretrained / replace_linear
+    out = model.generate(ids, max_new_tokens=64)   # decode steps run compiled, in CUDA graphs
+
+Decoding a token is a few milliseconds of GPU work split into hundreds of small kernels (norms,
+rotary, attention, the activation, one GEMM per projection); run eagerly, launch overhead and the
+un-fused elementwise kernels take as long as reading the weights. Nothing here is a hand-written
+model: it sets up transformers' own machinery,
+
+  * ``generation_config.cache_implementation = "static"``: a KV cache of fixed shape, so a decode
+    step has the same shapes every time;
+  * ``generation_config.compile_config``: generate() then runs every decode step through
+    ``torch.compile(model.__call__, fullgraph=True, mode="reduce-overhead")`` (inductor fuses the
+    elementwise work; "reduce-overhead" replays each step as one CUDA graph). The prefill runs
+    uncompiled (its shape changes with the prompt);
+
+and first merges q/k/v and gate/up into one Marlin layer each (marlin.fuse_projections), so a
+layer runs four GEMMs instead of seven. Marlin layers are made for this: the op has a fake
+kernel, and forward has no host synchronisation and no data-dependent control flow.
+
+transformers compiles decode steps only on accelerators; ``compile_on_cpu=True`` compiles on the
+CPU too (for tests: the CPU op is a slow reference).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any, Callable, Optional, Union
+
+from torch import nn
+
+from .fuse import FuseReport, fuse_projections
+
+__all__ = ["compile_for_decode", "DecodeSetup"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class DecodeSetup:
+    """What compile_for_decode set (also stored as ``model.marlin_decode``)."""
+
+    fused: Optional[FuseReport]
+    cache_implementation: str
+    compile_config: Any  # transformers.CompileConfig
+
+
+def compile_for_decode(
+    model: nn.Module,
+    *,
+    fuse: bool = True,
+    mode: Optional[str] = "reduce-overhead",
+    fullgraph: bool = True,
+    backend: Union[str, Callable] = "inductor",
+    dynamic: Optional[bool] = False,
+    options: Optional[dict] = None,
+    compile_on_cpu: bool = False,
+) -> nn.Module:
+    """Set up ``model`` (a transformers causal LM, usually with Marlin layers) so that
+    ``model.generate`` decodes with a static cache and a compiled, CUDA-graphed step; returns it.
+
+    ``fuse``: merge q/k/v and gate/up first (marlin.fuse_projections; exact). ``mode``,
+    ``fullgraph``, ``backend``, ``dynamic``, ``options``: passed to torch.compile through
+    transformers.CompileConfig (``fullgraph=True`` makes a graph break an error instead of a
+    silent slowdown). A ``cache_implementation`` or ``compile_config`` passed to generate() later
+    overrides these. Raises TypeError for a model without ``generation_config``.
+    """
+    from transformers import CompileConfig
+
+    if getattr(model, "generation_config", None) is None or not hasattr(model, "generate"):
+        raise TypeError(
+            f"compile_for_decode: expected a transformers generative model (with generate and generation_config), "
+            f"got {type(model).__name__}"
+        )
+    report = fuse_projections(model) if fuse else None
+    if report is not None and report.skipped:
+        log.warning("compile_for_decode: %s", report)
+    # mode=None must be passed too (CompileConfig's default is "reduce-overhead"): a custom backend
+    # takes no mode.
+    compile_config = CompileConfig(fullgraph=fullgraph, dynamic=dynamic, backend=backend, mode=mode, options=options)
+    if compile_on_cpu:
+        compile_config._compile_all_devices = True  # transformers' own switch for compiling off-GPU
+    model.eval()
+    model.generation_config.cache_implementation = "static"
+    model.generation_config.compile_config = compile_config
+    model.marlin_decode = DecodeSetup(fused=report, cache_implementation="static", compile_config=compile_config)
+    return model
