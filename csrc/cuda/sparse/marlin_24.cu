@@ -1,0 +1,88 @@
+// Plan and launch of the 2:4-sparse kernel (marlin_24_kernel.cuh): slice size, K split, grid.
+#include <algorithm>
+
+#include "marlin_24.h"
+#include "marlin_24_kernel.cuh"
+
+namespace marlin {
+namespace sparse24 {
+namespace {
+
+constexpr int kStages = 4;
+
+template <int MB, int NW>
+constexpr int smem_bytes() {
+  return kStages * Shape<MB, NW>::kStageInt4 * 16;
+}
+
+int smem_of(int mb, int nw) {
+  if (nw == 4) return mb == 1 ? smem_bytes<1, 4>() : mb == 2 ? smem_bytes<2, 4>() : smem_bytes<4, 4>();
+  return mb == 1 ? smem_bytes<1, 2>() : mb == 2 ? smem_bytes<2, 2>() : smem_bytes<4, 2>();
+}
+
+template <int MB, int NW>
+cudaError_t launch_mb(const Params& p, const Plan24& plan, cudaStream_t stream) {
+  auto kernel = marlin_24_kernel<MB, NW, kStages>;
+  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, plan.smem);
+  if (err != cudaSuccess) return err;
+  const dim3 grid(p.n / Shape<MB, NW>::kTileN, p.parts, plan.slices);
+  kernel<<<grid, Shape<MB, NW>::kThreads, plan.smem, stream>>>(p);
+  return cudaGetLastError();
+}
+
+template <int NW>
+cudaError_t launch_nw(const Params& p, const Plan24& plan, cudaStream_t stream) {
+  switch (plan.mb) {
+    case 1: return launch_mb<1, NW>(p, plan, stream);
+    case 2: return launch_mb<2, NW>(p, plan, stream);
+    default: return launch_mb<4, NW>(p, plan, stream);
+  }
+}
+
+}  // namespace
+
+std::string plan_24(const Args24& args, Plan24* plan) {
+  // rows per slice: the smallest of 8, 16, 32 that holds M (larger M: several 32-row slices)
+  plan->mb = args.m <= 8 ? 1 : args.m <= 16 ? 2 : 4;
+  const int rows = 8 * plan->mb;
+  plan->slices = (args.m + rows - 1) / rows;
+  // tile: 256 columns (4 warps) where N allows, else 128 (2 warps)
+  plan->nw = args.n % 256 == 0 ? 4 : 2;
+  plan->smem = smem_of(plan->mb, plan->nw);
+  if (plan->smem > args.max_smem)
+    return "marlin.gemm_2_4: the kernel needs " + std::to_string(plan->smem) + " bytes of shared memory per block, the device allows " +
+           std::to_string(args.max_smem);
+  if (args.n % 128 != 0) return "marlin.gemm_2_4: N = " + std::to_string(args.n) + " is not a multiple of 128";
+  // Split K so that about two blocks run per SM: the weight stream needs many blocks in flight.
+  const long long base = static_cast<long long>(args.n / (64 * plan->nw)) * plan->slices;
+  const int k_tiles = args.k / kStageK;
+  long long want = (2LL * args.sms + base - 1) / base;
+  plan->parts = static_cast<int>(std::max(1LL, std::min<long long>({want, k_tiles, 16})));
+  plan->partial_floats = plan->parts > 1 ? static_cast<long long>(plan->parts) * args.m * args.n : 0;
+  return "";
+}
+
+cudaError_t launch_24(const Args24& args, const Plan24& plan, cudaStream_t stream) {
+  Params p;
+  p.a = static_cast<const int4*>(args.a);
+  p.b_q = static_cast<const int4*>(args.b_q);
+  p.b_meta = static_cast<const int4*>(args.b_meta);
+  p.s = static_cast<const int4*>(args.s);
+  p.c = static_cast<half*>(args.c);
+  p.partial = args.partial;
+  p.m = args.m;
+  p.n = args.n;
+  p.k = args.k;
+  p.lda_int4 = args.lda / 8;
+  p.groups = args.groups;
+  p.parts = plan.parts;
+  const cudaError_t err = plan.nw == 4 ? launch_nw<4>(p, plan, stream) : launch_nw<2>(p, plan, stream);
+  if (err != cudaSuccess || plan.parts == 1) return err;
+  const long long chunks = static_cast<long long>(args.m) * args.n / 4;
+  const int threads = 256;
+  marlin_24_reduce<<<static_cast<unsigned>((chunks + threads - 1) / threads), threads, 0, stream>>>(p);
+  return cudaGetLastError();
+}
+
+}  // namespace sparse24
+}  // namespace marlin
