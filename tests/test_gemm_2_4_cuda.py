@@ -156,3 +156,30 @@ def test_torch_compile_fullgraph():
     x = torch.randn(5, 1152, device="cuda", dtype=torch.float16)
     compiled = torch.compile(f, fullgraph=True)
     assert rel_err(compiled(x), f(x)) < 1e-3
+
+
+def test_every_block_and_half_of_the_tile():
+    """Diagnostic for the fragment and metadata layout: the error by 16-column block j of each
+    64-column chunk (j = 0, 1: metadata from lanes c = 0, 1 with selector 0; j = 2, 3: lanes
+    c = 2, 3 with selector 1), by row half of the fragment (column % 16 < 8: low 16 bits of the
+    metadata word) and by which 16 rows of each 32-row strip carry the only non-zeros (the first
+    or second lane of the metadata pair)."""
+    k, n, m = 256, 256, 8
+    report = {}
+    for strip_half in (0, 1):
+        gen = torch.Generator(device="cuda").manual_seed(11 + strip_half)
+        w = sparse.prune_2_4(torch.randn(k, n, device="cuda", generator=gen))
+        rows = (torch.arange(k, device="cuda") % 32) // 16 == strip_half
+        w = w * rows[:, None]
+        b_q, b_meta, b_s = sparse.quantize_and_pack_2_4(w, -1)
+        w_exact = sparse.unpack_2_4(b_q, b_meta, b_s)
+        a = torch.randn(m, k, device="cuda", dtype=torch.float16)
+        c = marlin.gemm_2_4(a, b_q, b_meta, b_s).float()
+        ref = fp32_matmul(a, w_exact)
+        col = torch.arange(n, device="cuda")
+        for j in range(4):
+            for half in (0, 1):
+                sel = ((col % 64) // 16 == j) & ((col % 16) // 8 == half)
+                report[(strip_half, j, half)] = rel_err(c[:, sel], ref[:, sel])
+    bad = {key: round(v, 4) for key, v in report.items() if not v < 2e-3}
+    assert not bad, f"(rows 16-31 of the strip?, block j, column half): error {bad}"

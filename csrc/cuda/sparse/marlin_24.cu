@@ -46,6 +46,9 @@ std::string plan_24(const Args24& args, Plan24* plan) {
   plan->mb = args.m <= 8 ? 1 : args.m <= 16 ? 2 : 4;
   const int rows = 8 * plan->mb;
   plan->slices = (args.m + rows - 1) / rows;
+  if (plan->slices > 65535)
+    return "marlin.gemm_2_4: M = " + std::to_string(args.m) + " needs more than 65535 slices of " + std::to_string(rows) +
+           " rows (split the batch)";
   // tile: 256 columns (4 warps) where N allows, else 128 (2 warps)
   plan->nw = args.n % 256 == 0 ? 4 : 2;
   plan->smem = smem_of(plan->mb, plan->nw);
