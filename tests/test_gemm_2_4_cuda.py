@@ -98,6 +98,10 @@ def test_repeats_are_bit_identical_and_match_the_cpu_op():
             assert torch.equal(marlin.gemm_2_4(a, layer.b_q, layer.b_meta, layer.b_s), c)
         cpu = marlin.gemm_2_4(a.cpu(), layer.b_q.cpu(), layer.b_meta.cpu(), layer.b_s.cpu())
         assert rel_err(c.cpu(), cpu) < 2e-3
+        # an explicit workspace (the K parts' arrival counters) gives the same bits and stays zeroed
+        ws = marlin.make_workspace()
+        assert torch.equal(marlin.gemm_2_4(a, layer.b_q, layer.b_meta, layer.b_s, ws), c)
+        assert int(ws.abs().sum()) == 0
 
 
 def test_strided_activations_and_m_zero():

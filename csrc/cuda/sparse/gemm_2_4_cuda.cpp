@@ -2,6 +2,7 @@
 // partials, then the plan and launch of marlin_24.cu. Never synchronises with the host.
 #include <ATen/cuda/CUDAContext.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 
@@ -9,6 +10,7 @@
 #include <string>
 
 #include "../../gemm_2_4_checks.h"
+#include "../marlin_gemm.h"  // stream_locks, max_locks
 #include "marlin_24.h"
 
 namespace marlin {
@@ -67,15 +69,29 @@ at::Tensor gemm_2_4_cuda(const at::Tensor& a, const at::Tensor& b_q, const at::T
   sparse24::Plan24 plan;
   const std::string why = sparse24::plan_24(args, &plan);
   TORCH_CHECK(why.empty(), why);
-  // The workspace is accepted for symmetry with gemm; this kernel needs no locks (its K parts
-  // are added by a second launch, in part order).
-  at::Tensor partial;
+  // K split: fp32 partials, and one arrival counter per column tile and slice, as for gemm: the
+  // workspace if given, else the stream's own zeroed lock slot (no allocation, graph-safe), else
+  // a zeroed buffer. The kernel leaves the counters at zero.
+  const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  at::Tensor partial, locks;
   args.partial = nullptr;
+  args.locks = nullptr;
   if (plan.parts > 1) {
     partial = at::empty({plan.partial_floats}, a.options().dtype(at::kFloat));
     args.partial = partial.data_ptr<float>();
+    if (workspace.has_value()) {
+      TORCH_CHECK(workspace->numel() >= plan.locks, "marlin.gemm_2_4: workspace.numel() = ", num(workspace->numel()),
+                  ", expected at least ", num(plan.locks), " (marlin.ops.workspace_size(device) always suffices)");
+      args.locks = workspace->data_ptr<int>();
+    } else {
+      args.locks = stream_locks(a.get_device(), stream, max_locks(args.sms));
+      if (args.locks == nullptr) {
+        locks = at::zeros({max_locks(args.sms)}, a.options().dtype(at::kInt));
+        args.locks = locks.data_ptr<int>();
+      }
+    }
   }
-  const cudaError_t err = sparse24::launch_24(args, plan, at::cuda::getCurrentCUDAStream());
+  const cudaError_t err = sparse24::launch_24(args, plan, stream);
   TORCH_CHECK(err == cudaSuccess, "marlin.gemm_2_4: kernel launch failed: ", cudaGetErrorString(err));
   return c;
 }

@@ -62,6 +62,7 @@ std::string plan_24(const Args24& args, Plan24* plan) {
   long long want = (2LL * args.sms + base - 1) / base;
   plan->parts = static_cast<int>(std::max(1LL, std::min<long long>({want, k_tiles, 16})));
   plan->partial_floats = plan->parts > 1 ? static_cast<long long>(plan->parts) * args.m * args.n : 0;
+  plan->locks = plan->parts > 1 ? static_cast<int>(base) : 0;  // base < 2 SMs whenever parts > 1
   return "";
 }
 
@@ -79,12 +80,8 @@ cudaError_t launch_24(const Args24& args, const Plan24& plan, cudaStream_t strea
   p.lda_int4 = args.lda / 8;
   p.groups = args.groups;
   p.parts = plan.parts;
-  const cudaError_t err = plan.nw == 4 ? launch_nw<4>(p, plan, stream) : launch_nw<2>(p, plan, stream);
-  if (err != cudaSuccess || plan.parts == 1) return err;
-  const long long chunks = static_cast<long long>(args.m) * args.n / 4;
-  const int threads = 256;
-  marlin_24_reduce<<<static_cast<unsigned>((chunks + threads - 1) / threads), threads, 0, stream>>>(p);
-  return cudaGetLastError();
+  p.locks = args.locks;
+  return plan.nw == 4 ? launch_nw<4>(p, plan, stream) : launch_nw<2>(p, plan, stream);
 }
 
 }  // namespace sparse24

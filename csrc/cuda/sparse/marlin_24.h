@@ -17,6 +17,7 @@ struct Args24 {
   const void* s;       // fp16 [groups, N]
   void* c;             // fp16 [M, N]
   float* partial;      // fp32 [parts, M, N] when plan.parts > 1
+  int* locks;          // plan.locks zeroed int32 arrival counters when plan.parts > 1 (left zeroed)
   int m, n, k;
   long long lda;
   int groups;
@@ -27,16 +28,17 @@ struct Args24 {
 struct Plan24 {
   int mb;      // n8 tiles per slice (slice = 8 mb rows)
   int nw;      // 64-column chunks per tile (= warps per block): 4, or 2 where N % 256 != 0
-  int parts;   // K parts per column tile (> 1: fp32 partials + a reduction launch)
+  int parts;   // K parts per column tile (> 1: fp32 partials, added by the tile's last block)
   int slices;  // row slices
   int smem;    // dynamic shared memory bytes
   long long partial_floats;  // parts * M * N when parts > 1, else 0
+  int locks;                 // arrival counters needed (column tiles x slices) when parts > 1, else 0
 };
 
 // Picks the slice size and the K split; an empty string, or why the shape cannot run.
 std::string plan_24(const Args24& args, Plan24* plan);
 
-// Launches the kernel (and the reduction) on `stream`; returns the launch error, if any.
+// Launches the kernel on `stream`; returns the launch error, if any.
 cudaError_t launch_24(const Args24& args, const Plan24& plan, cudaStream_t stream);
 
 }  // namespace sparse24

@@ -15,7 +15,9 @@
 //    values, metadata and group scales of a stage.
 //  * Grid = column tiles x K parts x row slices. Each block sums its K range in fp32 (group
 //    scales applied to fp32 group sums); with one part it writes C (per-column scales applied),
-//    else its fp32 partial, which marlin_24_reduce adds in part order (deterministic, no locks).
+//    else its fp32 partial, and the last block of the tile to arrive (last_to_arrive, ptx.cuh:
+//    one acquire-release counter per tile and slice, left at zero) adds the partials in part
+//    order, so the result does not depend on the arrival order.
 #pragma once
 
 #include <cuda_fp16.h>
@@ -35,8 +37,9 @@ struct Params {
   const int4* b_q;     // [K/32, 2N] int32
   const int4* b_meta;  // [K/32, N] int32
   const int4* s;       // [groups, N] fp16
-  half* c;             // [M, N] fp16 (parts == 1)
+  half* c;             // [M, N] fp16
   float* partial;      // [parts, M, N] fp32 (parts > 1)
+  int* locks;          // one zeroed arrival counter per column tile and slice (parts > 1)
   int m, n, k;
   long long lda_int4;
   int groups;          // 1: per column, else K / 128
@@ -204,52 +207,60 @@ __global__ void __launch_bounds__(32 * NW) marlin_24_kernel(const Params p) {
 
   // Element (j, b, e) is C[row 8 b + 2 c4 + e % 2][column 64 warp + 16 j + g + 8 (e / 2)] of the tile.
   const int col0 = nt * S::kTileN + warp * 64 + g;
+  if (p.parts == 1) {
 #pragma unroll
-  for (int j = 0; j < 4; j++) {
-    const int col_lo = col0 + 16 * j, col_hi = col_lo + 8;
-    float sc_lo = 1.f, sc_hi = 1.f;
-    if (!grouped && p.parts == 1) {  // per-column scales on the final fp32 sum
-      sc_lo = __half2float(reinterpret_cast<const half*>(p.s)[col_lo]);
-      sc_hi = __half2float(reinterpret_cast<const half*>(p.s)[col_hi]);
+    for (int j = 0; j < 4; j++) {
+      const int col_lo = col0 + 16 * j, col_hi = col_lo + 8;
+      float sc_lo = 1.f, sc_hi = 1.f;
+      if (!grouped) {  // per-column scales on the final fp32 sum
+        sc_lo = __half2float(reinterpret_cast<const half*>(p.s)[col_lo]);
+        sc_hi = __half2float(reinterpret_cast<const half*>(p.s)[col_hi]);
+      }
+#pragma unroll
+      for (int b = 0; b < MB; b++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) {
+          const int r = 8 * b + 2 * c4 + e % 2;
+          if (r < rows)
+            p.c[static_cast<long long>(row0 + r) * p.n + (e < 2 ? col_lo : col_hi)] =
+                __float2half_rn(tot[j][b][e] * (e < 2 ? sc_lo : sc_hi));
+        }
     }
+    return;
+  }
+
+  // K split: this block's fp32 partial (past L1), then the last block of the tile adds all parts.
+  float* mine = p.partial + static_cast<long long>(part) * p.m * p.n;
+#pragma unroll
+  for (int j = 0; j < 4; j++)
 #pragma unroll
     for (int b = 0; b < MB; b++)
 #pragma unroll
       for (int e = 0; e < 4; e++) {
         const int r = 8 * b + 2 * c4 + e % 2;
-        if (r >= rows) continue;
-        const long long at = static_cast<long long>(row0 + r) * p.n + (e < 2 ? col_lo : col_hi);
-        if (p.parts == 1)
-          p.c[at] = __float2half_rn(tot[j][b][e] * (e < 2 ? sc_lo : sc_hi));
-        else
-          p.partial[static_cast<long long>(part) * p.m * p.n + at] = tot[j][b][e];
+        if (r < rows) __stcg(mine + static_cast<long long>(row0 + r) * p.n + col0 + 16 * j + 8 * (e / 2), tot[j][b][e]);
       }
+  if (!last_to_arrive(p.locks + blockIdx.z * gridDim.x + nt, p.parts)) return;
+  constexpr int kChunks = S::kTileN / 4;  // float4 chunks per row of the tile
+  const long long plane = static_cast<long long>(p.m) * p.n;
+  for (int x = tid; x < rows * kChunks; x += kThreads) {
+    const int r = x / kChunks, cc = nt * S::kTileN + 4 * (x % kChunks);
+    const long long at = static_cast<long long>(row0 + r) * p.n + cc;
+    float4 sum = __ldcg(reinterpret_cast<const float4*>(p.partial + at));
+    for (int q = 1; q < p.parts; q++) {
+      const float4 v = __ldcg(reinterpret_cast<const float4*>(p.partial + q * plane + at));
+      sum.x += v.x, sum.y += v.y, sum.z += v.z, sum.w += v.w;
+    }
+    if (!grouped) {
+      const half* sc = reinterpret_cast<const half*>(p.s) + cc;
+      sum.x *= __half2float(sc[0]);
+      sum.y *= __half2float(sc[1]);
+      sum.z *= __half2float(sc[2]);
+      sum.w *= __half2float(sc[3]);
+    }
+    half2 out[2] = {__floats2half2_rn(sum.x, sum.y), __floats2half2_rn(sum.z, sum.w)};
+    *reinterpret_cast<uint2*>(p.c + at) = *reinterpret_cast<uint2*>(out);
   }
-}
-
-// C = sum over parts of the fp32 partials, in part order (per-column scales applied), as fp16;
-// 4 columns per thread.
-__global__ void marlin_24_reduce(const Params p) {
-  const long long x = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
-  const long long total = static_cast<long long>(p.m) * p.n / 4;
-  if (x >= total) return;
-  const long long plane = static_cast<long long>(p.m) * p.n / 4;
-  const float4* part = reinterpret_cast<const float4*>(p.partial);
-  float4 sum = part[x];
-  for (int q = 1; q < p.parts; q++) {
-    const float4 v = part[q * plane + x];
-    sum.x += v.x, sum.y += v.y, sum.z += v.z, sum.w += v.w;
-  }
-  if (p.groups == 1) {
-    const int col = static_cast<int>((4 * x) % p.n);
-    const half* sc = reinterpret_cast<const half*>(p.s) + col;
-    sum.x *= __half2float(sc[0]);
-    sum.y *= __half2float(sc[1]);
-    sum.z *= __half2float(sc[2]);
-    sum.w *= __half2float(sc[3]);
-  }
-  half2 out[2] = {__floats2half2_rn(sum.x, sum.y), __floats2half2_rn(sum.z, sum.w)};
-  reinterpret_cast<uint2*>(p.c)[x] = *reinterpret_cast<uint2*>(out);
 }
 
 }  // namespace sparse24
