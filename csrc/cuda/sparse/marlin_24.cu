@@ -1,5 +1,6 @@
 // Plan and launch of the 2:4-sparse kernel (marlin_24_kernel.cuh): slice size, K split, grid.
 #include <algorithm>
+#include <atomic>
 
 #include "marlin_24.h"
 #include "marlin_24_kernel.cuh"
@@ -20,11 +21,34 @@ int smem_of(int mb, int nw) {
   return mb == 1 ? smem_bytes<1, 2>() : mb == 2 ? smem_bytes<2, 2>() : smem_bytes<4, 2>();
 }
 
+// Opts the instance in to its shared memory and returns its resident blocks per SM (registers
+// and shared memory), at least 1; once per device and instance (the attribute stays set).
+template <int MB, int NW>
+int prepare_instance(int smem) {
+  constexpr int kMaxDevices = 64;
+  static std::atomic<int> cache[kMaxDevices];  // 0: not yet
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess) return 1;
+  if (device < kMaxDevices && cache[device].load() > 0) return cache[device].load();
+  auto kernel = marlin_24_kernel<MB, NW, kStages>;
+  int blocks = 0;
+  if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem) != cudaSuccess ||
+      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, Shape<MB, NW>::kThreads, smem) != cudaSuccess)
+    return 0;  // the launch will report the error
+  blocks = std::max(blocks, 1);
+  if (device < kMaxDevices) cache[device].store(blocks);
+  return blocks;
+}
+
+int prepare_instance_of(int mb, int nw, int smem) {
+  if (nw == 4) return mb == 1 ? prepare_instance<1, 4>(smem) : mb == 2 ? prepare_instance<2, 4>(smem) : prepare_instance<4, 4>(smem);
+  return mb == 1 ? prepare_instance<1, 2>(smem) : mb == 2 ? prepare_instance<2, 2>(smem) : prepare_instance<4, 2>(smem);
+}
+
 template <int MB, int NW>
 cudaError_t launch_mb(const Params& p, const Plan24& plan, cudaStream_t stream) {
+  // (plan_24 opted the instance in to its shared memory on this device)
   auto kernel = marlin_24_kernel<MB, NW, kStages>;
-  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, plan.smem);
-  if (err != cudaSuccess) return err;
   const dim3 grid(p.n / Shape<MB, NW>::kTileN, p.parts, plan.slices);
   kernel<<<grid, Shape<MB, NW>::kThreads, plan.smem, stream>>>(p);
   return cudaGetLastError();
@@ -56,13 +80,30 @@ std::string plan_24(const Args24& args, Plan24* plan) {
     return "marlin.gemm_2_4: the kernel needs " + std::to_string(plan->smem) + " bytes of shared memory per block, the device allows " +
            std::to_string(args.max_smem);
   if (args.n % 128 != 0) return "marlin.gemm_2_4: N = " + std::to_string(args.n) + " is not a multiple of 128";
-  // Split K so that about two blocks run per SM: the weight stream needs many blocks in flight.
+  // Split K into parts so that the blocks fill the resident slots of the GPU in whole waves (a
+  // block streams its weights at about the same rate wherever it runs, so a partial last wave
+  // leaves SMs idle): among 1..16 parts, the one with the best fill, the fewest on a tie. Each
+  // part keeps at least 2 stages, and with fewer blocks than SMs more parts always pay.
   const long long base = static_cast<long long>(args.n / (64 * plan->nw)) * plan->slices;
   const int k_tiles = args.k / kStageK;
-  long long want = (2LL * args.sms + base - 1) / base;
-  plan->parts = static_cast<int>(std::max(1LL, std::min<long long>({want, k_tiles, 16})));
+  const int per_sm = prepare_instance_of(plan->mb, plan->nw, plan->smem);
+  if (per_sm == 0) return "marlin.gemm_2_4: could not set up the kernel instance (cudaFuncSetAttribute / occupancy query failed)";
+  const long long slots = static_cast<long long>(args.sms) * per_sm;
+  int best = 1;
+  double best_fill = 0.0;
+  // (and at most max_locks = 2 per SM arrival counters: base <= 2 SMs to split at all)
+  for (int parts = 1; parts <= (base <= 2LL * args.sms ? std::min(16, k_tiles) : 1); parts++) {
+    if (parts > 1 && k_tiles / parts < 2) break;
+    const long long blocks = base * parts;
+    const long long waves = (blocks + slots - 1) / slots;
+    // fill of the slots over the waves; below one block per SM, fewer blocks than SMs is worse
+    double fill = static_cast<double>(blocks) / static_cast<double>(waves * slots);
+    if (blocks < args.sms) fill *= 0.5;
+    if (fill > best_fill + 0.02) best = parts, best_fill = fill;
+  }
+  plan->parts = best;
   plan->partial_floats = plan->parts > 1 ? static_cast<long long>(plan->parts) * args.m * args.n : 0;
-  plan->locks = plan->parts > 1 ? static_cast<int>(base) : 0;  // base < 2 SMs whenever parts > 1
+  plan->locks = plan->parts > 1 ? static_cast<int>(base) : 0;
   return "";
 }
 
