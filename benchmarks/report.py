@@ -404,6 +404,10 @@ def report(path: Path, outdir: Path | None = None) -> list[str]:
     outdir.mkdir(parents=True, exist_ok=True)
     if data["meta"].get("kind") == "sustained" or "classes" in data:
         return report_sustained(data, path.stem, outdir)
+    if data["meta"].get("kind") == "e2e":
+        from .report_e2e import report_e2e
+
+        return report_e2e(data, path.stem, outdir)
     return report_gemm(data, path.stem, outdir)
 
 

@@ -2,7 +2,8 @@
 the same code path NCCL takes on GPUs. The scenarios live in tests/tp_workers.py: each rank builds
 the full model from a shared seed, shards it, and checks the sharded outputs against the full
 model's (MLP layers with act-order off, aligned and straddling; a tiny Llama through
-marlin.tensor_parallel, prompt and one cached decode step, act-order on and off)."""
+marlin.tensor_parallel and through marlin.parallel.load_sharded from a checkpoint, prompt and one
+cached decode step, act-order on and off)."""
 
 from __future__ import annotations
 
@@ -33,3 +34,9 @@ def test_layers_two_ranks(tmp_path, group_size):
 def test_tiny_llama_two_ranks(tmp_path, act_order):
     pytest.importorskip("transformers")
     spawn(tmp_path, "llama", act_order)
+
+
+@pytest.mark.parametrize("act_order", [False, True])
+def test_load_sharded_two_ranks(tmp_path, act_order):
+    pytest.importorskip("transformers")
+    spawn(tmp_path, "load", (str(tmp_path / "ckpt"), act_order))

@@ -85,8 +85,9 @@ def layers_scenario(rank: int, world_size: int, group_size: int) -> None:
         assert rel_err(split(h_full), down(h_full)) < TOL, f"row-parallel on the full input, act-order {what}"
 
 
-def llama_scenario(rank: int, world_size: int, act_order: bool) -> None:
-    """A tiny Llama: logits of a prompt and of one cached decode step, sharded vs unsharded."""
+def tiny_llama(world_size: int, act_order: bool):
+    """The same random tiny Llama with Marlin layers on every rank (seeded); with act-order, o_proj
+    of layer 0 gets an aligned permutation and every other layer a straddling one."""
     import transformers
 
     config = transformers.LlamaConfig(
@@ -107,16 +108,25 @@ def llama_scenario(rank: int, world_size: int, act_order: bool) -> None:
             aligned = name == "model.layers.0.self_attn.o_proj"
             k = layer.in_features
             set_perm(layer, aligned_perm(k, world_size, 128, seed=i) if aligned else straddling_perm(k, seed=i))
-    ids = torch.randint(0, config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(7))
-    nxt = torch.randint(0, config.vocab_size, (2, 1), generator=torch.Generator().manual_seed(8))
+    return model
 
-    def logits(m):
-        with torch.no_grad():
-            out = m(ids, use_cache=True)
-            step = m(nxt, past_key_values=out.past_key_values, use_cache=True)
-        return out.logits, step.logits
 
-    ref_prompt, ref_step = logits(model)
+def prompt_and_step(model):
+    """Logits of a prompt and of one cached decode step after it."""
+    vocab = model.config.vocab_size
+    ids = torch.randint(0, vocab, (2, 9), generator=torch.Generator().manual_seed(7))
+    nxt = torch.randint(0, vocab, (2, 1), generator=torch.Generator().manual_seed(8))
+    with torch.no_grad():
+        out = model(ids, use_cache=True)
+        step = model(nxt, past_key_values=out.past_key_values, use_cache=True)
+    return out.logits, step.logits
+
+
+def llama_scenario(rank: int, world_size: int, act_order: bool) -> None:
+    """A tiny Llama: logits of a prompt and of one cached decode step, sharded vs unsharded."""
+    model = tiny_llama(world_size, act_order)
+    config = model.config
+    ref_prompt, ref_step = prompt_and_step(model)
     report = marlin.tensor_parallel(model)
     assert len(report.sharded) == 7 * config.num_hidden_layers + 1, report  # + lm_head (fp16, gathered)
     assert ("model.embed_tokens" in dict(report.kept)), report
@@ -125,9 +135,50 @@ def llama_scenario(rank: int, world_size: int, act_order: bool) -> None:
     if act_order and world_size > 1:
         assert o_proj.gather_index is None and o_proj.local.perm is not None
         assert model.model.layers[1].mlp.down_proj.gather_index is not None
-    prompt, step = logits(model)
+    prompt, step = prompt_and_step(model)
     err_prompt, err_step = rel_err(prompt, ref_prompt), rel_err(step, ref_step)
     assert err_prompt < MODEL_TOL and err_step < MODEL_TOL, (err_prompt, err_step)
 
 
-SCENARIOS = {"layers": layers_scenario, "llama": llama_scenario}
+def save_marlin_checkpoint(model, directory) -> None:
+    """A Marlin checkpoint directory (config.json with the Marlin quantization config, safetensors)."""
+    import json
+    from pathlib import Path
+
+    from marlin.convert.checkpoint import write_shard
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    model.config.save_pretrained(directory)
+    config = json.loads((directory / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "marlin", "checkpoint_format": "marlin", "bits": 4, "group_size": 128}
+    (directory / "config.json").write_text(json.dumps(config))
+    write_shard(directory / "model.safetensors", dict(model.state_dict()))
+
+
+def load_scenario(rank: int, world_size: int, arg) -> None:
+    """load_sharded reads each rank's slices of a checkpoint; logits equal the unsharded model's."""
+    from marlin.parallel.loader import load_sharded
+
+    directory, act_order = arg
+    model = tiny_llama(world_size, act_order)
+    if rank == 0:
+        save_marlin_checkpoint(model, directory)
+    dist.barrier()
+    ref_prompt, ref_step = prompt_and_step(model)
+    sharded = load_sharded(directory, device="cpu")
+    up = sharded.model.layers[0].mlp.up_proj
+    assert isinstance(up, ColumnParallelLinear) and tuple(up.local.b_q.shape) == (256 // 16, 2 * 512 // world_size)
+    full_up = model.model.layers[0].mlp.up_proj
+    part = 2 * 512 // world_size
+    assert torch.equal(up.local.b_q, full_up.b_q[:, rank * part : (rank + 1) * part])
+    down = sharded.model.layers[1].mlp.down_proj
+    assert isinstance(down, RowParallelLinear) and (down.gather_index is not None) == (act_order and world_size > 1)
+    assert isinstance(sharded.lm_head, ColumnParallelLinear) and sharded.lm_head.local.out_features == 1000 // world_size
+    assert len(sharded.tp_report.sharded) == 15, sharded.tp_report
+    prompt, step = prompt_and_step(sharded)
+    err_prompt, err_step = rel_err(prompt, ref_prompt), rel_err(step, ref_step)
+    assert err_prompt < MODEL_TOL and err_step < MODEL_TOL, (err_prompt, err_step)
+
+
+SCENARIOS = {"layers": layers_scenario, "llama": llama_scenario, "load": load_scenario}

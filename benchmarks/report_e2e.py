@@ -1,0 +1,108 @@
+"""Figure and markdown for a bench_e2e results file (called by benchmarks.report for kind "e2e").
+
+STEM.png: like the paper's Figure 11: decode tokens/s of FP16 and Marlin against batch size
+(left) and Marlin's speedup over FP16 in the same mode (right), one line per (kernel, mode),
+with the issue's targets marked. STEM.md: the times, speedups, targets and the FP16 baseline
+check (its decode step against the time to read its weights at the measured copy bandwidth).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+STYLE = {"graph": "--", "compiled": "-", "eager": ":"}
+COLOR = {"fp16": "tab:gray", "marlin": "tab:red", "marlin_unfused": "tab:orange"}
+FLOOR_FACTOR = 1.3  # the issue: FP16's decode step within 1.3x of its weight-read time at batch 1
+
+
+def _ok(points):
+    return [p for p in points if p.get("tpot_ms")]
+
+
+def plot(data: dict, out: Path) -> str:
+    points, sp = _ok(data.get("points", [])), data.get("speedups", [])
+    if not points:
+        return "no timed points: no figure"
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for kernel in COLOR:
+        for mode in STYLE:
+            pts = sorted((p for p in points if p["kernel"] == kernel and p["mode"] == mode), key=lambda p: p["batch"])
+            if pts:
+                ax1.plot([p["batch"] for p in pts], [p["tokens_per_s"] for p in pts], STYLE[mode], marker="o",
+                         color=COLOR[kernel], label=f"{kernel} ({mode})")
+            s = sorted((x for x in sp if x["kernel"] == kernel and x["mode"] == mode), key=lambda x: x["batch"])
+            if s:
+                ax2.plot([x["batch"] for x in s], [x["speedup"] for x in s], STYLE[mode], marker="o",
+                         color=COLOR[kernel], label=f"{kernel} ({mode})")
+    targets = sorted({(x["batch"], x["target"]) for x in sp if x.get("target")})
+    if targets:
+        ax2.scatter([b for b, _ in targets], [t for _, t in targets], marker="_", s=300, color="k", label="target")
+    ax2.axhline(1.0, color="k", lw=0.8)
+    meta = data["meta"]
+    for ax, ylabel in ((ax1, "decode tokens / s"), (ax2, "speedup over FP16 (same mode)")):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("batch size")
+        ax.set_ylabel(ylabel)
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(f"{meta.get('model')} ({meta.get('layers')} layers), {meta.get('gpu')}: "
+                 f"{points[0]['prompt_len']} prompt + {points[0]['gen_len']} generated tokens")
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+    return f"wrote {out.name}"
+
+
+def markdown(data: dict, figure_msg: str) -> list[str]:
+    meta, points, sp = data["meta"], data.get("points", []), data.get("speedups", [])
+    md = [f"# End-to-end decode: {meta.get('model')} ({meta.get('layers')} layers) on {meta.get('gpu')}", ""]
+    md += [f"torch {meta.get('torch')}, transformers {meta.get('transformers')}, git {str(meta.get('git_rev'))[:12]}"
+           f"{' (dirty)' if meta.get('git_dirty') else ''}, {meta.get('date')}; compile backend {meta.get('backend')}", ""]
+    if figure_msg.startswith("wrote "):
+        name = figure_msg.split()[1]
+        md += [f"![{name}]({name})", ""]
+    else:
+        md += [f"- {figure_msg}", ""]
+    spd = {(x["kernel"], x["mode"], x["batch"]): x for x in sp}
+    md += ["| kernel | mode | batch | TPOT ms | tokens/s | TTFT ms | x FP16 | target |", "|---|---|---:|---:|---:|---:|---:|---|"]
+    for p in points:
+        if not p.get("tpot_ms"):
+            md.append(f"| {p['kernel']} | {p['mode']} | {p['batch']} | failed: {p.get('error', '?')[:80]} | | | | |")
+            continue
+        x = spd.get((p["kernel"], p["mode"], p["batch"]))
+        tgt = "" if not x or x.get("target") is None else f">= {x['target']}: {'met' if x['met'] else 'missed'}"
+        speedup = "" if not x else f"{x['speedup']:.2f}"
+        md.append(f"| {p['kernel']} | {p['mode']} | {p['batch']} | {p['tpot_ms']:.3f} | {p['tokens_per_s']:.1f} | "
+                  f"{p['ttft_ms']:.2f} | {speedup} | {tgt} |")
+    floor = meta.get("fp16_weight_read_ms")
+    if floor:
+        md += ["", f"FP16 weight-read floor: {meta.get('fp16_weight_bytes', 0) / 1e9:.2f} GB of weights per step / "
+               f"{meta.get('copy_bw_GBps', 0):.0f} GB/s copy bandwidth = {floor:.3f} ms."]
+        for p in _ok(points):
+            if p["kernel"] == "fp16" and p["batch"] == 1:
+                r = p["tpot_ms"] / floor
+                md.append(f"- FP16 {p['mode']} at batch 1: {p['tpot_ms']:.3f} ms = {r:.2f}x the floor "
+                          f"({'within' if r <= FLOOR_FACTOR else 'above'} {FLOOR_FACTOR}x)")
+    for kernel, prof in (data.get("profiles") or {}).items():
+        md += ["", f"## Where a compiled decode step's time goes: {kernel}, batch {prof.get('batch')}", ""]
+        if "error" in prof:
+            md.append(f"profile failed: {prof['error']}")
+            continue
+        md += ["| category | us per step |", "|---|---:|"]
+        md += [f"| {c} | {us:.1f} |" for c, us in prof.get("us_per_step_by_category", {}).items()]
+        md += ["", "| kernel | us per step | calls |", "|---|---:|---:|"]
+        md += [f"| `{k['name'][:80]}` | {k['us_per_step']:.1f} | {k['calls_per_step']} |" for k in prof.get("top_kernels", [])[:12]]
+    if meta.get("notes"):
+        md += ["", "## Notes", ""] + [f"- {n}" for n in meta["notes"]]
+    return md
+
+
+def report_e2e(data: dict, stem: str, outdir: Path) -> list[str]:
+    msg = plot(data, outdir / f"{stem}.png")
+    (outdir / f"{stem}.md").write_text("\n".join(markdown(data, msg)) + "\n")
+    return [msg, f"wrote {stem}.md"]

@@ -1,0 +1,213 @@
+"""load_sharded: each tensor-parallel rank loads its own slices of a Marlin checkpoint directory.
+
+    dist.init_process_group("nccl")               # torchrun --nproc-per-node T
+    torch.cuda.set_device(local_rank)
+    model = marlin.parallel.load_sharded("llama-marlin")
+
+The model is built from config.json on the meta device (as marlin.load_quantized does), the
+layers named by the tensor-parallel plan (default: the model's ``tp_plan``) become this rank's
+ColumnParallelLinear / RowParallelLinear shards, and their tensors are read from the safetensors
+files as slices (safetensors reads only the requested bytes of a memory-mapped file): a rank never
+holds another rank's weights, on the GPU or in host memory. Everything else (embeddings, norms,
+layers outside the plan) is read whole on every rank. Act-order layers also read their full
+``perm`` (K int32 values) to plan the split.
+
+GPTQ checkpoints: convert once with ``marlin-convert SRC DST`` (exact, fast), then load DST here.
+"""
+
+from __future__ import annotations
+
+import logging
+from itertools import chain
+from pathlib import Path
+from typing import Optional, Union
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from ..convert.checkpoint import SafetensorsDir, read_json
+from ..convert.converter import MARLIN_FORMAT
+from ..convert.errors import ConversionError
+from ..hf import _DERIVED_BUFFER_SUFFIXES, _dtype_kwargs, _install_marlin_layers, _marlin_layers, _parameters_on_meta
+from ..nn import MarlinLinear, _new_workspace
+from .comm import rank_and_size
+from .layers import ColumnParallelLinear, RowParallelLinear, local_linear, marlin_column_shard, marlin_row_shard
+from .model import _COLUMN, _ROW, TPReport, _compile, _check_heads, model_tp_plan, style_of
+from .shard import ShardError
+
+__all__ = ["load_sharded"]
+
+log = logging.getLogger(__name__)
+
+
+class _SliceReader:
+    """Reads whole tensors or slices of them from a validated SafetensorsDir's files."""
+
+    def __init__(self, ckpt: SafetensorsDir, device: torch.device):
+        self.ckpt, self.device = ckpt, device
+        self._files: dict = {}
+        self.used: set = set()
+
+    def has(self, name: str) -> bool:
+        return name in self.ckpt.tensors
+
+    def get(self, name: str, index: Optional[tuple] = None) -> torch.Tensor:
+        info = self.ckpt.tensors[name]
+        handle = self._files.get(info.file)
+        if handle is None:
+            handle = self._files[info.file] = safe_open(str(self.ckpt.directory / info.file), framework="pt", device="cpu")
+        self.used.add(name)
+        t = handle.get_tensor(name) if index is None else handle.get_slice(name)[index]
+        return t.to(self.device)
+
+
+def _shard_marlin(module: MarlinLinear, name: str, style: str, reader: _SliceReader, kw: dict) -> nn.Module:
+    def take(buffer: str, index: tuple) -> torch.Tensor:
+        return reader.get(f"{name}.{buffer}", index)
+
+    def has(buffer: str) -> bool:
+        return reader.has(f"{name}.{buffer}")
+
+    k, n = module.in_features, module.out_features
+    rank, world_size = kw["rank"], kw["world_size"]
+    if style in _COLUMN:
+        local = marlin_column_shard(module, name, take, has, rank, world_size)
+        return ColumnParallelLinear(local, k, n, gather_output=_COLUMN[style], **kw)
+    perm = reader.get(f"{name}.perm").cpu() if has("perm") else None
+    local, gather_index = marlin_row_shard(module, name, take, has, perm, rank, world_size)
+    bias = reader.get(f"{name}.bias") if has("bias") else None
+    return RowParallelLinear(
+        local, k, n, bias=bias, gather_index=gather_index, input_is_parallel=_ROW[style], **kw
+    )
+
+
+def _shard_linear(module: nn.Linear, name: str, style: str, reader: _SliceReader, kw: dict, dtype) -> nn.Module:
+    rank, world_size = kw["rank"], kw["world_size"]
+    k, n = module.in_features, module.out_features
+    has_bias = reader.has(f"{name}.bias")
+
+    def get(suffix: str, index: tuple) -> torch.Tensor:
+        t = reader.get(f"{name}.{suffix}", index)
+        return t.to(dtype) if t.is_floating_point() else t
+
+    if style in _COLUMN:
+        if n % world_size:
+            raise ShardError(f"{name}: out_features = {n} does not split evenly over {world_size} ranks")
+        part = n // world_size
+        rows = slice(rank * part, (rank + 1) * part)
+        bias = get("bias", (rows,)) if has_bias else None
+        local = local_linear(module, k, part, get("weight", (rows, slice(None))), bias)
+        return ColumnParallelLinear(local, k, n, gather_output=_COLUMN[style], **kw)
+    if k % world_size:
+        raise ShardError(f"{name}: in_features = {k} does not split evenly over {world_size} ranks")
+    part = k // world_size
+    local = local_linear(module, part, n, get("weight", (slice(None), slice(rank * part, (rank + 1) * part))), None)
+    bias = get("bias", (slice(None),)) if has_bias else None
+    return RowParallelLinear(local, k, n, bias=bias, input_is_parallel=_ROW[style], **kw)
+
+
+def load_sharded(
+    model_dir: Union[str, Path],
+    device: Optional[Union[str, torch.device]] = None,
+    dtype: torch.dtype = torch.float16,
+    *,
+    plan: Optional[dict] = None,
+    group=None,
+    trust_remote_code: bool = False,
+) -> nn.Module:
+    """This rank's part of a Marlin checkpoint directory as a transformers causal LM, in eval mode.
+
+    ``device``: this rank's device (None: the current CUDA device if CUDA is available, else the
+    CPU). ``plan``: {module name pattern: style} as for marlin.tensor_parallel (None: the model's
+    tp_plan). The rank and world size come from ``group`` (default process group). Raises
+    ConversionError when the directory is not a Marlin checkpoint or does not match its config,
+    ShardError naming the layer when a shard would break the kernel's shape rules. The report of
+    what was sharded is ``model.tp_report``.
+    """
+    import transformers
+
+    if dtype != torch.float16:
+        raise ValueError(f"load_sharded: dtype = {dtype}, expected torch.float16")
+    model_dir = Path(model_dir)
+    if device is None:
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    device = torch.device(device)
+    rank, world_size = rank_and_size(group)
+    kw = dict(group=group, rank=rank, world_size=world_size)
+
+    config_path = model_dir / "config.json"
+    if not config_path.is_file():
+        raise ConversionError(f"{config_path} not found; expected a model directory written by marlin-convert")
+    raw = read_json(config_path)
+    quant = raw.get("quantization_config") if isinstance(raw, dict) else None
+    fmt = quant.get("checkpoint_format") if isinstance(quant, dict) else None
+    if fmt != MARLIN_FORMAT:
+        raise ConversionError(
+            f"{config_path}: quantization_config.checkpoint_format = {fmt!r}, expected {MARLIN_FORMAT!r}; "
+            "convert a GPTQ checkpoint first: marlin-convert SRC DST"
+        )
+    config = transformers.AutoConfig.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+
+    report = TPReport(rank=rank, world_size=world_size)
+    with SafetensorsDir(model_dir) as ckpt:
+        layers = _marlin_layers(ckpt)
+        with _parameters_on_meta():
+            model = transformers.AutoModelForCausalLM.from_config(
+                config, trust_remote_code=trust_remote_code, **_dtype_kwargs(dtype)
+            )
+        _install_marlin_layers(model, layers, torch.device("meta"))  # shapes only; no memory
+        compiled = _compile(model_tp_plan(model) if plan is None else plan)
+        reader = _SliceReader(ckpt, device)
+        todo = []
+        for name, module in model.named_modules():
+            style = style_of(name, compiled)
+            if style is None:
+                continue
+            if style not in _COLUMN and style not in _ROW:
+                report.kept.append((name, f"style {style!r} is not supported for a {type(module).__name__}"))
+            elif isinstance(module, nn.Linear) and not reader.has(f"{name}.weight"):
+                report.kept.append((name, "weight not in the checkpoint (tied to another tensor): kept whole"))
+            elif isinstance(module, (MarlinLinear, nn.Linear)):
+                todo.append((name, module, style))
+            else:
+                raise ShardError(f"load_sharded: {name} has style {style!r} but is a {type(module).__name__}")
+        _check_heads(model, world_size, [name for name, _, _ in todo])
+        for name, module, style in todo:
+            if isinstance(module, MarlinLinear):
+                new = _shard_marlin(module, name, style, reader, kw)
+            else:
+                new = _shard_linear(module, name, style, reader, kw, dtype)
+            parent, _, child = name.rpartition(".")
+            setattr(model.get_submodule(parent) if parent else model, child, new)
+            report.sharded.append((name, style))
+        state = {}
+        for name in ckpt.tensors:
+            if name in reader.used:
+                continue
+            t = reader.get(name)
+            state[name] = t.to(dtype) if t.is_floating_point() and t.dtype != dtype else t
+
+    ignored = [k for k in state if k.endswith(_DERIVED_BUFFER_SUFFIXES)]
+    result = model.load_state_dict(state, strict=False, assign=True)
+    unexpected = [k for k in result.unexpected_keys if k not in ignored]
+    model.tie_weights()
+    for module in model.modules():  # Marlin layers outside the plan were built on the meta device
+        if isinstance(module, MarlinLinear) and module.workspace.is_meta:
+            module.workspace = _new_workspace(device)
+    missing = [name for name, t in chain(model.named_parameters(), model.named_buffers()) if t.is_meta]
+    if unexpected or missing:
+        parts = []
+        if missing:
+            parts.append(f"{len(missing)} model tensor(s) not in the checkpoint, e.g. {missing[:5]}")
+        if unexpected:
+            parts.append(f"{len(unexpected)} checkpoint tensor(s) the model does not use, e.g. {unexpected[:5]}")
+        raise ConversionError(f"{model_dir}: checkpoint and config.json do not match: " + "; ".join(parts))
+    model.to(device)  # the non-persistent buffers built by the constructor (rotary frequencies)
+    if (model_dir / "generation_config.json").is_file():
+        model.generation_config = transformers.GenerationConfig.from_pretrained(model_dir)
+    model.tp_report = report
+    model.eval()
+    return model

@@ -1,0 +1,54 @@
+"""benchmarks.bench_e2e and its report on the CPU (--dry-run: tiny Llama, CPU op, traced steps).
+
+The numbers of a dry run mean nothing; what is checked is the pipeline: every (kernel, mode,
+batch) point is timed, each traced step agrees with the eager forward, the speedups pair the
+right points, and the report writes its figure and markdown.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+pytest.importorskip("transformers")
+pytest.importorskip("matplotlib")
+
+from benchmarks import bench_e2e, report  # noqa: E402
+
+
+def test_dry_run_and_report(tmp_path):
+    out = tmp_path / "e2e.json"
+    rc = bench_e2e.main(["--dry-run", "--kernels", "fp16,marlin", "--modes", "eager,graph", "--out", str(out)])
+    assert rc == 0
+    data = json.loads(out.read_text())
+    meta, points = data["meta"], data["points"]
+    assert meta["kind"] == "e2e" and meta["transformers"] and meta["model"] == "tiny" and "git_rev" in meta
+    assert {(p["kernel"], p["mode"], p["batch"]) for p in points} == {
+        (k, m, b) for k in ("fp16", "marlin") for m in ("eager", "graph") for b in (1, 3)
+    }
+    for p in points:
+        assert p["tpot_ms"] > 0 and p["ttft_ms"] > 0 and p["check_rel_err"] <= bench_e2e.CHECK_TOL
+        assert p["tokens_per_s"] == pytest.approx(p["batch"] / p["tpot_ms"] * 1e3)
+    marlin_bytes = {p["weight_bytes"] for p in points if p["kernel"] == "marlin"}
+    fp16_bytes = {p["weight_bytes"] for p in points if p["kernel"] == "fp16"}
+    assert len(marlin_bytes) == len(fp16_bytes) == 1 and marlin_bytes.pop() < fp16_bytes.pop()
+    sp = {(s["mode"], s["batch"]): s for s in data["speedups"]}
+    assert set(sp) == {(m, b) for m in ("eager", "graph") for b in (1, 3)}
+    by = {(p["kernel"], p["mode"], p["batch"]): p for p in points}
+    s = sp[("graph", 3)]
+    assert s["speedup"] == pytest.approx(by[("fp16", "graph", 3)]["tpot_ms"] / by[("marlin", "graph", 3)]["tpot_ms"])
+    msgs = report.report(out, tmp_path)
+    assert (tmp_path / "e2e.png").is_file() and "| marlin | graph | 3 |" in (tmp_path / "e2e.md").read_text()
+    assert msgs == ["wrote e2e.png", "wrote e2e.md"]
+
+
+def test_speedups_and_targets():
+    pts = [
+        {"kernel": "fp16", "mode": "compiled", "batch": 16, "tpot_ms": 10.0},
+        {"kernel": "marlin", "mode": "compiled", "batch": 16, "tpot_ms": 4.0},
+        {"kernel": "marlin", "mode": "graph", "batch": 16, "tpot_ms": 4.0},  # no fp16 graph point: no speedup
+        {"kernel": "marlin", "mode": "compiled", "batch": 1, "error": "x"},
+    ]
+    (s,) = bench_e2e.speedups(pts)
+    assert (s["kernel"], s["mode"], s["batch"], s["speedup"], s["target"], s["met"]) == ("marlin", "compiled", 16, 2.5, 2.0, True)

@@ -1,0 +1,73 @@
+"""marlin.tensor_parallel on a transformers model, one process: the plan it follows and what it refuses.
+(The numerics across processes are in tests/test_parallel_dist.py.)"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import marlin
+from marlin.parallel import ColumnParallelLinear, RowParallelLinear, ShardError
+from marlin.parallel.model import model_tp_plan
+
+transformers = pytest.importorskip("transformers")
+
+
+def tiny_llama(heads=4, kv_heads=2):
+    config = transformers.LlamaConfig(
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=1,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        vocab_size=1000,
+    )
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).half().eval()
+    marlin.replace_linear(model, group_size=128)
+    return model
+
+
+def test_follows_the_models_tp_plan():
+    model = tiny_llama()
+    plan = model_tp_plan(model)
+    assert plan["model.layers.*.mlp.down_proj"] == "rowwise"
+    report = marlin.tensor_parallel(model, rank=1, world_size=2)
+    layer = model.model.layers[0]
+    assert isinstance(layer.self_attn.q_proj, ColumnParallelLinear) and layer.self_attn.q_proj.local.out_features == 128
+    assert isinstance(layer.self_attn.k_proj, ColumnParallelLinear) and layer.self_attn.k_proj.local.out_features == 64
+    assert isinstance(layer.mlp.down_proj, RowParallelLinear) and layer.mlp.down_proj.local.in_features == 256
+    assert layer.mlp.down_proj.k0 == 256 and not layer.mlp.down_proj.gather_index
+    assert model.lm_head.gather_output and model.lm_head.local.out_features == 500
+    assert dict(report.sharded)["model.layers.0.mlp.up_proj"] == "colwise"
+    assert "model.embed_tokens" in dict(report.kept) and "kept model.embed_tokens" in str(report)
+
+
+def test_explicit_plan_and_one_rank():
+    model = tiny_llama()
+    report = marlin.tensor_parallel(model, {"model.layers.*.mlp.up_proj": "colwise"}, rank=0, world_size=1)
+    assert [name for name, _ in report.sharded] == ["model.layers.0.mlp.up_proj"]
+    with pytest.raises(ValueError, match="empty plan"):
+        marlin.tensor_parallel(model, {}, rank=0, world_size=1)
+
+
+def test_heads_must_divide_by_the_world_size():
+    model = tiny_llama(heads=4, kv_heads=2)
+    with pytest.raises(ShardError, match="num_key_value_heads = 2 does not divide by world_size = 4"):
+        marlin.tensor_parallel(model, rank=0, world_size=4)
+    assert isinstance(model.model.layers[0].self_attn.q_proj, marlin.MarlinLinear)  # left untouched
+
+
+def test_a_shard_error_leaves_the_model_untouched():
+    model = tiny_llama(heads=8, kv_heads=8)  # heads divide by 8, but k_proj's 256 columns give 32 per rank
+    with pytest.raises(ShardError, match=r"model\.layers\.0\.self_attn\.q_proj: out_features = 256 over 8 ranks"):
+        marlin.tensor_parallel(model, rank=0, world_size=8)
+    assert all(not isinstance(m, (ColumnParallelLinear, RowParallelLinear)) for m in model.modules())
+
+
+def test_fused_projections_are_refused():
+    fuse = pytest.importorskip("marlin.fuse")
+    model = tiny_llama()
+    fuse.fuse_projections(model)
+    with pytest.raises(ShardError, match=r"q_proj has style 'colwise' but is a FusedPart \(fused projections"):
+        marlin.tensor_parallel(model, rank=0, world_size=2)

@@ -1,0 +1,59 @@
+"""benchmarks/accuracy.py on the CPU without the real model: its helpers and the results table."""
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+pytest.importorskip("transformers")
+
+from benchmarks import accuracy as A  # noqa: E402
+
+from quantize_fixtures import make_model_dir  # noqa: E402
+
+
+def test_points_merge_per_method_and_group_size():
+    points = [{"method": "rtn", "group_size": 64, "ppl": 9.0}, {"method": "rtn", "group_size": -1, "ppl": 8.0}]
+    merged = A.merge_point(points, {"method": "rtn", "group_size": 64, "ppl": 7.0})
+    assert sorted((p["group_size"], p["ppl"]) for p in merged) == [(-1, 8.0), (64, 7.0)]
+
+
+def test_markdown_table_gives_the_increase_over_fp16():
+    doc = {
+        "points": [
+            {"method": "fp16", "group_size": None, "ppl": 10.0},
+            {"method": "rtn", "group_size": 64, "ppl": 12.0},
+            {"method": "gptq_variant", "group_size": 64, "ppl": 10.5},
+            {"method": "gptq_variant", "group_size": -1, "ppl": 11.0},
+        ]
+    }
+    table = A.markdown_table(doc).splitlines()
+    assert table[0] == "| method | g64 | per column |"
+    assert "| rtn | 12.000 (+20.0%) |  |" in table
+    assert "| gptq_variant | 10.500 (+5.0%) | 11.000 (+10.0%) |" in table
+
+
+def test_fixed_length_calibration_matches_the_variable_mean():
+    class Args:
+        nsamples, seqlen_range, seed = 8, (32, 512), 0
+
+    var = A.calibration(None, Args, varlen=True)
+    fixed = A.calibration(None, Args, varlen=False)
+    assert (var.min_len, var.max_len) == (32, 512) and fixed.min_len == fixed.max_len == 272
+
+
+def test_apply_rtn_rounds_every_block_linear(tmp_path):
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(make_model_dir(tmp_path / "m"))
+    before = model.model.layers[0].mlp.up_proj.weight.clone()
+    done, kept = A.apply_rtn(model, 64)
+    assert done == 14 and kept == []
+    after = model.model.layers[0].mlp.up_proj.weight
+    assert not torch.equal(before, after)
+    groups = after.reshape(-1, 64)  # rows of nn.Linear's weight, 64 inputs per group
+    assert max(g.unique().numel() for g in groups[:200]) <= 16  # at most 16 levels per group
