@@ -16,13 +16,11 @@ from conftest import fp32_matmul, rel_err, requires_cuda_2_4
 
 pytestmark = [requires_cuda_2_4, pytest.mark.gpu]
 
-M_VALUES = [1, 2, 3, 8, 9, 15, 16, 17, 31, 32, 33, 64, 65, 128, 1000]
+M_VALUES = [1, 3, 8, 9, 16, 17, 32, 33, 65, 1000]  # 8/16/32-row slices, partial slices, many slices
 SHAPES = {
     "7B_qkv": (4096, 12288),
-    "7B_down": (11008, 4096),
     "70B_o": (8192, 8192),
-    "70B_gateup": (8192, 57344),
-    "128x128": (128, 128),
+    "128x128": (128, 128),  # one stage: no K split
     "256x384": (256, 384),  # N % 256 != 0: the 128-column tile
     "1152x640": (1152, 640),
     "384x1280": (384, 1280),
