@@ -6,8 +6,9 @@
 // (smallm_kernel.cuh). The format (marlin/sparse.py) makes the reuse direct:
 //  * A lane's 16 bytes of a packed strip tile are its four A fragments (one per 16-column block)
 //    exactly as in the dense small-batch kernel, decoded by the same dequant_int4x8 (ptx.cuh).
-//  * A lane's 8 bytes of b_meta are the metadata registers of blocks 2 (c / 2) and 2 (c / 2) + 1;
-//    the instruction for block j takes word j % 2 with sparsity selector j / 2.
+//  * A lane's 8 bytes of b_meta are the metadata registers of blocks 2 (c / 2) and 2 (c / 2) + 1
+//    (made for selector j / 2). This kernel reads its own and lane ^ 2's 8 bytes and issues every
+//    instruction with selector 0, so that it relies only on selector 0's documented lane pair.
 //  * The activations of a k32 step are one ldmatrix.x4 per n8 tile (4 x 8 columns of K).
 // Structure (deliberately simple; see benchmarks/NOTES.md for what it leaves on the table):
 //  * Block = NW warps, tile = 64 NW columns of N (one 64-column chunk per warp), stage = 128 rows of
@@ -163,7 +164,11 @@ __global__ void __launch_bounds__(32 * NW) marlin_24_kernel(const Params p) {
         ldmatrix_x4(act[b], sh + r * 16 + ((4 * u + ld_q) ^ (r % 8)));
       }
       const int4 wq4 = sb[(u * NW + warp) * 32 + lane];
-      const uint2 mw = reinterpret_cast<const uint2*>(sm + (u * NW + warp) * 16)[lane];
+      // metadata: the lane's own words (blocks 0, 1) and its partner's, lane ^ 2 (blocks 2, 3).
+      // Every instruction takes selector 0 (lanes c = 0, 1 supply it), whose lane assignment the
+      // PTX ISA spells out; blocks 2 and 3 come from the words the format gives lanes c = 2, 3.
+      const uint2* mrow = reinterpret_cast<const uint2*>(sm + (u * NW + warp) * 16);
+      const uint2 mw = mrow[lane], mw2 = mrow[lane ^ 2];
       const uint32_t wq[4] = {static_cast<uint32_t>(wq4.x), static_cast<uint32_t>(wq4.y), static_cast<uint32_t>(wq4.z),
                               static_cast<uint32_t>(wq4.w)};
 #pragma unroll
@@ -171,14 +176,9 @@ __global__ void __launch_bounds__(32 * NW) marlin_24_kernel(const Params p) {
         uint32_t lo[2], hi[2];
         dequant_int4x8(wq[j], lo, hi);
         const uint32_t a[4] = {lo[0], hi[0], lo[1], hi[1]};
-        const uint32_t e = j % 2 == 0 ? mw.x : mw.y;
+        const uint32_t e = j == 0 ? mw.x : j == 1 ? mw.y : j == 2 ? mw2.x : mw2.y;
 #pragma unroll
-        for (int b = 0; b < MB; b++) {
-          if (j < 2)
-            mma_sp_16832<0>(a, act[b], e, grp[j][b]);
-          else
-            mma_sp_16832<1>(a, act[b], e, grp[j][b]);
-        }
+        for (int b = 0; b < MB; b++) mma_sp_16832<0>(a, act[b], e, grp[j][b]);
       }
     }
     // group scale (or 1 per column) on the stage's fp32 sums; the lane's 8 scales are one int4
