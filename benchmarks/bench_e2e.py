@@ -20,7 +20,8 @@ For each (kernel, mode, batch): ttft_ms is the prefill of the prompt (eager, as 
 it; logits of the last token only); tpot_ms is the median over --samples blocks of the 64 decode
 steps at positions 64 .. 127, each block timed whole with CUDA events; tokens_per_s = batch /
 tpot. Modes (e2e_model.py): eager, graph (eager kernels in one CUDA graph), compiled (inductor,
-fullgraph, in one CUDA graph). The same mode is used for FP16 and Marlin. Before timing, one step
+fullgraph, in one CUDA graph), generate (model.generate() after marlin.compile_for_decode; its
+TPOT includes generate()'s own per-token work). The same mode is used for FP16 and Marlin. Before timing, one step
 of each captured mode is checked against the eager forward (relative error of the logits).
 
 Also recorded: weight bytes per step and the FP16 weight-read floor (bytes / measured copy
@@ -45,12 +46,13 @@ import torch
 
 from .bench_gemm import dump_results
 from .bench_math import RESULTS_DIR
-from .e2e_model import MODEL_SPECS, DecodeStep, build_model, compile_decode, profile_step, to_marlin, weight_bytes
+from .e2e_model import (MODEL_SPECS, DecodeStep, build_model, compile_decode, profile_step, time_generate, to_marlin,
+                        weight_bytes)
 from .provenance import collect_meta, dirty_warning
 from .timing import measure_copy_bandwidth
 
 KERNELS = ("fp16", "marlin_unfused", "marlin")  # run in this order: each converts the model further
-MODES = ("eager", "graph", "compiled")
+MODES = ("eager", "graph", "compiled", "generate")
 DEFAULT_BATCHES = (1, 2, 4, 8, 16, 32, 64, 128)
 CHECK_TOL = 2e-2  # logits of a captured/compiled step vs eager: fp16 rounding differs, a wrong step is O(1)
 # Issue 21 targets: decode tokens/s over FP16 (same mode), Llama-2-7B shape.
@@ -118,6 +120,21 @@ def run_kernel(model, kernel: str, args, dev, points: list, notes: list, bar) ->
             point = {"model": args.model, "layers": layers, "batch": batch, "kernel": kernel, "mode": mode,
                      "prompt_len": args.prompt_len, "gen_len": args.gen_len, "weight_bytes": wbytes}
             fn = None
+            if mode == "generate":
+                try:
+                    ttft, tpot = time_generate(model, batch, args.prompt_len, args.gen_len, dev, args.samples,
+                                               args.backend, seed=args.seed)
+                    point.update(ttft_ms=ttft * 1e3, tpot_ms=tpot * 1e3, tokens_per_s=batch / tpot)
+                except Exception as e:
+                    point["error"] = f"{type(e).__name__}: {e}"[:500]
+                    notes.append(f"{kernel} {mode} batch {batch}: {point['error']}")
+                    traceback.print_exc(limit=3)
+                points.append(point)
+                bar.write(_one_line(point))
+                bar.update(1)
+                del step
+                _free()
+                continue
             try:
                 point["ttft_ms"] = statistics.median(step.prefill() for _ in range(3)) * 1e3
                 fn = step.setup(mode, compiled)
@@ -133,10 +150,21 @@ def run_kernel(model, kernel: str, args, dev, points: list, notes: list, bar) ->
                 notes.append(f"{kernel} {mode} batch {batch}: {point['error']}")
                 traceback.print_exc(limit=3)
             points.append(point)
+            bar.write(_one_line(point))  # as it comes: a run cut short still shows what it measured
             bar.update(1)
             del step, fn
             _free()
     _reset_dynamo()
+    for attr in ("_compiled_call", "_last_compile_config"):  # generate()'s compiled forward of this kernel
+        if hasattr(model, attr):
+            delattr(model, attr)
+
+
+def _one_line(p: dict) -> str:
+    head = f"{p['kernel']:15} {p['mode']:9} batch {p['batch']:>4}"
+    if "tpot_ms" not in p:
+        return f"{head}  failed: {p.get('error', '?')[:100]}"
+    return f"{head}  TPOT {p['tpot_ms']:8.3f} ms  {p['tokens_per_s']:9.1f} tok/s  TTFT {p['ttft_ms']:8.2f} ms"
 
 
 def speedups(points: list) -> list:

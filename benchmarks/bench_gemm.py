@@ -21,6 +21,10 @@ table and the check of the issue's speed targets.  What is timed and why (benchm
   * marlin_direct: group 128 with ``workspace=None``, as a direct ``torch.ops.marlin.gemm`` call
     makes it (the op then uses its stream's own zeroed lock slot).
   * torch_int4: ``torch.ops.aten._weight_int4pack_mm`` (tinygemm), bf16 activations, group 128.
+  * Other weight formats, on request with --kernels (bench_math.FORMAT_KERNELS): marlin_bf16_g128,
+    marlin_bf16_gcol (bf16 activations and scales), marlin_zp_g128 (4-bit with zero points),
+    marlin_g64, marlin_g32, marlin_u8_g128, marlin_u8_gcol (8-bit weights); compare each with
+    marlin_g128 for the cost of the format.
   * Weights rotate through ``copies`` identical-size tensors with copies * bytes >= 4 x L2, so that
     no call finds its weights in L2 (in a model, each layer's weights are read once per token).
   * Calls shorter than 2 ms are captured in a CUDA graph (launch overhead excluded, as in a
@@ -58,7 +62,7 @@ from typing import Callable, Iterable, Optional
 import torch
 
 from . import shapes as S
-from .bench_math import INT4_SANITY_TOL, KERNELS, L2_FACTOR, METHOD, RESULTS_DIR, evaluate_targets, format_table, format_targets
+from .bench_math import ALL_KERNELS, INT4_SANITY_TOL, KERNELS, L2_FACTOR, METHOD, RESULTS_DIR, evaluate_targets, format_table, format_targets
 from .provenance import collect_meta, device_facts, dirty_warning
 from .timing import _free, measure_copy_bandwidth, measure_fp16_peak, measure_point
 from .gemm_prep import CorrectnessError, Prepared, prepare
@@ -104,15 +108,15 @@ def resolve_plan(args, sms: int) -> tuple[str, dict[str, tuple[int, int]], list[
     bad = [s for s in names if s not in known]
     if bad:
         raise SystemExit(f"unknown shape(s) {bad}; known: {sorted(known)}")
-    badk = [k for k in kernels if k not in KERNELS]
+    badk = [k for k in kernels if k not in ALL_KERNELS]
     if badk:
-        raise SystemExit(f"unknown kernel(s) {badk}; known: {list(KERNELS)}")
+        raise SystemExit(f"unknown kernel(s) {badk}; known: {list(ALL_KERNELS)}")
     if any(m <= 0 for m in ms):
         raise SystemExit("--ms must be positive")
     if args.rounds < 1:
         raise SystemExit(f"--rounds must be at least 1, got {args.rounds}")
     # fp16 first: speedups need it, and its time is the reference
-    kernels = sorted(dict.fromkeys(kernels), key=KERNELS.index)
+    kernels = sorted(dict.fromkeys(kernels), key=ALL_KERNELS.index)
     return mode, {s: known[s] for s in names}, ms, kernels
 
 
@@ -132,7 +136,7 @@ def parse_args(argv=None):
     g.add_argument("--dry-run", action="store_true", help="CPU smoke run on tiny shapes (the CPU reference op)")
     p.add_argument("--shapes", help="comma-separated shape names (overrides the mode's list)")
     p.add_argument("--ms", help="comma-separated batch sizes M")
-    p.add_argument("--kernels", help=f"comma-separated subset of {','.join(KERNELS)}")
+    p.add_argument("--kernels", help=f"comma-separated subset of {','.join(ALL_KERNELS)}")
     p.add_argument("--out", help="results JSON path (default benchmarks/results/<gpu>[-<mode>].json)")
     p.add_argument("--budget-ms", type=float, default=40.0, help="timed GPU work per point (default 40)")
     p.add_argument(

@@ -39,6 +39,20 @@ MARLIN_GROUP = {"marlin_g128": 128, "marlin_gcol": -1, "marlin_direct": 128}
 # 2:4-sparse weights (marlin.ops.gemm_2_4, marlin/sparse.py): group size along the original K
 MARLIN_24_GROUP = {"marlin_24_g128": 128, "marlin_24_gcol": -1}
 INT4_GROUP = 128  # torch_int4's group size
+# The other weight formats (issue 22), timed on request (--kernels): name -> (activation dtype,
+# bits, zero points, group size). Speedups are over FP16 as for marlin_g128; compare them with
+# marlin_g128 for the cost of each format (bf16, zero points, smaller groups, 8-bit weights).
+FORMAT_KERNELS = {
+    "marlin_bf16_g128": (torch.bfloat16, 4, False, 128),
+    "marlin_bf16_gcol": (torch.bfloat16, 4, False, -1),
+    "marlin_zp_g128": (torch.float16, 4, True, 128),
+    "marlin_g64": (torch.float16, 4, False, 64),
+    "marlin_g32": (torch.float16, 4, False, 32),
+    "marlin_u8_g128": (torch.float16, 8, False, 128),
+    "marlin_u8_gcol": (torch.float16, 8, False, -1),
+}
+ALL_KERNELS = KERNELS + tuple(FORMAT_KERNELS)
+FORMAT_CHECK_TOL = 8e-3  # bf16 rounds each dequantized weight to 8 bits (2^-9 relative, as bf16 matmul)
 
 L2_FACTOR = 4  # weights rotate through at least this many times the L2 size
 CHECK_TOL = 2e-3  # marlin: normwise relative error vs the fp32 reference (fatal above)
@@ -86,6 +100,10 @@ def scale_rows(kernel: str, k: int) -> int:
 
 def weight_bytes(kernel: str, k: int, n: int) -> int:
     """Bytes of one copy of a kernel's weight operand(s) for B [K, N]."""
+    if kernel in FORMAT_KERNELS:
+        _, bits, zeros, group = FORMAT_KERNELS[kernel]
+        groups = 1 if group == -1 else k // group
+        return k * n * bits // 8 + 2 * n * groups * (2 if zeros else 1)  # codes + scales (+ zero points)
     if kernel in BASELINES:
         return 2 * k * n
     if kernel in MARLIN_GROUP:
@@ -286,10 +304,11 @@ def format_table(points: list[dict], copy_bw_gbps: Optional[float] = None) -> st
     shapes_kn: dict[str, tuple[int, int]] = {}
     for p in points:
         shapes_kn.setdefault(canonical_shape(p["shape"]), (int(p["K"]), int(p["N"])))
-    kernels_present = [k for k in KERNELS if any(p["kernel"] == k for p in points)]
+    kernels_present = [k for k in ALL_KERNELS if any(p["kernel"] == k for p in points)]
     quant = [k for k in kernels_present if k not in BASELINES]
     short = {"marlin_g128": "g128", "marlin_gcol": "gcol", "marlin_direct": "direct", "marlin_24_g128": "24g128",
              "marlin_24_gcol": "24gcol", "torch_int4": "int4"}
+    short.update({k: k[len("marlin_"):] for k in FORMAT_KERNELS})
     head = f"{'M':>6} | {'fp16 us':>9}"
     for k in quant:
         head += f" | {short[k] + ' us':>9} {'x':>5} {'GB/s':>6} {'%BW':>4}"

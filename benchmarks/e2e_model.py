@@ -16,7 +16,9 @@ A decode step is one forward of ``batch`` new tokens against a transformers Stat
             kernels, and transformers' tracing-time branches instead of the host synchronisations
             its mask code does in eager mode) and captured in one CUDA graph;
   compiled  torch.compile(fullgraph=True) with inductor (fused elementwise kernels) and captured
-            in one CUDA graph: what marlin.compile_for_decode sets up through generate().
+            in one CUDA graph: what marlin.compile_for_decode sets up through generate();
+  generate  model.generate() itself after marlin.compile_for_decode (time_generate): the
+            compiled step plus generate()'s own per-token work, as a user gets it.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ import torch
 from . import shapes as S
 
 __all__ = ["MODEL_SPECS", "build_model", "to_marlin", "weight_bytes", "decode_forward", "compile_decode", "DecodeStep",
-           "profile_step"]
+           "time_generate", "profile_step"]
 
 TINY = {"hidden_size": 256, "intermediate_size": 512, "num_attention_heads": 4, "num_key_value_heads": 2,
         "vocab_size": 1000, "num_hidden_layers": 2}
@@ -218,6 +220,51 @@ class DecodeStep:
                     step()
                 times.append((time.perf_counter() - t0) / self.gen_len)
         return times
+
+
+# -- the user's path: generate() after compile_for_decode ----------------------------------------
+def _timed(fn, dev) -> float:
+    _sync(dev)
+    if dev.type == "cuda":
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        return a.elapsed_time(b) * 1e-3
+    import time
+
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+@torch.no_grad()
+def time_generate(model, batch: int, prompt_len: int, gen_len: int, dev, samples: int, backend: str,
+                  seed: int = 0) -> tuple[float, float]:
+    """(ttft, tpot) in seconds of ``model.generate`` as a user runs it after
+    marlin.compile_for_decode (static cache, compiled decode steps in CUDA graphs; the model's
+    projections are left as they are): ttft is a generate() of one new token (the prefill),
+    tpot = (time of gen_len new tokens - ttft) / (gen_len - 1); medians of ``samples``.
+    Includes generate()'s own per-step work (logits processing, stopping criteria)."""
+    import marlin
+
+    gen = torch.Generator(device=dev).manual_seed(seed)
+    ids = torch.randint(0, model.config.vocab_size, (batch, prompt_len), device=dev, generator=gen)
+    mask = torch.ones_like(ids)
+    on_cpu = dev.type != "cuda"
+    marlin.compile_for_decode(model, fuse=False, backend=backend, mode=None if on_cpu else "reduce-overhead",
+                              compile_on_cpu=on_cpu)
+    kw = dict(attention_mask=mask, do_sample=False, pad_token_id=0)
+
+    def run(n):
+        return lambda: model.generate(ids, max_new_tokens=n, min_new_tokens=n, **kw)
+
+    for _ in range(2):  # compile and record the graphs (a second shape may recompile once)
+        run(gen_len)()
+    full = sorted(_timed(run(gen_len), dev) for _ in range(samples))[samples // 2]
+    first = sorted(_timed(run(1), dev) for _ in range(samples))[samples // 2]
+    return first, (full - first) / max(1, gen_len - 1)
 
 
 # -- profile ----------------------------------------------------------------------------------

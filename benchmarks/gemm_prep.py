@@ -25,8 +25,19 @@ from typing import Callable, Iterable, Optional
 import torch
 
 from . import shapes as S
-from .bench_math import (CHECK_MAX_ELEMS, CHECK_MS, CHECK_TOL, INT4_GROUP, INT4_SANITY_TOL, MARLIN_24_GROUP, MARLIN_GROUP,
-                         copies_needed, weight_bytes)
+from .bench_math import (
+    CHECK_MAX_ELEMS,
+    CHECK_MS,
+    CHECK_TOL,
+    FORMAT_CHECK_TOL,
+    FORMAT_KERNELS,
+    INT4_GROUP,
+    INT4_SANITY_TOL,
+    MARLIN_24_GROUP,
+    MARLIN_GROUP,
+    copies_needed,
+    weight_bytes,
+)
 from .timing import _sync
 
 
@@ -197,6 +208,9 @@ def prepare(kernel: str, k: int, n: int, dev: torch.device, l2_bytes: int, min_c
 
         return Prepared(kernel, copies, nbytes, make_fn, checks=checks, tensors=[bqs, bms, bss])
 
+    if kernel in FORMAT_KERNELS:
+        return _prepare_format(kernel, k, n, dev, nbytes, copies)
+
     if kernel == "torch_int4":
         if dev.type != "cuda":
             raise RuntimeError("torch_int4 (aten._weight_int4pack_mm) runs on CUDA only")
@@ -268,6 +282,57 @@ def check_marlin_24(b_q, b_meta, b_s, k: int, n: int, dev, ms=CHECK_MS, max_elem
                 f"{err:.3g} vs fp32 reference on {cols.numel()} columns (tolerance {CHECK_TOL})"
             )
     return out
+
+def _prepare_format(kernel: str, k: int, n: int, dev, nbytes: int, copies: int) -> Prepared:
+    """Random packed words, scales in [0.001, 0.01] and integer zero points 0..15 in one of the other
+    formats (bench_math.FORMAT_KERNELS), checked on sampled tiles against packing.unpack (the spec)."""
+    from marlin import ops as marlin_ops
+    from marlin import packing
+
+    dtype, bits, zeros, group = FORMAT_KERNELS[kernel]
+    groups = 1 if group == -1 else k // group
+    wpc = packing.words_per_column(bits)
+    b_q = torch.randint(-(2**31), 2**31, (k // 16, wpc * n), dtype=torch.int32, device=dev)
+    b_s = torch.empty(groups, n, dtype=dtype, device=dev).uniform_(0.001, 0.01)
+    b_z = torch.randint(0, 16, (groups, n), device=dev).to(dtype) if zeros else None
+    workspace = marlin_ops.make_workspace(dev) if dev.type == "cuda" else None
+
+    def call(a, bq, bs, bz):
+        return marlin_ops.gemm(a, bq, bs, workspace, b_zeros=bz, bits=bits)
+
+    tiles = _check_tiles(n, k, CHECK_MAX_ELEMS // 8)  # unpacked one tile at a time: fewer of them
+    ws, cols = [], []
+    for t in tiles:  # one 64-column tile at a time: 64 * wpc words of each row of b_q
+        part = packing.unpack(
+            b_q[:, 64 * wpc * t : 64 * wpc * (t + 1)].contiguous(),
+            b_s[:, 64 * t : 64 * (t + 1)].contiguous(),
+            None if b_z is None else b_z[:, 64 * t : 64 * (t + 1)].contiguous(),
+            bits=bits,
+        )
+        ws.append(packing.dequantize(*part).to(dev))
+        cols.append(torch.arange(64 * t, 64 * (t + 1)))
+    w, cols = torch.cat(ws, dim=1), torch.cat(cols).to(dev)
+    checks = []
+    for m in CHECK_MS:
+        a = torch.randn(m, k, dtype=dtype, device=dev)
+        c = call(a, b_q, b_s, b_z)
+        _sync(dev)
+        err = _rel_err(c[:, cols], _ref_matmul(a, w))
+        checks.append({"M": m, "rel_err": err, "tol": FORMAT_CHECK_TOL, "columns": int(cols.numel()), "ok": err < FORMAT_CHECK_TOL})
+        if not err < FORMAT_CHECK_TOL:
+            raise CorrectnessError(
+                f"marlin.gemm ({kernel}) is WRONG: K={k} N={n} M={m}: normwise relative error {err:.3g} vs fp32 "
+                f"reference on {cols.numel()} columns (tolerance {FORMAT_CHECK_TOL})"
+            )
+    del w
+    bqs, bss = _random_like_clones(b_q, copies), _random_like_clones(b_s, copies)
+    bzs = _random_like_clones(b_z, copies) if b_z is not None else [None] * copies
+
+    def make_fn(a):
+        a_t = a.to(dtype)  # the activations in the format's dtype (converted once, outside the timing)
+        return lambda i: call(a_t, bqs[i % copies], bss[i % copies], bzs[i % copies])
+
+    return Prepared(kernel, copies, nbytes, make_fn, checks=checks, tensors=[bqs, bss, bzs, workspace])
 
 
 def sanity_int4(u8, packed, sz, k: int, n: int, dev, inner: int, m: int = 16, max_cols: int = 256) -> dict:

@@ -408,6 +408,10 @@ def report(path: Path, outdir: Path | None = None) -> list[str]:
         from .report_e2e import report_e2e
 
         return report_e2e(data, path.stem, outdir)
+    if data["meta"].get("kind") == "serving":
+        from .report_e2e import report_serving
+
+        return report_serving(data, path.stem, outdir)
     return report_gemm(data, path.stem, outdir)
 
 

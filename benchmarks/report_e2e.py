@@ -106,3 +106,49 @@ def report_e2e(data: dict, stem: str, outdir: Path) -> list[str]:
     msg = plot(data, outdir / f"{stem}.png")
     (outdir / f"{stem}.md").write_text("\n".join(markdown(data, msg)) + "\n")
     return [msg, f"wrote {stem}.md"]
+
+
+# -- serving (bench_e2e_serving) ------------------------------------------------------------------
+def report_serving(data: dict, stem: str, outdir: Path) -> list[str]:
+    """STEM.png: median TPOT and TTFT against request rate per kernel (like the paper's Figures
+    12-13); STEM.md: the table with Marlin's TPOT speedup."""
+    meta, points = data["meta"], [p for p in data.get("points", []) if p.get("tpot_ms_median")]
+    msgs = []
+    if points:
+        fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
+        rates = sorted({p["rate"] for p in points if p["rate"] is not None})
+        top = (max(rates) * 2) if rates else 1.0  # where "all at once" (rate None) is drawn
+        for kernel in ("fp16", "marlin"):
+            pts = sorted((p for p in points if p["kernel"] == kernel), key=lambda p: p["rate"] or top)
+            xs = [p["rate"] or top for p in pts]
+            ax1.plot(xs, [p["tpot_ms_median"] for p in pts], marker="o", color=COLOR[kernel], label=kernel)
+            ax2.plot(xs, [p["ttft_ms_median"] for p in pts], marker="o", color=COLOR[kernel], label=kernel)
+        for ax, ylabel in ((ax1, "median TPOT (ms)"), (ax2, "median TTFT (ms)")):
+            ax.set_xscale("log", base=2)
+            ax.set_xlabel("request rate (req/s; rightmost: all at once)")
+            ax.set_ylabel(ylabel)
+            ax.grid(True, alpha=0.3)
+            ax.legend()
+        fig.suptitle(f"Serving {meta.get('model')} ({meta.get('layers')} layers), {meta.get('gpu')}: "
+                     f"{meta.get('num_requests')} requests, continuous batching (transformers)")
+        fig.tight_layout()
+        fig.savefig(outdir / f"{stem}.png", dpi=120)
+        plt.close(fig)
+        msgs.append(f"wrote {stem}.png")
+    md = [f"# Serving: {meta.get('model')} ({meta.get('layers')} layers) on {meta.get('gpu')}", "",
+          f"torch {meta.get('torch')}, transformers {meta.get('transformers')}, git {str(meta.get('git_rev'))[:12]}; "
+          f"{meta.get('num_requests')} requests, median prompt {meta.get('prompt_median')}, "
+          f"median output {meta.get('output_median')} tokens", ""]
+    if msgs:
+        md += [f"![{stem}.png]({stem}.png)", ""]
+    md += ["| kernel | rate req/s | TPOT ms (median) | TTFT ms (median) | TTFT p90 | out tok/s | TPOT x FP16 | failed |",
+           "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for p in data.get("points", []):
+        def f(key, spec=".2f"):
+            v = p.get(key)
+            return "" if v is None else format(v, spec)
+        md.append(f"| {p['kernel']} | {p['rate'] if p['rate'] is not None else 'all at once'} | {f('tpot_ms_median')} | "
+                  f"{f('ttft_ms_median')} | {f('ttft_ms_p90')} | {f('output_tokens_per_s', '.1f')} | "
+                  f"{f('tpot_speedup')} | {p.get('failed', '')} |")
+    (outdir / f"{stem}.md").write_text("\n".join(md) + "\n")
+    return msgs + [f"wrote {stem}.md"]

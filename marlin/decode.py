@@ -54,7 +54,7 @@ def compile_for_decode(
     mode: Optional[str] = "reduce-overhead",
     fullgraph: bool = True,
     backend: Union[str, Callable] = "inductor",
-    dynamic: Optional[bool] = False,
+    dynamic: Optional[bool] = None,
     options: Optional[dict] = None,
     compile_on_cpu: bool = False,
 ) -> nn.Module:
@@ -64,8 +64,11 @@ def compile_for_decode(
     ``fuse``: merge q/k/v and gate/up first (marlin.fuse_projections; exact). ``mode``,
     ``fullgraph``, ``backend``, ``dynamic``, ``options``: passed to torch.compile through
     transformers.CompileConfig (``fullgraph=True`` makes a graph break an error instead of a
-    silent slowdown). A ``cache_implementation`` or ``compile_config`` passed to generate() later
-    overrides these. Raises TypeError for a model without ``generation_config``.
+    silent slowdown; ``dynamic=None``, torch's automatic dynamic shapes, compiles a step once
+    for the first batch size and cache length and once more, with the sizes that changed made
+    symbolic, when another comes; ``dynamic=False`` compiles every new shape). A
+    ``cache_implementation`` or ``compile_config`` passed to generate() later overrides these.
+    Raises TypeError for a model without ``generation_config``.
     """
     from transformers import CompileConfig
 

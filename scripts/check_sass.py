@@ -23,8 +23,9 @@ import subprocess
 import sys
 
 OPS = r"LDGSTS|HMMA|HGMMA|LDSM|LOP3|HFMA2|HADD2|HMUL2|BAR|LDS|STS|LDG|STG|LDL|STL"
-# marlin_smallm_kernel<MB, NW, STAGES, GROUPED, WG>: the mangled name ends in Lb1EE for WG = true
-WG_KERNEL = re.compile(r"marlin_smallm_kernel\w*Lb[01]ELb1EE")
+# marlin_smallm_kernel<MB, NW, STAGES, GROUPED, WG, ET, W, RG>: WG = true is the second bool after
+# the three ints (Lb1E), followed by the element type and format arguments
+WG_KERNEL = re.compile(r"marlin_smallm_kernelILi\d+ELi\d+ELi\d+ELb[01]ELb1E")
 
 
 def written_uniform_regs(line):

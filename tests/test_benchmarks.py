@@ -411,3 +411,24 @@ def test_roofline_bound_is_the_slower_of_memory_and_math():
     assert BM.roofline_us("marlin_g128", k, n, 4096, bw, tf) == pytest.approx(t_math)
     assert BM.roofline_fraction("marlin_g128", k, n, 1, 2 * t_mem, bw, tf) == pytest.approx(0.5)
     assert math.isnan(BM.roofline_fraction("marlin_g128", k, n, 1, 2 * t_mem, None, tf))
+
+
+def test_format_kernels_byte_counts_and_checked_prep(monkeypatch):
+    """The other formats' benchmark kernels (opt-in with --kernels): weight bytes per format, and
+    each prepared kernel is checked against packing.unpack (a wrong result aborts the run)."""
+    k, n = 4096, 11008
+    g128 = BM.weight_bytes("marlin_g128", k, n)
+    assert BM.weight_bytes("marlin_bf16_g128", k, n) == g128
+    assert BM.weight_bytes("marlin_zp_g128", k, n) == g128 + 2 * n * (k // 128)
+    assert BM.weight_bytes("marlin_g32", k, n) == k * n // 2 + 2 * n * (k // 32)
+    assert BM.weight_bytes("marlin_u8_gcol", k, n) == k * n + 2 * n
+    assert set(BM.FORMAT_KERNELS) <= set(BM.ALL_KERNELS)
+    for kernel in BM.FORMAT_KERNELS:
+        prep = GP.prepare(kernel, 256, 128, torch.device("cpu"), l2_bytes=0)
+        assert all(c["ok"] for c in prep.checks), (kernel, prep.checks)
+        a = torch.randn(3, 256, dtype=torch.float16)
+        assert prep.make_fn(a)(0).dtype == BM.FORMAT_KERNELS[kernel][0]
+    real = marlin.ops.gemm
+    monkeypatch.setattr(marlin.ops, "gemm", lambda *a, **kw: real(*a, **kw) * 1.02)
+    with pytest.raises(GP.CorrectnessError, match="marlin_zp_g128.*WRONG"):
+        GP.prepare("marlin_zp_g128", 256, 128, torch.device("cpu"), l2_bytes=0)

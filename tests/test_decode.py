@@ -83,3 +83,25 @@ def test_compiled_decode_on_cuda():
         assert out.shape == (2, 15)
         _check_tokens_are_greedy(eager, out, 7, tol=2e-2)
     assert hasattr(model, "_compiled_call")
+
+
+def test_compiled_decode_of_a_loaded_checkpoint(tmp_path):
+    # from_pretrained attaches marlin's quantizer; generate() compiles only if it says the model
+    # is compileable, so the recording backend must see the decode step.
+    from marlin.convert import convert_gptq_checkpoint
+    from test_convert import llama_gptq_checkpoint
+
+    src, _ = llama_gptq_checkpoint(tmp_path, act_order=False)
+    convert_gptq_checkpoint(src, tmp_path / "dst", quiet=True)
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "dst")
+    eager = copy.deepcopy(model)
+    graphs = []
+
+    def record(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    compile_for_decode(model, backend=record, mode=None, compile_on_cpu=True)
+    kw = dict(max_new_tokens=4, do_sample=False)
+    assert torch.equal(model.generate(**prompt(), **kw), eager.generate(**prompt(), **kw))
+    assert len(graphs) == 1

@@ -193,3 +193,25 @@ def test_fuse_a_loaded_checkpoint(tmp_path):
     model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "dst2")
     report = fuse_projections(model)
     assert not report.fused and all("act-order" in why for _, why in report.skipped)
+
+
+def test_fused_model_in_continuous_batching():
+    # transformers' continuous batching flattens requests into one token dimension and uses its
+    # paged cache; every token a fused Marlin model generates there must be the greedy choice of
+    # the same model run plainly on that prefix. On a CUDA machine it runs on the GPU (transformers
+    # does not serve a CPU model there), where fp16 kernels differ slightly: hence the tolerance.
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    model = _family_model("llama").to(dev)
+    marlin.replace_linear(model, fuse=True)
+    model.generation_config.eos_token_id = -1
+    prompts = [torch.randint(0, 1000, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (5, 9)]
+    out = model.generate_batch(prompts, max_new_tokens=4, warmup=False)
+    assert len(out) == 2
+    for r in out.values():
+        seq = torch.tensor([list(r.prompt_ids) + list(r.generated_tokens)], device=dev)
+        assert seq.shape[1] == len(r.prompt_ids) + 4
+        with torch.no_grad():
+            logits = model(seq).logits[0].float()
+        for pos in range(len(r.prompt_ids), seq.shape[1]):
+            step = logits[pos - 1]
+            assert step[seq[0, pos]] >= step.max() - 2e-2, (r.request_id, pos)

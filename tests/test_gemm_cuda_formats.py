@@ -138,6 +138,23 @@ def test_formats(fmt, shape):
         check(layer, m)
 
 
+# K and N multiples of 64 only (SmolLM2-135M has widths 576 and 192; tensor-parallel shards): the
+# tiled kernel with a partial last column of tiles, and the 64 x 256 tile where K % 128 != 0. Every
+# format, the fp16 base ones too, whose group size divides K.
+ODD_SHAPES = {"576x192": (576, 192), "192x576": (192, 576), "320x1344": (320, 1344), "1024x1600": (1024, 1600)}
+BASE_FORMATS = [(torch.float16, 4, True, 128), (torch.float16, 4, True, -1)]
+ODD_CASES = [
+    (f, s) for f in FORMATS + BASE_FORMATS for s in ODD_SHAPES if f[3] == -1 or ODD_SHAPES[s][0] % f[3] == 0
+]
+
+
+@pytest.mark.parametrize("fmt,shape", ODD_CASES, ids=[f"{fmt_id(f)}-{s}" for f, s in ODD_CASES])
+def test_k_and_n_multiples_of_64(fmt, shape):
+    layer = get_layer(*ODD_SHAPES[shape], fmt)
+    for m in (1, 8, 16, 33, 100):
+        check(layer, m)
+
+
 # Every tiled instance of every format: both tiles x 16-row blocks (1, 2, 4; 3 runs as 4).
 @pytest.mark.parametrize("m_blocks,tile", list(itertools.product([1, 2, 3, 4], [(128, 128), (64, 256)])))
 @pytest.mark.parametrize("fmt", FORMATS, ids=FORMAT_IDS)

@@ -52,3 +52,31 @@ def test_speedups_and_targets():
     ]
     (s,) = bench_e2e.speedups(pts)
     assert (s["kernel"], s["mode"], s["batch"], s["speedup"], s["target"], s["met"]) == ("marlin", "compiled", 16, 2.5, 2.0, True)
+
+
+def test_serving_dry_run_and_report(tmp_path):
+    from benchmarks import bench_e2e_serving
+
+    out = tmp_path / "serving.json"
+    assert bench_e2e_serving.main(["--dry-run", "--out", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert data["meta"]["kind"] == "serving"
+    points = data["points"]
+    assert {(p["kernel"], p["rate"]) for p in points} == {(k, r) for k in ("fp16", "marlin") for r in (50.0, None)}
+    for p in points:
+        assert p["ok"] == 4 and p["failed"] == 0 and p["tpot_ms_median"] > 0 and p["ttft_ms_median"] > 0
+    reqs = data["requests"]
+    assert len(reqs) == 16 and all(r["tokens"] == r["output_len"] for r in reqs)  # no EOS: every token generated
+    assert all(p["tpot_speedup"] > 0 for p in points if p["kernel"] == "marlin")
+    assert report.report(out, tmp_path)[-1] == "wrote serving.md"
+
+
+def test_workload_is_reproducible():
+    from benchmarks import bench_e2e_serving as S
+
+    a = S.workload(20, 128, 64, 1024, 32000, seed=3)
+    assert a == S.workload(20, 128, 64, 1024, 32000, seed=3)
+    assert all(4 <= len(r["prompt"]) <= 1024 and 4 <= r["output_len"] <= 1024 for r in a)
+    t = S.arrivals(50, 4.0, seed=3)
+    assert t[0] == 0.0 and all(b >= a for a, b in zip(t, t[1:])) and 5 < t[-1] < 25  # ~49 gaps of 0.25 s
+    assert S.arrivals(3, float("inf"), 0) == [0.0, 0.0, 0.0]

@@ -1,7 +1,7 @@
 """Worker processes for tests/test_parallel_dist.py: each runs under torch.multiprocessing.spawn as
 one rank of a gloo process group on the CPU, builds the same full model from the same seed as every
 other rank, shards it, and compares the sharded result with the full one (an AssertionError in any
-rank fails the test)."""
+rank fails the test). tests/tp_torchrun.py runs the same scenarios on GPUs with NCCL (DEVICE)."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ import marlin
 from marlin.nn import MarlinLinear
 from marlin.parallel import ColumnParallelLinear, RowParallelLinear
 
+DEVICE = torch.device("cpu")  # tests/tp_torchrun.py sets each rank's GPU
 TOL = 3e-3  # one layer: partial outputs rounded to fp16 and summed in fp16 (see test_parallel_shard)
 MODEL_TOL = 1e-2  # logits after two decoder layers of fp16 activations
 
@@ -37,7 +38,7 @@ def run(rank: int, world_size: int, init_file: str, scenario: str, arg) -> None:
 
 def marlin_from_seed(k: int, n: int, seed: int, group_size: int = 128, bias: bool = True) -> MarlinLinear:
     torch.manual_seed(seed)
-    return MarlinLinear.from_linear(nn.Linear(k, n, bias=bias).half(), group_size=group_size)
+    return MarlinLinear.from_linear(nn.Linear(k, n, bias=bias).half(), group_size=group_size).to(DEVICE)
 
 
 def straddling_perm(k: int, seed: int) -> torch.Tensor:
@@ -54,14 +55,14 @@ def aligned_perm(k: int, world_size: int, group_size: int, seed: int) -> torch.T
 
 
 def set_perm(layer: MarlinLinear, perm: torch.Tensor) -> None:
-    layer.perm = perm.clone()  # 'perm' is a registered (None) buffer: this makes the layer act-order
+    layer.perm = perm.to(layer.b_q.device)  # 'perm' is a registered (None) buffer: makes the layer act-order
 
 
 def layers_scenario(rank: int, world_size: int, group_size: int) -> None:
     """An MLP (column-parallel up, row-parallel down) with act-order off, aligned and straddling,
     and a column-parallel layer with its output gathered."""
     k, hidden = 512, 1024
-    x = torch.randn(6, k, generator=torch.Generator().manual_seed(1)).half()
+    x = torch.randn(6, k, generator=torch.Generator().manual_seed(1)).half().to(DEVICE)
     up = marlin_from_seed(k, hidden, seed=2, group_size=group_size)
     set_perm(up, straddling_perm(k, seed=3))  # column-parallel: perm on the whole K
     col = ColumnParallelLinear.from_layer(up, "up")
@@ -102,6 +103,7 @@ def tiny_llama(world_size: int, act_order: bool):
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(config).half().eval()
     marlin.replace_linear(model, group_size=128)
+    model.to(DEVICE)
     if act_order:
         for i, (name, layer) in enumerate(m for m in model.named_modules() if isinstance(m[1], MarlinLinear)):
             # o_proj of layer 0 aligned, every other layer straddling
@@ -116,6 +118,7 @@ def prompt_and_step(model):
     vocab = model.config.vocab_size
     ids = torch.randint(0, vocab, (2, 9), generator=torch.Generator().manual_seed(7))
     nxt = torch.randint(0, vocab, (2, 1), generator=torch.Generator().manual_seed(8))
+    ids, nxt = ids.to(DEVICE), nxt.to(DEVICE)
     with torch.no_grad():
         out = model(ids, use_cache=True)
         step = model(nxt, past_key_values=out.past_key_values, use_cache=True)
@@ -166,7 +169,7 @@ def load_scenario(rank: int, world_size: int, arg) -> None:
         save_marlin_checkpoint(model, directory)
     dist.barrier()
     ref_prompt, ref_step = prompt_and_step(model)
-    sharded = load_sharded(directory, device="cpu")
+    sharded = load_sharded(directory, device=DEVICE)
     up = sharded.model.layers[0].mlp.up_proj
     assert isinstance(up, ColumnParallelLinear) and tuple(up.local.b_q.shape) == (256 // 16, 2 * 512 // world_size)
     full_up = model.model.layers[0].mlp.up_proj

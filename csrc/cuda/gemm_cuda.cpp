@@ -66,14 +66,10 @@ at::Tensor gemm_cuda(const at::Tensor& a, const at::Tensor& b_q, const at::Tenso
                      const std::optional<at::Tensor>& b_zeros, const std::optional<at::Tensor>& workspace,
                      std::optional<int64_t> tile_k, std::optional<int64_t> tile_n, int64_t bits) {
   const GemmShape sh = check_gemm_args(a, b_q, b_scales, b_zeros, workspace, tile_k, tile_n, bits);
-  // Every format of the schema runs (the planner picks an instance from marlin_gemm.cu's table).
-  // Shapes: the tiled kernel's tiles are 128 x 128 and 64 x 256 (K x N), so N a multiple of 64
-  // but not of 128 (or K of 64 but not 128, with N not a multiple of 256) is refused here.
-  // b_zeros are used as given (integers 0..15 by the format; the CPU reference checks them, a
-  // check here would cost a device synchronisation).
-  TORCH_CHECK((sh.k % 128 == 0 && sh.n % 128 == 0) || (sh.k % 64 == 0 && sh.n % 256 == 0),
-              "marlin.gemm: K = ", num(sh.k), ", N = ", num(sh.n),
-              ": the CUDA kernel takes K and N multiples of 128, or K a multiple of 64 with N a multiple of 256");
+  // Every format and shape of the schema runs (the planner picks an instance from marlin_gemm.cu's
+  // table; K multiples of 64 but not 128 take the 64 x 256 tile, N multiples of 64 a partial last
+  // tile). b_zeros are used as given (integers 0..15 by the format; the CPU reference checks them,
+  // a check here would cost a device synchronisation).
   const c10::cuda::OptionalCUDAGuard guard(a.device());
   const cudaDeviceProp* prop = at::cuda::getCurrentDeviceProperties();
   TORCH_CHECK(prop->major >= 8, "marlin.gemm: needs a GPU of compute capability 8.0 or newer (Ampere+), but ",

@@ -5,5 +5,5 @@
 namespace marlin {
 MARLIN_DEFINE_LAUNCH
 MARLIN_INSTANTIATE_FORMATS(nv_bfloat16, 2)
-MARLIN_INSTANTIATE_BF16_SYM_COL(2)
+MARLIN_INSTANTIATE_SYM_COL(nv_bfloat16, 2)
 }  // namespace marlin

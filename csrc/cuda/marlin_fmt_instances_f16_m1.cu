@@ -5,4 +5,5 @@
 namespace marlin {
 MARLIN_DEFINE_LAUNCH
 MARLIN_INSTANTIATE_FORMATS(half, 1)
+MARLIN_INSTANTIATE_SYM_COL(half, 1)
 }  // namespace marlin

@@ -5,4 +5,5 @@
 namespace marlin {
 MARLIN_DEFINE_LAUNCH
 MARLIN_INSTANTIATE_FORMATS(half, 2)
+MARLIN_INSTANTIATE_SYM_COL(half, 2)
 }  // namespace marlin

@@ -128,61 +128,67 @@ struct Instance {
   int (*max_clusters)(int cluster, int smem);  // resident clusters of that size; null: no cluster support
 };
 
-template <typename T, int W, int TM, int TK, int TN, int G>
+template <typename T, int W, int TM, int TK, int TN, int G, bool PN>
 Instance make_instance() {
   using S = KernelShape<TM, TK, TN, kStages, G, W>;
-  return Instance{kMinBlocksPerSm<TM>, S::kSmemBytes, S::kPartialFloats, &launch_instance<T, W, TM, TK, TN, G>, nullptr};
+  return Instance{kMinBlocksPerSm<TM>, S::kSmemBytes, S::kPartialFloats, &launch_instance<T, W, TM, TK, TN, G, PN>,
+                  nullptr};
 }
 
-// The two tiles of one compiled (T, W, TM, G).
-template <typename T, int W, int G, int TM>
+// The two tiles of one compiled (T, W, TM, G, PN).
+template <typename T, int W, int G, bool PN, int TM>
 bool find_tiled_tm(int m_blocks, TileConfig tile, Instance* out) {
   if (m_blocks != TM) return false;
   if (tile.tile_k == 128 && tile.tile_n == 128) {
-    *out = make_instance<T, W, TM, 8, 8, G>();
+    *out = make_instance<T, W, TM, 8, 8, G, PN>();
     return true;
   }
   if (tile.tile_k == 64 && tile.tile_n == 256) {
-    *out = make_instance<T, W, TM, 4, 16, G>();
+    *out = make_instance<T, W, TM, 4, 16, G, PN>();
     return true;
   }
   return false;
 }
 
 // m_blocks 1, 2, 4 for every format; 3 too for the fp16 base instances (marlin_instances.cuh).
-template <typename T, int W, int G>
+template <typename T, int W, int G, bool PN>
 bool find_tiled(int m_blocks, TileConfig tile, Instance* out) {
-  constexpr bool kBase = std::is_same<T, half>::value && W == kU4 && G != kGroupBlocksRuntime;
-  if (kBase && find_tiled_tm<T, W, G, 3>(m_blocks, tile, out)) return true;
-  return find_tiled_tm<T, W, G, 1>(m_blocks, tile, out) || find_tiled_tm<T, W, G, 2>(m_blocks, tile, out) ||
-         find_tiled_tm<T, W, G, 4>(m_blocks, tile, out);
+  if constexpr (!PN) {
+    if (find_tiled_tm<T, W, G, PN, 3>(m_blocks, tile, out)) return true;
+  }
+  return find_tiled_tm<T, W, G, PN, 1>(m_blocks, tile, out) || find_tiled_tm<T, W, G, PN, 2>(m_blocks, tile, out) ||
+         find_tiled_tm<T, W, G, PN, 4>(m_blocks, tile, out);
 }
 
+// fp16 symmetric INT4 in groups of 128 or per column has base instances without partial-N
+// support; where the tile does not divide N, the run-time group instance (which takes 128 too)
+// or the per-column one with it runs instead.
 template <typename T, int W>
-bool find_tiled_groups(int m_blocks, TileConfig tile, int group_mode, Instance* out) {
-  if (group_mode == kPerColumn) return find_tiled<T, W, kPerColumn>(m_blocks, tile, out);
+bool find_tiled_groups(int m_blocks, TileConfig tile, int group_mode, bool partial_n, Instance* out) {
   if constexpr (std::is_same<T, half>::value && W == kU4) {
-    if (group_mode == kGroupBlocks128) return find_tiled<T, W, kGroupBlocks128>(m_blocks, tile, out);
+    if (!partial_n && group_mode == kGroupBlocks128) return find_tiled<T, W, kGroupBlocks128, false>(m_blocks, tile, out);
+    if (!partial_n && group_mode == kPerColumn) return find_tiled<T, W, kPerColumn, false>(m_blocks, tile, out);
   }
-  return group_mode == kGroupBlocksRuntime && find_tiled<T, W, kGroupBlocksRuntime>(m_blocks, tile, out);
+  if (group_mode == kPerColumn) return find_tiled<T, W, kPerColumn, true>(m_blocks, tile, out);
+  return find_tiled<T, W, kGroupBlocksRuntime, true>(m_blocks, tile, out);
 }
 
 // The compiled tiled instances (marlin_instances.cuh): element type x weight type x group mode.
-bool find_instance(int m_blocks, TileConfig tile, const Format& f, Instance* out) {
+bool find_instance(int m_blocks, TileConfig tile, const Format& f, bool partial_n, Instance* out) {
   if (f.bf16) {
-    if (f.w == kU4) return find_tiled_groups<nv_bfloat16, kU4>(m_blocks, tile, f.group_mode, out);
-    if (f.w == kU4Zp) return find_tiled_groups<nv_bfloat16, kU4Zp>(m_blocks, tile, f.group_mode, out);
-    return find_tiled_groups<nv_bfloat16, kU8>(m_blocks, tile, f.group_mode, out);
+    if (f.w == kU4) return find_tiled_groups<nv_bfloat16, kU4>(m_blocks, tile, f.group_mode, partial_n, out);
+    if (f.w == kU4Zp) return find_tiled_groups<nv_bfloat16, kU4Zp>(m_blocks, tile, f.group_mode, partial_n, out);
+    return find_tiled_groups<nv_bfloat16, kU8>(m_blocks, tile, f.group_mode, partial_n, out);
   }
-  if (f.w == kU4) return find_tiled_groups<half, kU4>(m_blocks, tile, f.group_mode, out);
-  if (f.w == kU4Zp) return find_tiled_groups<half, kU4Zp>(m_blocks, tile, f.group_mode, out);
-  return find_tiled_groups<half, kU8>(m_blocks, tile, f.group_mode, out);
+  if (f.w == kU4) return find_tiled_groups<half, kU4>(m_blocks, tile, f.group_mode, partial_n, out);
+  if (f.w == kU4Zp) return find_tiled_groups<half, kU4Zp>(m_blocks, tile, f.group_mode, partial_n, out);
+  return find_tiled_groups<half, kU8>(m_blocks, tile, f.group_mode, partial_n, out);
 }
 
 // Rows of M per tiled slice / 16: up to 4; 3 only where that instance is compiled (fp16 base).
-int tiled_m_blocks(int m, const Format& f) {
+int tiled_m_blocks(int m, const Format& f, bool partial_n) {
   const int mb = std::min(4, (m + 15) / 16);
-  return mb == 3 && !f.base() ? 4 : mb;
+  return mb == 3 && (!f.base() || partial_n) ? 4 : mb;
 }
 
 template <int MB, int NW, bool G, bool WG, typename ET = half, int W = kU4, bool RG = false>
@@ -242,8 +248,8 @@ bool find_smallm_instance(int mb, int tile_n, bool grouped, bool wg, Instance* o
   return false;
 }
 
-bool find_planned_instance(const GemmPlan& plan, const Format& f, Instance* out) {
-  if (!plan.small_m) return find_instance(plan.m_blocks, plan.tile, f, out);
+bool find_planned_instance(const GemmPlan& plan, const Format& f, int args_n, Instance* out) {
+  if (!plan.small_m) return find_instance(plan.m_blocks, plan.tile, f, args_n % plan.tile.tile_n != 0, out);
   if (!f.base()) return find_smallm_format(plan.m_blocks, plan.tile.tile_n, plan.wgmma, f, out);
   return find_smallm_instance(plan.m_blocks, plan.tile.tile_n, f.group_mode != kPerColumn, plan.wgmma, out);
 }
@@ -297,7 +303,9 @@ std::string finish_plan(const GemmArgs& args, const Instance& inst, GemmPlan* pl
   plan->smem_bytes = inst.smem_bytes;
 
   const int k_tiles = args.k / plan->tile.tile_k;
-  const int n_tiles = args.n / plan->tile.tile_n;
+  // the tiled kernel's last column of tiles may be partial (N a multiple of 64); the small-batch
+  // kernel's tiles divide N (plan_small_m)
+  const int n_tiles = (args.n + plan->tile.tile_n - 1) / plan->tile.tile_n;
   const long long total = static_cast<long long>(plan->m_slices) * n_tiles * k_tiles;
   if (total >= (1LL << 31)) return "marlin.gemm: problem too large for 32-bit tile indices; " + describe(args, plan->tile, plan->m_blocks);
   // Two blocks per SM (where registers and shared memory allow) hide more latency on large
@@ -372,22 +380,24 @@ std::string plan_gemm(const GemmArgs& args, int tile_k, int tile_n, GemmPlan* pl
 
   plan->small_m = false;
   plan->wgmma = false;
-  plan->m_blocks = tiled_m_blocks(args.m, f);
-  plan->m_slices = (args.m + 16 * plan->m_blocks - 1) / (16 * plan->m_blocks);
+  plan->m_blocks = tiled_m_blocks(args.m, f, false);
   const TileConfig* table = args.m <= 16 ? kSmallBatchTiles : kLargeBatchTiles;
   const int table_len = 2;
   std::string why;
   for (int i = 0; i < (forced ? 1 : table_len); i++) {
     const TileConfig t = forced ? TileConfig{tile_k, tile_n} : table[i];
+    const bool partial_n = t.tile_n > 0 && args.n % t.tile_n != 0;
+    plan->m_blocks = tiled_m_blocks(args.m, f, partial_n);
+    plan->m_slices = (args.m + 16 * plan->m_blocks - 1) / (16 * plan->m_blocks);
     Instance inst;
-    if (!find_instance(plan->m_blocks, t, f, &inst)) {
+    if (!find_instance(plan->m_blocks, t, f, partial_n, &inst)) {
       why = "no kernel instance for tile_k=" + std::to_string(t.tile_k) + " tile_n=" + std::to_string(t.tile_n) +
             " (available: 128x128, 64x256, 128x256, 128x512)";
       continue;
     }
-    if (args.k % t.tile_k != 0 || args.n % t.tile_n != 0) {
+    if (args.k % t.tile_k != 0 || args.n % 64 != 0) {  // a partial last tile of N holds whole 64-column chunks
       why = "k=" + std::to_string(args.k) + " n=" + std::to_string(args.n) + " do not divide into tile_k=" +
-            std::to_string(t.tile_k) + " x tile_n=" + std::to_string(t.tile_n);
+            std::to_string(t.tile_k) + " x 64-column chunks";
       continue;
     }
     if (inst.smem_bytes > args.max_smem) {
@@ -433,7 +443,7 @@ std::string launch_gemm(const GemmArgs& args, const GemmPlan& plan, cudaStream_t
   p.group_shift = f.group_shift;
 
   Instance inst;
-  if (!find_planned_instance(plan, f, &inst)) return "marlin.gemm: internal error, planned configuration has no kernel; " + describe(args, plan.tile, plan.m_blocks);
+  if (!find_planned_instance(plan, f, args.n, &inst)) return "marlin.gemm: internal error, planned configuration has no kernel; " + describe(args, plan.tile, plan.m_blocks);
   const cudaError_t err = inst.launch(p, plan.grid, plan.smem_bytes, stream, args.pdl, plan.cluster_reduce ? plan.split_parts : 1);
   if (err != cudaSuccess) {
     return std::string("marlin.gemm: kernel launch failed: ") + cudaGetErrorString(err) + "; " +

@@ -15,29 +15,31 @@ constexpr int kGroupBlocks128 = 128 / 16;
 constexpr int kGroupBlocksRuntime = 0;  // group size from KernelParams::group_shift
 constexpr int kPerColumn = -1;
 
-template <typename T, int W, int TM, int TK, int TN, int G>
+// PN: the instance takes a partial last tile of N (marlin_kernel.cuh, PARTIAL_N)
+template <typename T, int W, int TM, int TK, int TN, int G, bool PN>
 cudaError_t launch_instance(const KernelParams& p, int grid, int smem, cudaStream_t stream, bool pdl, int cluster);
 
 #define MARLIN_DEFINE_LAUNCH                                                                                   \
-  template <typename T, int W, int TM, int TK, int TN, int G>                                                  \
+  template <typename T, int W, int TM, int TK, int TN, int G, bool PN>                                         \
   cudaError_t launch_instance(const KernelParams& p, int grid, int smem, cudaStream_t stream, bool pdl,         \
                               int cluster) {                                                                   \
     static SmemAttrCache cache;                                                                                \
-    return launch_kernel(marlin_gemm_kernel<T, W, TM, TK, TN, kStages, G>, cache, p, grid, kThreads, smem, stream, \
-                         pdl, cluster);                                                                        \
+    return launch_kernel(marlin_gemm_kernel<T, W, TM, TK, TN, kStages, G, PN>, cache, p, grid, kThreads, smem,   \
+                         stream, pdl, cluster);                                                                \
   }
 
-#define MARLIN_INSTANTIATE_ONE(T, W, TM, G)                                                                   \
-  template cudaError_t launch_instance<T, W, TM, 8, 8, G>(const KernelParams&, int, int, cudaStream_t, bool, int); \
-  template cudaError_t launch_instance<T, W, TM, 4, 16, G>(const KernelParams&, int, int, cudaStream_t, bool, int);
+#define MARLIN_INSTANTIATE_ONE_PN(T, W, TM, G, PN)                                                                 \
+  template cudaError_t launch_instance<T, W, TM, 8, 8, G, PN>(const KernelParams&, int, int, cudaStream_t, bool, int); \
+  template cudaError_t launch_instance<T, W, TM, 4, 16, G, PN>(const KernelParams&, int, int, cudaStream_t, bool, int);
+#define MARLIN_INSTANTIATE_ONE(T, W, TM, G) MARLIN_INSTANTIATE_ONE_PN(T, W, TM, G, true)
 
 // The format table (marlin_gemm.cu's find_instance follows it): fp16 symmetric INT4 in groups
 // of 128 and per column has its own instances (the original format, unchanged code); every
 // other format and group size takes its group size at run time (kGroupBlocksRuntime) or is per
 // column.
-#define MARLIN_INSTANTIATE_FP16_BASE(TM)              \
-  MARLIN_INSTANTIATE_ONE(half, kU4, TM, kGroupBlocks128) \
-  MARLIN_INSTANTIATE_ONE(half, kU4, TM, kPerColumn)
+#define MARLIN_INSTANTIATE_FP16_BASE(TM)                           \
+  MARLIN_INSTANTIATE_ONE_PN(half, kU4, TM, kGroupBlocks128, false) \
+  MARLIN_INSTANTIATE_ONE_PN(half, kU4, TM, kPerColumn, false)
 
 // Every other format of T: symmetric INT4 (unless T is fp16 and the group size 128), INT4 with
 // zero points, 8-bit; each with run-time group size and per column. Only for TM = 1, 2, 4 (the
@@ -49,6 +51,7 @@ cudaError_t launch_instance(const KernelParams& p, int grid, int smem, cudaStrea
   MARLIN_INSTANTIATE_ONE(T, kU8, TM, kGroupBlocksRuntime)   \
   MARLIN_INSTANTIATE_ONE(T, kU8, TM, kPerColumn)
 
-#define MARLIN_INSTANTIATE_BF16_SYM_COL(TM) MARLIN_INSTANTIATE_ONE(nv_bfloat16, kU4, TM, kPerColumn)
+// per column symmetric INT4 with partial N tiles: every bf16 call, fp16 calls whose N the tile does not divide
+#define MARLIN_INSTANTIATE_SYM_COL(T, TM) MARLIN_INSTANTIATE_ONE(T, kU4, TM, kPerColumn)
 
 }  // namespace marlin

@@ -25,6 +25,11 @@
 //  * Groups: GROUP_BLOCKS = 8 is group size 128 (one scale row per stage, fixed at compile time);
 //    0 takes the group size at run time (p.group_shift: 32, 64 or 128 rows), with as many scale
 //    (and zero-point) rows per stage as its groups; -1 is per column.
+//  * PARTIAL_N: N need only be a multiple of 64: the last column of tiles may hold fewer 64-column
+//    chunks (n_chunks); the copies of its missing chunks re-read chunk 0 of the tile instead (no
+//    branch in the copy loop), their warps compute on those, and nothing of them is written. The
+//    fp16 base instances are built without it (the per-thread redirect cost them registers, and
+//    spills, at 128 registers); the planner sends their partial tiles to instances with it.
 //  * Zero points (W == kU4Zp) are stored like the scales and ride along with them: per group,
 //    each lane turns its 8 zero points into the constants the magic-number dequantization
 //    subtracts (dequant.cuh), so (u - z) is exact before the scale multiplies it.
@@ -114,7 +119,7 @@ struct KernelShape {
 template <int TM>
 constexpr int kMinBlocksPerSm = TM == 1 ? 2 : 1;
 
-template <typename ET, int W, int TM, int TK, int TN, int STAGES, int GROUP_BLOCKS>
+template <typename ET, int W, int TM, int TK, int TN, int STAGES, int GROUP_BLOCKS, bool PARTIAL_N>
 __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm<TM>) marlin_gemm_kernel(const KernelParams p) {
   using S = KernelShape<TM, TK, TN, STAGES, GROUP_BLOCKS, W>;
   using E = Elem<ET>;
@@ -131,7 +136,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm<TM>) marlin_gemm_ker
   const int wk = warp / NG;  // which k16 blocks of a stage (wk, wk + KW, ...)
 
   const int k_tiles = p.k / (16 * TK);
-  const int n_tiles = p.n / (16 * TN);
+  const int n_tiles = (p.n + 16 * TN - 1) / (16 * TN);  // the last may be partial (N % 64 == 0)
   const int total = p.m_slices * n_tiles * k_tiles;
   const int T = p.tiles_per_block;
   int pos = blockIdx.x * T;
@@ -212,15 +217,26 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm<TM>) marlin_gemm_ker
       const int r = a_ok[i] ? a_row[i] : 0;
       a_src[i] = p.a + (row0 + r) * p.lda_int4 + kt0 * S::kARowInt4 + a_col[i];
     }
-    const int4* b_src = p.b + static_cast<long long>(kt0) * TK * b_row_int4 + nt * NG * S::kChunkInt4;
+    // 64-column chunks of N in this tile (NG but in a last, partial tile). A thread's B copies all
+    // fall in the same chunk (kThreads is a multiple of a stage row), its scale copy in chunk
+    // (its int4 within the scale row) / 8.
+    int n_chunks = NG, b_fix = 0, s_fix = 0;
+    if constexpr (PARTIAL_N) {
+      n_chunks = min(NG, p.n / 64 - nt * NG);
+      const int b_chunk = (tid % (NG * S::kChunkInt4)) / S::kChunkInt4, s_chunk = (tid % S::kSRowInt4) / 8;
+      b_fix = b_chunk < n_chunks ? 0 : -b_chunk * S::kChunkInt4;  // redirect to chunk 0
+      s_fix = s_chunk < n_chunks ? 0 : -s_chunk * 8;
+    }
+    static_assert(kThreads % (NG * S::kChunkInt4) == 0, "a thread's B copies must stay in one chunk");
+    const int4* b_src = p.b + static_cast<long long>(kt0) * TK * b_row_int4 + nt * NG * S::kChunkInt4 + b_fix;
     const int4* s_src = nullptr;
-    if constexpr (S::kGrouped) s_src = p.s + nt * TN * 2;
+    if constexpr (S::kGrouped) s_src = p.s + nt * TN * 2 + s_fix;
     if constexpr (W == kU4Zp && !S::kGrouped) {
       // per-column zero points, natural order: the lane's columns g + 8 m of its 64 (as s_frag)
       const ET* zc = reinterpret_cast<const ET*>(p.z) + nt * 16 * TN + wn * 64 + lane / 4;
       ET* zf = reinterpret_cast<ET*>(&z_col);
 #pragma unroll
-      for (int m8 = 0; m8 < 8; m8++) zf[m8] = zc[8 * m8];
+      for (int m8 = 0; m8 < 8; m8++) zf[m8] = wn < n_chunks ? zc[8 * m8] : zf[m8];
     }
 
     auto fetch_stage = [&](int stage, int t) {
@@ -416,6 +432,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm<TM>) marlin_gemm_ker
 
     // ---- one block per column writes C: scale, round to ET, stage, 16-byte stores
     if (writes_c) {
+      if constexpr (PARTIAL_N) n_chunks = min(NG, p.n / 64 - nt * NG);  // recomputed, not kept live over the main loop
       ET* c_sh = reinterpret_cast<ET*>(smem);
       if (wk == 0) {
         const int g = lane / 4, c4 = lane % 4;
@@ -423,7 +440,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm<TM>) marlin_gemm_ker
         for (int j = 0; j < 8; j++) {
           const int col_in_tile = wn * 64 + 8 * j + 2 * c4;
           float s0 = 1.f, s1 = 1.f;
-          if constexpr (!S::kGrouped) {
+          if (!S::kGrouped && (!PARTIAL_N || wn < n_chunks)) {
             const float2 sv = E::to_float2(*reinterpret_cast<const T2*>(reinterpret_cast<const ET*>(p.s) + nt * 16 * TN + col_in_tile));
             s0 = sv.x;
             s1 = sv.y;
@@ -442,6 +459,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm<TM>) marlin_gemm_ker
       for (int idx = tid; idx < rows * kRowInt4; idx += kThreads) {
         const int r = idx / kRowInt4;
         const int cc = idx % kRowInt4;
+        if (PARTIAL_N && cc / 8 >= n_chunks) continue;  // past N in a partial tile
         const int4 v = *reinterpret_cast<const int4*>(c_sh + r * S::kCRowHalves + cc * 8);
         *reinterpret_cast<int4*>(c_out + static_cast<long long>(row0 + r) * p.n + nt * 16 * TN + cc * 8) = v;
       }

@@ -254,5 +254,5 @@ def row_tensors(shard: RowShard, take: Take, scale_rows: int, has: Callable[[str
             if single_group(shard, gs):
                 out[name] = to_natural_order(out[name])
     if shard.local_perm is not None:
-        out["perm"] = shard.local_perm.to(torch.int32)
+        out["perm"] = shard.local_perm.to(device=out["b_q"].device, dtype=torch.int32)
     return out

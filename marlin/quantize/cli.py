@@ -14,6 +14,22 @@ from .clip import DEFAULT_GRID
 __all__ = ["main", "eval_main", "build_parser", "build_eval_parser"]
 
 
+THREADS_HELP = (
+    "CPU threads for torch (default: torch's choice); on a machine whose cores are busy with other work, 1 can be "
+    "several times faster (docs/QUANTIZE.md)"
+)
+
+
+def _set_threads(threads: Optional[int]) -> None:
+    if threads is None:
+        return
+    if threads < 1:
+        raise SystemExit(f"--threads {threads}: expected a positive number of threads")
+    import torch
+
+    torch.set_num_threads(threads)
+
+
 def _group_size(text: str) -> int:
     value = int(text)
     if value not in (128, 64, 32, -1):
@@ -63,6 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sparsity", default=None, metavar="2:4", help="2:4 joint pruning (needs the Sparse-MARLIN format)")
     p.add_argument("--device", default="cpu", help="where a block and its Hessians are computed: cpu (default) or cuda")
     p.add_argument("--gguf-file", default=None, help="which .gguf of MODEL to read when it has several")
+    p.add_argument("--threads", type=int, default=None, help=THREADS_HELP)
     p.add_argument("--overwrite", action="store_true", help="replace OUT if it exists")
     p.add_argument("--no-resume", action="store_true", help="discard the finished blocks of an interrupted run")
     p.add_argument("--quiet", action="store_true", help="no progress bar and no summary")
@@ -72,6 +89,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Exit status: 0 ok, 1 bad input or failure, 2 usage error."""
     args = build_parser().parse_args(argv)
+    _set_threads(args.threads)
     from .pipeline import quantize_checkpoint
 
     try:
@@ -117,6 +135,7 @@ def build_eval_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-tokens", type=int, default=None, help="evaluate only the first N tokens of the text")
     p.add_argument("--device", default="cpu", help="cpu (default) or cuda")
     p.add_argument("--gguf-file", default=None, help="which .gguf of MODEL to read when it has several")
+    p.add_argument("--threads", type=int, default=None, help=THREADS_HELP)
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     return p
@@ -124,6 +143,7 @@ def build_eval_parser() -> argparse.ArgumentParser:
 
 def eval_main(argv: Optional[Sequence[str]] = None) -> int:
     args = build_eval_parser().parse_args(argv)
+    _set_threads(args.threads)
     from .evaluate import evaluate_path
 
     try:

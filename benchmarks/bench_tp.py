@@ -1,0 +1,208 @@
+"""Tensor-parallel decode throughput: Llama-2-70B shape, random weights, FP16 vs Marlin, TP = world size.
+
+    torchrun --nproc-per-node 2 -m benchmarks.bench_tp                 # TP=2, 80 layers, batch 1..64
+    torchrun --nproc-per-node 1 -m benchmarks.bench_tp --kinds marlin  # TP=1 (FP16 70B needs 2 GPUs)
+    python -m benchmarks.bench_tp --dry-run                            # CPU smoke run, tiny shape
+
+Protocol (the paper's end-to-end runs): a 64-token prompt already in the KV cache, then 64 greedy
+decode steps for every sequence of the batch; tokens/s = batch * 64 / time of the 64 steps.
+Each step (embedding, all layers with their all-reduces, norm, lm_head with its all-gather, argmax)
+is one CUDA graph, replayed 64 times (``--no-graph``: eager). Both sides run the same model code
+(benchmarks/tp_model.py) and differ only in the linear layers; lm_head is FP16 and vocabulary-
+parallel on both. Each rank builds only its own shards. A point's time is the median over
+``--repeats`` runs of the slowest rank. Results: ``benchmarks/results/<gpu>x<T>-tp.json``
+(``--out``), and a table on stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from .tp_model import LLAMA2_70B, DecodeModel, LlamaShape, random_linear  # noqa: F401
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+TINY = LlamaShape(hidden=256, intermediate=512, heads=4, kv_heads=2, head_dim=64, vocab=512, layers=2)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--layers", type=int, default=LLAMA2_70B.layers, help="decoder layers (default 80, the full model)")
+    p.add_argument("--batches", default="1,2,4,8,16,32,64", help="comma-separated batch sizes")
+    p.add_argument("--kinds", default="fp16,marlin", help="fp16, marlin or both")
+    p.add_argument("--prompt", type=int, default=64, help="tokens already in the cache")
+    p.add_argument("--steps", type=int, default=64, help="decode steps timed")
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--no-graph", action="store_true", help="eager steps instead of one CUDA graph per step")
+    p.add_argument("--out", type=Path, default=None)
+    p.add_argument("--dry-run", action="store_true", help="CPU, gloo, a 2-layer tiny shape; writes to the temp dir")
+    return p.parse_args(argv)
+
+
+def init() -> tuple:
+    """(rank, world size, device) from torchrun's environment; one process without it."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    if "WORLD_SIZE" in os.environ:
+        dist.init_process_group("nccl" if cuda else "gloo", device_id=device if cuda else None)
+    return rank, world, device
+
+
+def sync(device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def slowest(seconds: float, world: int, device) -> float:
+    """The slowest rank's time (every rank waits for the others at each collective anyway)."""
+    if world == 1:
+        return seconds
+    t = torch.tensor([seconds], dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t.item())
+
+
+def make_runner(model: DecodeModel, graph: bool, device):
+    """A function running one decode step: a CUDA graph replay, or the eager step."""
+    if not graph or device.type != "cuda":
+        return model.step
+    stream = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):  # warm-up outside the capture: NCCL communicators, cuBLAS handles
+        for _ in range(3):
+            model.step()
+    torch.cuda.current_stream(device).wait_stream(stream)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        model.step()
+    return g.replay
+
+
+def time_point(model: DecodeModel, args, batch: int, world: int, device) -> dict:
+    model.prepare(batch)
+    run = make_runner(model, not args.no_graph, device)
+    times = []
+    for _ in range(args.repeats):
+        model.pos.fill_(args.prompt)
+        sync(device)
+        if world > 1:
+            dist.barrier()
+        t0 = time.perf_counter()
+        for _ in range(args.steps):
+            run()
+        sync(device)
+        times.append(slowest(time.perf_counter() - t0, world, device))
+    sec = statistics.median(times)
+    return {
+        "batch": batch,
+        "seconds": sec,
+        "ms_per_step": 1e3 * sec / args.steps,
+        "tokens_per_s": batch * args.steps / sec,
+        "graph": (not args.no_graph) and device.type == "cuda",
+    }
+
+
+def weight_bytes(model: DecodeModel) -> int:
+    """This rank's bytes of layer weights (what a decode step reads), embeddings and lm_head excluded."""
+    return sum(t.numel() * t.element_size() for t in model.layers.parameters()) + sum(
+        t.numel() * t.element_size() for name, t in model.layers.named_buffers() if name.endswith(("b_q", "b_scales"))
+    )
+
+
+def run_kind(kind: str, shape: LlamaShape, args, batches, rank, world, device) -> dict:
+    max_len = args.prompt + args.steps
+    model = DecodeModel(shape, kind, max_len, rank, world, device)
+    out = {"kind": kind, "weight_bytes_per_rank": weight_bytes(model), "points": []}
+    for batch in batches:
+        point = time_point(model, args, batch, world, device)
+        out["points"].append(point)
+        if rank == 0:
+            print(f"  {kind:6s} TP={world} batch {batch:3d}: {point['ms_per_step']:8.3f} ms/step  "
+                  f"{point['tokens_per_s']:9.1f} tok/s", flush=True)
+    del model
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return out
+
+
+def table(result: dict) -> str:
+    """Markdown: tokens/s per batch and kind, and Marlin over FP16."""
+    kinds = {r["kind"]: {p["batch"]: p for p in r["points"]} for r in result["runs"]}
+    batches = sorted({b for pts in kinds.values() for b in pts})
+    head = "| batch | " + " | ".join(f"{k} tok/s" for k in kinds) + (" | marlin / fp16 |" if len(kinds) == 2 else " |")
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for b in batches:
+        cells = [f"{kinds[k][b]['tokens_per_s']:.1f}" if b in kinds[k] else "" for k in kinds]
+        if len(kinds) == 2 and all(b in kinds[k] for k in ("fp16", "marlin")):
+            cells.append(f"{kinds['marlin'][b]['tokens_per_s'] / kinds['fp16'][b]['tokens_per_s']:.2f}x")
+        lines.append(f"| {b} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def meta(device, world: int, shape: LlamaShape, args) -> dict:
+    info = {"world_size": world, "shape": shape.__dict__, "prompt": args.prompt, "steps": args.steps,
+            "repeats": args.repeats, "torch": torch.__version__,
+            "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    try:  # git revision and device facts, as in the other results files
+        from .provenance import device_facts, git_info
+
+        info.update(device_facts(device))
+        info["git"] = git_info()
+    except Exception as e:  # noqa: BLE001  (provenance must not cost the measurement)
+        info["provenance_error"] = repr(e)
+        info.setdefault("gpu_slug", "cpu" if device.type == "cpu" else torch.cuda.get_device_name(device).replace(" ", "-").lower())
+    if device.type == "cuda":
+        info["nccl"] = ".".join(str(v) for v in torch.cuda.nccl.version())
+    return info
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    rank, world, device = init()
+    shape = TINY if args.dry_run else LlamaShape(**{**LLAMA2_70B.__dict__, "layers": args.layers})
+    if args.dry_run:
+        args.steps, args.repeats, args.prompt = min(args.steps, 4), 1, min(args.prompt, 4)
+    batches = [int(b) for b in args.batches.split(",") if b]
+    kinds = [k for k in args.kinds.split(",") if k]
+    result = {"meta": meta(device, world, shape, args), "runs": []}
+    if rank == 0:
+        what = "a tiny shape (dry run)" if args.dry_run else "Llama-2-70B shape"
+        print(f"decode, {shape.layers} layers of {what}, TP={world}, {args.prompt}+{args.steps} tokens", flush=True)
+    for kind in kinds:
+        try:
+            result["runs"].append(run_kind(kind, shape, args, batches, rank, world, device))
+        except torch.cuda.OutOfMemoryError as e:  # FP16 70B on one GPU
+            result["runs"].append({"kind": kind, "error": f"out of memory: {str(e).splitlines()[0]}", "points": []})
+            if rank == 0:
+                print(f"  {kind}: out of memory at TP={world}", flush=True)
+            torch.cuda.empty_cache()
+    if rank == 0:
+        ok = {"meta": result["meta"], "runs": [r for r in result["runs"] if r["points"]]}
+        if ok["runs"]:
+            print(table(ok))
+        out = args.out
+        if out is None:
+            base = Path(os.environ.get("TMPDIR", "/tmp")) if args.dry_run else RESULTS_DIR
+            out = base / f"{result['meta'].get('gpu_slug', 'gpu')}x{world}-tp.json"
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(result, indent=2) + "\n")
+        print(f"wrote {out}")
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,160 @@
+"""A minimal Llama decoder for tensor-parallel decode benchmarks: one rank's shard, random weights.
+
+Only what a decode step needs, written so that one whole step (embedding, every layer, norm,
+lm_head, greedy next token, position + 1) can be captured as one CUDA graph together with its NCCL
+collectives: a static KV cache, the position held in a device tensor, no host synchronisation.
+
+Each rank builds only its own shards (no full model is ever materialised), with the wrappers of
+marlin.parallel around the local layers, the same code path as a sharded real model:
+  * q/k/v and gate/up: ColumnParallelLinear (num_heads / T, num_kv_heads / T and
+    intermediate / T per rank), o/down: RowParallelLinear (one all-reduce each);
+  * lm_head: ColumnParallelLinear over the vocabulary, output gathered (FP16 on both sides, as in
+    the paper's vLLM runs where lm_head stays in 16 bits); embeddings replicated.
+Linear layers are FP16 nn.Linear ("fp16") or MarlinLinear with random packed INT4 weights and
+group-128 scales ("marlin"); the rest (norms, attention, cache) is identical on both sides.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from marlin.nn import MarlinLinear
+from marlin.parallel import ColumnParallelLinear, RowParallelLinear
+
+
+@dataclass(frozen=True)
+class LlamaShape:
+    hidden: int = 8192
+    intermediate: int = 28672
+    heads: int = 64
+    kv_heads: int = 8
+    head_dim: int = 128
+    vocab: int = 32000
+    layers: int = 80
+    rms_eps: float = 1e-5
+    rope_theta: float = 10000.0
+
+
+LLAMA2_70B = LlamaShape()
+
+
+def random_linear(kind: str, k: int, n: int, device, gen: torch.Generator) -> nn.Module:
+    """A [k -> n] layer with random weights whose outputs keep a sane scale (~ unit variance in)."""
+    if kind == "fp16":
+        layer = nn.Linear(k, n, bias=False, device="meta", dtype=torch.float16)
+        w = torch.randn(n, k, device=device, dtype=torch.float16, generator=gen) * (k**-0.5)
+        layer.weight = nn.Parameter(w, requires_grad=False)
+        return layer
+    if kind == "marlin":
+        layer = MarlinLinear(k, n, bias=False, group_size=128, device=device)
+        layer.b_q.copy_(torch.randint(-(2**31), 2**31, layer.b_q.shape, device=device, dtype=torch.int64, generator=gen))
+        # uniform nibbles in [-8, 7] have std ~4.6: scale so that outputs are ~ unit variance
+        layer.b_scales.fill_(1.0 / (4.6 * k**0.5))
+        return layer
+    raise ValueError(f"kind = {kind!r}, expected 'fp16' or 'marlin'")
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float, device):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim, device=device, dtype=torch.float16), requires_grad=False)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).half() * self.weight
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+class Layer(nn.Module):
+    """One decoder layer's shard: local heads, local intermediate columns, two all-reduces."""
+
+    def __init__(self, s: LlamaShape, kind: str, rank: int, world: int, device, gen, group=None):
+        super().__init__()
+        self.heads, self.kv_heads, self.hd = s.heads // world, s.kv_heads // world, s.head_dim
+        kw = dict(group=group, rank=rank, world_size=world)
+
+        def col(k, n):
+            return ColumnParallelLinear(random_linear(kind, k, n // world, device, gen), k, n, **kw)
+
+        def row(k, n):
+            return RowParallelLinear(random_linear(kind, k // world, n, device, gen), k, n, **kw)
+
+        self.q, self.k, self.v = col(s.hidden, s.heads * s.head_dim), col(s.hidden, s.kv_heads * s.head_dim), col(
+            s.hidden, s.kv_heads * s.head_dim
+        )
+        self.o = row(s.heads * s.head_dim, s.hidden)
+        self.gate, self.up = col(s.hidden, s.intermediate), col(s.hidden, s.intermediate)
+        self.down = row(s.intermediate, s.hidden)
+        self.norm1, self.norm2 = RMSNorm(s.hidden, s.rms_eps, device), RMSNorm(s.hidden, s.rms_eps, device)
+
+    def forward(self, x, cache_k, cache_v, pos, cos, sin, mask):
+        b = x.shape[0]
+        h = self.norm1(x)
+        q = self.q(h).view(b, self.heads, 1, self.hd)
+        k = self.k(h).view(b, self.kv_heads, 1, self.hd)
+        v = self.v(h).view(b, self.kv_heads, 1, self.hd)
+        q, k = rotate(q, cos, sin), rotate(k, cos, sin)
+        cache_k.index_copy_(2, pos, k)  # static cache [B, kv, L, hd]; pos is a device tensor [1]
+        cache_v.index_copy_(2, pos, v)
+        att = F.scaled_dot_product_attention(q, cache_k, cache_v, attn_mask=mask, enable_gqa=True)
+        x = x + self.o(att.reshape(b, self.heads * self.hd))
+        h = self.norm2(x)
+        return x + self.down(F.silu(self.gate(h)) * self.up(h))
+
+
+class DecodeModel(nn.Module):
+    """One rank's shard of a Llama-shaped decoder with a static KV cache of ``max_len`` positions."""
+
+    def __init__(self, s: LlamaShape, kind: str, max_len: int, rank: int, world: int, device, group=None):
+        super().__init__()
+        if s.heads % world or s.kv_heads % world:
+            raise ValueError(f"heads {s.heads} / kv heads {s.kv_heads} do not divide by world size {world}")
+        gen = torch.Generator(device=device).manual_seed(1234)  # same replicated weights on every rank
+        self.embed = nn.Parameter(
+            torch.randn(s.vocab, s.hidden, device=device, dtype=torch.float16, generator=gen), requires_grad=False
+        )
+        gen.manual_seed(1000 + rank)  # each rank's own shards
+        self.layers = nn.ModuleList(Layer(s, kind, rank, world, device, gen, group) for _ in range(s.layers))
+        self.norm = RMSNorm(s.hidden, s.rms_eps, device)
+        head = random_linear("fp16", s.hidden, s.vocab // world, device, gen)
+        self.lm_head = ColumnParallelLinear(head, s.hidden, s.vocab, gather_output=True, group=group, rank=rank, world_size=world)
+        self.shape, self.world, self.max_len, self.device = s, world, max_len, device
+        inv = 1.0 / (s.rope_theta ** (torch.arange(0, s.head_dim, 2, device=device).float() / s.head_dim))
+        ang = torch.outer(torch.arange(max_len, device=device).float(), inv)
+        self.cos = torch.cat((ang, ang), -1).cos().half()
+        self.sin = torch.cat((ang, ang), -1).sin().half()
+        self.positions = torch.arange(max_len, device=device)
+        self.pos = torch.zeros(1, dtype=torch.long, device=device)
+        self.prepare(1)
+
+    def prepare(self, batch: int) -> None:
+        """A KV cache for ``batch`` sequences, filled with random values (as after a prompt)."""
+        s = self.shape
+        self.cache_k = self.cache_v = None  # free the previous batch's cache first
+        shape = (s.layers, batch, s.kv_heads // self.world, self.max_len, s.head_dim)
+        self.cache_k = torch.randn(shape, device=self.device, dtype=torch.float16) * 0.1
+        self.cache_v = torch.randn(shape, device=self.device, dtype=torch.float16) * 0.1
+        gen = torch.Generator(device=self.device).manual_seed(batch)  # the same tokens on every rank
+        self.ids = torch.randint(0, s.vocab, (batch,), device=self.device, generator=gen)
+
+    @torch.no_grad()
+    def step(self) -> None:
+        """One decode step for every sequence: reads self.ids and self.pos, writes the greedy next
+        ids and advances pos (all on the device, so that it replays as a graph)."""
+        x = self.embed[self.ids]
+        cos, sin = self.cos[self.pos].view(1, 1, 1, -1), self.sin[self.pos].view(1, 1, 1, -1)
+        mask = (self.positions <= self.pos).view(1, 1, 1, -1)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, self.cache_k[i], self.cache_v[i], self.pos, cos, sin, mask)
+        logits = self.lm_head(self.norm(x))
+        self.ids.copy_(logits.argmax(-1))
+        self.pos.add_(1)

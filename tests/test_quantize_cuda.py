@@ -1,0 +1,78 @@
+"""marlin-quantize with --device cuda (skipped without a GPU): the same pipeline, block and
+Hessians on the GPU, and the checkpoint run through the CUDA kernel.
+
+Bounds: the CUDA run's GPTQ is not bit-identical to the CPU run (different float summation
+orders change a few roundings), so the check is on outputs: the loaded checkpoint on the GPU
+(fp16, the Marlin kernel) against the quantizer's own fake-quantized model in float32, within
+the 1e-2 whole-model bound of test_nn.py; and the two runs' mean layer errors agree within 10%.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+import marlin  # noqa: E402
+from marlin.nn import MarlinLinear  # noqa: E402
+from marlin.quantize.calib import CalibrationSpec, draw_samples  # noqa: E402
+from marlin.quantize.pipeline import quantize_checkpoint  # noqa: E402
+from marlin.quantize.runner import QuantizeConfig, quantize_model  # noqa: E402
+from marlin.quantize.source import load_model, load_tokenizer, resolve_source  # noqa: E402
+from marlin.quantize.writer import write_checkpoint  # noqa: E402
+
+from quantize_fixtures import make_model_dir, make_text  # noqa: E402
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@pytest.mark.parametrize("group_size, act_order", [(64, False), (128, True), (-1, False)])
+def test_quantize_on_cuda_and_run_through_the_kernel(tmp_path, group_size, act_order):
+    src = make_model_dir(tmp_path / "src")
+    calib = tmp_path / "calib.txt"
+    calib.write_text(make_text(4000, seed=2))
+    source = resolve_source(src)
+    tokenizer = load_tokenizer(source)
+    ids = tokenizer(calib.read_text(), return_tensors="pt").input_ids[0]
+    samples = draw_samples(ids, CalibrationSpec(nsamples=8, min_len=16, max_len=96))
+    config = QuantizeConfig(group_size=group_size, act_order=act_order)
+
+    model = load_model(source)
+    cpu_model = copy.deepcopy(model)
+    results, reports = quantize_model(model, samples, config, device="cuda", progress=False)
+    _, cpu_reports = quantize_model(cpu_model, samples, config, device="cpu", progress=False)
+    gpu_err = sum(r.error for r in reports) / len(reports)
+    cpu_err = sum(r.error for r in cpu_reports) / len(cpu_reports)
+    assert gpu_err == pytest.approx(cpu_err, rel=0.1)
+    assert all(r.error < r.rtn_error for r in reports)
+    assert next(model.parameters()).device.type == "cpu"  # the model goes back where it was
+
+    out = tmp_path / "out"
+    write_checkpoint(model, results, reports, out, settings={"group_size": group_size}, tokenizer=tokenizer)
+    loaded = marlin.load_quantized(out, device="cuda")
+    assert sum(isinstance(m, MarlinLinear) for m in loaded.modules()) == 14
+    x = samples[0]
+    with torch.no_grad():
+        fake = model(x).logits.double()
+        real = loaded(x.cuda()).logits.double().cpu()
+    err = float((real - fake).norm() / fake.norm())
+    assert err < 1e-2, f"checkpoint through the CUDA kernel vs the quantizer's model: {err:.2e}"
+
+
+def test_cli_pipeline_on_cuda(tmp_path):
+    src = make_model_dir(tmp_path / "src")
+    calib = tmp_path / "calib.txt"
+    calib.write_text(make_text(4000, seed=2))
+    summary = quantize_checkpoint(
+        src, tmp_path / "out", calib=calib, nsamples=8, seqlen_range=(16, 64), group_size=64, device="cuda", progress=False
+    )
+    assert summary.quantized == 14 and summary.peak_device_mb is not None
+    from marlin.quantize.evaluate import evaluate_path
+
+    q = evaluate_path(tmp_path / "out", calib, context=64, max_tokens=400, device="cuda", progress=False)
+    f = evaluate_path(src, calib, context=64, max_tokens=400, device="cuda", progress=False)
+    assert q["kind"] == "marlin" and q["tokens"] == f["tokens"]
+    assert abs(q["ppl"] / f["ppl"] - 1) < 0.2  # a random model: quantization moves it a little, not a lot

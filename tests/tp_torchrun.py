@@ -1,0 +1,46 @@
+"""The tensor-parallel scenarios of tests/tp_workers.py on GPUs with NCCL, one rank per GPU:
+
+    python -m torch.distributed.run --nproc-per-node 2 tests/tp_torchrun.py   # 2 GPUs
+    python -m torch.distributed.run --nproc-per-node 1 tests/tp_torchrun.py   # world size 1 smoke test
+
+Exits non-zero (with the failing rank's traceback) when a sharded result differs from the full one.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import tp_workers  # noqa: E402
+
+CASES = [("layers", 128), ("layers", -1), ("llama", False), ("llama", True)]
+
+
+def main() -> int:
+    if not torch.cuda.is_available():
+        print("tp_torchrun: needs CUDA GPUs (the CPU runs are tests/test_parallel_dist.py)")
+        return 1
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    tp_workers.DEVICE = torch.device("cuda", torch.cuda.current_device())
+    dist.init_process_group("nccl", device_id=tp_workers.DEVICE)
+    shared = [tempfile.mkdtemp(prefix="tp-ckpt-") if rank == 0 else None]
+    dist.broadcast_object_list(shared, src=0)  # one checkpoint directory for all ranks (one host)
+    cases = CASES + [("load", (str(Path(shared[0]) / f"ckpt-{a}"), a)) for a in (False, True)]
+    for scenario, arg in cases:
+        tp_workers.SCENARIOS[scenario](rank, world, arg)
+        dist.barrier()
+        if rank == 0:
+            print(f"ok  {scenario} {arg} (world size {world}, {torch.cuda.get_device_name()})", flush=True)
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
