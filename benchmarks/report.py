@@ -408,6 +408,10 @@ def report(path: Path, outdir: Path | None = None) -> list[str]:
         from .report_e2e import report_e2e
 
         return report_e2e(data, path.stem, outdir)
+    if data["meta"].get("kind") == "tp":
+        from .report_tp import report_tp
+
+        return report_tp(data, path.stem, outdir, source_dir=path.parent)
     if data["meta"].get("kind") == "serving":
         from .report_e2e import report_serving
 
