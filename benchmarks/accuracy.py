@@ -87,6 +87,9 @@ def read_plays(names) -> str:
 
 
 def git_revision() -> str:
+    """HEAD (+dirty), or the REVISION file of an exported copy (git archive) that has no .git."""
+    if not (REPO / ".git").exists() and (REPO / "REVISION").is_file():
+        return (REPO / "REVISION").read_text().strip() + " (exported copy)"
     try:
         rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
         dirty = subprocess.run(["git", "status", "--porcelain", "-uno"], cwd=REPO, capture_output=True, text=True).stdout
@@ -137,23 +140,46 @@ def save(path: Path, meta: dict, points: list) -> None:
     tmp.replace(path)
 
 
+def _key(point: dict) -> tuple:
+    """Points differ by method, group size and, for GPTQ, act-order and sample count."""
+    return (point["method"], point["group_size"], point.get("act_order", False), point.get("nsamples"))
+
+
 def merge_point(points: list, point: dict) -> list:
-    key = (point["method"], point["group_size"])
-    return [p for p in points if (p["method"], p["group_size"]) != key] + [point]
+    return [p for p in points if _key(p) != _key(point)] + [point]
+
+
+def _label(point: dict, main_nsamples) -> str:
+    extra = []
+    if point.get("act_order"):
+        extra.append("act-order")
+    if point.get("nsamples") not in (None, main_nsamples):
+        extra.append(f"{point['nsamples']} samples")
+    return point["method"] + (f" ({', '.join(extra)})" if extra else "")
 
 
 def markdown_table(doc: dict) -> str:
+    """Perplexity (and increase over fp16) per method and group size; rows in METHODS order, then
+    the points with other settings (act-order, another sample count) labelled."""
     points = doc["points"]
+    main_nsamples = doc.get("meta", {}).get("nsamples")
     fp = next((p["ppl"] for p in points if p["method"] == "fp16"), None)
     groups = sorted({p["group_size"] for p in points if p["group_size"] is not None}, key=lambda g: (g == -1, g))
     header = "| method | " + " | ".join(f"g{g}" if g != -1 else "per column" for g in groups) + " |"
     lines = [header, "|---|" + "---:|" * len(groups)]
     if fp is not None:
         lines.append("| fp16 | " + " | ".join(f"{fp:.3f}" for _ in groups) + " |")
+    labels = []
     for method in METHODS[1:]:
+        for p in points:
+            label = _label(p, main_nsamples)
+            if p["method"] == method and label not in labels:
+                labels.append(label)
+    labels.sort(key=lambda lab: (" (" in lab, METHODS.index(lab.split(" ")[0])))
+    for label in labels:
         cells = []
         for g in groups:
-            p = next((p for p in points if p["method"] == method and p["group_size"] == g), None)
+            p = next((p for p in points if _label(p, main_nsamples) == label and p["group_size"] == g), None)
             if p is None:
                 cells.append("")
             elif fp is not None:
@@ -161,7 +187,7 @@ def markdown_table(doc: dict) -> str:
             else:
                 cells.append(f"{p['ppl']:.3f}")
         if any(cells):
-            lines.append(f"| {method} | " + " | ".join(cells) + " |")
+            lines.append(f"| {label} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -238,6 +264,8 @@ def main(argv=None) -> int:
         "date": datetime.date.today().isoformat(),
     }
     points = old.get("points", [])
+    if "meta" in old and (old["meta"].get("nsamples"), old["meta"].get("act_order")) != (args.nsamples, args.act_order):
+        meta = old["meta"]  # a run with other settings adds labelled points to the table; the main settings stay
 
     for method in args.methods:
         for group_size in ([None] if method == "fp16" else args.group_sizes):
@@ -256,6 +284,8 @@ def main(argv=None) -> int:
                 net._marlin_quantize_results = (results, reports)
                 quantized = [r for r in reports if r.status == "quantized"]
                 point.update(
+                    act_order=args.act_order,
+                    nsamples=args.nsamples,
                     layers_quantized=len(quantized),
                     layers_kept=len(reports) - len(quantized),
                     calibration_tokens=int(sum(s.numel() for s in samples)),
@@ -276,7 +306,7 @@ def main(argv=None) -> int:
             save(args.out, meta, points)
             print(json.dumps(point), flush=True)
             del net
-    print(markdown_table({"points": points}))
+    print(markdown_table({"meta": meta, "points": points}))
     return 0
 
 

@@ -92,6 +92,7 @@ def make_runner(model: DecodeModel, graph: bool, device):
 
 def time_point(model: DecodeModel, args, batch: int, world: int, device) -> dict:
     model.prepare(batch)
+    model.pos.fill_(args.prompt)  # the warm-up steps before capture must stay inside the cache
     run = make_runner(model, not args.no_graph, device)
     times = []
     for _ in range(args.repeats):
@@ -152,7 +153,7 @@ def table(result: dict) -> str:
 
 
 def meta(device, world: int, shape: LlamaShape, args) -> dict:
-    info = {"world_size": world, "shape": shape.__dict__, "prompt": args.prompt, "steps": args.steps,
+    info = {"kind": "tp", "world_size": world, "shape": shape.__dict__, "prompt": args.prompt, "steps": args.steps,
             "repeats": args.repeats, "torch": torch.__version__,
             "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     try:  # git revision and device facts, as in the other results files

@@ -71,3 +71,39 @@ def test_fused_projections_are_refused():
     fuse.fuse_projections(model)
     with pytest.raises(ShardError, match=r"q_proj has style 'colwise' but is a FusedPart \(fused projections"):
         marlin.tensor_parallel(model, rank=0, world_size=2)
+
+
+def test_plan_keys_relative_to_the_base_model_match():
+    model = tiny_llama()
+    report = marlin.tensor_parallel(model, {"layers.*.mlp.up_proj": "colwise"}, rank=0, world_size=2)
+    assert [name for name, _ in report.sharded] == ["model.layers.0.mlp.up_proj"]
+
+
+def test_llama_plan_when_the_model_has_none():
+    from torch import nn
+
+    from marlin.parallel.model import LLAMA_PLAN
+
+    mlp = nn.Module()
+    mlp.up_proj, mlp.down_proj = nn.Linear(128, 256), nn.Linear(256, 128)
+    layer = nn.Module()
+    layer.mlp = mlp
+    root = nn.Module()
+    root.model = nn.Module()
+    root.model.layers = nn.ModuleList([layer])
+    report = marlin.tensor_parallel(root, rank=1, world_size=2)
+    assert dict(report.sharded) == {"model.layers.0.mlp.up_proj": "colwise", "model.layers.0.mlp.down_proj": "rowwise"}
+    assert LLAMA_PLAN["model.layers.*.mlp.down_proj"] == "rowwise"
+
+
+def test_head_counts_of_older_attention_modules_are_localized():
+    """Attention modules that reshape with self.num_heads (older transformers) get this rank's counts."""
+    from torch import nn
+
+    attn = nn.Module()
+    attn.q_proj = nn.Linear(256, 256)
+    attn.num_heads, attn.num_key_value_heads, attn.hidden_size = 4, 2, 256
+    root = nn.Module()
+    root.attn = attn
+    marlin.tensor_parallel(root, {"attn.q_proj": "colwise"}, rank=0, world_size=2)
+    assert (attn.num_heads, attn.num_key_value_heads, attn.hidden_size) == (2, 1, 128)

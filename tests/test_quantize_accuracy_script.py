@@ -16,10 +16,13 @@ from benchmarks import accuracy as A  # noqa: E402
 from quantize_fixtures import make_model_dir  # noqa: E402
 
 
-def test_points_merge_per_method_and_group_size():
+def test_points_merge_per_method_group_size_and_settings():
     points = [{"method": "rtn", "group_size": 64, "ppl": 9.0}, {"method": "rtn", "group_size": -1, "ppl": 8.0}]
     merged = A.merge_point(points, {"method": "rtn", "group_size": 64, "ppl": 7.0})
     assert sorted((p["group_size"], p["ppl"]) for p in merged) == [(-1, 8.0), (64, 7.0)]
+    act = {"method": "gptq", "group_size": 64, "ppl": 6.0, "act_order": True, "nsamples": 32}
+    merged = A.merge_point(A.merge_point(merged, dict(act, act_order=False)), act)
+    assert len(merged) == 4
 
 
 def test_markdown_table_gives_the_increase_over_fp16():
@@ -31,10 +34,15 @@ def test_markdown_table_gives_the_increase_over_fp16():
             {"method": "gptq_variant", "group_size": -1, "ppl": 11.0},
         ]
     }
+    doc["meta"] = {"nsamples": 32}
+    for p in doc["points"][1:]:
+        p.update(act_order=False, nsamples=32)
+    doc["points"].append({"method": "gptq_variant", "group_size": 64, "ppl": 10.2, "act_order": True, "nsamples": 128})
     table = A.markdown_table(doc).splitlines()
     assert table[0] == "| method | g64 | per column |"
     assert "| rtn | 12.000 (+20.0%) |  |" in table
     assert "| gptq_variant | 10.500 (+5.0%) | 11.000 (+10.0%) |" in table
+    assert table[-1] == "| gptq_variant (act-order, 128 samples) | 10.200 (+2.0%) |  |"
 
 
 def test_fixed_length_calibration_matches_the_variable_mean():

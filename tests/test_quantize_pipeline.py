@@ -189,7 +189,8 @@ def test_bad_model_paths(tmp_path, setup, match):
 
 def test_bad_options_fail_before_loading(tiny, tmp_path):
     _, src, calib = tiny
-    with pytest.raises(ValueError, match="sparsity"):
+    # without marlin.sparse a ValueError; with it (issue 19), NotImplementedError until joint 2:4 + GPTQ exists
+    with pytest.raises((ValueError, NotImplementedError), match="sparsity"):
         quantize_checkpoint(src, tmp_path / "o", calib=calib, sparsity="2:4")
     with pytest.raises(ValueError, match="expected '2:4'"):
         quantize_checkpoint(src, tmp_path / "o", calib=calib, sparsity="1:2")

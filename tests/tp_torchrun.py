@@ -33,6 +33,7 @@ def main() -> int:
     shared = [tempfile.mkdtemp(prefix="tp-ckpt-") if rank == 0 else None]
     dist.broadcast_object_list(shared, src=0)  # one checkpoint directory for all ranks (one host)
     cases = CASES + [("load", (str(Path(shared[0]) / f"ckpt-{a}"), a)) for a in (False, True)]
+    cases += [("load_gptq", (str(Path(shared[0]) / f"gptq-{a}"), a)) for a in (False, True)]
     for scenario, arg in cases:
         tp_workers.SCENARIOS[scenario](rank, world, arg)
         dist.barrier()

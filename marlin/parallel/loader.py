@@ -12,7 +12,9 @@ holds another rank's weights, on the GPU or in host memory. Everything else (emb
 layers outside the plan) is read whole on every rank. Act-order layers also read their full
 ``perm`` (K int32 values) to plan the split.
 
-GPTQ checkpoints: convert once with ``marlin-convert SRC DST`` (exact, fast), then load DST here.
+GPTQ checkpoints load directly too: each rank converts only its slices of each GPTQ layer (exact;
+marlin.parallel.gptq_source says what is read). Converting once with ``marlin-convert`` and
+loading the result is faster when the model is loaded often.
 """
 
 from __future__ import annotations
@@ -27,13 +29,25 @@ from safetensors import safe_open
 from torch import nn
 
 from ..convert.checkpoint import SafetensorsDir, read_json
-from ..convert.converter import MARLIN_FORMAT
+from ..convert.converter import MARLIN_FORMAT, QUANTIZE_CONFIG_FILE, _read_quant_configs
 from ..convert.errors import ConversionError
+from ..convert.gptq import GPTQConfig
 from ..hf import _DERIVED_BUFFER_SUFFIXES, _dtype_kwargs, _install_marlin_layers, _marlin_layers, _parameters_on_meta
 from ..nn import MarlinLinear, _new_workspace
 from .comm import rank_and_size
+from .gptq_source import GPTQSource
 from .layers import ColumnParallelLinear, RowParallelLinear, local_linear, marlin_column_shard, marlin_row_shard
-from .model import _COLUMN, _ROW, TPReport, _compile, _check_heads, model_tp_plan, style_of
+from .model import (
+    _COLUMN,
+    _ROW,
+    LLAMA_PLAN,
+    TPReport,
+    _check_heads,
+    _compile,
+    localize_attention,
+    model_tp_plan,
+    style_of,
+)
 from .shard import ShardError
 
 __all__ = ["load_sharded"]
@@ -107,6 +121,41 @@ def _shard_linear(module: nn.Linear, name: str, style: str, reader: _SliceReader
     return RowParallelLinear(local, k, n, bias=bias, input_is_parallel=_ROW[style], **kw)
 
 
+def _shard_gptq(module: MarlinLinear, name: str, style: str, gptq: GPTQSource, kw: dict, device) -> nn.Module:
+    k, n = module.in_features, module.out_features
+    rank, world_size = kw["rank"], kw["world_size"]
+    if style in _COLUMN:
+        local = gptq.column(module, name, rank, world_size, device)
+        layer = ColumnParallelLinear(local, k, n, gather_output=_COLUMN[style], **kw)
+    else:
+        local, gather_index, bias = gptq.row(module, name, rank, world_size, device)
+        layer = RowParallelLinear(local, k, n, bias=bias, gather_index=gather_index, input_is_parallel=_ROW[style], **kw)
+    gptq.reader.used.update(gptq.names(name))
+    return layer
+
+
+def report_names(report: TPReport) -> set:
+    return {name for name, _ in report.sharded}
+
+
+def _checkpoint_kind(model_dir: Path) -> Optional[GPTQConfig]:
+    """None for a Marlin checkpoint, the parsed GPTQ config for a GPTQ one; ConversionError otherwise."""
+    config_path = model_dir / "config.json"
+    if not config_path.is_file():
+        raise ConversionError(f"{config_path} not found; expected a Marlin or GPTQ model directory")
+    raw = read_json(config_path)
+    quant = raw.get("quantization_config") if isinstance(raw, dict) else None
+    fmt = quant.get("checkpoint_format") if isinstance(quant, dict) else None
+    if fmt == MARLIN_FORMAT:
+        return None
+    if quant is not None or (model_dir / QUANTIZE_CONFIG_FILE).is_file():
+        return _read_quant_configs(model_dir).parsed  # validates: GPTQ, 4-bit, symmetric, ...
+    raise ConversionError(
+        f"{config_path}: no quantization_config (and no {QUANTIZE_CONFIG_FILE}); expected a Marlin checkpoint "
+        "(marlin-convert) or a GPTQ one"
+    )
+
+
 def load_sharded(
     model_dir: Union[str, Path],
     device: Optional[Union[str, torch.device]] = None,
@@ -116,7 +165,7 @@ def load_sharded(
     group=None,
     trust_remote_code: bool = False,
 ) -> nn.Module:
-    """This rank's part of a Marlin checkpoint directory as a transformers causal LM, in eval mode.
+    """This rank's part of a Marlin (or GPTQ) checkpoint directory as a transformers causal LM, in eval mode.
 
     ``device``: this rank's device (None: the current CUDA device if CUDA is available, else the
     CPU). ``plan``: {module name pattern: style} as for marlin.tensor_parallel (None: the model's
@@ -136,34 +185,26 @@ def load_sharded(
     rank, world_size = rank_and_size(group)
     kw = dict(group=group, rank=rank, world_size=world_size)
 
-    config_path = model_dir / "config.json"
-    if not config_path.is_file():
-        raise ConversionError(f"{config_path} not found; expected a model directory written by marlin-convert")
-    raw = read_json(config_path)
-    quant = raw.get("quantization_config") if isinstance(raw, dict) else None
-    fmt = quant.get("checkpoint_format") if isinstance(quant, dict) else None
-    if fmt != MARLIN_FORMAT:
-        raise ConversionError(
-            f"{config_path}: quantization_config.checkpoint_format = {fmt!r}, expected {MARLIN_FORMAT!r}; "
-            "convert a GPTQ checkpoint first: marlin-convert SRC DST"
-        )
+    gptq_cfg = _checkpoint_kind(model_dir)  # None: a Marlin checkpoint
     config = transformers.AutoConfig.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
     if hasattr(config, "quantization_config"):
         del config.quantization_config
 
     report = TPReport(rank=rank, world_size=world_size)
     with SafetensorsDir(model_dir) as ckpt:
-        layers = _marlin_layers(ckpt)
+        reader = _SliceReader(ckpt, device)
+        gptq = None if gptq_cfg is None else GPTQSource(reader, gptq_cfg)
+        layers = _marlin_layers(ckpt) if gptq is None else gptq.specs
         with _parameters_on_meta():
             model = transformers.AutoModelForCausalLM.from_config(
                 config, trust_remote_code=trust_remote_code, **_dtype_kwargs(dtype)
             )
         _install_marlin_layers(model, layers, torch.device("meta"))  # shapes only; no memory
-        compiled = _compile(model_tp_plan(model) if plan is None else plan)
-        reader = _SliceReader(ckpt, device)
+        compiled = _compile((model_tp_plan(model) or LLAMA_PLAN) if plan is None else plan)
+        base_prefix = getattr(model, "base_model_prefix", "")
         todo = []
         for name, module in model.named_modules():
-            style = style_of(name, compiled)
+            style = style_of(name, compiled, base_prefix)
             if style is None:
                 continue
             if style not in _COLUMN and style not in _ROW:
@@ -176,7 +217,9 @@ def load_sharded(
                 raise ShardError(f"load_sharded: {name} has style {style!r} but is a {type(module).__name__}")
         _check_heads(model, world_size, [name for name, _, _ in todo])
         for name, module, style in todo:
-            if isinstance(module, MarlinLinear):
+            if isinstance(module, MarlinLinear) and gptq is not None:
+                new = _shard_gptq(module, name, style, gptq, kw, device)
+            elif isinstance(module, MarlinLinear):
                 new = _shard_marlin(module, name, style, reader, kw)
             else:
                 new = _shard_linear(module, name, style, reader, kw, dtype)
@@ -184,12 +227,20 @@ def load_sharded(
             setattr(model.get_submodule(parent) if parent else model, child, new)
             report.sharded.append((name, style))
         state = {}
+        if gptq is not None:  # GPTQ layers outside the plan: converted whole
+            for prefix in layers:
+                if prefix in report_names(report):
+                    continue
+                for buffer, t in gptq.whole(prefix, device).items():
+                    state[f"{prefix}.{buffer}"] = t
+                reader.used.update(gptq.names(prefix))
         for name in ckpt.tensors:
             if name in reader.used:
                 continue
             t = reader.get(name)
             state[name] = t.to(dtype) if t.is_floating_point() and t.dtype != dtype else t
 
+    localize_attention(model, world_size)
     ignored = [k for k in state if k.endswith(_DERIVED_BUFFER_SUFFIXES)]
     result = model.load_state_dict(state, strict=False, assign=True)
     unexpected = [k for k in result.unexpected_keys if k not in ignored]

@@ -35,7 +35,7 @@ from .comm import rank_and_size
 from .layers import ColumnParallelLinear, RowParallelLinear
 from .shard import ShardError
 
-__all__ = ["tensor_parallel", "TPReport", "model_tp_plan", "style_of"]
+__all__ = ["tensor_parallel", "TPReport", "model_tp_plan", "style_of", "LLAMA_PLAN", "localize_attention"]
 
 _COLUMN = {"colwise": False, "colwise_rep": True, "colwise_gather_output": True}
 _ROW = {"rowwise": True, "rowwise_rep": True, "rowwise_split_input": False}
@@ -59,15 +59,36 @@ class TPReport:
 def model_tp_plan(model: nn.Module) -> dict:
     """The model's tensor-parallel plan with full module names: ``model.tp_plan`` (transformers >= 4.51),
     else the config's ``base_model_tp_plan`` under the base model prefix."""
-    plan = getattr(model, "tp_plan", None) or getattr(model, "_tp_plan", None)
-    if plan:
-        return dict(plan)
+    plan = {}
+    for attr in ("tp_plan", "_tp_plan"):
+        try:
+            value = getattr(model, attr, None)
+        except Exception:  # noqa: BLE001  (a property of some transformers versions needs a device mesh)
+            value = None
+        if isinstance(value, dict) and value:
+            plan = dict(value)
+            break
     config = getattr(model, "config", None)
     base = getattr(config, "base_model_tp_plan", None) or {}
     prefix = getattr(model, "base_model_prefix", "")
-    if prefix and hasattr(model, prefix):
-        return {f"{prefix}.{key}": style for key, style in base.items()}
-    return dict(base)
+    for key, style in base.items():  # the config's plan is relative to the base model
+        full = f"{prefix}.{key}" if prefix and hasattr(model, prefix) else key
+        plan.setdefault(full, style)
+    return plan
+
+
+# Llama's plan (Llama, Mistral, Qwen2 and most decoder LMs use these names), for models or
+# transformers versions without a tp_plan.
+LLAMA_PLAN = {
+    "model.layers.*.self_attn.q_proj": "colwise",
+    "model.layers.*.self_attn.k_proj": "colwise",
+    "model.layers.*.self_attn.v_proj": "colwise",
+    "model.layers.*.self_attn.o_proj": "rowwise",
+    "model.layers.*.mlp.gate_proj": "colwise",
+    "model.layers.*.mlp.up_proj": "colwise",
+    "model.layers.*.mlp.down_proj": "rowwise",
+    "lm_head": "colwise_gather_output",
+}
 
 
 def _compile(plan: dict) -> list:
@@ -80,10 +101,14 @@ def _compile(plan: dict) -> list:
     return out
 
 
-def style_of(name: str, compiled: list) -> Optional[str]:
-    """The style of the first plan pattern matching ``name`` in full, or None."""
+def style_of(name: str, compiled: list, base_prefix: str = "") -> Optional[str]:
+    """The style of the first plan pattern matching ``name`` in full, or None. With ``base_prefix``
+    (e.g. "model"), a pattern relative to the base model ("layers.*.mlp.up_proj") matches too."""
+    names = [name]
+    if base_prefix and name.startswith(base_prefix + "."):
+        names.append(name[len(base_prefix) + 1 :])
     for regex, style in compiled:
-        if regex.match(name):
+        if any(regex.match(n) for n in names):
             return style
     return None
 
@@ -110,19 +135,23 @@ def tensor_parallel(
     rank: Optional[int] = None,
     world_size: Optional[int] = None,
 ) -> TPReport:
-    """Replace, in place, the layers of ``model`` named by ``plan`` (default: model_tp_plan(model))
+    """Replace, in place, the layers of ``model`` named by ``plan`` (default: model_tp_plan(model),
+    or LLAMA_PLAN when the model has none)
     with this rank's ColumnParallelLinear / RowParallelLinear shards. Every rank must call it on
     the same model. Raises ShardError (ValueError) naming the first layer that cannot be split,
     before any layer is replaced."""
-    compiled = _compile(model_tp_plan(model) if plan is None else plan)
+    if plan is None:
+        plan = model_tp_plan(model) or LLAMA_PLAN
+    compiled = _compile(plan)
     if not compiled:
         raise ValueError("tensor_parallel: empty plan; pass plan={'model.layers.*.mlp.up_proj': 'colwise', ...}")
+    base_prefix = getattr(model, "base_model_prefix", "")
     if rank is None and world_size is None:
         rank, world_size = rank_and_size(group)
     report = TPReport(rank=rank, world_size=world_size)
     todo = []
     for name, module in model.named_modules():
-        style = style_of(name, compiled)
+        style = style_of(name, compiled, base_prefix)
         if style is None:
             continue
         if style not in _COLUMN and style not in _ROW:
@@ -149,4 +178,28 @@ def tensor_parallel(
         parent, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, child, layer)
         report.sharded.append((name, next(s for n, _, s in todo if n == name)))
+    localize_attention(model, world_size)
     return report
+
+
+def localize_attention(model: nn.Module, world_size: int) -> None:
+    """Head counts of attention modules whose q_proj is now a column shard, divided by the world size.
+
+    Current transformers reshape q/k/v with ``-1`` heads and need nothing; older versions (and
+    some remote-code models) reshape with ``self.num_heads`` / ``self.num_key_value_heads`` /
+    ``self.hidden_size`` of the attention module, which must then count this rank's heads.
+    """
+    if world_size == 1:
+        return
+    for module in model.modules():
+        q = getattr(module, "q_proj", None)
+        if not isinstance(q, ColumnParallelLinear) or q.gather_output or getattr(module, "_tp_localized", False):
+            continue
+        for attr in ("num_heads", "num_key_value_heads"):
+            value = getattr(module, attr, None)
+            if isinstance(value, int) and not isinstance(value, bool) and value % world_size == 0:
+                setattr(module, attr, value // world_size)
+        hidden = getattr(module, "hidden_size", None)
+        if isinstance(hidden, int) and hidden == q.out_features:  # the attention width, not the model's
+            module.hidden_size = hidden // world_size
+        module._tp_localized = True

@@ -1,0 +1,99 @@
+"""Tensor-parallel decode results (benchmarks/bench_tp.py, ``meta.kind == "tp"``) -> markdown + PNG.
+
+For ``<gpu>x<T>-tp.json``: tokens/s per batch for FP16 and Marlin, Marlin over FP16, and the plot
+``<gpu>x<T>-tp.png``. When results of other world sizes of the same GPU lie next to it, a second
+table sets each Marlin run against each FP16 run (e.g. Marlin on one GPU against FP16 on two).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+__all__ = ["report_tp", "tokens_per_s"]
+
+
+def tokens_per_s(data: dict) -> dict:
+    """{kind: {batch: tokens/s}} of one results file (runs that failed, e.g. out of memory, omitted)."""
+    return {r["kind"]: {p["batch"]: p["tokens_per_s"] for p in r["points"]} for r in data["runs"] if r.get("points")}
+
+
+def _table(rows: dict, ratio: tuple | None) -> list:
+    """rows: {column name: {batch: value}}; ratio (numerator column, denominator column) or None."""
+    names = list(rows)
+    batches = sorted({b for col in rows.values() for b in col})
+    head = "| batch | " + " | ".join(f"{n} tok/s" for n in names) + (f" | {ratio[0]} / {ratio[1]} |" if ratio else " |")
+    lines = [head, "|" + "---|" * (len(names) + 1 + (1 if ratio else 0))]
+    for b in batches:
+        cells = [f"{rows[n][b]:.1f}" if b in rows[n] else "" for n in names]
+        if ratio:
+            num, den = rows[ratio[0]].get(b), rows[ratio[1]].get(b)
+            cells.append(f"{num / den:.2f}x" if num and den else "")
+        lines.append(f"| {b} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def _siblings(path_stem: str, outdir: Path, here: Path) -> dict:
+    """{world size: tokens_per_s} of the same GPU's tp results in the results file's directory."""
+    m = re.fullmatch(r"(.+)x(\d+)-tp", path_stem)
+    if not m:
+        return {}
+    out = {}
+    for other in sorted(here.glob(f"{m.group(1)}x*-tp.json")):
+        om = re.fullmatch(r".+x(\d+)-tp", other.stem)
+        if om:
+            out[int(om.group(1))] = tokens_per_s(json.loads(other.read_text()))
+    return out
+
+
+def report_tp(data: dict, stem: str, outdir: Path, source_dir: Path | None = None) -> list:
+    meta = data["meta"]
+    world = meta.get("world_size", 1)
+    tps = tokens_per_s(data)
+    layers = meta.get("shape", {}).get("layers")
+    lines = [
+        f"# Tensor-parallel decode, TP={world}: {meta.get('gpu', '?')}",
+        "",
+        f"Llama-2-70B shape, {layers} layers, random weights; {meta.get('prompt')} prompt tokens in the cache, "
+        f"{meta.get('steps')} greedy decode steps, one CUDA graph per step; median of {meta.get('repeats')} runs "
+        "(slowest rank).",
+        "",
+    ]
+    lines += _table(tps, ("marlin", "fp16") if {"marlin", "fp16"} <= set(tps) else None)
+    failed = [f"{r['kind']}: {r['error']}" for r in data["runs"] if r.get("error")]
+    if failed:
+        lines += ["", "Not measured: " + "; ".join(failed)]
+    siblings = _siblings(stem, outdir, source_dir or outdir)
+    if len(siblings) > 1:
+        cross = {}
+        for w, kinds in sorted(siblings.items()):
+            for kind, pts in kinds.items():
+                cross[f"{kind} TP={w}"] = pts
+        lines += ["", "## Across world sizes", ""]
+        pair = ("marlin TP=1", "fp16 TP=2") if {"marlin TP=1", "fp16 TP=2"} <= set(cross) else None
+        lines += _table(cross, pair)
+    md = outdir / f"{stem}.md"
+    md.write_text("\n".join(lines) + "\n")
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for kind, pts in tps.items():
+        bs = sorted(pts)
+        ax.plot(bs, [pts[b] for b in bs], marker="o", label=f"{kind}, TP={world}")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("batch (sequences)")
+    ax.set_ylabel("decode tokens/s")
+    ax.set_title(f"Llama-2-70B shape ({layers} layers), TP={world}")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    png = outdir / f"{stem}.png"
+    fig.tight_layout()
+    fig.savefig(png, dpi=120)
+    plt.close(fig)
+    return [f"wrote {md}", f"wrote {png}"]
