@@ -96,9 +96,15 @@ class MarlinLinear(nn.Module):
 
     # -- construction from float or GPTQ weights ---------------------------------------------
     @classmethod
-    def from_linear(cls, linear: nn.Linear, group_size: int = 128) -> "MarlinLinear":
+    def from_linear(cls, linear: nn.Linear, group_size: int = 128, *, sparsity: Optional[str] = None) -> nn.Module:
         """Round-to-nearest symmetric INT4 quantization of ``linear`` (marlin.packing.quantize),
-        on the device of its weight. Raises ValueError for shapes the kernel cannot take."""
+        on the device of its weight. Raises ValueError for shapes the kernel cannot take.
+        ``sparsity="2:4"`` prunes to 2:4 and returns a marlin.MarlinLinear24 instead."""
+        if sparsity is not None:
+            from . import sparse_nn
+
+            sparse_nn.check_sparsity(sparsity, "MarlinLinear.from_linear")
+            return sparse_nn.MarlinLinear24.from_linear(linear, group_size)
         if not isinstance(linear, nn.Linear):
             raise TypeError(f"from_linear: expected an nn.Linear, got {type(linear).__name__}")
         weight = linear.weight
@@ -289,6 +295,7 @@ def replace_linear(
     *,
     strict: bool = False,
     fuse: bool = False,
+    sparsity: Optional[str] = None,
 ) -> ReplaceReport:
     """Swap every eligible ``nn.Linear`` of ``model`` for a MarlinLinear (quantized with
     MarlinLinear.from_linear), in place, and return a ReplaceReport.
@@ -308,7 +315,17 @@ def replace_linear(
 
     With ``fuse`` the projections that read the same input (q/k/v, gate/up) are then merged into
     one layer each by marlin.fuse_projections (exact; its report is ``report.fused``).
+
+    ``sparsity="2:4"``: 2:4-sparse layers instead (marlin.replace_linear_2_4, whose report also
+    gives per layer the share of the weight norm that pruning removed; not with ``fuse``).
     """
+    if sparsity is not None:
+        from . import sparse_nn
+
+        sparse_nn.check_sparsity(sparsity, "replace_linear")
+        if fuse:
+            raise ValueError("replace_linear: fuse=True is not supported with sparsity='2:4' (2:4 layers are not fused)")
+        return sparse_nn.replace_linear_2_4(model, group_size, include, exclude, strict=strict)
     if group_size not in packing.SUPPORTED_GROUP_SIZES:
         raise ValueError(f"replace_linear: group_size = {group_size!r}, expected one of {packing.SUPPORTED_GROUP_SIZES} (-1: per column)")
     include_p, exclude_p = _as_patterns(include, "include"), _as_patterns(exclude, "exclude") or ()

@@ -1,7 +1,8 @@
 """A small-batch and a large-batch gemm for compute-sanitizer (memcheck, racecheck, ...).
 
-    compute-sanitizer --tool memcheck python scripts/sanitize.py
-Checks the results too, so a run that is clean but wrong still fails.
+    compute-sanitizer --tool memcheck python scripts/sanitize.py [--formats]
+Checks the results too, so a run that is clean but wrong still fails. --formats runs only the
+instances of the other weight formats (bf16, zero points, groups 32/64, 8-bit, partial N tiles).
 """
 
 import os
@@ -38,12 +39,52 @@ CASES = [  # (M, K, N, group size, forced tile): both kernels, split columns, se
 ]
 
 
+# (M, K, N, (dtype, bits, symmetric, group size), forced tile): one new instance of each kernel per
+# format family, and the tiled kernel's partial last tile of N (its redirected copies must stay in
+# bounds)
+FORMAT_CASES = [
+    (5, 1024, 1536, (torch.bfloat16, 4, False, 32), None),  # small-batch, bf16 zero points, 4 scale rows per stage
+    (13, 1152, 1536, (torch.float16, 8, True, 64), (128, 256)),  # small-batch, 16-row slice, 8-bit
+    (7, 1024, 640, (torch.float16, 4, False, -1), None),  # tiled, per-column zero points
+    (40, 576, 192, (torch.bfloat16, 4, False, 64), None),  # tiled 64 x 256, one chunk of four valid
+    (100, 320, 1344, (torch.float16, 4, True, -1), None),  # tiled, fp16 per column, partial last tile
+    (70, 1024, 1600, (torch.bfloat16, 8, True, 128), None),  # tiled, bf16 8-bit, partial last tile
+]
+
+
+def run_format_case(m, k, n, fmt, tile):
+    dtype, bits, sym, g = fmt
+    w = torch.randn(k, n, device="cuda")
+    if sym:
+        q, s = packing.quantize(w, g, bits=bits, sym=True, dtype=dtype)
+        z = None
+        b_q, b_s = packing.pack(q, s, bits=bits)
+        b_z = None
+    else:
+        q, s, z = packing.quantize(w, g, bits=bits, sym=False, dtype=dtype)
+        b_q, b_s, b_z = packing.pack(q, s, z, bits=bits)
+    a = torch.randn(m, k, device="cuda", dtype=dtype)
+    ws = marlin.make_workspace()
+    c = marlin.gemm(a, b_q, b_s, ws, b_zeros=b_z, bits=bits, tile_k=tile and tile[0], tile_n=tile and tile[1])
+    ref = a.double() @ packing.dequantize(q, s, z).double()
+    err = ((c.double() - ref).norm() / ref.norm()).item()
+    left = int(ws.abs().sum())
+    tol = 8e-3 if dtype == torch.bfloat16 else 2e-3  # bf16 rounds each weight to 8 significant bits
+    print(f"M={m} K={k} N={n} {dtype} bits={bits} sym={sym} group={g}: rel err {err:.2e}, workspace left {left}")
+    return err < tol and left == 0
+
+
 def main():
     os.environ.setdefault("MARLIN_LOG_PLAN", "1")  # each call's plan (partition) goes to the log
     # above 64 rows the planner picks 64-row slices on layers this small; 128-row ones are checked here
     os.environ.setdefault("MARLIN_WG_SLICE", "128")
     torch.manual_seed(0)
     ok = True
+    if "--formats" in sys.argv[1:]:
+        for case in FORMAT_CASES:
+            ok &= run_format_case(*case)
+        torch.cuda.synchronize()
+        return 0 if ok else 1
     for m, k, n, g, tile in CASES:
         q, s = packing.quantize(torch.randn(k, n, device="cuda"), g)
         b_q, b_s = packing.pack(q, s)

@@ -53,54 +53,63 @@ __device__ __forceinline__ uint32_t as_u32(typename Elem<T>::T2 v) {
   return *reinterpret_cast<uint32_t*>(&v);
 }
 
-// The per-column constants that turn a nibble's magic-number value into u - z (kU4Zp): computed
-// once per group from the zero point z (exact: integers below 2^8 in either type).
+// The constants that turn a nibble's magic-number value into u - z (kU4Zp), for the two columns
+// of a 16x16 block at once: `zpair` holds the zero points of columns g (low half) and 8 + g (high
+// half), as stored (one 32-bit word of the lane's zero points). Two instructions per block; the
+// dequantization takes each column's half with a broadcast that folds into its operand. Exact:
+// integers below 2^11 in fp16, below 2^8 in bf16.
 //  fp16: low nibbles give 1024 + u, subtract 1024 + z; high nibbles give 1024 + 16 u, times 1/16
 //        then add -(64 + z).
 //  bf16: every nibble is shifted down to the low bits and gives 128 + u; subtract 128 + z.
 struct U4Zero {
-  uint32_t sub;  // (1024 + z) or (128 + z), both halves
-  uint32_t add;  // fp16 only: -(64 + z), both halves
+  uint32_t sub;  // {1024 + z_lo, 1024 + z_hi} or {128 + z_lo, 128 + z_hi}
+  uint32_t add;  // fp16 only: {-(64 + z_lo), -(64 + z_hi)}
 };
 
+// A pair of 16-bit constants as T2 (bit patterns, so that no conversion is left to run).
 template <typename T>
-__device__ __forceinline__ U4Zero u4_zero(T z) {
+__device__ __forceinline__ typename Elem<T>::T2 const2(uint32_t bits) {
+  return *reinterpret_cast<const typename Elem<T>::T2*>(&bits);
+}
+
+template <typename T>
+__device__ __forceinline__ U4Zero u4_zero_pair(uint32_t zpair) {
   U4Zero out;
   if constexpr (kIsBf16<T>) {
-    const nv_bfloat162 z2 = __bfloat162bfloat162(z);
-    out.sub = as_u32<T>(__hadd2(z2, __float2bfloat162_rn(128.f)));
+    out.sub = as_u32<T>(__hadd2(as_t2<T>(zpair), const2<T>(0x43004300)));  // + 128
     out.add = 0;
   } else {
-    const half2 z2 = __half2half2(z);
-    out.sub = as_u32<T>(__hadd2(z2, __float2half2_rn(1024.f)));
-    out.add = as_u32<T>(__hneg2(__hadd2(z2, __float2half2_rn(64.f))));
+    out.sub = as_u32<T>(__hadd2(as_t2<T>(zpair), const2<T>(0x64006400)));                             // + 1024
+    out.add = as_u32<T>(__hfma2(as_t2<T>(zpair), const2<T>(0xbc00bc00), const2<T>(0xd400d400)));  // * -1 - 64
   }
   return out;
 }
 
 // Eight 4-bit weights of one int32 (nibbles in 64207531 order) into the two mma B fragments of a
 // 16x16 block: lo = column g (K rows 2c, 2c+1 | 2c+8, 2c+9), hi = column 8 + g. ZP: subtract the
-// columns' zero points (z_lo, z_hi from u4_zero) instead of the symmetric 8.
+// columns' zero points (z from u4_zero_pair) instead of the symmetric 8.
 // fp16 without zero points is dequant_int4x8 of ptx.cuh, unchanged.
 template <typename T, bool ZP>
-__device__ __forceinline__ void dequant_u4(uint32_t w, uint32_t (&lo)[2], uint32_t (&hi)[2], const U4Zero& z_lo,
-                                           const U4Zero& z_hi) {
+__device__ __forceinline__ void dequant_u4(uint32_t w, uint32_t (&lo)[2], uint32_t (&hi)[2], U4Zero z) {
   constexpr uint32_t kLowMask = 0x000f000f;
   constexpr uint32_t kAndOr = (0xf0 & 0xcc) | 0xaa;  // lop3 truth table of (a & b) | c
   if constexpr (kIsBf16<T>) {
     // 0x4300 is bf16 128 (7 mantissa bits): OR-ing a nibble into the low mantissa bits gives
     // 128 + u exactly. A nibble at bits 4..7 would not fit, so all four are shifted down.
     constexpr uint32_t kExp = 0x43004300;
-    const uint32_t sym = 0x43084308;  // {136, 136}
     uint32_t t0 = lop3<kAndOr>(w, kLowMask, kExp);
     uint32_t t1 = lop3<kAndOr>(w >> 4, kLowMask, kExp);
     uint32_t t2 = lop3<kAndOr>(w >> 8, kLowMask, kExp);
     uint32_t t3 = lop3<kAndOr>(w >> 12, kLowMask, kExp);
-    const uint32_t s_lo = ZP ? z_lo.sub : sym, s_hi = ZP ? z_hi.sub : sym;
-    lo[0] = as_u32<T>(__hsub2(as_t2<T>(t0), *reinterpret_cast<const nv_bfloat162*>(&s_lo)));
-    lo[1] = as_u32<T>(__hsub2(as_t2<T>(t1), *reinterpret_cast<const nv_bfloat162*>(&s_lo)));
-    hi[0] = as_u32<T>(__hsub2(as_t2<T>(t2), *reinterpret_cast<const nv_bfloat162*>(&s_hi)));
-    hi[1] = as_u32<T>(__hsub2(as_t2<T>(t3), *reinterpret_cast<const nv_bfloat162*>(&s_hi)));
+    nv_bfloat162 s_lo = const2<T>(0x43084308), s_hi = s_lo;  // symmetric: 136 = 128 + 8
+    if constexpr (ZP) {
+      s_lo = __low2bfloat162(as_t2<T>(z.sub));
+      s_hi = __high2bfloat162(as_t2<T>(z.sub));
+    }
+    lo[0] = as_u32<T>(__hsub2(as_t2<T>(t0), s_lo));
+    lo[1] = as_u32<T>(__hsub2(as_t2<T>(t1), s_lo));
+    hi[0] = as_u32<T>(__hsub2(as_t2<T>(t2), s_hi));
+    hi[1] = as_u32<T>(__hsub2(as_t2<T>(t3), s_hi));
   } else if constexpr (!ZP) {
     dequant_int4x8(w, lo, hi);
   } else {
@@ -113,10 +122,11 @@ __device__ __forceinline__ void dequant_u4(uint32_t w, uint32_t (&lo)[2], uint32
     uint32_t t2 = lop3<kAndOr>(w_hi, kLowMask, kExp);
     uint32_t t3 = lop3<kAndOr>(w_hi, kHighMask, kExp);
     const half2 m = *reinterpret_cast<const half2*>(&mul);
-    lo[0] = as_u32<T>(__hsub2(as_t2<T>(t0), *reinterpret_cast<const half2*>(&z_lo.sub)));
-    lo[1] = as_u32<T>(__hfma2(as_t2<T>(t1), m, *reinterpret_cast<const half2*>(&z_lo.add)));
-    hi[0] = as_u32<T>(__hsub2(as_t2<T>(t2), *reinterpret_cast<const half2*>(&z_hi.sub)));
-    hi[1] = as_u32<T>(__hfma2(as_t2<T>(t3), m, *reinterpret_cast<const half2*>(&z_hi.add)));
+    const half2 sub = as_t2<T>(z.sub), add = as_t2<T>(z.add);
+    lo[0] = as_u32<T>(__hsub2(as_t2<T>(t0), __low2half2(sub)));
+    lo[1] = as_u32<T>(__hfma2(as_t2<T>(t1), m, __low2half2(add)));
+    hi[0] = as_u32<T>(__hsub2(as_t2<T>(t2), __high2half2(sub)));
+    hi[1] = as_u32<T>(__hfma2(as_t2<T>(t3), m, __high2half2(add)));
   }
 }
 

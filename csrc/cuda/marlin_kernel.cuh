@@ -235,8 +235,11 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm<TM>) marlin_gemm_ker
       // per-column zero points, natural order: the lane's columns g + 8 m of its 64 (as s_frag)
       const ET* zc = reinterpret_cast<const ET*>(p.z) + nt * 16 * TN + wn * 64 + lane / 4;
       ET* zf = reinterpret_cast<ET*>(&z_col);
+      z_col = make_int4(0, 0, 0, 0);  // stays for a chunk past N in a partial tile
+      if (wn < n_chunks) {
 #pragma unroll
-      for (int m8 = 0; m8 < 8; m8++) zf[m8] = wn < n_chunks ? zc[8 * m8] : zf[m8];
+        for (int m8 = 0; m8 < 8; m8++) zf[m8] = zc[8 * m8];
+      }
     }
 
     auto fetch_stage = [&](int stage, int t) {
@@ -311,10 +314,9 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm<TM>) marlin_gemm_ker
           dequant_u8<ET>(w[2 * j], lo);
           dequant_u8<ET>(w[2 * j + 1], hi);
         } else if constexpr (W == kU4Zp) {
-          dequant_u4<ET, true>(w[j], lo, hi, u4_zero<ET>(zc[2 * j]), u4_zero<ET>(zc[2 * j + 1]));
+          dequant_u4<ET, true>(w[j], lo, hi, u4_zero_pair<ET>(reinterpret_cast<const uint32_t*>(zc)[j]));
         } else {
-          const U4Zero none{0, 0};
-          dequant_u4<ET, false>(w[j], lo, hi, none, none);
+          dequant_u4<ET, false>(w[j], lo, hi, U4Zero{0, 0});
         }
         if constexpr (S::kGrouped) {
           scale_frag_t<ET>(lo, sc[2 * j]);

@@ -246,7 +246,7 @@ __global__ void __launch_bounds__(kThreads, kSmallMMinBlocksPerSm<MB, WG>) marli
   uint32_t afrag[2][JW][4];                    // WG: dequantized A fragments, double buffered
   alignas(16) uint32_t wq[2][JW * S::kBLane];  // packed weights (8 nibbles / 2 x 4 bytes per block), double buffered
   alignas(16) uint32_t s_cur[JW];              // this lane's scale pairs of the current group
-  alignas(16) uint32_t z_cur[JW];              // kZeros: its zero-point pairs, as s_cur
+  alignas(16) uint32_t z_cur[JW] = {};         // kZeros: its zero-point pairs, as s_cur
 
   // A lane's 16-byte word in shared memory holds one 32-bit entry per 16-column block of its
   // 64-column chunk (packed weights, scale pairs); a warp with kJW == 2 blocks reads its half.
@@ -429,11 +429,9 @@ __global__ void __launch_bounds__(kThreads, kSmallMMinBlocksPerSm<MB, WG>) marli
       dequant_u8<ET>(wq[buf][2 * j], lo);
       dequant_u8<ET>(wq[buf][2 * j + 1], hi);
     } else if constexpr (W == kU4Zp) {
-      const ET* zc = reinterpret_cast<const ET*>(z_cur);
-      dequant_u4<ET, true>(wq[buf][j], lo, hi, u4_zero<ET>(zc[2 * j]), u4_zero<ET>(zc[2 * j + 1]));
+      dequant_u4<ET, true>(wq[buf][j], lo, hi, u4_zero_pair<ET>(z_cur[j]));
     } else if constexpr (kBf16) {
-      const U4Zero none{0, 0};
-      dequant_u4<ET, false>(wq[buf][j], lo, hi, none, none);
+      dequant_u4<ET, false>(wq[buf][j], lo, hi, U4Zero{0, 0});
     } else {
       dequant_int4x8(wq[buf][j], lo, hi);
     }
