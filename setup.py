@@ -51,6 +51,8 @@ def extension():
     os.environ.setdefault("TORCH_CUDA_ARCH_LIST", DEFAULT_ARCHS)
     print(f"marlin: building CPU and CUDA ops for TORCH_CUDA_ARCH_LIST={os.environ['TORCH_CUDA_ARCH_LIST']}")
     sources += sorted(glob.glob("csrc/cuda/*.cpp")) + sorted(glob.glob("csrc/cuda/*.cu"))
+    # one folder per kernel family apart from the dense one (csrc/cuda/sparse: 2:4 weights)
+    sources += sorted(glob.glob("csrc/cuda/*/*.cpp")) + sorted(glob.glob("csrc/cuda/*/*.cu"))
     nvcc = ["-O3", "-std=c++17", "--expt-relaxed-constexpr", "-Xptxas=-warn-spills"]
     archs = [a.strip() for a in os.environ["TORCH_CUDA_ARCH_LIST"].replace(",", ";").split(";")]
     if any(a.split("+")[0] == "9.0a" for a in archs):

@@ -56,9 +56,11 @@ def arrivals(n: int, rate: float, seed: int) -> list[float]:
     return np.concatenate([[0.0], np.cumsum(gaps[1:])]).tolist()
 
 
-def serve(model, requests: list[dict], offsets: list[float], warmup: bool, timeout_s: float) -> list[dict]:
-    """Submit each request at its offset, wait for all; per request its arrival and token times."""
-    from transformers import GenerationConfig
+def serve(model, requests: list[dict], offsets: list[float], warmup: bool, timeout_s: float,
+          small_cache: bool = False) -> list[dict]:
+    """Submit each request at its offset, wait for all; per request its arrival and token times.
+    ``small_cache``: a few KV blocks instead of most of the free GPU memory (smoke runs, tests)."""
+    from transformers import ContinuousBatchingConfig, GenerationConfig
 
     gc_ = GenerationConfig(do_sample=False, eos_token_id=-1, pad_token_id=0,
                            max_new_tokens=max(r["output_len"] for r in requests))
@@ -66,8 +68,10 @@ def serve(model, requests: list[dict], offsets: list[float], warmup: bool, timeo
     arrival: dict = {}
     # persistent: the manager (paged cache, captured graphs) is reused by the next call; main()
     # destroys it when the kernel changes.
+    cb_config = ContinuousBatchingConfig(num_blocks=8, max_batch_tokens=256) if small_cache else None
     with model.continuous_batching_context_manager(generation_config=gc_, warmup=warmup, block=True,
-                                                   persistent_manager=True) as manager:
+                                                   persistent_manager=True,
+                                                   continuous_batching_config=cb_config) as manager:
         t0 = time.perf_counter()
         for i, (req, off) in enumerate(zip(requests, offsets)):
             while (wait := t0 + off - time.perf_counter()) > 0:
@@ -161,10 +165,10 @@ def main(argv=None) -> int:
             to_marlin(model, fuse=True)
         # one short unmeasured round first: the manager's set-up (cache sizing, graph capture) is
         # not a request's latency
-        serve(model, reqs[:2], [0.0, 0.0], warmup=not args.dry_run, timeout_s=args.timeout)
+        serve(model, reqs[:2], [0.0, 0.0], warmup=not args.dry_run, timeout_s=args.timeout, small_cache=args.dry_run)
         for rate in args.rates:
             recs = serve(model, reqs, arrivals(len(reqs), rate, args.seed), warmup=not args.dry_run,
-                         timeout_s=args.timeout)
+                         timeout_s=args.timeout, small_cache=args.dry_run)
             point = {"kernel": kernel, "rate": rate if np.isfinite(rate) else None, **summarize(recs)}
             points.append(point)
             requests_out += [dict(r, kernel=kernel, rate=point["rate"]) for r in recs]

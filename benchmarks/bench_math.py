@@ -30,12 +30,14 @@ from . import shapes as S
 REPO = Path(__file__).resolve().parent.parent
 RESULTS_DIR = REPO / "benchmarks" / "results"
 
-KERNELS = ("fp16", "fp16_kn", "marlin_g128", "marlin_gcol", "marlin_direct", "torch_int4")
+KERNELS = ("fp16", "fp16_kn", "marlin_g128", "marlin_gcol", "marlin_direct", "marlin_24_g128", "marlin_24_gcol", "torch_int4")
 # FP16 is timed in both weight layouts; every speedup is over the faster of the two (fp16_time)
 BASELINES = ("fp16", "fp16_kn")
-QUANT_KERNELS = ("marlin_g128", "marlin_gcol", "marlin_direct", "torch_int4")
+QUANT_KERNELS = ("marlin_g128", "marlin_gcol", "marlin_direct", "marlin_24_g128", "marlin_24_gcol", "torch_int4")
 # marlin_direct: group 128 called with workspace=None (the op's own per-stream lock slots)
 MARLIN_GROUP = {"marlin_g128": 128, "marlin_gcol": -1, "marlin_direct": 128}
+# 2:4-sparse weights (marlin.ops.gemm_2_4, marlin/sparse.py): group size along the original K
+MARLIN_24_GROUP = {"marlin_24_g128": 128, "marlin_24_gcol": -1}
 INT4_GROUP = 128  # torch_int4's group size
 # The other weight formats (issue 22), timed on request (--kernels): name -> (activation dtype,
 # bits, zero points, group size). Speedups are over FP16 as for marlin_g128; compare them with
@@ -89,9 +91,9 @@ def sanitize_gpu_name(name: str) -> str:
 
 
 def scale_rows(kernel: str, k: int) -> int:
-    if kernel == "marlin_gcol":
+    if kernel in ("marlin_gcol", "marlin_24_gcol"):
         return 1
-    if kernel in ("marlin_g128", "marlin_direct", "torch_int4"):
+    if kernel in ("marlin_g128", "marlin_direct", "marlin_24_g128", "torch_int4"):
         return k // 128
     return 0
 
@@ -106,6 +108,9 @@ def weight_bytes(kernel: str, k: int, n: int) -> int:
         return 2 * k * n
     if kernel in MARLIN_GROUP:
         return k * n // 2 + 2 * n * scale_rows(kernel, k)  # int4 codes + fp16 scales
+    if kernel in MARLIN_24_GROUP:
+        # kept int4 values (K/2 per column) + 2-bit positions + fp16 scales: 3 bits per weight
+        return k * n // 4 + k * n // 8 + 2 * n * scale_rows(kernel, k)
     if kernel == "torch_int4":
         return k * n // 2 + 4 * n * scale_rows(kernel, k)  # int4 codes + bf16 (scale, zero) pairs
     raise ValueError(f"unknown kernel {kernel!r}")
@@ -301,7 +306,8 @@ def format_table(points: list[dict], copy_bw_gbps: Optional[float] = None) -> st
         shapes_kn.setdefault(canonical_shape(p["shape"]), (int(p["K"]), int(p["N"])))
     kernels_present = [k for k in ALL_KERNELS if any(p["kernel"] == k for p in points)]
     quant = [k for k in kernels_present if k not in BASELINES]
-    short = {"marlin_g128": "g128", "marlin_gcol": "gcol", "marlin_direct": "direct", "torch_int4": "int4"}
+    short = {"marlin_g128": "g128", "marlin_gcol": "gcol", "marlin_direct": "direct", "marlin_24_g128": "24g128",
+             "marlin_24_gcol": "24gcol", "torch_int4": "int4"}
     short.update({k: k[len("marlin_"):] for k in FORMAT_KERNELS})
     head = f"{'M':>6} | {'fp16 us':>9}"
     for k in quant:

@@ -165,7 +165,11 @@ def meta(device, world: int, shape: LlamaShape, args) -> dict:
         info["provenance_error"] = repr(e)
         info.setdefault("gpu_slug", "cpu" if device.type == "cpu" else torch.cuda.get_device_name(device).replace(" ", "-").lower())
     if device.type == "cuda":
-        info["nccl"] = ".".join(str(v) for v in torch.cuda.nccl.version())
+        try:
+            version = torch.cuda.nccl.version()  # a tuple in current torch, an int in old ones
+            info["nccl"] = ".".join(str(v) for v in version) if isinstance(version, tuple) else str(version)
+        except Exception as e:  # noqa: BLE001
+            info["nccl"] = repr(e)
     return info
 
 

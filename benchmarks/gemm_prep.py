@@ -33,6 +33,7 @@ from .bench_math import (
     FORMAT_KERNELS,
     INT4_GROUP,
     INT4_SANITY_TOL,
+    MARLIN_24_GROUP,
     MARLIN_GROUP,
     copies_needed,
     weight_bytes,
@@ -190,6 +191,23 @@ def prepare(kernel: str, k: int, n: int, dev: torch.device, l2_bytes: int, min_c
 
         return Prepared(kernel, copies, nbytes, make_fn, checks=checks, tensors=[bqs, bss, workspace])
 
+    if kernel in MARLIN_24_GROUP:
+        from marlin import ops as marlin_ops
+
+        # the 2:4 CUDA kernel is off by default until validated (csrc/cuda/sparse/gemm_2_4_cuda.cpp)
+        os.environ.setdefault("MARLIN_2_4_CUDA", "1")
+        groups = 1 if MARLIN_24_GROUP[kernel] == -1 else k // MARLIN_24_GROUP[kernel]
+        b_q = torch.randint(-(2**31), 2**31, (k // 32, 2 * n), dtype=torch.int32, device=dev)
+        b_meta = random_meta_2_4(k, n, dev)
+        b_s = torch.empty(groups, n, dtype=torch.float16, device=dev).uniform_(0.001, 0.01)
+        checks = check_marlin_24(b_q, b_meta, b_s, k, n, dev)
+        bqs, bms, bss = (_random_like_clones(t, copies) for t in (b_q, b_meta, b_s))
+
+        def make_fn(a):
+            return lambda i: marlin_ops.gemm_2_4(a, bqs[i % copies], bms[i % copies], bss[i % copies])
+
+        return Prepared(kernel, copies, nbytes, make_fn, checks=checks, tensors=[bqs, bms, bss])
+
     if kernel in FORMAT_KERNELS:
         return _prepare_format(kernel, k, n, dev, nbytes, copies)
 
@@ -232,6 +250,38 @@ def prepare(kernel: str, k: int, n: int, dev: torch.device, l2_bytes: int, min_c
 
     raise ValueError(f"unknown kernel {kernel!r}")
 
+
+def random_meta_2_4(k: int, n: int, dev) -> torch.Tensor:
+    """Random valid 2:4 metadata int32 [K/32, N]: every nibble one of the six position pairs."""
+    valid = torch.tensor([0b0100, 0b1000, 0b1100, 0b1001, 0b1101, 0b1110], dtype=torch.int64, device=dev)
+    nib = valid[torch.randint(0, 6, (k // 32, n, 8), device=dev)]
+    words = (nib << (4 * torch.arange(8, device=dev))).sum(-1)
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+
+
+def check_marlin_24(b_q, b_meta, b_s, k: int, n: int, dev, ms=CHECK_MS, max_elems=CHECK_MAX_ELEMS) -> list[dict]:
+    """marlin.gemm_2_4 vs fp32 a @ dequant (marlin.sparse.unpack_2_4, the spec) on sampled 64-column
+    tiles; raises CorrectnessError above CHECK_TOL."""
+    from marlin import ops as marlin_ops
+    from marlin import sparse
+
+    tiles = _check_tiles(n, k, max_elems)
+    w = torch.cat([sparse.unpack_2_4(b_q[:, 128 * t: 128 * t + 128].contiguous(), b_meta[:, 64 * t: 64 * t + 64].contiguous(),
+                                     b_s[:, 64 * t: 64 * t + 64].contiguous()) for t in tiles], dim=1).to(dev)
+    cols = torch.cat([torch.arange(64 * t, 64 * t + 64) for t in tiles]).to(dev)
+    out = []
+    for m in ms:
+        a = torch.randn(m, k, dtype=torch.float16, device=dev)
+        c = marlin_ops.gemm_2_4(a, b_q, b_meta, b_s)
+        _sync(dev)
+        err = _rel_err(c[:, cols], _ref_matmul(a, w))
+        out.append({"M": m, "rel_err": err, "tol": CHECK_TOL, "columns": int(cols.numel()), "ok": err < CHECK_TOL})
+        if not err < CHECK_TOL:
+            raise CorrectnessError(
+                f"marlin.gemm_2_4 is WRONG: K={k} N={n} groups={b_s.shape[0]} M={m}: normwise relative error "
+                f"{err:.3g} vs fp32 reference on {cols.numel()} columns (tolerance {CHECK_TOL})"
+            )
+    return out
 
 def _prepare_format(kernel: str, k: int, n: int, dev, nbytes: int, copies: int) -> Prepared:
     """Random packed words, scales in [0.001, 0.01] and integer zero points 0..15 in one of the other

@@ -30,17 +30,19 @@ from . import bench_math as BM
 from . import provenance as PV
 from . import shapes as S  # noqa: E402
 
-QUANT = ("marlin_g128", "marlin_gcol", "marlin_direct", "torch_int4")
+QUANT = ("marlin_g128", "marlin_gcol", "marlin_direct", "marlin_24_g128", "marlin_24_gcol", "torch_int4")
 LABEL = {
     "fp16": "FP16 (F.linear, W [N, K])",
     "fp16_kn": "FP16 (a @ W, W [K, N])",
     "marlin_direct": "Marlin, group 128, workspace=None",
     "marlin_g128": "Marlin, group 128",
     "marlin_gcol": "Marlin, per-column",
+    "marlin_24_g128": "Sparse-Marlin 2:4, group 128",
+    "marlin_24_gcol": "Sparse-Marlin 2:4, per-column",
     "torch_int4": "torch INT4 (tinygemm, g128)",
 }
 COLOR = {"fp16": "tab:gray", "fp16_kn": "tab:brown", "marlin_g128": "tab:red", "marlin_gcol": "tab:orange",
-         "marlin_direct": "tab:pink", "torch_int4": "tab:blue"}
+         "marlin_direct": "tab:pink", "marlin_24_g128": "tab:green", "marlin_24_gcol": "tab:olive", "torch_int4": "tab:blue"}
 
 
 def load(path: Path) -> dict:
@@ -70,6 +72,9 @@ def plot_ideal(points: list[dict], out: Path) -> str:
         ax.plot(ms, [v for _, v in kv], marker="o", color=COLOR[kern], label=LABEL[kern])
     ideal = BM.ideal_speedup("marlin_g128", k_, n_)
     ax.axhline(ideal, color="black", ls="--", lw=1, label=f"ideal (weight bytes, g128) = {ideal:.2f}x")
+    if any(k.startswith("marlin_24") for k in curves):  # the paper's Figure 9: sparse next to dense
+        ideal24 = BM.ideal_speedup("marlin_24_g128", k_, n_)
+        ax.axhline(ideal24, color="tab:green", ls="--", lw=1, label=f"ideal (weight bytes, 2:4 g128) = {ideal24:.2f}x")
     ax.axhline(1.0, color="gray", ls=":", lw=1)
     ms_all = sorted({m for kv in curves.values() for (_, m), _ in kv})
     ax.set_xscale("log", base=2)

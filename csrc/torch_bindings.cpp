@@ -25,6 +25,17 @@ TORCH_LIBRARY(marlin, m) {
       "int? tile_k=None, int? tile_n=None, int bits=4) -> Tensor");
 }
 
+// 2:4-sparse INT4 weights (Sparse-MARLIN; layout in marlin/sparse.py). A separate block so that
+// the dense schema above can change on its own.
+TORCH_LIBRARY_FRAGMENT(marlin, m) {
+  // C[M, N] (fp16) = a[M, K] (fp16) @ dequant(b_q, b_meta, b_scales), fp32 accumulation.
+  //   b_q       int32 [K/32, 2N]: the kept INT4 values, two per 4 rows of K, in the dense tile order.
+  //   b_meta    int32 [K/32, N]: their 2-bit positions, in the order mma.sp reads them.
+  //   b_scales  fp16 [K/128, N] (group 128 along the original K, permuted) or [1, N] (per column).
+  //   workspace as for gemm: int32, all zero, at least marlin.ops.workspace_size(device), or None.
+  m.def("gemm_2_4(Tensor a, Tensor b_q, Tensor b_meta, Tensor b_scales, Tensor? workspace=None) -> Tensor");
+}
+
 // `import marlin._C` loads this library, which runs the registrations above. No pybind11.
 extern "C" PyObject* PyInit__C(void) {
   static struct PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_C", "marlin custom ops (torch.ops.marlin)", -1,

@@ -4,6 +4,7 @@ Ways in:
   * ``torch.ops.marlin.gemm(a, b_q, b_scales)`` (or ``marlin.gemm``): the op itself;
   * ``marlin.packing``: quantize / pack / unpack, the executable spec of the weight format;
   * ``marlin.MarlinLinear`` and ``marlin.replace_linear``: a drop-in for ``nn.Linear``;
+  * ``marlin.sparse``, ``torch.ops.marlin.gemm_2_4``, ``marlin.MarlinLinear24``: 2:4-sparse INT4;
   * ``marlin-convert SRC DST``: GPTQ checkpoint conversion.
 """
 
@@ -20,6 +21,12 @@ __all__ = ["gemm", "workspace_size", "make_workspace", "ops", "packing", "__vers
 from .nn import MarlinLinear, load_quantized, replace_linear
 
 __all__ += ["MarlinLinear", "replace_linear", "load_quantized"]
+
+from . import sparse  # noqa: E402  (2:4-sparse format: prune, pack, unpack)
+from .ops import gemm_2_4  # noqa: E402
+from .sparse_nn import MarlinLinear24, replace_linear_2_4  # noqa: E402
+
+__all__ += ["sparse", "gemm_2_4", "MarlinLinear24", "replace_linear_2_4"]
 
 from .decode import compile_for_decode
 from .fuse import fuse_projections

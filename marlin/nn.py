@@ -138,11 +138,21 @@ class MarlinLinear(nn.Module):
         bits: int = 4,
         sym: bool = True,
         dtype: Optional[torch.dtype] = None,
-    ) -> "MarlinLinear":
+        sparsity: Optional[str] = None,
+    ) -> nn.Module:
         """Round-to-nearest quantization of ``linear`` (marlin.packing.quantize), on the device of its
         weight: ``bits`` 4 or 8, ``sym=False`` for 4-bit zero points. ``dtype`` (default: the
         weight's dtype if it is bfloat16 or float16, else float16) is the layer's compute dtype.
-        Raises ValueError for shapes and formats the kernel cannot take."""
+        Raises ValueError for shapes and formats the kernel cannot take.
+        ``sparsity="2:4"`` prunes to 2:4 and returns a marlin.MarlinLinear24 instead (fp16, 4-bit
+        symmetric: the other format arguments must keep their defaults)."""
+        if sparsity is not None:
+            from . import sparse_nn
+
+            sparse_nn.check_sparsity(sparsity, "MarlinLinear.from_linear")
+            if bits != 4 or not sym or dtype not in (None, torch.float16):
+                raise ValueError("from_linear: sparsity='2:4' takes fp16 4-bit symmetric weights only")
+            return sparse_nn.MarlinLinear24.from_linear(linear, group_size)
         if not isinstance(linear, nn.Linear):
             raise TypeError(f"from_linear: expected an nn.Linear, got {type(linear).__name__}")
         weight = linear.weight
@@ -388,6 +398,7 @@ def replace_linear(
     bits: int = 4,
     sym: bool = True,
     fuse: bool = False,
+    sparsity: Optional[str] = None,
 ) -> ReplaceReport:
     """Swap every eligible ``nn.Linear`` of ``model`` for a MarlinLinear (quantized with
     MarlinLinear.from_linear), in place, and return a ReplaceReport.
@@ -410,7 +421,19 @@ def replace_linear(
 
     With ``fuse`` the projections that read the same input (q/k/v, gate/up) are then merged into
     one layer each by marlin.fuse_projections (exact; its report is ``report.fused``).
+
+    ``sparsity="2:4"``: 2:4-sparse layers instead (marlin.replace_linear_2_4, whose report also
+    gives per layer the share of the weight norm that pruning removed; not with ``fuse``).
     """
+    if sparsity is not None:
+        from . import sparse_nn
+
+        sparse_nn.check_sparsity(sparsity, "replace_linear")
+        if fuse:
+            raise ValueError("replace_linear: fuse=True is not supported with sparsity='2:4' (2:4 layers are not fused)")
+        if bits != 4 or not sym:
+            raise ValueError("replace_linear: sparsity='2:4' takes 4-bit symmetric weights only (bits=4, sym=True)")
+        return sparse_nn.replace_linear_2_4(model, group_size, include, exclude, strict=strict)
     if group_size not in packing.SUPPORTED_GROUP_SIZES:
         raise ValueError(f"replace_linear: group_size = {group_size!r}, expected one of {packing.SUPPORTED_GROUP_SIZES} (-1: per column)")
     if isinstance(bits, bool) or bits not in packing.SUPPORTED_BITS:

@@ -12,9 +12,11 @@ import torch
 
 from . import _C  # noqa: F401  (loads the library that defines the schemas)
 from . import packing
+from .sparse import K_MULTIPLE_2_4, N_MULTIPLE_2_4, STRIP_K
 
 __all__ = [
     "gemm",
+    "gemm_2_4",
     "workspace_size",
     "make_workspace",
     "K_MULTIPLE",
@@ -108,4 +110,46 @@ def _gemm_fake(a, b_q, b_scales, b_zeros=None, workspace=None, tile_k=None, tile
             b_zeros.dtype == a.dtype and tuple(b_zeros.shape) == tuple(b_scales.shape),
             lambda: "marlin.gemm: b_zeros must have the dtype of a and the shape of b_scales",
         )
+    return a.new_empty((a.shape[0], n))
+
+
+# -- 2:4-sparse INT4 weights (marlin/sparse.py; checks as csrc/gemm_2_4_checks.h) -------------
+def gemm_2_4(
+    a: torch.Tensor,
+    b_q: torch.Tensor,
+    b_meta: torch.Tensor,
+    b_scales: torch.Tensor,
+    workspace: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """C[M, N] = a[M, K] @ dequant(b_q, b_meta, b_scales) for 2:4-sparse weights packed by
+    marlin.sparse.quantize_and_pack_2_4; fp16 in, fp16 out. See torch.ops.marlin.gemm_2_4."""
+    return torch.ops.marlin.gemm_2_4(a, b_q, b_meta, b_scales, workspace)
+
+
+@torch.library.register_fake("marlin::gemm_2_4")
+def _gemm_2_4_fake(a, b_q, b_meta, b_scales, workspace=None):
+    op = "marlin.gemm_2_4"
+    torch._check(a.dim() == 2, lambda: f"{op}: a.dim() = {a.dim()}, expected 2 (a is [M, K])")
+    torch._check(a.dtype == torch.float16, lambda: f"{op}: a.dtype = {a.dtype}, expected torch.float16")
+    torch._check(b_q.dim() == 2 and b_q.dtype == torch.int32, lambda: f"{op}: b_q must be int32 [K/32, 2*N]")
+    torch._check(b_meta.dim() == 2 and b_meta.dtype == torch.int32, lambda: f"{op}: b_meta must be int32 [K/32, N]")
+    torch._check(
+        b_scales.dim() == 2 and b_scales.dtype == a.dtype,
+        lambda: f"{op}: b_scales must be [groups, N] of a's dtype ({a.dtype}), got {b_scales.dtype}",
+    )
+    torch._check(b_q.shape[1] % 2 == 0, lambda: f"{op}: b_q.size(1) = {b_q.shape[1]}, expected 2*N")
+    k = b_q.shape[0] * STRIP_K
+    n = b_q.shape[1] // 2
+    torch._check(a.shape[1] == k, lambda: f"{op}: a.size(1) = {a.shape[1]}, expected K = b_q.size(0) * 32 = {k}")
+    torch._check(k % K_MULTIPLE_2_4 == 0, lambda: f"{op}: K = {k}, expected a positive multiple of {K_MULTIPLE_2_4}")
+    torch._check(n % N_MULTIPLE_2_4 == 0, lambda: f"{op}: N = {n}, expected a positive multiple of {N_MULTIPLE_2_4}")
+    torch._check(
+        b_meta.shape[0] == b_q.shape[0] and b_meta.shape[1] == n,
+        lambda: f"{op}: b_meta shape {tuple(b_meta.shape)}, expected [K/32, N] = [{k // STRIP_K}, {n}]",
+    )
+    torch._check(b_scales.shape[1] == n, lambda: f"{op}: b_scales.size(1) = {b_scales.shape[1]}, expected N = {n}")
+    torch._check(
+        b_scales.shape[0] == 1 or b_scales.shape[0] == k // 128,
+        lambda: f"{op}: b_scales.size(0) = {b_scales.shape[0]}, expected 1 or K / 128",
+    )
     return a.new_empty((a.shape[0], n))

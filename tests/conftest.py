@@ -1,11 +1,21 @@
 """Shared helpers for the marlin tests: random layers, references and error measures."""
 
+import os
+
 import pytest
 import torch
+
+# the 2:4 CUDA kernel is off by default until validated on a GPU (csrc/cuda/sparse/gemm_2_4_cuda.cpp)
+os.environ.setdefault("MARLIN_2_4_CUDA", "1")
 
 from marlin import packing
 
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+# the 2:4 op's CUDA kernel is built only where CUDA is (and until it exists, not at all)
+requires_cuda_2_4 = pytest.mark.skipif(
+    not torch.cuda.is_available() or not torch._C._dispatch_has_kernel_for_dispatch_key("marlin::gemm_2_4", "CUDA"),
+    reason="needs a CUDA GPU and a build with the gemm_2_4 CUDA kernel",
+)
 
 
 def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:

@@ -31,6 +31,8 @@ def tiny_llama(heads=4, kv_heads=2):
 def test_follows_the_models_tp_plan():
     model = tiny_llama()
     plan = model_tp_plan(model)
+    if not plan:
+        pytest.skip(f"transformers {transformers.__version__} gives Llama no tp_plan (LLAMA_PLAN is used then)")
     assert plan["model.layers.*.mlp.down_proj"] == "rowwise"
     report = marlin.tensor_parallel(model, rank=1, world_size=2)
     layer = model.model.layers[0]
@@ -40,7 +42,8 @@ def test_follows_the_models_tp_plan():
     assert layer.mlp.down_proj.k0 == 256 and not layer.mlp.down_proj.gather_index
     assert model.lm_head.gather_output and model.lm_head.local.out_features == 500
     assert dict(report.sharded)["model.layers.0.mlp.up_proj"] == "colwise"
-    assert "model.embed_tokens" in dict(report.kept) and "kept model.embed_tokens" in str(report)
+    if "model.embed_tokens" in plan:  # transformers >= 4.5x: "embedding_rowwise", kept replicated
+        assert "model.embed_tokens" in dict(report.kept) and "kept model.embed_tokens" in str(report)
 
 
 def test_explicit_plan_and_one_rank():

@@ -54,7 +54,8 @@ class QuantizeSummary:
 
 
 def check_sparsity(sparsity: Optional[str]) -> None:
-    """None is dense. '2:4' needs the Sparse-MARLIN format; refuse it clearly until it exists."""
+    """None is dense. '2:4' is refused with a clear error: the quantizer has no joint 2:4
+    pruning yet (the Sparse-MARLIN format and layer exist where marlin.sparse is present)."""
     if sparsity is None:
         return
     if sparsity != "2:4":
@@ -66,9 +67,9 @@ def check_sparsity(sparsity: Optional[str]) -> None:
             "sparsity 2:4 writes weights for the Sparse-MARLIN kernel (marlin.sparse), which this build of marlin "
             "does not have; quantize dense (no --sparsity)"
         ) from None
-    raise NotImplementedError(
-        "sparsity 2:4: joint 2:4 pruning and quantization (SparseGPT-style) is not implemented in marlin-quantize "
-        "yet; quantize dense (no --sparsity)"
+    raise ValueError(
+        "sparsity 2:4: joint 2:4 pruning and GPTQ quantization is not implemented in marlin-quantize; quantize dense "
+        "(no --sparsity), or prune by magnitude and round to nearest with marlin.sparse_nn.replace_linear_2_4"
     )
 
 

@@ -1,0 +1,104 @@
+// CPU reference for marlin::gemm_2_4 (2:4-sparse INT4 weights, marlin/sparse.py): expand the
+// compressed values to the dense B [K, N] at the positions b_meta names, dequantize exactly
+// (scale * q in fp32), multiply with fp32 accumulation in a fixed order (k ascending over the
+// dense rows, pruned zeros included), round to fp16. Slow and simple: the CUDA kernel and the
+// Python spec are checked against it.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
+
+#include <vector>
+
+#include "../format_tables.h"
+#include "../gemm_2_4_checks.h"
+#include "../sparse_format.h"
+
+namespace marlin {
+namespace {
+
+// Dense dequantized B [K, N] in fp32 from the packed values, metadata and scales. A metadata
+// nibble that is not two distinct positions (the lower first) is an error: the tensor cores'
+// result would be undefined there.
+std::vector<float> dequantize_2_4_cpu(const at::Tensor& b_q, const at::Tensor& b_meta, const at::Tensor& b_scales,
+                                      int64_t k, int64_t n, int64_t groups) {
+  std::vector<float> w(static_cast<size_t>(k * n), 0.f);
+  const int32_t* q = b_q.data_ptr<int32_t>();
+  const int32_t* meta = b_meta.data_ptr<int32_t>();
+  const at::Half* s = b_scales.data_ptr<at::Half>();
+  const auto& slot_of = tile_slot_of(4);
+  const auto& meta_slot = meta_slot_of();
+  const int64_t group_rows = k / groups;
+  const int64_t strips = k / kStrip24;
+  std::vector<int64_t> bad(static_cast<size_t>(strips), -1);  // first bad (row, column) per strip, or -1
+  at::parallel_for(0, strips, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t st = begin; st < end; st++) {
+      const int32_t* row = q + st * 2 * n;
+      const int32_t* mrow = meta + st * n;
+      for (int64_t cr = 0; cr < 16; cr++) {  // compressed row 16 st + cr: group 8 st + cr / 2
+        const int64_t go = cr / 2;
+        for (int64_t col = 0; col < n; col++) {
+          const int64_t nt = col / 64, c = col % 64;
+          const int ms = meta_slot[go * 64 + c];
+          const uint32_t mword = static_cast<uint32_t>(mrow[nt * 64 + ms / 8]);
+          const int nib = static_cast<int>((mword >> (4 * (ms % 8))) & 0xF);
+          const int i0 = nib & 3, i1 = nib >> 2;
+          if (i0 >= i1) {
+            if (bad[st] < 0) bad[st] = (8 * st + go) * 4 * n + col;
+            continue;
+          }
+          const int slot = slot_of[cr * 64 + c];
+          const uint32_t word = static_cast<uint32_t>(row[nt * 128 + slot / 8]);
+          const int v = static_cast<int>((word >> (4 * (slot % 8))) & 0xF) - 8;
+          const int64_t kr = 4 * (8 * st + go) + (cr % 2 == 0 ? i0 : i1);
+          const int64_t g = kr / group_rows;
+          const int64_t s_idx = groups == 1 ? col : g * n + nt * 64 + scale_position(static_cast<int>(c));
+          w[kr * n + col] = static_cast<float>(s[s_idx]) * static_cast<float>(v);
+        }
+      }
+    }
+  });
+  for (int64_t st = 0; st < strips; st++) {
+    TORCH_CHECK(bad[st] < 0, "marlin.gemm_2_4: b_meta names the same or a decreasing pair of positions for rows ",
+                num(bad[st] / n), "..", num(bad[st] / n + 3), " of column ", num(bad[st] % n),
+                "; expected two distinct positions, the lower first (b_meta from marlin.sparse.quantize_and_pack_2_4)");
+  }
+  return w;
+}
+
+at::Tensor gemm_2_4_cpu(const at::Tensor& a, const at::Tensor& b_q, const at::Tensor& b_meta, const at::Tensor& b_scales,
+                        const std::optional<at::Tensor>& workspace) {
+  const Gemm24Shape sh = check_gemm_2_4_args(a, b_q, b_meta, b_scales, workspace);
+  at::Tensor c = at::empty({sh.m, sh.n}, a.options());
+  if (sh.m == 0) return c;
+  const std::vector<float> w = dequantize_2_4_cpu(b_q, b_meta, b_scales, sh.k, sh.n, sh.groups);
+  const at::Tensor ac = a.contiguous();
+  const at::Half* ap = ac.data_ptr<at::Half>();
+  at::Half* cp = c.data_ptr<at::Half>();
+  const int64_t n = sh.n, k = sh.k;
+  constexpr int64_t kColBlock = 256;
+  const int64_t col_blocks = (n + kColBlock - 1) / kColBlock;
+  // One task = one row of A times one block of columns; k ascending, fp32 sums.
+  at::parallel_for(0, sh.m * col_blocks, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> acc(kColBlock);
+    for (int64_t task = begin; task < end; task++) {
+      const int64_t row = task / col_blocks;
+      const int64_t c0 = (task % col_blocks) * kColBlock;
+      const int64_t width = std::min(kColBlock, n - c0);
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t kk = 0; kk < k; kk++) {
+        const float av = static_cast<float>(ap[row * k + kk]);
+        const float* wr = w.data() + kk * n + c0;
+        for (int64_t j = 0; j < width; j++) acc[j] += av * wr[j];
+      }
+      for (int64_t j = 0; j < width; j++) cp[row * n + c0 + j] = static_cast<at::Half>(acc[j]);
+    }
+  });
+  return c;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(marlin, CPU, m) { m.impl("gemm_2_4", &gemm_2_4_cpu); }
+
+}  // namespace marlin

@@ -1,0 +1,103 @@
+// CUDA implementation of marlin::gemm_2_4: checks, device guard, stream, output and fp32
+// partials, then the plan and launch of marlin_24.cu. Never synchronises with the host.
+#include <ATen/cuda/CUDAContext.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <torch/library.h>
+
+#include <cstdlib>
+#include <string>
+
+#include "../../gemm_2_4_checks.h"
+#include "../marlin_gemm.h"  // stream_locks, max_locks
+#include "marlin_24.h"
+
+namespace marlin {
+namespace {
+
+// MARLIN_2_4_CUDA=1 enables the kernel. Until it has passed tests/test_gemm_2_4_cuda.py on a GPU
+// it is off by default, so that an untested kernel cannot give a wrong answer (the tests turn it
+// on in tests/conftest.py). Read once per process.
+bool kernel_enabled() {
+  static const bool value = [] {
+    const char* env = std::getenv("MARLIN_2_4_CUDA");
+    return env != nullptr && std::atoi(env) == 1;
+  }();
+  return value;
+}
+
+at::Tensor gemm_2_4_cuda(const at::Tensor& a, const at::Tensor& b_q, const at::Tensor& b_meta, const at::Tensor& b_scales,
+                         const std::optional<at::Tensor>& workspace) {
+  const Gemm24Shape sh = check_gemm_2_4_args(a, b_q, b_meta, b_scales, workspace);
+  TORCH_CHECK_NOT_IMPLEMENTED(kernel_enabled(), "marlin.gemm_2_4: the CUDA kernel is experimental (not yet validated on a "
+                              "GPU) and off by default; set MARLIN_2_4_CUDA=1 to use it, or call the op on CPU tensors");
+  const c10::cuda::OptionalCUDAGuard guard(a.device());
+  const cudaDeviceProp* prop = at::cuda::getCurrentDeviceProperties();
+  TORCH_CHECK(prop->major >= 8, "marlin.gemm_2_4: needs a GPU of compute capability 8.0 or newer (sparse tensor cores); ",
+              prop->name, " is ", num(prop->major), ".", num(prop->minor));
+  TORCH_CHECK(sh.m <= (int64_t{1} << 30) && sh.k <= (int64_t{1} << 30) && sh.n <= (int64_t{1} << 30),
+              "marlin.gemm_2_4: dimensions beyond 2^30 are not supported");
+
+  at::Tensor c = at::empty({sh.m, sh.n}, a.options());
+  if (sh.m == 0) return c;
+
+  // 16-byte copies of the rows of `a`: last dim contiguous, rows 16-byte aligned.
+  at::Tensor a_use = a;
+  const bool a_ok = a.stride(1) == 1 && a.stride(0) % 8 == 0 && a.stride(0) >= sh.k &&
+                    reinterpret_cast<uintptr_t>(a.data_ptr()) % 16 == 0;
+  if (!a_ok) a_use = a.contiguous();
+  if (reinterpret_cast<uintptr_t>(a_use.data_ptr()) % 16 != 0) a_use = a.clone();
+  TORCH_CHECK(reinterpret_cast<uintptr_t>(b_q.data_ptr()) % 16 == 0 && reinterpret_cast<uintptr_t>(b_meta.data_ptr()) % 16 == 0 &&
+                  reinterpret_cast<uintptr_t>(b_scales.data_ptr()) % 16 == 0,
+              "marlin.gemm_2_4: b_q, b_meta and b_scales must be 16-byte aligned (got a view with an offset?)");
+
+  sparse24::Args24 args;
+  args.a = a_use.data_ptr();
+  args.b_q = b_q.data_ptr();
+  args.b_meta = b_meta.data_ptr();
+  args.s = b_scales.data_ptr();
+  args.c = c.data_ptr();
+  args.m = static_cast<int>(sh.m);
+  args.n = static_cast<int>(sh.n);
+  args.k = static_cast<int>(sh.k);
+  args.lda = a_use.stride(0);
+  args.groups = static_cast<int>(sh.groups);
+  args.sms = prop->multiProcessorCount;
+  args.max_smem = static_cast<int>(prop->sharedMemPerBlockOptin);
+
+  sparse24::Plan24 plan;
+  const std::string why = sparse24::plan_24(args, &plan);
+  TORCH_CHECK(why.empty(), why);
+  // K split: fp32 partials, and one arrival counter per column tile and slice, as for gemm: the
+  // workspace if given, else the stream's own zeroed lock slot (no allocation, graph-safe), else
+  // a zeroed buffer. The kernel leaves the counters at zero.
+  const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  at::Tensor partial, locks;
+  args.partial = nullptr;
+  args.locks = nullptr;
+  if (plan.parts > 1) {
+    partial = at::empty({plan.partial_floats}, a.options().dtype(at::kFloat));
+    args.partial = partial.data_ptr<float>();
+    if (workspace.has_value()) {
+      TORCH_CHECK(workspace->numel() >= plan.locks, "marlin.gemm_2_4: workspace.numel() = ", num(workspace->numel()),
+                  ", expected at least ", num(plan.locks), " (marlin.ops.workspace_size(device) always suffices)");
+      args.locks = workspace->data_ptr<int>();
+    } else {
+      args.locks = stream_locks(a.get_device(), stream, max_locks(args.sms));
+      if (args.locks == nullptr) {
+        locks = at::zeros({max_locks(args.sms)}, a.options().dtype(at::kInt));
+        args.locks = locks.data_ptr<int>();
+      }
+    }
+  }
+  const cudaError_t err = sparse24::launch_24(args, plan, stream);
+  TORCH_CHECK(err == cudaSuccess, "marlin.gemm_2_4: kernel launch failed: ", cudaGetErrorString(err));
+  return c;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(marlin, CUDA, m) { m.impl("gemm_2_4", &gemm_2_4_cuda); }
+
+}  // namespace marlin

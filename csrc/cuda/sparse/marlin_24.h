@@ -1,0 +1,45 @@
+// Host-side interface of the 2:4-sparse kernel (marlin_24.cu), free of torch headers so that
+// the kernel file compiles with plain nvcc. gemm_2_4_cuda.cpp checks the arguments, allocates
+// the output and the fp32 partials, and calls plan_24 and launch_24.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <string>
+
+namespace marlin {
+namespace sparse24 {
+
+struct Args24 {
+  const void* a;       // fp16 [M, K], rows lda halves apart (16-byte aligned)
+  const void* b_q;     // int32 [K/32, 2N]
+  const void* b_meta;  // int32 [K/32, N]
+  const void* s;       // fp16 [groups, N]
+  void* c;             // fp16 [M, N]
+  float* partial;      // fp32 [parts, M, N] when plan.parts > 1
+  int* locks;          // plan.locks zeroed int32 arrival counters when plan.parts > 1 (left zeroed)
+  int m, n, k;
+  long long lda;
+  int groups;
+  int sms;
+  int max_smem;  // opt-in shared memory per block
+};
+
+struct Plan24 {
+  int mb;      // n8 tiles per slice (slice = 8 mb rows)
+  int nw;      // 64-column chunks per tile (= warps per block): 4, or 2 where N % 256 != 0
+  int parts;   // K parts per column tile (> 1: fp32 partials, added by the tile's last block)
+  int slices;  // row slices
+  int smem;    // dynamic shared memory bytes
+  long long partial_floats;  // parts * M * N when parts > 1, else 0
+  int locks;                 // arrival counters needed (column tiles x slices) when parts > 1, else 0
+};
+
+// Picks the slice size and the K split; an empty string, or why the shape cannot run.
+std::string plan_24(const Args24& args, Plan24* plan);
+
+// Launches the kernel on `stream`; returns the launch error, if any.
+cudaError_t launch_24(const Args24& args, const Plan24& plan, cudaStream_t stream);
+
+}  // namespace sparse24
+}  // namespace marlin

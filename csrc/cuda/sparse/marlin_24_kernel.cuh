@@ -1,0 +1,267 @@
+// The 2:4-sparse MARLIN kernel (Sparse-MARLIN): C^T = dequant(B)^T A^T on the sparse tensor cores.
+//
+// mma.sp.m16n8k32 takes its sparse operand on the left, so the weights are the 16-row operand
+// (16 columns of N by 32 rows of K, stored as 16 x 16 compressed values plus 2-bit positions) and
+// a slice of 8 MB rows of A is the 8-wide n of the instruction, as in the small-batch kernel
+// (smallm_kernel.cuh). The format (marlin/sparse.py) makes the reuse direct:
+//  * A lane's 16 bytes of a packed strip tile are its four A fragments (one per 16-column block)
+//    exactly as in the dense small-batch kernel, decoded by the same dequant_int4x8 (ptx.cuh).
+//  * A lane's 8 bytes of b_meta are the metadata registers of blocks 2 (c / 2) and 2 (c / 2) + 1
+//    (made for selector j / 2). This kernel reads its own and lane ^ 2's 8 bytes and issues every
+//    instruction with selector 0, so that it relies only on selector 0's documented lane pair.
+//  * The activations of a k32 step are one ldmatrix.x4 per n8 tile (4 x 8 columns of K).
+// Structure (deliberately simple; see benchmarks/NOTES.md for what it leaves on the table):
+//  * Block = NW warps, tile = 64 NW columns of N (one 64-column chunk per warp), stage = 128 rows of
+//    the original K (4 strips, one scale group), STAGES-deep cp.async ring for the activations,
+//    values, metadata and group scales of a stage.
+//  * Grid = column tiles x K parts x row slices. Each block sums its K range in fp32 (group
+//    scales applied to fp32 group sums); with one part it writes C (per-column scales applied),
+//    else its fp32 partial, and the last block of the tile to arrive (last_to_arrive, ptx.cuh:
+//    one acquire-release counter per tile and slice, left at zero) adds the partials in part
+//    order, so the result does not depend on the arrival order.
+#pragma once
+
+#include <cuda_fp16.h>
+
+#include <cstdint>
+
+#include "../ptx.cuh"
+
+namespace marlin {
+namespace sparse24 {
+
+constexpr int kStrips = 4;     // 32-row strips per stage: 128 rows of K = one scale group
+constexpr int kStageK = 32 * kStrips;
+
+struct Params {
+  const int4* a;       // [M, K] fp16, rows lda_int4 apart (16-byte units)
+  const int4* b_q;     // [K/32, 2N] int32
+  const int4* b_meta;  // [K/32, N] int32
+  const int4* s;       // [groups, N] fp16
+  half* c;             // [M, N] fp16
+  float* partial;      // [parts, M, N] fp32 (parts > 1)
+  int* locks;          // one zeroed arrival counter per column tile and slice (parts > 1)
+  int m, n, k;
+  long long lda_int4;
+  int groups;          // 1: per column, else K / 128
+  int parts;           // K parts per column tile
+};
+
+// MB: n8 tiles per slice (8 MB rows of A); NW: 64-column chunks per tile, one warp each.
+template <int MB, int NW>
+struct Shape {
+  static constexpr int kThreads = 32 * NW;
+  static constexpr int kTileN = 64 * NW;
+  static constexpr int kRows = 8 * MB;
+  static constexpr int kAStage = kRows * (kStageK / 8);  // int4: 16 per row
+  static constexpr int kBStage = kStrips * NW * 32;      // int4: a lane's 16 bytes per chunk and strip
+  static constexpr int kMStage = kStrips * NW * 16;      // int4: a lane's 8 bytes per chunk and strip
+  static constexpr int kSStage = NW * 8;                 // int4: the tile's 64 NW group scales
+  static constexpr int kStageInt4 = kAStage + kBStage + kMStage + kSStage;
+};
+
+// D += A * B on the sparse tensor cores: A 16 x 32 (2:4, compressed to 16 x 16 in a), B 32 x 8,
+// metadata e from the lane pair chosen by SEL. The format always stores a group's two positions
+// in increasing order, which is what ::ordered_metadata requires (ptxas advises it over plain .sp
+// on sm_90; CUDA 12.5 and later know it).
+#if defined(__CUDACC_VER_MAJOR__) && (__CUDACC_VER_MAJOR__ > 12 || (__CUDACC_VER_MAJOR__ == 12 && __CUDACC_VER_MINOR__ >= 5))
+#define MARLIN_MMA_SP "mma.sp::ordered_metadata"
+#else
+#define MARLIN_MMA_SP "mma.sp"
+#endif
+template <int SEL>
+__device__ __forceinline__ void mma_sp_16832(const uint32_t (&a)[4], const uint32_t (&b)[4], uint32_t e, float (&d)[4]) {
+  asm volatile(
+      MARLIN_MMA_SP ".sync.aligned.m16n8k32.row.col.f32.f16.f16.f32 "
+      "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9, %10, %11}, {%0, %1, %2, %3}, %12, %13;\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]), "r"(b[2]), "r"(b[3]), "r"(e), "n"(SEL));
+}
+
+template <int MB, int NW, int STAGES>
+__global__ void __launch_bounds__(32 * NW) marlin_24_kernel(const Params p) {
+  using S = Shape<MB, NW>;
+  constexpr int kThreads = S::kThreads;
+  extern __shared__ int4 smem[];
+  const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
+  const int g = lane / 4, c4 = lane % 4;
+
+  const int nt = blockIdx.x;                 // column tile
+  const int part = blockIdx.y;               // K part
+  const int row0 = blockIdx.z * S::kRows;    // first row of the slice
+  const int rows = min(S::kRows, p.m - row0);
+  const int k_tiles = p.k / kStageK;
+  const int kt0 = part * k_tiles / p.parts, kt1 = (part + 1) * k_tiles / p.parts;
+  const int n_k = kt1 - kt0;
+  const bool grouped = p.groups > 1;
+
+  const long long bq_row = p.n / 2;  // int4 per row of b_q (one strip)
+  const long long bm_row = p.n / 4;  // int4 per row of b_meta
+
+  // One stage: rows of A x 128 halves (16-byte chunk ch of row r at r * 16 + (ch ^ r % 8)), the
+  // tile's values and metadata of 4 strips, and (grouped) the group's 256 scales.
+  auto fetch = [&](int kt, int slot) {
+    int4* sh = smem + slot * S::kStageInt4;
+    for (int x = tid; x < S::kAStage; x += kThreads) {
+      const int r = x / 16, ch = x % 16;
+      const bool ok = r < rows;
+      const int4* src = ok ? p.a + (row0 + r) * p.lda_int4 + kt * (kStageK / 8) + ch : p.a;
+      cp_async16_zfill(sh + r * 16 + (ch ^ (r % 8)), src, ok);
+    }
+    int4* sb = sh + S::kAStage;
+    for (int x = tid; x < S::kBStage; x += kThreads) {
+      const int st = x / (NW * 32), o = x % (NW * 32);
+      cp_async16_evict_first(sb + x, p.b_q + (static_cast<long long>(kt) * kStrips + st) * bq_row + nt * NW * 32 + o);
+    }
+    int4* sm = sb + S::kBStage;
+    for (int x = tid; x < S::kMStage; x += kThreads) {
+      const int st = x / (NW * 16), o = x % (NW * 16);
+      cp_async16_evict_first(sm + x, p.b_meta + (static_cast<long long>(kt) * kStrips + st) * bm_row + nt * NW * 16 + o);
+    }
+    if (grouped && tid < S::kSStage)
+      cp_async16(sm + S::kMStage + tid, p.s + static_cast<long long>(kt) * (p.n / 8) + nt * NW * 8 + tid);
+  };
+
+  float tot[4][MB][4];  // [16-column block j][n8 tile b][fragment element]
+  float grp[4][MB][4];
+#pragma unroll
+  for (int j = 0; j < 4; j++)
+#pragma unroll
+    for (int b = 0; b < MB; b++)
+#pragma unroll
+      for (int e = 0; e < 4; e++) tot[j][b][e] = 0.f;
+
+  // ldmatrix.x4 for n8 tile b, k32 step u: matrix q = lane / 8 is 16-byte chunk 4 u + q of rows
+  // 8 b .. 8 b + 7; lane supplies row 8 b + lane % 8.
+  const int ld_row = lane % 8, ld_q = lane / 8;
+
+#pragma unroll
+  for (int s = 0; s < STAGES - 1; s++) {
+    if (s < n_k) fetch(kt0 + s, s);
+    cp_async_commit();
+  }
+  for (int i = 0; i < n_k; i++) {
+    cp_async_wait<STAGES - 2>();
+    __syncthreads();  // stage i landed for every thread; every warp is done with stage i - 1's slot
+    if (i + STAGES - 1 < n_k) fetch(kt0 + i + STAGES - 1, (i + STAGES - 1) % STAGES);
+    cp_async_commit();
+
+    const int4* sh = smem + (i % STAGES) * S::kStageInt4;
+    const int4* sb = sh + S::kAStage;
+    const int4* sm = sb + S::kBStage;
+#pragma unroll
+    for (int j = 0; j < 4; j++)
+#pragma unroll
+      for (int b = 0; b < MB; b++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) grp[j][b][e] = 0.f;
+#pragma unroll
+    for (int u = 0; u < kStrips; u++) {
+      uint32_t act[MB][4];
+#pragma unroll
+      for (int b = 0; b < MB; b++) {
+        const int r = 8 * b + ld_row;
+        ldmatrix_x4(act[b], sh + r * 16 + ((4 * u + ld_q) ^ (r % 8)));
+      }
+      const int4 wq4 = sb[(u * NW + warp) * 32 + lane];
+      // metadata: the lane's own words (blocks 0, 1) and its partner's, lane ^ 2 (blocks 2, 3).
+      // Every instruction takes selector 0 (lanes c = 0, 1 supply it), whose lane assignment the
+      // PTX ISA spells out; blocks 2 and 3 come from the words the format gives lanes c = 2, 3.
+      const uint2* mrow = reinterpret_cast<const uint2*>(sm + (u * NW + warp) * 16);
+      const uint2 mw = mrow[lane], mw2 = mrow[lane ^ 2];
+      const uint32_t wq[4] = {static_cast<uint32_t>(wq4.x), static_cast<uint32_t>(wq4.y), static_cast<uint32_t>(wq4.z),
+                              static_cast<uint32_t>(wq4.w)};
+#pragma unroll
+      for (int j = 0; j < 4; j++) {
+        uint32_t lo[2], hi[2];
+        dequant_int4x8(wq[j], lo, hi);
+        const uint32_t a[4] = {lo[0], hi[0], lo[1], hi[1]};
+        const uint32_t e = j == 0 ? mw.x : j == 1 ? mw.y : j == 2 ? mw2.x : mw2.y;
+#pragma unroll
+        for (int b = 0; b < MB; b++) mma_sp_16832<0>(a, act[b], e, grp[j][b]);
+      }
+    }
+    // group scale (or 1 per column) on the stage's fp32 sums; the lane's 8 scales are one int4
+    // (b_scales permutation: position 8 g + 2 j is column 16 j + g, + 1 is 16 j + 8 + g)
+    float s_lo[4], s_hi[4];
+    if (grouped) {
+      const int4 sv = sm[S::kMStage + warp * 8 + g];
+      const half* sc = reinterpret_cast<const half*>(&sv);
+#pragma unroll
+      for (int j = 0; j < 4; j++) s_lo[j] = __half2float(sc[2 * j]), s_hi[j] = __half2float(sc[2 * j + 1]);
+    } else {
+#pragma unroll
+      for (int j = 0; j < 4; j++) s_lo[j] = s_hi[j] = 1.f;
+    }
+#pragma unroll
+    for (int j = 0; j < 4; j++)
+#pragma unroll
+      for (int b = 0; b < MB; b++) {
+        tot[j][b][0] = fmaf(s_lo[j], grp[j][b][0], tot[j][b][0]);
+        tot[j][b][1] = fmaf(s_lo[j], grp[j][b][1], tot[j][b][1]);
+        tot[j][b][2] = fmaf(s_hi[j], grp[j][b][2], tot[j][b][2]);
+        tot[j][b][3] = fmaf(s_hi[j], grp[j][b][3], tot[j][b][3]);
+      }
+  }
+  cp_async_wait<0>();
+
+  // Element (j, b, e) is C[row 8 b + 2 c4 + e % 2][column 64 warp + 16 j + g + 8 (e / 2)] of the tile.
+  const int col0 = nt * S::kTileN + warp * 64 + g;
+  if (p.parts == 1) {
+#pragma unroll
+    for (int j = 0; j < 4; j++) {
+      const int col_lo = col0 + 16 * j, col_hi = col_lo + 8;
+      float sc_lo = 1.f, sc_hi = 1.f;
+      if (!grouped) {  // per-column scales on the final fp32 sum
+        sc_lo = __half2float(reinterpret_cast<const half*>(p.s)[col_lo]);
+        sc_hi = __half2float(reinterpret_cast<const half*>(p.s)[col_hi]);
+      }
+#pragma unroll
+      for (int b = 0; b < MB; b++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) {
+          const int r = 8 * b + 2 * c4 + e % 2;
+          if (r < rows)
+            p.c[static_cast<long long>(row0 + r) * p.n + (e < 2 ? col_lo : col_hi)] =
+                __float2half_rn(tot[j][b][e] * (e < 2 ? sc_lo : sc_hi));
+        }
+    }
+    return;
+  }
+
+  // K split: this block's fp32 partial (past L1), then the last block of the tile adds all parts.
+  float* mine = p.partial + static_cast<long long>(part) * p.m * p.n;
+#pragma unroll
+  for (int j = 0; j < 4; j++)
+#pragma unroll
+    for (int b = 0; b < MB; b++)
+#pragma unroll
+      for (int e = 0; e < 4; e++) {
+        const int r = 8 * b + 2 * c4 + e % 2;
+        if (r < rows) __stcg(mine + static_cast<long long>(row0 + r) * p.n + col0 + 16 * j + 8 * (e / 2), tot[j][b][e]);
+      }
+  if (!last_to_arrive(p.locks + blockIdx.z * gridDim.x + nt, p.parts)) return;
+  constexpr int kChunks = S::kTileN / 4;  // float4 chunks per row of the tile
+  const long long plane = static_cast<long long>(p.m) * p.n;
+  for (int x = tid; x < rows * kChunks; x += kThreads) {
+    const int r = x / kChunks, cc = nt * S::kTileN + 4 * (x % kChunks);
+    const long long at = static_cast<long long>(row0 + r) * p.n + cc;
+    float4 sum = __ldcg(reinterpret_cast<const float4*>(p.partial + at));
+    for (int q = 1; q < p.parts; q++) {
+      const float4 v = __ldcg(reinterpret_cast<const float4*>(p.partial + q * plane + at));
+      sum.x += v.x, sum.y += v.y, sum.z += v.z, sum.w += v.w;
+    }
+    if (!grouped) {
+      const half* sc = reinterpret_cast<const half*>(p.s) + cc;
+      sum.x *= __half2float(sc[0]);
+      sum.y *= __half2float(sc[1]);
+      sum.z *= __half2float(sc[2]);
+      sum.w *= __half2float(sc[3]);
+    }
+    half2 out[2] = {__floats2half2_rn(sum.x, sum.y), __floats2half2_rn(sum.z, sum.w)};
+    *reinterpret_cast<uint2*>(p.c + at) = *reinterpret_cast<uint2*>(out);
+  }
+}
+
+}  // namespace sparse24
+}  // namespace marlin

@@ -1,0 +1,73 @@
+// Argument checks shared by the CPU and CUDA implementations of marlin::gemm_2_4 (2:4-sparse
+// INT4 weights), so that both accept exactly the same inputs. marlin/ops.py repeats them for the
+// fake (meta) kernel. Layout: marlin/sparse.py.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <c10/util/Exception.h>
+
+#include <optional>
+
+#include "gemm_checks.h"  // num, dtype_str, device_str, dims
+
+namespace marlin {
+
+constexpr int64_t kStrip24 = 32;        // rows of the original K per row of b_q and b_meta
+constexpr int64_t kKMultiple24 = 128;   // K must be a multiple of this (one group, one stage)
+constexpr int64_t kNMultiple24 = 128;   // N must be a multiple of this
+constexpr int64_t kGroupSize24 = 128;   // the one group size besides per column
+
+struct Gemm24Shape {
+  int64_t m, k, n, groups;
+};
+
+inline Gemm24Shape check_gemm_2_4_args(const at::Tensor& a, const at::Tensor& b_q, const at::Tensor& b_meta,
+                                       const at::Tensor& b_scales, const std::optional<at::Tensor>& workspace) {
+  TORCH_CHECK(a.dim() == 2, "marlin.gemm_2_4: a.dim() = ", num(a.dim()), ", expected 2 (a is [M, K])");
+  TORCH_CHECK(a.scalar_type() == at::kHalf, "marlin.gemm_2_4: a.dtype = ", dtype_str(a),
+              ", expected torch.float16 (the 2:4 kernel computes in fp16 only)");
+  TORCH_CHECK(b_q.dim() == 2, "marlin.gemm_2_4: b_q.dim() = ", num(b_q.dim()), ", expected 2 (b_q is int32 [K/32, 2*N])");
+  TORCH_CHECK(b_q.scalar_type() == at::kInt, "marlin.gemm_2_4: b_q.dtype = ", dtype_str(b_q), ", expected torch.int32");
+  TORCH_CHECK(b_meta.dim() == 2, "marlin.gemm_2_4: b_meta.dim() = ", num(b_meta.dim()),
+              ", expected 2 (b_meta is int32 [K/32, N])");
+  TORCH_CHECK(b_meta.scalar_type() == at::kInt, "marlin.gemm_2_4: b_meta.dtype = ", dtype_str(b_meta),
+              ", expected torch.int32");
+  TORCH_CHECK(b_scales.dim() == 2, "marlin.gemm_2_4: b_scales.dim() = ", num(b_scales.dim()), ", expected 2 ([groups, N])");
+  TORCH_CHECK(b_scales.scalar_type() == a.scalar_type(), "marlin.gemm_2_4: b_scales.dtype = ", dtype_str(b_scales),
+              " but a.dtype = ", dtype_str(a), "; they must match");
+
+  for (const at::Tensor* t : {&b_q, &b_meta, &b_scales}) {
+    TORCH_CHECK(t->device() == a.device(), "marlin.gemm_2_4: an argument is on ", device_str(*t), " but a is on ",
+                device_str(a), "; all tensors must be on one device");
+  }
+  TORCH_CHECK(b_q.is_contiguous(), "marlin.gemm_2_4: b_q must be contiguous (strides ", dims(b_q.strides()), ")");
+  TORCH_CHECK(b_meta.is_contiguous(), "marlin.gemm_2_4: b_meta must be contiguous (strides ", dims(b_meta.strides()), ")");
+  TORCH_CHECK(b_scales.is_contiguous(), "marlin.gemm_2_4: b_scales must be contiguous (strides ",
+              dims(b_scales.strides()), ")");
+
+  TORCH_CHECK(b_q.size(1) % 2 == 0, "marlin.gemm_2_4: b_q.size(1) = ", num(b_q.size(1)), ", expected 2*N (an even number)");
+  const int64_t k = b_q.size(0) * kStrip24;
+  const int64_t n = b_q.size(1) / 2;
+  const int64_t m = a.size(0);
+  TORCH_CHECK(a.size(1) == k, "marlin.gemm_2_4: a.size(1) = ", num(a.size(1)), ", expected K = b_q.size(0) * 32 = ", num(k));
+  TORCH_CHECK(k > 0 && k % kKMultiple24 == 0, "marlin.gemm_2_4: K = ", num(k), ", expected a positive multiple of ",
+              num(kKMultiple24));
+  TORCH_CHECK(n > 0 && n % kNMultiple24 == 0, "marlin.gemm_2_4: N = b_q.size(1) / 2 = ", num(n),
+              ", expected a positive multiple of ", num(kNMultiple24));
+  TORCH_CHECK(b_meta.size(0) == b_q.size(0) && b_meta.size(1) == n, "marlin.gemm_2_4: b_meta shape ",
+              dims(b_meta.sizes()), ", expected [K/32, N] = [", num(k / kStrip24), ", ", num(n), "]");
+  TORCH_CHECK(b_scales.size(1) == n, "marlin.gemm_2_4: b_scales.size(1) = ", num(b_scales.size(1)), ", expected N = ", num(n));
+  const int64_t groups = b_scales.size(0);
+  TORCH_CHECK(groups == 1 || groups == k / kGroupSize24, "marlin.gemm_2_4: b_scales.size(0) = ", num(groups),
+              ", expected 1 (per-column scales) or K / ", num(kGroupSize24), " = ", num(k / kGroupSize24),
+              " (group size ", num(kGroupSize24), " along the original K)");
+  if (workspace.has_value()) {
+    const at::Tensor& w = *workspace;
+    TORCH_CHECK(w.scalar_type() == at::kInt, "marlin.gemm_2_4: workspace.dtype = ", dtype_str(w), ", expected torch.int32");
+    TORCH_CHECK(w.device() == a.device(), "marlin.gemm_2_4: workspace is on ", device_str(w), " but a is on ", device_str(a));
+    TORCH_CHECK(w.is_contiguous(), "marlin.gemm_2_4: workspace must be contiguous");
+  }
+  return Gemm24Shape{m, k, n, groups};
+}
+
+}  // namespace marlin

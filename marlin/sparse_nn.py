@@ -1,0 +1,270 @@
+"""MarlinLinear24: a drop-in for nn.Linear with 2:4-sparse INT4 weights (Sparse-MARLIN).
+
+    layer = marlin.MarlinLinear24.from_linear(nn.Linear(4096, 11008).half())  # prunes to 2:4
+    report = marlin.replace_linear_2_4(model)        # every eligible nn.Linear, lm_head excluded
+    print(report)                                    # per layer: share of the weight norm pruned
+
+The layer computes y = x @ B + bias with B [in_features, out_features] 2:4-sparse along
+in_features and stored in the format of marlin/sparse.py (torch.ops.marlin.gemm_2_4).
+``MarlinLinear.from_linear(linear, sparsity="2:4")`` and ``replace_linear(model, sparsity="2:4")``
+lead here too.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Optional, Sequence, Union
+
+import torch
+from torch import nn
+
+from . import ops, packing, sparse
+from .nn import ReplaceReport, _as_patterns, _matches
+
+__all__ = ["MarlinLinear24", "SparseReplaceReport", "replace_linear_2_4", "SPARSITIES"]
+
+log = logging.getLogger(__name__)
+
+SPARSITIES = ("2:4",)  # what sparsity= accepts besides None (dense)
+
+# Empty layer: every kept value q = 0 (nibble 8) at positions (0, 1) (nibble 0b0100 per group).
+_ZERO_WORD = 0x88888888 - 2**32
+_META_01 = 0x44444444
+
+
+def _new_workspace(device: torch.device) -> torch.Tensor:
+    """A zeroed lock workspace on ``device`` (the CPU op ignores it; one element suffices)."""
+    if device.type == "cuda":
+        return ops.make_workspace(device)
+    return torch.zeros(1, dtype=torch.int32, device=device)
+
+
+def check_sparsity(sparsity: Optional[str], where: str) -> None:
+    if sparsity is not None and sparsity not in SPARSITIES:
+        raise ValueError(f"{where}: sparsity = {sparsity!r}, expected None (dense) or one of {SPARSITIES}")
+
+
+class MarlinLinear24(nn.Module):
+    """y = x @ dequant(b_q, b_meta, b_scales) + bias, x fp16 [..., in_features] -> fp16 [..., out_features].
+
+    Buffers (all in ``state_dict`` except ``workspace``):
+      * ``b_q``       int32 [in_features / 32, 2 * out_features]: the kept INT4 values;
+      * ``b_meta``    int32 [in_features / 32, out_features]: their positions (2 bits each);
+      * ``b_scales``  fp16 [groups, out_features]: groups = in_features / group_size, or 1 (-1);
+      * ``bias``      fp16 [out_features], or None;
+      * ``workspace`` int32, non-persistent: the kernel's lock buffer.
+
+    ``pruned_fraction`` (not saved) is ||W - W_2:4|| / ||W|| of the float weight that from_linear
+    pruned, or None. Input must be float16 (TypeError otherwise). ``.half()``/``.float()`` leave
+    the layer as it is: its fp16 scales are part of the weight format.
+    """
+
+    _version = 1  # of this class's state_dict layout; _load_from_state_dict refuses newer versions
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        group_size: int = 128,
+        device: Optional[Union[torch.device, str]] = None,
+        dtype: torch.dtype = torch.float16,
+    ):
+        super().__init__()
+        if dtype != torch.float16:
+            raise ValueError(f"MarlinLinear24: dtype = {dtype}, expected torch.float16 (the 2:4 kernel computes in fp16 only)")
+        reason = sparse.check_shape_2_4(in_features, out_features, group_size)
+        if reason is not None:
+            raise ValueError(
+                f"MarlinLinear24(in_features={in_features}, out_features={out_features}, group_size={group_size}) "
+                f"is not supported by the 2:4 kernel: {reason}. It takes in_features a positive multiple of "
+                f"{sparse.K_MULTIPLE_2_4}, out_features a positive multiple of {sparse.N_MULTIPLE_2_4} and group_size "
+                f"128 or -1 (per column); keep such a layer as nn.Linear."
+            )
+        self.in_features = in_features
+        self.out_features = out_features
+        self.group_size = group_size
+        self.pruned_fraction: Optional[float] = None
+        strips = in_features // sparse.STRIP_K
+        self.register_buffer("b_q", torch.full((strips, 2 * out_features), _ZERO_WORD, dtype=torch.int32, device=device))
+        dev = self.b_q.device
+        self.register_buffer("b_meta", torch.full((strips, out_features), _META_01, dtype=torch.int32, device=dev))
+        groups = packing.num_groups(in_features, group_size)
+        self.register_buffer("b_scales", torch.ones(groups, out_features, dtype=torch.float16, device=dev))
+        self.register_buffer("bias", torch.zeros(out_features, dtype=torch.float16, device=dev) if bias else None)
+        self.register_buffer("workspace", _new_workspace(dev), persistent=False)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, group_size: int = 128, *, prune: bool = True) -> "MarlinLinear24":
+        """Magnitude-prune ``linear`` to 2:4 along in_features (marlin.sparse.prune_2_4), then quantize
+        (round to nearest, symmetric INT4) on the device of its weight. With ``prune=False`` the
+        weight must be 2:4 already (e.g. from SparseGPT): ValueError naming the columns that are not.
+        """
+        if not isinstance(linear, nn.Linear):
+            raise TypeError(f"from_linear: expected an nn.Linear, got {type(linear).__name__}")
+        weight = linear.weight
+        if weight.is_meta:
+            raise ValueError("from_linear: the layer's weight is on the meta device (no values to quantize)")
+        layer = cls(
+            linear.in_features, linear.out_features, bias=linear.bias is not None, group_size=group_size, device=weight.device
+        )
+        w = weight.detach().t()  # B = weight^T [K, N]; groups of 4 run along K
+        if prune:
+            pruned = sparse.prune_2_4(w)
+            norm = w.float().norm()
+            layer.pruned_fraction = float((w.float() - pruned.float()).norm() / norm) if norm > 0 else 0.0
+            w = pruned
+        b_q, b_meta, b_scales = sparse.quantize_and_pack_2_4(w, group_size)
+        layer.b_q.copy_(b_q)
+        layer.b_meta.copy_(b_meta)
+        layer.b_scales.copy_(b_scales)
+        if linear.bias is not None:
+            layer.bias.copy_(linear.bias.detach())
+        return layer
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype != torch.float16:
+            raise TypeError(
+                f"MarlinLinear24: input dtype is {x.dtype}, expected torch.float16 (the 2:4 kernel computes in fp16; "
+                "run the model in half precision, e.g. model.half())"
+            )
+        if x.shape[-1] != self.in_features:
+            raise ValueError(f"MarlinLinear24: input shape {tuple(x.shape)}, expected [..., {self.in_features}]")
+        lead = x.shape[:-1]
+        y = ops.gemm_2_4(x.reshape(-1, self.in_features), self.b_q, self.b_meta, self.b_scales, self.workspace)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.reshape(*lead, self.out_features)
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+            f"group_size={self.group_size}, sparsity=2:4"
+        )
+
+    def dequantized_weight(self) -> torch.Tensor:
+        """The dense float32 weight [out_features, in_features] the layer computes with (exact)."""
+        return sparse.unpack_2_4(self.b_q, self.b_meta, self.b_scales).t()
+
+    def _apply(self, fn, recurse=True):
+        # Keep fp16 (the scales are part of the format); device moves still apply. A moved or
+        # re-allocated workspace is replaced by a zeroed one sized for its device; an unchanged
+        # one is kept so that a captured CUDA graph still points at live memory.
+        def keep_dtype(t: torch.Tensor) -> torch.Tensor:
+            out = fn(t)
+            return out if out.dtype == t.dtype else t.to(device=out.device)
+
+        old_workspace = self.workspace
+        super()._apply(keep_dtype, recurse)
+        if self.workspace is not old_workspace or self.workspace.device != self.b_q.device:
+            self.workspace = _new_workspace(self.b_q.device)
+        return self
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
+        version = local_metadata.get("version")
+        if version is not None and version > self._version:
+            error_msgs.append(
+                f"{prefix}: MarlinLinear24 state_dict version {version} was written by a newer marlin (this one "
+                f"reads up to {self._version}); upgrade marlin"
+            )
+            return
+        b_q = state_dict.get(prefix + "b_q")
+        if isinstance(b_q, torch.Tensor) and prefix + "b_meta" not in state_dict:
+            error_msgs.append(
+                f"{prefix}: the state_dict has b_q but no b_meta: it holds a dense MarlinLinear, not a 2:4 layer "
+                "(load it into MarlinLinear)"
+            )
+            return
+        scales = state_dict.get(prefix + "b_scales")
+        if isinstance(scales, torch.Tensor) and scales.dim() == 2 and scales.shape[0] != self.b_scales.shape[0]:
+            error_msgs.append(
+                f"{prefix}b_scales: {scales.shape[0]} scale rows, i.e. group size "
+                f"{packing.group_size_of(self.in_features, scales.shape[0])}, but this layer was built with "
+                f"group_size={self.group_size} ({self.b_scales.shape[0]} rows)"
+            )
+        for key, want in (("b_q", torch.int32), ("b_meta", torch.int32), ("b_scales", torch.float16)):
+            t = state_dict.get(prefix + key)
+            if isinstance(t, torch.Tensor) and t.dtype != want:
+                error_msgs.append(f"{prefix}{key}: dtype {t.dtype}, expected {want}")
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs)
+
+
+@dataclass
+class SparseReplaceReport(ReplaceReport):
+    """ReplaceReport plus, per replaced layer, ||W - W_2:4|| / ||W||: the share of the weight's
+    norm that the 2:4 pruning removed (before quantization)."""
+
+    pruned: dict = field(default_factory=dict)
+
+    def __str__(self) -> str:
+        lines = [f"replaced {len(self.replaced)} nn.Linear layers with 2:4-sparse MarlinLinear24, kept {len(self.skipped)}"]
+        lines += [f"  {name}: pruning removed {frac:.1%} of the weight norm" for name, frac in self.pruned.items()]
+        lines += [f"  kept {name}: {why}" for name, why in self.skipped]
+        return "\n".join(lines)
+
+
+def replace_linear_2_4(
+    model: nn.Module,
+    group_size: int = 128,
+    include: Union[None, str, Sequence[str]] = None,
+    exclude: Union[None, str, Sequence[str]] = ("lm_head",),
+    *,
+    strict: bool = False,
+    prune: bool = True,
+) -> SparseReplaceReport:
+    """Swap every eligible ``nn.Linear`` of ``model`` for a MarlinLinear24 (pruned to 2:4 by
+    magnitude, then quantized), in place. ``include``/``exclude``/``strict`` as in
+    marlin.replace_linear. ``prune=False``: the weights must be 2:4 already (a layer that is not
+    is kept, or raises with ``strict``). Returns a SparseReplaceReport (``pruned``: per layer
+    the share of the weight norm removed)."""
+    if group_size not in sparse.SUPPORTED_GROUP_SIZES_2_4:
+        raise ValueError(f"replace_linear_2_4: group_size = {group_size!r}, expected 128 or -1 (per column)")
+    include_p, exclude_p = _as_patterns(include, "include"), _as_patterns(exclude, "exclude") or ()
+    report = SparseReplaceReport()
+    converted: dict[int, nn.Module] = {}
+    for parent_name, parent in list(model.named_modules(remove_duplicate=False)):
+        for child_name, child in list(parent._modules.items()):
+            if not isinstance(child, nn.Linear):
+                continue
+            name = f"{parent_name}.{child_name}" if parent_name else child_name
+            if id(child) in converted:
+                setattr(parent, child_name, converted[id(child)])
+                report.replaced.append(name)
+                continue
+            why, selected = _skip_reason_2_4(name, child, include_p, exclude_p, group_size, prune)
+            if why is not None:
+                if selected and strict:
+                    raise ValueError(f"replace_linear_2_4: cannot replace {name}: {why}")
+                report.skipped.append((name, why))
+                log.log(logging.WARNING if selected else logging.INFO, "replace_linear_2_4: kept %s: %s", name, why)
+                continue
+            new = MarlinLinear24.from_linear(child, group_size, prune=prune)
+            converted[id(child)] = new
+            setattr(parent, child_name, new)
+            report.replaced.append(name)
+            if new.pruned_fraction is not None:
+                report.pruned[name] = new.pruned_fraction
+                log.info("replace_linear_2_4: %s: pruning removed %.1f%% of the weight norm", name, 100 * new.pruned_fraction)
+    if isinstance(model, nn.Linear):
+        report.skipped.append(("", "the model itself is an nn.Linear; wrap it or use MarlinLinear24.from_linear"))
+    return report
+
+
+def _skip_reason_2_4(name, linear, include, exclude, group_size, prune) -> tuple[Optional[str], bool]:
+    """(why the layer is kept, or None; whether the name filters selected it)."""
+    pattern = _matches(name, exclude)
+    if pattern is not None:
+        return f"excluded by pattern {pattern!r}", False
+    if include is not None and _matches(name, include) is None:
+        return f"not matched by include {list(include)}", False
+    if type(linear) is not nn.Linear:
+        return f"{type(linear).__name__} is a subclass of nn.Linear (only plain nn.Linear is replaced)", True
+    reason = sparse.check_shape_2_4(linear.in_features, linear.out_features, group_size)
+    if reason is not None:
+        return f"shape not supported by the 2:4 kernel: {reason}", True
+    if linear.weight.is_meta:
+        return "weight is on the meta device (no values to quantize)", True
+    if not prune and sparse.violations_2_4(linear.weight.detach().t()).numel():
+        return "weight is not 2:4 sparse along in_features (prune=False)", True
+    return None, True

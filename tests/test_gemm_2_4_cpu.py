@@ -1,0 +1,137 @@
+"""torch.ops.marlin.gemm_2_4 on the CPU (the exact reference) against fp64 A @ dequant(B); its
+errors, fake kernel, opcheck and torch.compile."""
+
+import pytest
+import torch
+
+import marlin
+from marlin import packing, sparse
+from conftest import rel_err, requires_cuda_2_4
+
+
+def sparse_layer(k, n, group_size, seed=None):
+    gen = torch.Generator().manual_seed(torch.seed() if seed is None else seed)
+    w = sparse.prune_2_4(torch.randn(k, n, generator=gen))
+    b_q, b_meta, b_s = sparse.quantize_and_pack_2_4(w, group_size)
+    return sparse.unpack_2_4(b_q, b_meta, b_s), b_q, b_meta, b_s
+
+
+def call(a, b_q, b_meta, b_s, workspace=None):
+    return torch.ops.marlin.gemm_2_4(a, b_q, b_meta, b_s, workspace)
+
+
+@pytest.mark.parametrize("m", [0, 1, 7, 16, 33])
+@pytest.mark.parametrize("k,n", [(128, 128), (256, 384), (512, 256)])
+@pytest.mark.parametrize("group_size", [128, -1])
+def test_cpu_gemm_2_4_matches_fp64_reference(m, k, n, group_size):
+    w, b_q, b_meta, b_s = sparse_layer(k, n, group_size)
+    a = torch.randn(m, k).half()
+    c = call(a, b_q, b_meta, b_s)
+    assert c.shape == (m, n) and c.dtype == torch.float16
+    if m == 0:
+        return
+    ref = a.double() @ w.double()
+    assert rel_err(c, ref) < 5e-4
+    assert rel_err(c * 1.01, ref) > 5e-3
+    assert rel_err(c[:, torch.randperm(n)], ref) > 0.5
+
+
+def test_wrong_metadata_or_values_are_caught():
+    w, b_q, b_meta, b_s = sparse_layer(256, 128, 128, seed=4)
+    a = torch.randn(9, 256).half()
+    ref = a.double() @ w.double()
+    assert rel_err(call(a, b_q, b_meta, b_s), ref) < 5e-4
+    # the metadata words of lanes c = 0, 1 and c = 2, 3 swapped (blocks 0, 1 <-> 2, 3): wrong positions
+    swapped = b_meta.view(-1, 2, 16, 2, 2).flip(3).reshape(b_meta.shape).contiguous()
+    assert rel_err(call(a, b_q, swapped, b_s), ref) > 0.3
+    # the values read as the dense kernel would (no positions): wrong
+    other = b_q.clone()
+    other[0] = b_q[1]
+    assert rel_err(call(a, other, b_meta, b_s), ref) > 0.05
+    # the last group's scales doubled
+    s2 = b_s.clone()
+    s2[-1] *= 2
+    assert rel_err(call(a, b_q, b_meta, s2), ref) > 1e-2
+
+
+def test_repeats_are_identical_and_wrapper_matches():
+    _, b_q, b_meta, b_s = sparse_layer(256, 256, 128, seed=5)
+    a = torch.randn(5, 256).half()
+    c = call(a, b_q, b_meta, b_s)
+    assert torch.equal(c, call(a, b_q, b_meta, b_s))
+    assert torch.equal(marlin.gemm_2_4(a, b_q, b_meta, b_s, torch.zeros(4, dtype=torch.int32)), c)
+    # a strided A is read correctly
+    big = torch.randn(5, 512).half()
+    assert torch.equal(call(big[:, ::2], b_q, b_meta, b_s), call(big[:, ::2].contiguous(), b_q, b_meta, b_s))
+
+
+def test_invalid_metadata_is_an_error_on_the_cpu():
+    _, b_q, b_meta, b_s = sparse_layer(128, 128, -1, seed=6)
+    bad = b_meta.clone()
+    bad[2, 3] = 0x55555555  # every nibble names position 1 twice
+    with pytest.raises(RuntimeError, match=r"b_meta names the same or a decreasing pair of positions"):
+        call(torch.randn(2, 128).half(), b_q, bad, b_s)
+
+
+@pytest.fixture(scope="module")
+def layer():
+    _, b_q, b_meta, b_s = sparse_layer(256, 256, 128, seed=0)
+    return b_q, b_meta, b_s
+
+
+def a16(m=4, k=256):
+    return torch.randn(m, k).half()
+
+
+CASES = [
+    ("a float32", lambda q, m, s: (a16().float(), q, m, s, None), r"a\.dtype = Float, expected torch\.float16"),
+    ("a 3-D", lambda q, m, s: (a16().unsqueeze(0), q, m, s, None), r"a\.dim\(\) = 3, expected 2"),
+    ("K mismatch", lambda q, m, s: (a16(k=128), q, m, s, None), r"a\.size\(1\) = 128, expected K = b_q\.size\(0\) \* 32 = 256"),
+    ("b_q float", lambda q, m, s: (a16(), q.float(), m, s, None), r"b_q\.dtype = Float, expected torch\.int32"),
+    ("b_q dense shape", lambda q, m, s: (a16(), torch.zeros(16, 512, dtype=torch.int32), m, s, None), r"a\.size\(1\) = 256, expected K = b_q\.size\(0\) \* 32 = 512"),
+    ("meta int16", lambda q, m, s: (a16(), q, m.to(torch.int16), s, None), r"b_meta\.dtype = Short, expected torch\.int32"),
+    ("meta 1-D", lambda q, m, s: (a16(), q, m.flatten(), s, None), r"b_meta\.dim\(\) = 1, expected 2"),
+    ("meta wrong shape", lambda q, m, s: (a16(), q, m[:, :128].contiguous(), s, None), r"b_meta shape \[8, 128\], expected \[K/32, N\] = \[8, 256\]"),
+    ("meta non-contiguous", lambda q, m, s: (a16(), q, m.t().contiguous().t(), s, None), r"b_meta must be contiguous"),
+    ("K not multiple of 128", lambda q, m, s: (a16(k=64), q[:2].contiguous(), m[:2].contiguous(), s[:1].contiguous(), None), r"K = 64, expected a positive multiple of 128"),
+    ("N not multiple of 128", lambda q, m, s: (a16(), q[:, :128].contiguous(), m[:, :64].contiguous(), s[:, :64].contiguous(), None), r"N = b_q\.size\(1\) / 2 = 64, expected a positive multiple of 128"),
+    ("scales fp32", lambda q, m, s: (a16(), q, m, s.float(), None), r"b_scales\.dtype = Float but a\.dtype = Half"),
+    ("scales wrong groups", lambda q, m, s: (a16(), q, m, torch.ones(3, 256).half(), None), r"b_scales\.size\(0\) = 3, expected 1 \(per-column scales\) or K / 128 = 2"),
+    ("workspace dtype", lambda q, m, s: (a16(), q, m, s, torch.zeros(8)), r"workspace\.dtype = Float, expected torch\.int32"),
+]
+
+
+@pytest.mark.parametrize("name,make,match", CASES, ids=[c[0] for c in CASES])
+def test_bad_input_raises_clear_error(layer, name, make, match):
+    args = make(*layer)
+    with pytest.raises(RuntimeError, match=match):
+        call(*args)
+
+
+def test_meta_tensors_give_the_same_errors(layer):
+    b_q, b_meta, b_s = (t.to("meta") for t in layer)
+    with pytest.raises(Exception, match=r"a\.size\(1\) = 128, expected K"):
+        call(torch.empty(4, 128, dtype=torch.float16, device="meta"), b_q, b_meta, b_s)
+    with pytest.raises(Exception, match=r"b_meta shape"):
+        call(torch.empty(4, 256, dtype=torch.float16, device="meta"), b_q, b_meta[:, :128], b_s)
+    out = call(torch.empty(4, 256, dtype=torch.float16, device="meta"), b_q, b_meta, b_s)
+    assert out.shape == (4, 256) and out.dtype == torch.float16
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=requires_cuda_2_4)])
+def test_opcheck_gemm_2_4(device):
+    for m, k, n, g in [(1, 128, 128, 128), (7, 256, 384, -1), (33, 384, 256, 128), (0, 128, 256, 128)]:
+        _, b_q, b_meta, b_s = sparse_layer(k, n, g, seed=m)
+        a = torch.randn(m, k, device=device).half()
+        torch.library.opcheck(torch.ops.marlin.gemm_2_4.default, (a, b_q.to(device), b_meta.to(device), b_s.to(device), None))
+
+
+def test_compile_fullgraph_cpu():
+    _, b_q, b_meta, b_s = sparse_layer(256, 256, 128, seed=3)
+
+    def f(x):
+        return torch.relu(torch.ops.marlin.gemm_2_4(x * 2, b_q, b_meta, b_s)) + 1
+
+    compiled = torch.compile(f, fullgraph=True, backend="aot_eager")
+    x = torch.randn(5, 256).half()
+    assert torch.equal(compiled(x), f(x))

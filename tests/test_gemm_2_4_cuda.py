@@ -1,0 +1,187 @@
+"""torch.ops.marlin.gemm_2_4's CUDA kernel against fp32 A @ dequant(B) (B 2:4-sparse), on the
+shape classes and M classes of the dense suite, with NaN-poisoned outputs; repeats, graphs, two
+streams, torch.compile; and that the bound would catch a wrong metadata order.
+
+Skipped without a GPU (or without the kernel in the build). Bound as in test_gemm_cuda.py: within
+1.5x of fp16 torch.matmul's own error on the fp16-rounded dequantized weights, both against the
+exact fp32 product (the kernel's group scales act on fp32 sums, so it is usually more accurate).
+"""
+
+import pytest
+import torch
+
+import marlin
+from marlin import sparse
+from conftest import fp32_matmul, rel_err, requires_cuda_2_4
+
+pytestmark = [requires_cuda_2_4, pytest.mark.gpu]
+
+M_VALUES = [1, 3, 8, 9, 16, 17, 32, 33, 65, 1000]  # 8/16/32-row slices, partial slices, many slices
+SHAPES = {
+    "7B_qkv": (4096, 12288),
+    "70B_o": (8192, 8192),
+    "128x128": (128, 128),  # one stage: no K split
+    "256x384": (256, 384),  # N % 256 != 0: the 128-column tile
+    "1152x640": (1152, 640),
+    "384x1280": (384, 1280),
+}
+GROUPS = [128, -1]
+ALLOWED = 1.5
+
+
+class Layer:
+    def __init__(self, k, n, group_size, seed):
+        gen = torch.Generator(device="cuda").manual_seed(seed)
+        w = sparse.prune_2_4(torch.randn(k, n, device="cuda", generator=gen))
+        self.b_q, self.b_meta, self.b_s = sparse.quantize_and_pack_2_4(w, group_size)
+        self.w_exact = sparse.unpack_2_4(self.b_q, self.b_meta, self.b_s)  # fp32, exact
+        self.w_fp16 = self.w_exact.half()
+        self.k, self.n = k, n
+
+
+_layers = {}
+
+
+def get_layer(k, n, g):
+    key = (k, n, g)
+    if key not in _layers:
+        _layers.clear()
+        torch.cuda.empty_cache()
+        _layers[key] = Layer(k, n, g, seed=hash(key) % 2**31)
+    return _layers[key]
+
+
+def poison_allocator(numel):
+    """The allocator's next block of `numel` halves NaN-filled, so that unwritten outputs show up."""
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    t = torch.full((numel,), float("nan"), dtype=torch.float16, device="cuda")
+    ptr = t.data_ptr()
+    del t
+    return ptr
+
+
+def check(layer, m, b_meta=None):
+    a = torch.randn(m, layer.k, device="cuda", dtype=torch.float16)
+    ptr = poison_allocator(m * layer.n)
+    c = marlin.gemm_2_4(a, layer.b_q, layer.b_meta if b_meta is None else b_meta, layer.b_s)
+    assert c.data_ptr() == ptr, "output did not land in the poisoned block; the NaN check would be void"
+    ref = fp32_matmul(a, layer.w_exact)
+    base = rel_err(a @ layer.w_fp16, ref)
+    err = rel_err(c, ref)
+    return err, base, c, a
+
+
+@pytest.mark.parametrize("g", GROUPS)
+@pytest.mark.parametrize("shape", list(SHAPES), ids=list(SHAPES))
+@pytest.mark.parametrize("m", M_VALUES)
+def test_shapes(m, shape, g):
+    err, base, _, _ = check(get_layer(*SHAPES[shape], g), m)
+    assert err <= ALLOWED * base + 1e-7, f"M={m} {shape} g={g}: error {err:.3g} vs fp16 matmul {base:.3g}"
+
+
+def test_the_bound_catches_a_wrong_metadata_order():
+    layer = get_layer(1024, 512, 128)
+    swapped = layer.b_meta.view(-1, 2, 16, 2, 2).flip(3).reshape(layer.b_meta.shape).contiguous()
+    err, base, _, _ = check(layer, 8, b_meta=swapped)
+    assert err > 100 * base
+
+
+def test_repeats_are_bit_identical_and_match_the_cpu_op():
+    layer = get_layer(4096, 4096, 128)
+    for m in (1, 16, 100):
+        a = torch.randn(m, 4096, device="cuda", dtype=torch.float16)
+        c = marlin.gemm_2_4(a, layer.b_q, layer.b_meta, layer.b_s)
+        for _ in range(3):
+            assert torch.equal(marlin.gemm_2_4(a, layer.b_q, layer.b_meta, layer.b_s), c)
+        cpu = marlin.gemm_2_4(a.cpu(), layer.b_q.cpu(), layer.b_meta.cpu(), layer.b_s.cpu())
+        assert rel_err(c.cpu(), cpu) < 2e-3
+        # an explicit workspace (the K parts' arrival counters) gives the same bits and stays zeroed
+        ws = marlin.make_workspace()
+        assert torch.equal(marlin.gemm_2_4(a, layer.b_q, layer.b_meta, layer.b_s, ws), c)
+        assert int(ws.abs().sum()) == 0
+
+
+def test_strided_activations_and_m_zero():
+    layer = get_layer(1152, 640, -1)
+    big = torch.randn(5, 2 * 1152, device="cuda", dtype=torch.float16)
+    a = big[:, ::2]
+    assert torch.equal(
+        marlin.gemm_2_4(a, layer.b_q, layer.b_meta, layer.b_s),
+        marlin.gemm_2_4(a.contiguous(), layer.b_q, layer.b_meta, layer.b_s),
+    )
+    out = marlin.gemm_2_4(big[:0, :1152], layer.b_q, layer.b_meta, layer.b_s)
+    assert out.shape == (0, 640)
+
+
+def test_cuda_graph_and_two_streams():
+    layer = get_layer(4096, 4096, 128)
+    a = torch.randn(8, 4096, device="cuda", dtype=torch.float16)
+    expected = marlin.gemm_2_4(a, layer.b_q, layer.b_meta, layer.b_s)
+    static_a = a.clone()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        marlin.gemm_2_4(static_a, layer.b_q, layer.b_meta, layer.b_s)
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        static_c = marlin.gemm_2_4(static_a, layer.b_q, layer.b_meta, layer.b_s)
+    for _ in range(3):
+        static_c.fill_(float("nan"))
+        g.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(static_c, expected)
+    # two streams at once, no shared workspace
+    s1, s2 = torch.cuda.Stream(), torch.cuda.Stream()
+    a2 = torch.randn(3, 4096, device="cuda", dtype=torch.float16)
+    exp2 = marlin.gemm_2_4(a2, layer.b_q, layer.b_meta, layer.b_s)
+    torch.cuda.synchronize()
+    outs = []
+    for _ in range(10):
+        with torch.cuda.stream(s1):
+            o1 = marlin.gemm_2_4(a, layer.b_q, layer.b_meta, layer.b_s)
+        with torch.cuda.stream(s2):
+            o2 = marlin.gemm_2_4(a2, layer.b_q, layer.b_meta, layer.b_s)
+        outs.append((o1, o2))
+    torch.cuda.synchronize()
+    for o1, o2 in outs:
+        assert torch.equal(o1, expected) and torch.equal(o2, exp2)
+
+
+def test_torch_compile_fullgraph():
+    layer = get_layer(1152, 640, 128)
+
+    def f(x):
+        return torch.relu(marlin.gemm_2_4(x * 2, layer.b_q, layer.b_meta, layer.b_s)) + 1
+
+    x = torch.randn(5, 1152, device="cuda", dtype=torch.float16)
+    compiled = torch.compile(f, fullgraph=True)
+    assert rel_err(compiled(x), f(x)) < 1e-3
+
+
+def test_every_block_and_half_of_the_tile():
+    """Diagnostic for the fragment and metadata layout: the error by 16-column block j of each
+    64-column chunk (j = 0, 1: metadata from lanes c = 0, 1 with selector 0; j = 2, 3: lanes
+    c = 2, 3 with selector 1), by row half of the fragment (column % 16 < 8: low 16 bits of the
+    metadata word) and by which 16 rows of each 32-row strip carry the only non-zeros (the first
+    or second lane of the metadata pair)."""
+    k, n, m = 256, 256, 8
+    report = {}
+    for strip_half in (0, 1):
+        gen = torch.Generator(device="cuda").manual_seed(11 + strip_half)
+        w = sparse.prune_2_4(torch.randn(k, n, device="cuda", generator=gen))
+        rows = (torch.arange(k, device="cuda") % 32) // 16 == strip_half
+        w = w * rows[:, None]
+        b_q, b_meta, b_s = sparse.quantize_and_pack_2_4(w, -1)
+        w_exact = sparse.unpack_2_4(b_q, b_meta, b_s)
+        a = torch.randn(m, k, device="cuda", dtype=torch.float16)
+        c = marlin.gemm_2_4(a, b_q, b_meta, b_s).float()
+        ref = fp32_matmul(a, w_exact)
+        col = torch.arange(n, device="cuda")
+        for j in range(4):
+            for half in (0, 1):
+                sel = ((col % 64) // 16 == j) & ((col % 16) // 8 == half)
+                report[(strip_half, j, half)] = rel_err(c[:, sel], ref[:, sel])
+    bad = {key: round(v, 4) for key, v in report.items() if not v < 2e-3}
+    assert not bad, f"(rows 16-31 of the strip?, block j, column half): error {bad}"

@@ -1,0 +1,186 @@
+"""MarlinLinear24 and replace_linear(sparsity="2:4"): accuracy against the dequantized 2:4 weight,
+state_dict round trip and refusals, the pruned-norm report, torch.compile; CUDA when present.
+
+Tolerances as in test_nn.py: one layer vs fp64 x @ B' (B' the exact dequantized weight) within
+1e-3 (one fp16 rounding of the output, one of the bias add); a model within 1e-2."""
+
+from __future__ import annotations
+
+import copy
+import logging
+
+import pytest
+import torch
+from torch import nn
+
+import marlin
+from marlin import MarlinLinear, sparse
+from marlin.sparse_nn import MarlinLinear24, SparseReplaceReport, replace_linear_2_4
+from conftest import requires_cuda_2_4, tiny_llama_config
+
+LAYER_TOL = 1e-3
+MODEL_TOL = 1e-2
+
+
+def rel_err(out, ref):
+    out, ref = out.double(), ref.double()
+    return float((out - ref).norm() / ref.norm())
+
+
+def reference(layer: MarlinLinear24, x):
+    y = x.cpu().double() @ layer.dequantized_weight().cpu().double().t()
+    return y + layer.bias.cpu().double() if layer.bias is not None else y
+
+
+@pytest.mark.parametrize("group_size", [128, -1])
+@pytest.mark.parametrize("bias", [True, False])
+def test_from_linear_prunes_quantizes_and_computes(group_size, bias):
+    torch.manual_seed(1)
+    lin = nn.Linear(256, 384, bias=bias).half()
+    layer = MarlinLinear.from_linear(lin, group_size, sparsity="2:4")
+    assert isinstance(layer, MarlinLinear24) and layer.group_size == group_size
+    w = layer.dequantized_weight()  # [N, K]
+    assert sparse.violations_2_4(w.t()).numel() == 0
+    # the kept weights are the two largest of every 4 (quantized), the others exactly zero
+    kept = sparse.mask_2_4(lin.weight.detach().t().float()).t()
+    assert bool((w[~kept] == 0).all())
+    # half the weights, uniform init: the two smallest of four carry ~20% of the energy (sqrt: ~45%)
+    assert 0.35 < layer.pruned_fraction < 0.55
+    x = torch.randn(2, 3, 256).half()
+    y = layer(x)
+    assert y.shape == (2, 3, 384) and y.dtype == torch.float16
+    assert rel_err(y.reshape(6, 384), reference(layer, x.reshape(6, 256))) < LAYER_TOL
+    # and it is a 2:4 approximation of the dense layer, not the dense layer
+    dense = lin(x).detach().double()
+    assert 0.1 < rel_err(y, dense) < 0.6
+
+
+def test_prune_false_takes_only_2_4_weights():
+    lin = nn.Linear(128, 128).half()
+    with pytest.raises(ValueError, match=r"not 2:4 sparse along K"):
+        MarlinLinear24.from_linear(lin, prune=False)
+    with torch.no_grad():
+        lin.weight.copy_(sparse.prune_2_4(lin.weight.t()).t())
+    layer = MarlinLinear24.from_linear(lin, prune=False)
+    assert layer.pruned_fraction is None
+
+
+def test_new_layer_computes_zero_and_bad_arguments():
+    layer = MarlinLinear24(128, 256, bias=False)
+    assert torch.equal(layer(torch.randn(3, 128).half()), torch.zeros(3, 256).half())
+    assert "sparsity=2:4" in repr(layer)
+    with pytest.raises(ValueError, match=r"in_features = 96, expected a positive multiple of 128"):
+        MarlinLinear24(96, 128)
+    with pytest.raises(ValueError, match=r"group_size = 64"):
+        MarlinLinear24(128, 128, group_size=64)
+    with pytest.raises(ValueError, match=r"dtype = torch.bfloat16"):
+        MarlinLinear24(128, 128, dtype=torch.bfloat16)
+    with pytest.raises(TypeError, match=r"input dtype is torch.float32"):
+        layer(torch.randn(2, 128))
+    with pytest.raises(ValueError, match=r"sparsity = '1:2'"):
+        MarlinLinear.from_linear(nn.Linear(128, 128), sparsity="1:2")
+
+
+def test_state_dict_round_trip_and_refusals(tmp_path):
+    torch.manual_seed(2)
+    layer = MarlinLinear24.from_linear(nn.Linear(256, 128).half())
+    sd = layer.state_dict()
+    assert set(sd) == {"b_q", "b_meta", "b_scales", "bias"} and sd._metadata[""]["version"] == 1
+    path = tmp_path / "l.pt"
+    torch.save(sd, path)
+    fresh = MarlinLinear24(256, 128)
+    fresh.load_state_dict(torch.load(path, weights_only=True))
+    x = torch.randn(4, 256).half()
+    assert torch.equal(fresh(x), layer(x))
+    # a newer version, a dense MarlinLinear's state_dict, a wrong group size, a wrong dtype
+    newer = copy.copy(sd)
+    newer._metadata = {"": {"version": 2}}
+    with pytest.raises(RuntimeError, match=r"version 2 was written by a newer marlin"):
+        MarlinLinear24(256, 128).load_state_dict(newer)
+    dense = marlin.MarlinLinear.from_linear(nn.Linear(256, 128).half()).state_dict()
+    with pytest.raises(RuntimeError, match=r"holds a dense MarlinLinear"):
+        MarlinLinear24(256, 128).load_state_dict(dense)
+    with pytest.raises(RuntimeError, match=r"group size -1, but this layer was built with group_size=128"):
+        MarlinLinear24(256, 128).load_state_dict(MarlinLinear24.from_linear(nn.Linear(256, 128).half(), -1).state_dict())
+    bad = dict(sd)
+    bad["b_meta"] = bad["b_meta"].to(torch.int64)
+    with pytest.raises(RuntimeError, match=r"b_meta: dtype torch.int64, expected torch.int32"):
+        MarlinLinear24(256, 128).load_state_dict(bad)
+
+
+def test_to_keeps_fp16_and_workspace():
+    layer = MarlinLinear24.from_linear(nn.Linear(128, 128).half())
+    ws = layer.workspace
+    layer.float()
+    assert layer.b_scales.dtype == torch.float16 and layer.workspace is ws
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up = nn.Linear(256, 512)
+        self.odd = nn.Linear(512, 200)  # 200 outputs: not a multiple of 128, kept
+        self.down = nn.Linear(512, 256)
+        self.lm_head = nn.Linear(256, 256)
+
+    def forward(self, x):
+        h = torch.relu(self.up(x))
+        return self.lm_head(self.down(h)) + self.odd(h)[..., :1]
+
+
+def test_replace_linear_2_4_report_and_logging(caplog):
+    torch.manual_seed(3)
+    model = Block().half()
+    with caplog.at_level(logging.INFO, logger="marlin.sparse_nn"):
+        report = marlin.replace_linear(model, sparsity="2:4")
+    assert isinstance(report, SparseReplaceReport)
+    assert report.replaced == ["up", "down"]
+    assert [n for n, _ in report.skipped] == ["odd", "lm_head"]
+    assert set(report.pruned) == {"up", "down"} and all(0.35 < f < 0.55 for f in report.pruned.values())
+    text = str(report)
+    assert "up: pruning removed" in text and "% of the weight norm" in text and "kept odd" in text
+    assert "pruning removed" in caplog.text and "kept odd" in caplog.text
+    assert isinstance(model.up, MarlinLinear24) and isinstance(model.odd, nn.Linear)
+    with pytest.raises(ValueError, match=r"cannot replace odd"):
+        replace_linear_2_4(Block().half(), strict=True)
+    with pytest.raises(ValueError, match=r"sparsity = 'dense'"):
+        marlin.replace_linear(Block(), sparsity="dense")
+
+
+def test_torch_compile_fullgraph_aot_eager():
+    torch.manual_seed(4)
+    layer = MarlinLinear24.from_linear(nn.Linear(256, 256).half())
+    x = torch.randn(3, 256).half()
+    compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")
+    assert torch.equal(compiled(x), layer(x))
+
+
+def test_replace_linear_2_4_llama_forward():
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    fp32 = transformers.LlamaForCausalLM(tiny_llama_config()).eval()
+    model = copy.deepcopy(fp32).half()
+    report = marlin.replace_linear(model, sparsity="2:4")
+    assert len(report.replaced) == 2 * 7 and len(report.pruned) == 2 * 7
+    ref = copy.deepcopy(fp32).float()
+    with torch.no_grad():
+        for _, p in ref.named_parameters():
+            p.copy_(p.half().float())
+        for name, module in model.named_modules():
+            if isinstance(module, MarlinLinear24):
+                ref.get_submodule(name).weight.copy_(module.dequantized_weight())
+    ids = torch.randint(0, 1000, (2, 10), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert rel_err(model(ids).logits, ref(ids).logits) < MODEL_TOL
+
+
+@requires_cuda_2_4
+def test_cuda_forward_matches_cpu_op():
+    torch.manual_seed(5)
+    layer = MarlinLinear24.from_linear(nn.Linear(512, 384).half())
+    x = torch.randn(7, 512).half()
+    y_cpu = layer(x)
+    layer.cuda()
+    assert layer.workspace.is_cuda and int(layer.workspace.abs().sum()) == 0
+    assert rel_err(layer(x.cuda()).cpu(), y_cpu) < LAYER_TOL
+
