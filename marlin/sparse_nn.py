@@ -162,18 +162,19 @@ class MarlinLinear24(nn.Module):
         return self
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
-        version = local_metadata.get("version")
-        if version is not None and version > self._version:
-            error_msgs.append(
-                f"{prefix}: MarlinLinear24 state_dict version {version} was written by a newer marlin (this one "
-                f"reads up to {self._version}); upgrade marlin"
-            )
-            return
+        # A dense MarlinLinear's state_dict first: its version numbers MarlinLinear's layouts, not ours.
         b_q = state_dict.get(prefix + "b_q")
         if isinstance(b_q, torch.Tensor) and prefix + "b_meta" not in state_dict:
             error_msgs.append(
                 f"{prefix}: the state_dict has b_q but no b_meta: it holds a dense MarlinLinear, not a 2:4 layer "
                 "(load it into MarlinLinear)"
+            )
+            return
+        version = local_metadata.get("version")
+        if version is not None and version > self._version:
+            error_msgs.append(
+                f"{prefix}: MarlinLinear24 state_dict version {version} was written by a newer marlin (this one "
+                f"reads up to {self._version}); upgrade marlin"
             )
             return
         scales = state_dict.get(prefix + "b_scales")
