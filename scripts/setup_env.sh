@@ -14,7 +14,9 @@ if ! "$PY" -c "import torch" 2>/dev/null; then
   "$PY" -m pip install -q "torch==2.13.0"
 fi
 
-# import name -> pip name; only what is missing is installed (nothing, on the GPU machine)
+# import name -> pip name; only what is missing is installed (nothing, on the GPU machine).
+# compressed-tensors (tests of its checkpoints only) is left to .ci/run and `pip install .[test]`:
+# a pip attempt without network could stall the GPU machine's set-up.
 missing=()
 for pair in setuptools:setuptools wheel:wheel ninja:ninja safetensors:safetensors tqdm:tqdm pytest:pytest \
             numpy:numpy matplotlib:matplotlib transformers:transformers ${MARLIN_EXTRA_DEPS:-}; do
