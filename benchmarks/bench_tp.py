@@ -47,11 +47,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def init() -> tuple:
-    """(rank, world size, device) from torchrun's environment; one process without it."""
+def init(cpu: bool = False) -> tuple:
+    """(rank, world size, device) from torchrun's environment; one process without it. cpu=True
+    (the dry run) stays on the CPU with gloo even where a GPU is visible."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
-    cuda = torch.cuda.is_available()
+    cuda = torch.cuda.is_available() and not cpu
     if cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
@@ -175,7 +176,7 @@ def meta(device, world: int, shape: LlamaShape, args) -> dict:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    rank, world, device = init()
+    rank, world, device = init(cpu=args.dry_run)
     shape = TINY if args.dry_run else LlamaShape(**{**LLAMA2_70B.__dict__, "layers": args.layers})
     if args.dry_run:
         args.steps, args.repeats, args.prompt = min(args.steps, 4), 1, min(args.prompt, 4)

@@ -89,9 +89,10 @@ def test_quantize_is_round_to_nearest_symmetric(group_size):
     err = (w - deq).abs()
     clamped = q == 7
     assert bool((err[~clamped] <= step[~clamped] * 0.5 + 1e-6).all())
-    # scale is 2 * amax / 15 of the group
+    # scale is 2 * amax / 15 of the group, rounded to fp16: within one fp16 rounding (2^-11 relative;
+    # the order of the float32 product and division may move the rounding by one ulp)
     amax = w.abs().reshape(-1, rows, 128).amax(1)
-    assert torch.allclose(s.float(), (amax * 2 / 15).half().float())
+    assert torch.allclose(s.float(), amax * 2 / 15, rtol=2**-10, atol=0)
 
 
 def test_quantize_zero_group_has_unit_scale():
