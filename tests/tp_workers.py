@@ -30,6 +30,10 @@ def run(rank: int, world_size: int, init_file: str, scenario: str, arg) -> None:
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
     try:
         SCENARIOS[scenario](rank, world_size, arg)
+        # both ranks finish their collectives before either tears gloo down: a rank that destroys
+        # its group while the peer's last send is in flight aborted ("terminate called without an
+        # active exception", SIGABRT) on a loaded CI machine
+        dist.barrier()
     except BaseException:
         traceback.print_exc()  # the rank's own traceback; spawn re-raises in the parent
         raise
