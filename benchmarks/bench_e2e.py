@@ -4,7 +4,7 @@ Run from the repository root (CUDA build of marlin, transformers installed):
 
     python -m benchmarks.bench_e2e                              # Llama-2-7B shape, batch 1 .. 128
     python -m benchmarks.bench_e2e --layers 8 --batches 1,16    # quick: 8 of the 32 layers
-    python -m benchmarks.bench_e2e --profile                    # + where a decode step's time goes
+    python -m benchmarks.bench_e2e --profile --profile-batches 1,16   # + where a decode step's time goes
     python -m benchmarks.bench_e2e --dry-run                    # CPU smoke run on a tiny model
 
 Protocol (the paper's end-to-end setting): a prompt of 64 tokens, then 64 generated tokens, for
@@ -22,7 +22,10 @@ steps at positions 64 .. 127, each block timed whole with CUDA events; tokens_pe
 tpot. Modes (e2e_model.py): eager, graph (eager kernels in one CUDA graph), compiled (inductor,
 fullgraph, in one CUDA graph), generate (model.generate() after marlin.compile_for_decode; its
 TPOT includes generate()'s own per-token work). The same mode is used for FP16 and Marlin. Before timing, one step
-of each captured mode is checked against the eager forward (relative error of the logits).
+of each captured mode is checked against the eager forward (relative error of the logits), and
+a traced mode must trace without graph breaks; each point records its set-up time (compile,
+warm-up, capture: setup_s) and how many graphs dynamo compiled for it (a new batch size compiles
+once more, with the batch dimension symbolic).
 
 Also recorded: weight bytes per step and the FP16 weight-read floor (bytes / measured copy
 bandwidth), so that the FP16 baseline can be judged (the issue asks for FP16 within 1.3x of it at
@@ -38,6 +41,7 @@ import gc
 import statistics
 import sys
 import tempfile
+import time
 import traceback
 from pathlib import Path
 from typing import Optional
@@ -73,9 +77,12 @@ def parse_args(argv=None):
     p.add_argument("--prompt-len", type=int, default=64)
     p.add_argument("--gen-len", type=int, default=64)
     p.add_argument("--samples", type=int, default=5, help="timed blocks of gen-len steps per point")
-    p.add_argument("--backend", default="inductor", help="torch.compile backend of the compiled mode")
-    p.add_argument("--profile", action="store_true", help="torch.profiler summary of a compiled step per kernel")
-    p.add_argument("--profile-batch", type=int, default=None, help="batch of the profile (default: the first)")
+    p.add_argument("--backend", default=None,
+                   help="torch.compile backend of the compiled mode (default inductor; eager in a dry run)")
+    p.add_argument("--profile", action="store_true",
+                   help="torch.profiler summary (time by kernel category) of a decode step per kernel, in the "
+                        "compiled mode if it runs, else the graph mode's traced step, else eager")
+    p.add_argument("--profile-batches", default=None, help="batches to profile, comma-separated (default: the first)")
     p.add_argument("--out", help="results JSON (default benchmarks/results/<gpu>-e2e[-<L>L].json)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dry-run", action="store_true", help="CPU smoke run: tiny model, eager and traced steps")
@@ -92,7 +99,12 @@ def parse_args(argv=None):
     if args.dry_run:
         args.model, args.layers, args.batches = "tiny", None, [1, 3]
         args.prompt_len, args.gen_len, args.samples = 8, 4, 1
-        args.backend = "eager"  # no C++ toolchain needed; traces with fullgraph like inductor would
+        if args.backend is None:
+            args.backend = "eager"  # no C++ toolchain needed; traces with fullgraph like inductor would
+    args.backend = args.backend or "inductor"
+    args.profile_batches = _list(args.profile_batches, int) if args.profile_batches else args.batches[:1]
+    # the mode whose step is profiled: the compiled one (what compile_for_decode gives) when it runs
+    args.profile_mode = next((m for m in ("compiled", "graph", "eager") if m in args.modes), None) if args.profile else None
     return args
 
 
@@ -108,7 +120,14 @@ def _reset_dynamo():
     torch._dynamo.reset()
 
 
-def run_kernel(model, kernel: str, args, dev, points: list, notes: list, bar) -> None:
+def _dynamo_counts() -> dict:
+    """Graphs dynamo has compiled and graph breaks it took, so far in this process."""
+    from torch._dynamo.utils import counters
+
+    return {"graphs": counters["stats"].get("unique_graphs", 0), "graph_breaks": sum(counters["graph_break"].values())}
+
+
+def run_kernel(model, kernel: str, args, dev, points: list, notes: list, bar, profiles: list) -> None:
     layers = model.config.num_hidden_layers
     wbytes = weight_bytes(model)
     for mode in args.modes:
@@ -137,7 +156,15 @@ def run_kernel(model, kernel: str, args, dev, points: list, notes: list, bar) ->
                 continue
             try:
                 point["ttft_ms"] = statistics.median(step.prefill() for _ in range(3)) * 1e3
+                before, t0 = _dynamo_counts(), time.perf_counter()
                 fn = step.setup(mode, compiled)
+                # compile (when this batch size needs it), warm-up and graph capture
+                point["setup_s"] = round(time.perf_counter() - t0, 2)
+                after = _dynamo_counts()
+                point["new_graphs"] = after["graphs"] - before["graphs"]
+                point["graph_breaks"] = after["graph_breaks"] - before["graph_breaks"]
+                if mode != "eager" and point["graph_breaks"]:
+                    raise RuntimeError(f"{point['graph_breaks']} graph breaks in a fullgraph trace")
                 err = step.check(fn)
                 point["check_rel_err"] = err
                 if not err <= CHECK_TOL:
@@ -145,6 +172,8 @@ def run_kernel(model, kernel: str, args, dev, points: list, notes: list, bar) ->
                 times = step.time_steps(fn, args.samples)
                 tpot = statistics.median(times)
                 point.update(tpot_ms=tpot * 1e3, tpot_min_ms=min(times) * 1e3, tokens_per_s=batch / tpot)
+                if mode == args.profile_mode and batch in args.profile_batches:
+                    bar.write(format_profile(_profile(step, mode, compiled, point, profiles)))
             except Exception as e:  # record and go on: one failing point must not lose the others
                 point["error"] = f"{type(e).__name__}: {e}"[:500]
                 notes.append(f"{kernel} {mode} batch {batch}: {point['error']}")
@@ -158,6 +187,21 @@ def run_kernel(model, kernel: str, args, dev, points: list, notes: list, bar) ->
     for attr in ("_compiled_call", "_last_compile_config"):  # generate()'s compiled forward of this kernel
         if hasattr(model, attr):
             delattr(model, attr)
+
+
+def _profile(step: DecodeStep, mode: str, compiled, point: dict, profiles: list) -> dict:
+    """Kernel times of this point's step (the compiled function, outside the graph), into
+    ``profiles``; a failure is recorded there and does not lose the point."""
+    kernel, batch = point["kernel"], point["batch"]
+    call = step.eager_call() if compiled is None else (
+        lambda: compiled(step.model, step.ids, step.pos, step.cache))
+    try:
+        prof = profile_step(step, call)
+        prof["idle_us_per_step"] = round(point["tpot_ms"] * 1e3 - prof["kernel_us_per_step"], 2)
+    except Exception as e:
+        prof = {"error": f"{type(e).__name__}: {e}"[:500]}
+    profiles.append({"kernel": kernel, "mode": mode, "batch": batch, "tpot_ms": point["tpot_ms"], **prof})
+    return profiles[-1]
 
 
 def _one_line(p: dict) -> str:
@@ -195,6 +239,22 @@ def format_table(points: list, sp: list, floor_ms: Optional[float]) -> str:
     return "\n".join(rows)
 
 
+def format_profile(prof: dict) -> str:
+    """A profile (see _profile) as text: time and calls by category, then the top kernels."""
+    lines = [f"profile {prof['kernel']} {prof['mode']} batch {prof['batch']} (us per decode step; TPOT "
+             f"{prof['tpot_ms'] * 1e3:.1f} us in the graph):"]
+    if "error" in prof:
+        return "\n".join(lines + [f"  failed: {prof['error']}"])
+    calls = prof.get("calls_per_step_by_category", {})
+    for cat, us in prof["us_per_step_by_category"].items():
+        lines.append(f"  {cat:32} {us:10.1f}  ({calls.get(cat, 0):g} calls)")
+    lines.append(f"  {'sum of kernels':32} {prof['kernel_us_per_step']:10.1f}")
+    lines.append(f"  {'TPOT - sum (gaps)':32} {prof['idle_us_per_step']:10.1f}")
+    for k in prof.get("top_kernels", [])[:12]:
+        lines.append(f"    {k['us_per_step']:9.1f} us  x{k['calls_per_step']:<5g} {k['name'][:100]}")
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     from tqdm.auto import tqdm
@@ -210,7 +270,8 @@ def main(argv=None) -> int:
     meta = collect_meta(dev, "dry-run" if args.dry_run else "e2e", kind="e2e", expect_rev=args.git_rev,
                         expect_tree=args.csrc_tree)
     meta.update(transformers=transformers.__version__, model=args.model, batches=args.batches,
-                modes=args.modes, kernels=args.kernels, backend=args.backend, samples=args.samples)
+                modes=args.modes, kernels=args.kernels, backend=args.backend, samples=args.samples,
+                profile_mode=args.profile_mode)
     warn = dirty_warning(meta)
     suffix = f"-{args.layers}L" if args.layers else ""
     if args.out:
@@ -227,7 +288,16 @@ def main(argv=None) -> int:
     fp16_bytes = weight_bytes(model)
     floor_ms = fp16_bytes / (copy_bw * 1e9) * 1e3 if copy_bw else None
     meta["fp16_weight_bytes"], meta["fp16_weight_read_ms"] = fp16_bytes, floor_ms
-    points, notes, profiles = [], [], {}
+    points, notes, profiles = [], [], []
+    meta["notes"] = notes
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+
+    def write(complete: bool) -> None:
+        # after every kernel too: a run stopped by a time limit keeps what it measured
+        meta["complete"] = complete
+        out_path.write_text(dump_results({"meta": meta, "points": points, "speedups": speedups(points),
+                                          "profiles": profiles}))
+
     total = len(args.kernels) * len(args.batches) * len(args.modes)
     with torch.no_grad(), tqdm(total=total, desc="bench_e2e", unit="point") as bar:
         converted = "fp16"
@@ -241,32 +311,15 @@ def main(argv=None) -> int:
                 marlin.fuse_projections(model, strict=True)
                 converted = kernel
             _free()
-            run_kernel(model, kernel, args, dev, points, notes, bar)
-            if args.profile:
-                b = args.profile_batch or args.batches[0]
-                try:
-                    profiles[kernel] = {"batch": b, **profile_step(
-                        DecodeStep(model, b, args.prompt_len, args.gen_len, dev, seed=args.seed), backend=args.backend)}
-                except Exception as e:
-                    profiles[kernel] = {"batch": b, "error": f"{type(e).__name__}: {e}"[:500]}
-                _reset_dynamo()
-                _free()
+            run_kernel(model, kernel, args, dev, points, notes, bar, profiles)
+            write(complete=False)
     sp = speedups(points)
     print(format_table(points, sp, floor_ms))
-    for kernel, prof in profiles.items():
-        print(f"\nprofile {kernel} batch {prof['batch']} (us per decode step):")
-        for cat, us in prof.get("us_per_step_by_category", {}).items():
-            print(f"  {cat:32} {us:10.1f}")
-        for k in prof.get("top_kernels", [])[:10]:
-            print(f"    {k['us_per_step']:9.1f} us  x{k['calls_per_step']:<4} {k['name'][:90]}")
-        if "error" in prof:
-            print(f"  failed: {prof['error']}")
+    for prof in profiles:
+        print("\n" + format_profile(prof))
     if notes:
         print("Notes:\n  " + "\n  ".join(notes))
-    meta["notes"] = notes
-    result = {"meta": meta, "points": points, "speedups": sp, "profiles": profiles}
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    out_path.write_text(dump_results(result))
+    write(complete=True)
     print(f"wrote {out_path}")
     if warn:
         print(warn, file=sys.stderr)

@@ -268,11 +268,17 @@ def time_generate(model, batch: int, prompt_len: int, gen_len: int, dev, samples
 
 
 # -- profile ----------------------------------------------------------------------------------
-_CATEGORIES = (  # first match wins: attention kernels may have "cutlass" or "gemm" in their names
+_CATEGORIES = (  # first match wins
+    # inductor names its kernels after the ops they fuse ("triton_red_fused_..._gemm_mean_..."), so
+    # they must be recognised before the name patterns below
+    ("fused elementwise (inductor)", re.compile(r"^triton_", re.I)),
     ("marlin GEMM", re.compile(r"marlin", re.I)),
+    # attention kernels may have "cutlass" or "gemm" in their names
     ("attention", re.compile(r"flash|fmha|attention|sdpa|efficient", re.I)),
     ("FP16 GEMM", re.compile(r"gemm|gemv|cutlass|xmma|cublas|nvjet|splitk|^aten::(mm|addmm|bmm)$", re.I)),
-    ("fused elementwise (inductor)", re.compile(r"^triton_", re.I)),
+    ("cache write / index", re.compile(r"index|scatter", re.I)),
+    ("copy / cast / cat (aten)", re.compile(r"copy|cast|CatArray|cat_", re.I)),
+    ("elementwise / reduce (aten)", re.compile(r"elementwise|reduce_kernel|reduction", re.I)),
 )
 
 
@@ -284,40 +290,49 @@ def _category(name: str) -> str:
 
 
 @torch.no_grad()
-def profile_step(step_obj: DecodeStep, backend: str = "inductor", steps: int = 8, rows: int = 20) -> dict:
-    """Kernel time per decode step by category, and the top kernels, from torch.profiler over
-    ``steps`` compiled (not graph-captured: the profiler then sees each kernel) decode steps."""
+def profile_step(step_obj: DecodeStep, fn: Callable[[], torch.Tensor], steps: int = 8, rows: int = 20) -> dict:
+    """Kernel time per decode step by category, the top kernels, and their sum, from
+    torch.profiler over ``steps`` calls of ``fn`` (a decode step of ``step_obj``: the compiled
+    function itself, not its captured graph, so that the profiler sees each kernel). The caller
+    compares ``kernel_us_per_step`` with the graph's TPOT: the difference is idle time."""
     from torch.profiler import ProfilerActivity, profile
 
-    step_obj.prefill()
-    compiled = compile_decode("compiled", backend)
-    fn = lambda: compiled(step_obj.model, step_obj.ids, step_obj.pos, step_obj.cache)  # noqa: E731
-    for _ in range(3):
+    for _ in range(2):
         step_obj.reset(step_obj.prompt_len)
         fn()
     _sync(step_obj.dev)
-    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if step_obj.dev.type == "cuda" else [])
+    on_cuda = step_obj.dev.type == "cuda"
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_cuda else [])
     with profile(activities=acts) as prof:
         for _ in range(steps):
             step_obj.reset(step_obj.prompt_len)
             fn()
         _sync(step_obj.dev)
     per_cat: dict[str, float] = {}
+    calls: dict[str, float] = {}
     kernels = []
     for ev in prof.key_averages():
-        t = getattr(ev, "device_time_total", None)
-        if t is None:
-            t = getattr(ev, "cuda_time_total", 0)
-        if step_obj.dev.type != "cuda":
+        if on_cuda:
+            # kernels only: CPU-side ops carry their kernels' time too and would count it twice
+            if "CUDA" not in str(getattr(ev, "device_type", "")):
+                continue
+            t = getattr(ev, "device_time_total", None)
+            if t is None:
+                t = getattr(ev, "cuda_time_total", 0)
+        else:
             t = ev.self_cpu_time_total
-        if not t or (step_obj.dev.type == "cuda" and getattr(ev, "device_type", None) is not None
-                     and "CUDA" not in str(ev.device_type)):
+        if not t:
             continue
         us = t / steps
-        kernels.append((ev.key, us, ev.count // steps))
-        per_cat[_category(ev.key)] = per_cat.get(_category(ev.key), 0.0) + us
+        cat = _category(ev.key)
+        kernels.append((ev.key, us, ev.count / steps))
+        per_cat[cat] = per_cat.get(cat, 0.0) + us
+        calls[cat] = calls.get(cat, 0.0) + ev.count / steps
     kernels.sort(key=lambda x: -x[1])
     return {
-        "us_per_step_by_category": dict(sorted(per_cat.items(), key=lambda kv: -kv[1])),
-        "top_kernels": [{"name": k[:120], "us_per_step": round(us, 2), "calls_per_step": c} for k, us, c in kernels[:rows]],
+        "us_per_step_by_category": {k: round(v, 2) for k, v in sorted(per_cat.items(), key=lambda kv: -kv[1])},
+        "calls_per_step_by_category": {k: round(calls[k], 2) for k in per_cat},
+        "kernel_us_per_step": round(sum(per_cat.values()), 2),
+        "top_kernels": [{"name": k[:120], "us_per_step": round(us, 2), "calls_per_step": round(c, 2)}
+                        for k, us, c in kernels[:rows]],
     }

@@ -88,18 +88,32 @@ def markdown(data: dict, figure_msg: str) -> list[str]:
                 r = p["tpot_ms"] / floor
                 md.append(f"- FP16 {p['mode']} at batch 1: {p['tpot_ms']:.3f} ms = {r:.2f}x the floor "
                           f"({'within' if r <= FLOOR_FACTOR else 'above'} {FLOOR_FACTOR}x)")
-    for kernel, prof in (data.get("profiles") or {}).items():
-        md += ["", f"## Where a compiled decode step's time goes: {kernel}, batch {prof.get('batch')}", ""]
+    for prof in _profiles(data):
+        head = f"## Where a decode step's time goes: {prof.get('kernel')}, {prof.get('mode', 'compiled')}, batch {prof.get('batch')}"
+        md += ["", head, ""]
         if "error" in prof:
             md.append(f"profile failed: {prof['error']}")
             continue
-        md += ["| category | us per step |", "|---|---:|"]
-        md += [f"| {c} | {us:.1f} |" for c, us in prof.get("us_per_step_by_category", {}).items()]
+        calls = prof.get("calls_per_step_by_category", {})
+        md += ["| category | us per step | calls per step |", "|---|---:|---:|"]
+        md += [f"| {c} | {us:.1f} | {calls.get(c, '')} |" for c, us in prof.get("us_per_step_by_category", {}).items()]
+        if "kernel_us_per_step" in prof:
+            md += [f"| sum of kernels | {prof['kernel_us_per_step']:.1f} | |",
+                   f"| TPOT in the graph minus the sum (gaps) | {prof['idle_us_per_step']:.1f} | |"]
         md += ["", "| kernel | us per step | calls |", "|---|---:|---:|"]
         md += [f"| `{k['name'][:80]}` | {k['us_per_step']:.1f} | {k['calls_per_step']} |" for k in prof.get("top_kernels", [])[:12]]
     if meta.get("notes"):
         md += ["", "## Notes", ""] + [f"- {n}" for n in meta["notes"]]
     return md
+
+
+def _profiles(data: dict) -> list[dict]:
+    """The results' profiles: a list of {kernel, mode, batch, ...}; files written before profiles
+    were per (kernel, batch) hold a dict kernel -> profile."""
+    profs = data.get("profiles") or []
+    if isinstance(profs, dict):
+        return [dict(prof, kernel=kernel) for kernel, prof in profs.items()]
+    return list(profs)
 
 
 def report_e2e(data: dict, stem: str, outdir: Path) -> list[str]:

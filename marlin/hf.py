@@ -1,8 +1,8 @@
 """load_quantized: a Hugging Face causal LM from a Marlin checkpoint directory (see marlin-convert).
 
 The model is built from config.json with its parameters on the meta device (no memory, no random
-initialization), the layers the checkpoint stores as ``<prefix>.b_q`` are swapped for MarlinLinear,
-and then every tensor of the checkpoint is assigned, strictly: a checkpoint tensor that the model
+initialization), the layers the checkpoint stores as ``<prefix>.b_q`` are swapped for MarlinLinear
+(MarlinLinear24 where a ``<prefix>.b_meta`` says the layer is 2:4-sparse), and then every tensor of the checkpoint is assigned, strictly: a checkpoint tensor that the model
 does not use, or a model tensor that the checkpoint does not give (after weight tying), is an error.
 transformers is imported only when this is called.
 """
@@ -61,9 +61,10 @@ def _dtype_kwargs(dtype: torch.dtype) -> dict:
 
 
 def _marlin_layers(ckpt: SafetensorsDir) -> dict:
-    """{prefix: dict(k, n, group_size, bias, act_order, dtype, bits, zero_points)} from the
-    checkpoint's headers, checked. The format of each layer follows from its tensors: the dtype
-    from b_scales, the width from b_q's columns (2 N: 4 bits, 4 N: 8 bits), zero points from b_zeros."""
+    """{prefix: dict(k, n, group_size, bias, act_order, dtype, bits, zero_points[, sparsity])} from
+    the checkpoint's headers, checked. The format of each layer follows from its tensors: the dtype
+    from b_scales, the width from b_q's columns (2 N: 4 bits, 4 N: 8 bits), zero points from b_zeros,
+    2:4 sparsity (MarlinLinear24, sparsity "2:4") from b_meta."""
     from . import packing
 
     layers = {}
@@ -71,6 +72,9 @@ def _marlin_layers(ckpt: SafetensorsDir) -> dict:
         if not name.endswith(".b_q"):
             continue
         prefix = name[: -len(".b_q")]
+        if f"{prefix}.b_meta" in ckpt.tensors:
+            layers[prefix] = _sparse_layer(ckpt, prefix)
+            continue
         scales = ckpt.tensors.get(f"{prefix}.b_scales")
         if info.dtype != torch.int32 or len(info.shape) != 2:
             raise ConversionError(f"{name}: dtype {info.dtype} shape {list(info.shape)}, expected torch.int32 [K / 16, 2 N or 4 N]")
@@ -109,8 +113,50 @@ def _marlin_layers(ckpt: SafetensorsDir) -> dict:
     return layers
 
 
+def _sparse_layer(ckpt: SafetensorsDir, prefix: str) -> dict:
+    """The spec of a 2:4 layer (MarlinLinear24: b_q [K/32, 2N], b_meta [K/32, N], fp16 b_scales), checked."""
+    from . import packing, sparse
+
+    b_q, meta = ckpt.tensors[f"{prefix}.b_q"], ckpt.tensors[f"{prefix}.b_meta"]
+    scales = ckpt.tensors.get(f"{prefix}.b_scales")
+    if scales is None:
+        raise ConversionError(f"{prefix}.b_q has no {prefix}.b_scales next to it")
+    ok = (
+        b_q.dtype == torch.int32
+        and meta.dtype == torch.int32
+        and scales.dtype == torch.float16
+        and len(b_q.shape) == len(meta.shape) == len(scales.shape) == 2
+        and b_q.shape[0] == meta.shape[0] > 0
+        and b_q.shape[1] == 2 * meta.shape[1] == 2 * scales.shape[1]
+        and scales.shape[0] > 0
+        and (meta.shape[0] * sparse.STRIP_K) % scales.shape[0] == 0
+    )
+    if not ok:
+        raise ConversionError(
+            f"{prefix}: 2:4 tensors b_q {b_q.dtype} {list(b_q.shape)}, b_meta {meta.dtype} {list(meta.shape)}, "
+            f"b_scales {scales.dtype} {list(scales.shape)}; expected int32 [K / 32, 2 N], int32 [K / 32, N] and "
+            "float16 [groups, N] with groups dividing K"
+        )
+    for extra in ("b_zeros", "perm"):
+        if f"{prefix}.{extra}" in ckpt.tensors:
+            raise ConversionError(f"{prefix}: a 2:4 layer (b_meta) with {extra}; the 2:4 format has none")
+    k, n = meta.shape[0] * sparse.STRIP_K, meta.shape[1]
+    return dict(
+        k=k,
+        n=n,
+        group_size=packing.group_size_of(k, scales.shape[0]),
+        bias=f"{prefix}.bias" in ckpt.tensors,
+        act_order=False,
+        dtype=torch.float16,
+        bits=4,
+        zero_points=False,
+        sparsity="2:4",
+    )
+
+
 def _install_marlin_layers(model: nn.Module, layers: dict, device: torch.device) -> None:
     from .nn import MarlinLinear
+    from .sparse_nn import MarlinLinear24
 
     for prefix, spec in layers.items():
         try:
@@ -123,6 +169,11 @@ def _install_marlin_layers(model: nn.Module, layers: dict, device: torch.device)
             raise ConversionError(
                 f"{prefix}: the checkpoint holds a [{spec['k']} -> {spec['n']}] Marlin layer, but the model has {old!r}"
             )
+        if spec.get("sparsity") == "2:4":
+            new = MarlinLinear24(spec["k"], spec["n"], bias=spec["bias"], group_size=spec["group_size"], device=device)
+            parent_name, _, child = prefix.rpartition(".")
+            setattr(model.get_submodule(parent_name) if parent_name else model, child, new)
+            continue
         new = MarlinLinear(
             spec["k"],
             spec["n"],

@@ -59,6 +59,7 @@ __all__ = [
     "pack_meta",
     "unpack_meta",
     "quantize_and_pack_2_4",
+    "pack_2_4",
     "unpack_2_4_parts",
     "unpack_2_4",
     "check_shape_2_4",
@@ -253,8 +254,21 @@ def quantize_and_pack_2_4(
     _check_strips(k, n, "quantize_and_pack_2_4")
     check_2_4(w, "quantize_and_pack_2_4: w")
     q, scales = packing.quantize(w, group_size, dtype=torch.float16)  # the 2:4 op computes in fp16
+    return pack_2_4(q, scales)
+
+
+def pack_2_4(q: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Pack an already quantized 2:4 q int8 [K, N] (values in -8..7, pruned ones 0) and its fp16
+    scales [groups, N] (natural order) -> (b_q, b_meta, b_scales); e.g. from a quantizer that
+    chose its own scales (marlin-quantize). ValueError if q is not 2:4 along K."""
+    if q.dim() != 2:
+        raise ValueError(f"pack_2_4: q must be 2-D [K, N], got {tuple(q.shape)}")
+    k, n = q.shape
+    _check_strips(k, n, "pack_2_4")
+    if scales.dtype != torch.float16:
+        raise ValueError(f"pack_2_4: scales dtype {scales.dtype}, expected torch.float16 (the 2:4 op computes in fp16)")
     values, indices = compress_2_4(q)
-    b_q, _ = packing.pack(values, torch.ones(1, n, dtype=torch.float16, device=w.device))
+    b_q, _ = packing.pack(values, torch.ones(1, n, dtype=torch.float16, device=q.device))
     return b_q, pack_meta(indices), packing.permute_scales(scales)
 
 

@@ -19,11 +19,19 @@ from benchmarks import bench_e2e, report  # noqa: E402
 
 def test_dry_run_and_report(tmp_path):
     out = tmp_path / "e2e.json"
-    rc = bench_e2e.main(["--dry-run", "--kernels", "fp16,marlin", "--modes", "eager,graph", "--out", str(out)])
+    rc = bench_e2e.main(["--dry-run", "--kernels", "fp16,marlin", "--modes", "eager,graph", "--out", str(out),
+                         "--profile", "--profile-batches", "3"])
     assert rc == 0
     data = json.loads(out.read_text())
     meta, points = data["meta"], data["points"]
     assert meta["kind"] == "e2e" and meta["transformers"] and meta["model"] == "tiny" and "git_rev" in meta
+    assert meta["complete"] and meta["profile_mode"] == "graph"
+    # the traced step of each point: one graph per batch size, no graph breaks
+    assert all(p["graph_breaks"] == 0 and p["new_graphs"] == 1 and p["setup_s"] >= 0 for p in points if p["mode"] == "graph")
+    profs = data["profiles"]
+    assert [(p["kernel"], p["mode"], p["batch"]) for p in profs] == [("fp16", "graph", 3), ("marlin", "graph", 3)]
+    assert "marlin GEMM" in profs[1]["us_per_step_by_category"] and "marlin GEMM" not in profs[0]["us_per_step_by_category"]
+    assert profs[1]["kernel_us_per_step"] == pytest.approx(sum(profs[1]["us_per_step_by_category"].values()), rel=1e-3)
     assert {(p["kernel"], p["mode"], p["batch"]) for p in points} == {
         (k, m, b) for k in ("fp16", "marlin") for m in ("eager", "graph") for b in (1, 3)
     }
@@ -41,6 +49,7 @@ def test_dry_run_and_report(tmp_path):
     msgs = report.report(out, tmp_path)
     assert (tmp_path / "e2e.png").is_file() and "| marlin | graph | 3 |" in (tmp_path / "e2e.md").read_text()
     assert msgs == ["wrote e2e.png", "wrote e2e.md"]
+    assert "## Where a decode step's time goes: marlin, graph, batch 3" in (tmp_path / "e2e.md").read_text()
 
 
 def test_speedups_and_targets():

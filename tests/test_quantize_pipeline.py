@@ -189,9 +189,6 @@ def test_bad_model_paths(tmp_path, setup, match):
 
 def test_bad_options_fail_before_loading(tiny, tmp_path):
     _, src, calib = tiny
-    # a ValueError either way: without marlin.sparse, and with it until joint 2:4 pruning + GPTQ exists
-    with pytest.raises(ValueError, match="sparsity 2:4"):
-        quantize_checkpoint(src, tmp_path / "o", calib=calib, sparsity="2:4")
     with pytest.raises(ValueError, match="expected '2:4'"):
         quantize_checkpoint(src, tmp_path / "o", calib=calib, sparsity="1:2")
     with pytest.raises(ValueError, match="neither a file nor a directory"):

@@ -13,6 +13,7 @@
 #include "../format_tables.h"
 #include "../gemm_2_4_checks.h"
 #include "../sparse_format.h"
+#include "cpu_reference.h"
 
 namespace marlin {
 namespace {
@@ -52,7 +53,7 @@ std::vector<float> dequantize_2_4_cpu(const at::Tensor& b_q, const at::Tensor& b
           const int v = static_cast<int>((word >> (4 * (slot % 8))) & 0xF) - 8;
           const int64_t kr = 4 * (8 * st + go) + (cr % 2 == 0 ? i0 : i1);
           const int64_t g = kr / group_rows;
-          const int64_t s_idx = groups == 1 ? col : g * n + nt * 64 + scale_position(static_cast<int>(c));
+          const int64_t s_idx = cpu_reference::scale_index(g, col, n, groups);
           w[kr * n + col] = static_cast<float>(s[s_idx]) * static_cast<float>(v);
         }
       }
@@ -72,28 +73,7 @@ at::Tensor gemm_2_4_cpu(const at::Tensor& a, const at::Tensor& b_q, const at::Te
   at::Tensor c = at::empty({sh.m, sh.n}, a.options());
   if (sh.m == 0) return c;
   const std::vector<float> w = dequantize_2_4_cpu(b_q, b_meta, b_scales, sh.k, sh.n, sh.groups);
-  const at::Tensor ac = a.contiguous();
-  const at::Half* ap = ac.data_ptr<at::Half>();
-  at::Half* cp = c.data_ptr<at::Half>();
-  const int64_t n = sh.n, k = sh.k;
-  constexpr int64_t kColBlock = 256;
-  const int64_t col_blocks = (n + kColBlock - 1) / kColBlock;
-  // One task = one row of A times one block of columns; k ascending, fp32 sums.
-  at::parallel_for(0, sh.m * col_blocks, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> acc(kColBlock);
-    for (int64_t task = begin; task < end; task++) {
-      const int64_t row = task / col_blocks;
-      const int64_t c0 = (task % col_blocks) * kColBlock;
-      const int64_t width = std::min(kColBlock, n - c0);
-      std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t kk = 0; kk < k; kk++) {
-        const float av = static_cast<float>(ap[row * k + kk]);
-        const float* wr = w.data() + kk * n + c0;
-        for (int64_t j = 0; j < width; j++) acc[j] += av * wr[j];
-      }
-      for (int64_t j = 0; j < width; j++) cp[row * n + c0 + j] = static_cast<at::Half>(acc[j]);
-    }
-  });
+  cpu_reference::matmul_fp32<at::Half>(a, w, sh.m, sh.k, sh.n, c);
   return c;
 }
 

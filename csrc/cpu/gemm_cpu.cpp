@@ -18,15 +18,10 @@
 
 #include "../format_tables.h"
 #include "../gemm_checks.h"
+#include "cpu_reference.h"
 
 namespace marlin {
 namespace {
-
-// Index of the scale (and zero point) of column col in row g of the stored, permuted layout.
-inline int64_t scale_index(int64_t g, int64_t col, int64_t n, int64_t groups) {
-  if (groups == 1) return col;  // per column: natural order
-  return g * n + (col / 64) * 64 + scale_position(static_cast<int>(col % 64));
-}
 
 // B [K, N] in fp32 from the packed words, scales and (optional) zero points.
 template <typename scalar_t>
@@ -63,7 +58,7 @@ std::vector<float> dequantize_cpu(const at::Tensor& b_q, const at::Tensor& b_sca
           const int slot = slot_of[kk * 64 + col % 64];
           const uint32_t word = static_cast<uint32_t>(row[(col / 64) * tile_words + slot / per_word]);
           const uint32_t u = (word >> (sh.bits * (slot % per_word))) & mask;
-          const int64_t si = scale_index(g, col, n, groups);
+          const int64_t si = cpu_reference::scale_index(g, col, n, groups);
           const float zero = z != nullptr ? static_cast<float>(z[si]) : bias;
           w[kr * n + col] = static_cast<float>(s[si]) * (static_cast<float>(u) - zero);
         }
@@ -73,34 +68,6 @@ std::vector<float> dequantize_cpu(const at::Tensor& b_q, const at::Tensor& b_sca
   return w;
 }
 
-template <typename scalar_t>
-void gemm_cpu_typed(const at::Tensor& a, const at::Tensor& b_q, const at::Tensor& b_scales,
-                    const std::optional<at::Tensor>& b_zeros, const GemmShape& sh, at::Tensor& c) {
-  const std::vector<float> w = dequantize_cpu<scalar_t>(b_q, b_scales, b_zeros, sh);
-  const at::Tensor ac = a.contiguous();
-  const scalar_t* ap = ac.data_ptr<scalar_t>();
-  scalar_t* cp = c.data_ptr<scalar_t>();
-  const int64_t n = sh.n, k = sh.k;
-  constexpr int64_t kColBlock = 256;
-  const int64_t col_blocks = (n + kColBlock - 1) / kColBlock;
-  // One task = one row of A times one block of columns; k ascending, fp32 sums.
-  at::parallel_for(0, sh.m * col_blocks, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> acc(kColBlock);
-    for (int64_t task = begin; task < end; task++) {
-      const int64_t row = task / col_blocks;
-      const int64_t c0 = (task % col_blocks) * kColBlock;
-      const int64_t width = std::min(kColBlock, n - c0);
-      std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t kk = 0; kk < k; kk++) {
-        const float av = static_cast<float>(ap[row * k + kk]);
-        const float* wr = w.data() + kk * n + c0;
-        for (int64_t j = 0; j < width; j++) acc[j] += av * wr[j];
-      }
-      for (int64_t j = 0; j < width; j++) cp[row * n + c0 + j] = static_cast<scalar_t>(acc[j]);
-    }
-  });
-}
-
 at::Tensor gemm_cpu(const at::Tensor& a, const at::Tensor& b_q, const at::Tensor& b_scales,
                     const std::optional<at::Tensor>& b_zeros, const std::optional<at::Tensor>& workspace,
                     std::optional<int64_t> tile_k, std::optional<int64_t> tile_n, int64_t bits) {
@@ -108,9 +75,10 @@ at::Tensor gemm_cpu(const at::Tensor& a, const at::Tensor& b_q, const at::Tensor
   at::Tensor c = at::empty({sh.m, sh.n}, a.options());
   if (sh.m == 0) return c;
   if (sh.dtype == at::kHalf) {
-    gemm_cpu_typed<at::Half>(a, b_q, b_scales, b_zeros, sh, c);
+    cpu_reference::matmul_fp32<at::Half>(a, dequantize_cpu<at::Half>(b_q, b_scales, b_zeros, sh), sh.m, sh.k, sh.n, c);
   } else {
-    gemm_cpu_typed<at::BFloat16>(a, b_q, b_scales, b_zeros, sh, c);
+    cpu_reference::matmul_fp32<at::BFloat16>(a, dequantize_cpu<at::BFloat16>(b_q, b_scales, b_zeros, sh), sh.m, sh.k,
+                                             sh.n, c);
   }
   return c;
 }

@@ -45,6 +45,7 @@ from ..convert.checkpoint import SafetensorsDir, read_json
 from ..convert.errors import ConversionError
 from ..convert.gptq import GPTQ_FORMATS, GPTQConfig, check_layer_tensors
 from ..nn import MarlinLinear
+from ..sparse_nn import MarlinLinear24
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -191,6 +192,8 @@ class MarlinHfQuantizer(HfQuantizer):
         for name, module in model.named_modules():
             if isinstance(module, MarlinLinear):
                 _finish_layer(name, module)
+            elif isinstance(module, MarlinLinear24):
+                _finish_sparse_layer(name, module)
         return model
 
     def is_serializable(self):
@@ -261,6 +264,18 @@ def _finish_layer(name: str, layer: MarlinLinear) -> None:
         expected = torch.arange(layer.in_features, device=device)
         if layer.perm.is_meta or not torch.equal(layer.perm.sort().values.long(), expected):
             raise ConversionError(f"{name}.perm: not a permutation of range({layer.in_features})")
+
+
+def _finish_sparse_layer(name: str, layer: MarlinLinear24) -> None:
+    """After loading a 2:4 layer: a zeroed workspace, and fp16 scales (the 2:4 op computes in fp16)."""
+    from ..sparse_nn import _new_workspace
+
+    if layer.b_scales.dtype != torch.float16:
+        raise ConversionError(
+            f"{name}: a 2:4-sparse Marlin layer loaded with {layer.b_scales.dtype} scales; the 2:4 kernel computes in "
+            "float16: load with dtype=torch.float16"
+        )
+    layer.workspace = _new_workspace(layer.b_q.device)
 
 
 def gptq_config(model_dir: Union[str, Path], **from_pretrained_kwargs) -> "PretrainedConfig":

@@ -195,6 +195,12 @@ def load_sharded(
         reader = _SliceReader(ckpt, device)
         gptq = None if gptq_cfg is None else GPTQSource(reader, gptq_cfg)
         layers = _marlin_layers(ckpt) if gptq is None else gptq.specs
+        sparse_layers = [prefix for prefix, spec in layers.items() if spec.get("sparsity")]
+        if sparse_layers:
+            raise ShardError(
+                f"load_sharded: {model_dir} has 2:4-sparse Marlin layers (e.g. {sparse_layers[0]}), which tensor "
+                "parallelism does not shard; load it on one GPU with marlin.load_quantized"
+            )
         with _parameters_on_meta():
             model = transformers.AutoModelForCausalLM.from_config(
                 config, trust_remote_code=trust_remote_code, **_dtype_kwargs(dtype)

@@ -76,7 +76,19 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--seed", type=int, default=0, help="seed of the calibration sampling (default 0)")
     p.add_argument("--damp", type=float, default=0.01, help="Hessian dampening, fraction of its mean diagonal (0.01)")
-    p.add_argument("--sparsity", default=None, metavar="2:4", help="2:4 joint pruning (needs the Sparse-MARLIN format)")
+    p.add_argument(
+        "--sparsity",
+        default=None,
+        choices=["2:4"],
+        help="prune to 2:4 jointly with the quantization (SparseGPT) for the 2:4 Marlin layers: 4-bit symmetric, "
+        "group size 128 or -1, no --act-order",
+    )
+    p.add_argument("--bits", type=int, choices=[4, 8], default=4, help="weight bits: 4 (default) or 8 (symmetric)")
+    sym = p.add_mutually_exclusive_group()
+    sym.add_argument("--sym", dest="sym", action="store_true", default=True, help="symmetric weights (default)")
+    sym.add_argument(
+        "--asym", dest="sym", action="store_false", help="4-bit weights with a zero point per group (the clip search shrinks min and max)"
+    )
     p.add_argument("--device", default="cpu", help="where a block and its Hessians are computed: cpu (default) or cuda")
     p.add_argument("--gguf-file", default=None, help="which .gguf of MODEL to read when it has several")
     p.add_argument("--threads", type=int, default=None, help=THREADS_HELP)
@@ -105,6 +117,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             seqlen_range=args.seqlen_range,
             seed=args.seed,
             sparsity=args.sparsity,
+            bits=args.bits,
+            sym=args.sym,
             device=args.device,
             gguf_file=args.gguf_file,
             overwrite=args.overwrite,

@@ -21,8 +21,19 @@ features, columns input features) and the calibration inputs X [tokens, K]:
     weights as updated so far (per column: once, before the loop), optionally by the clip search
     of marlin.quantize.clip instead of the plain max-abs.
 
-Format: symmetric 4-bit, q in [-8, 7], w = q * scale, scale fp16 (the Marlin format of
-marlin/packing.py).
+  * 2:4 sparsity (SparseGPT, Frantar & Alistarh 2023), pruning and quantization from the same
+    Hessian: when the loop reaches the first column of a group of 4 input features, it prunes the
+    2 of the 4 (per output row) whose removal costs least by the OBS saliency w_j^2 / U[j, j]^2
+    (U[j, j]^2 is [H^-1]_jj of the sub-problem left at column j, the form the Cholesky factor
+    gives). A pruned weight is "quantized" to exactly 0 and its error is fed back like any
+    rounding error, so the kept weights (quantized, with feedback) absorb both. A group's scale is
+    chosen from its weights after a provisional mask by the same saliency (the pruned weights must
+    not stretch the range). 2:4 needs the input order (the sparse format has no permutation):
+    act-order is refused with it.
+
+Formats (marlin.quantize.clip.WeightFormat, the Marlin formats of marlin/packing.py): symmetric
+4-bit (q in [-8, 7], w = q * scale), symmetric 8-bit (q in [-128, 127]) or 4-bit with zero points
+(u in [0, 15], w = (u - z) * scale); scales and zero points fp16.
 """
 
 from __future__ import annotations
@@ -34,22 +45,29 @@ from typing import Iterator, Optional
 import torch
 
 from . import clip as clip_search
+from .clip import SYM4, WeightFormat
 from .hessian import relative_output_error
 
-__all__ = ["GPTQResult", "gptq_quantize", "rtn_quantize", "QMIN", "QMAX"]
+__all__ = ["GPTQResult", "gptq_quantize", "rtn_quantize", "QMIN", "QMAX", "SPARSITIES"]
 
-QMIN, QMAX = -8, 7
+QMIN, QMAX = SYM4.qmin, SYM4.qmax  # the default format's range (symmetric 4-bit)
+SPARSITIES = ("2:4",)
 
 
 @dataclass
 class GPTQResult:
     """A quantized weight in the Marlin format's terms.
 
-    ``q`` int8 [K, N] and ``scales`` fp16 [groups, N] are in natural order for the rows as stored:
-    when ``perm`` is given, row i of q is input feature perm[i] (act-order with groups), else row i
-    is input feature i. ``dequantized()`` gives nn.Linear's weight [N, K] in the original input
-    order. ``error`` is the relative output error on the calibration data (see hessian.py) and
-    ``rtn_error`` the same for round-to-nearest of the original weight, for the report.
+    ``q`` int8 [K, N] and ``scales`` fp16 [groups, N] (``zeros`` fp16 [groups, N] for zero points,
+    else None) are in natural order for the rows as stored: when ``perm`` is given, row i of q is
+    input feature perm[i] (act-order with groups), else row i is input feature i. ``bits`` and
+    ``zeros`` say the format (q is the signed value when symmetric, u in [0, 15] with zeros).
+    ``sparsity`` "2:4": q has at most 2 non-zeros in every 4 rows of a column, ``keep`` (bool
+    [K, N], not saved) the positions kept by the pruning and ``pruned_fraction`` ||W_pruned|| /
+    ||W|| of the original weight. ``dequantized()`` gives nn.Linear's weight [N, K] in the
+    original input order. ``error`` is the relative output error on the calibration data (see
+    hessian.py) and ``rtn_error`` the same for round-to-nearest of the original weight (for 2:4:
+    magnitude pruning, then round-to-nearest), for the report.
     """
 
     q: torch.Tensor
@@ -58,23 +76,38 @@ class GPTQResult:
     group_size: int
     error: float = float("nan")
     rtn_error: float = float("nan")
+    zeros: Optional[torch.Tensor] = None
+    bits: int = 4
+    sparsity: Optional[str] = None
+    keep: Optional[torch.Tensor] = None
+    pruned_fraction: Optional[float] = None
 
     def dequantized(self) -> torch.Tensor:
-        """W_q [N, K] float32, exact (scale * q is exact in fp32), original input order."""
+        """W_q [N, K] float32, exact ((q - z) * scale is exact in fp32), original input order."""
         k = self.q.shape[0]
         rows = k // self.scales.shape[0]
-        b = self.q.float() * self.scales.float().repeat_interleave(rows, dim=0)  # [K, N]
+        q = self.q.float()
+        if self.zeros is not None:
+            q = q - self.zeros.float().repeat_interleave(rows, dim=0)
+        b = q * self.scales.float().repeat_interleave(rows, dim=0)  # [K, N]
         if self.perm is not None:
             out = torch.empty_like(b)
             out[self.perm] = b
             b = out
         return b.t().contiguous()
 
-
-def _quantize_columns(w: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """q = clamp(round(w / scale)) and its dequantized value, for w [N, c] and scale [N]."""
-    q = torch.clamp(torch.round(w / scale.unsqueeze(1)), QMIN, QMAX)
-    return q, q * scale.unsqueeze(1)
+    def columns(self, n0: int, n1: int) -> "GPTQResult":
+        """The result for output features n0..n1 (a layer of a jointly quantized stack)."""
+        return GPTQResult(
+            q=self.q[:, n0:n1].contiguous(),
+            scales=self.scales[:, n0:n1].contiguous(),
+            perm=self.perm,
+            group_size=self.group_size,
+            zeros=None if self.zeros is None else self.zeros[:, n0:n1].contiguous(),
+            bits=self.bits,
+            sparsity=self.sparsity,
+            keep=None if self.keep is None else self.keep[:, n0:n1].contiguous(),
+        )
 
 
 @contextlib.contextmanager
@@ -108,11 +141,22 @@ def _inverse_cholesky_upper(h: torch.Tensor) -> torch.Tensor:
         ) from None
 
 
-def _group_scale(w: torch.Tensor, h: torch.Tensor, clip: bool, grid) -> torch.Tensor:
-    """The scale [N] (fp16 values, float32) of the columns w [N, c] of one group."""
+def _group_params(w: torch.Tensor, h: torch.Tensor, clip: bool, grid, fmt: WeightFormat):
+    """(scale [N], zero [N] or None) (fp16 values, float32) of the columns w [N, c] of one group."""
     if clip:
-        return clip_search.search_scale(w, h, grid)
-    return clip_search.maxabs_scale(w)
+        return clip_search.search_params(w, h, grid, fmt)
+    return fmt.params(w)
+
+
+def _prune_2_of_4(saliency: torch.Tensor) -> torch.Tensor:
+    """Bool [R, c] (c a multiple of 4), True where pruned: the 2 least salient of every 4 columns
+    (ties: the higher column is pruned, as marlin.sparse.mask_2_4 keeps the lower)."""
+    r, c = saliency.shape
+    groups = saliency.reshape(r, c // 4, 4)
+    order = torch.sort(groups, dim=2, descending=True, stable=True).indices
+    pruned = torch.zeros_like(groups, dtype=torch.bool)
+    pruned.scatter_(2, order[..., 2:], True)
+    return pruned.reshape(r, c)
 
 
 def _check(weight: torch.Tensor, h: Optional[torch.Tensor], group_size: int, block_size: int) -> None:
@@ -128,20 +172,61 @@ def _check(weight: torch.Tensor, h: Optional[torch.Tensor], group_size: int, blo
             raise ValueError(f"block_size = {block_size} must be a multiple of group_size = {group_size}")
 
 
-def rtn_quantize(weight: torch.Tensor, group_size: int) -> GPTQResult:
-    """Round to nearest with max-abs scales (what MarlinLinear.from_linear does), as a GPTQResult."""
-    _check(weight, None, group_size, block_size=max(group_size, 1))
+def _check_sparsity(sparsity: Optional[str], k: int, fmt: WeightFormat, act_order: bool, block_size: int) -> None:
+    if sparsity is None:
+        return
+    if sparsity not in SPARSITIES:
+        raise ValueError(f"sparsity = {sparsity!r}, expected None (dense) or one of {SPARSITIES}")
+    if k % 4 or block_size % 4:
+        raise ValueError(f"sparsity 2:4 needs K = {k} and block_size = {block_size} to be multiples of 4")
+    if fmt != SYM4:
+        raise ValueError(
+            f"sparsity 2:4 with bits = {fmt.bits}, sym = {fmt.sym}: the 2:4 format holds symmetric 4-bit weights only"
+        )
+    if act_order:
+        raise ValueError("sparsity 2:4 with act_order: the 2:4 format keeps the input order (no permutation)")
+
+
+def rtn_quantize(
+    weight: torch.Tensor, group_size: int, *, bits: int = 4, sym: bool = True, sparsity: Optional[str] = None
+) -> GPTQResult:
+    """Round to nearest with max-abs (or min/max) ranges (what MarlinLinear.from_linear does), as a
+    GPTQResult. ``sparsity`` "2:4": prune by magnitude first (what MarlinLinear24.from_linear does)."""
+    fmt = WeightFormat(bits, sym)
+    _check(weight, None, group_size, block_size=max(group_size, 4))
     n, k = weight.shape
+    _check_sparsity(sparsity, k, fmt, False, 4)
+    w = weight.detach().float()
+    keep = None
+    if sparsity is not None:
+        from .. import sparse
+
+        keep = sparse.mask_2_4(w.t())  # [K, N]: groups of 4 along K
+        w = w * keep.t()
     gs = k if group_size == -1 else group_size
-    w = weight.detach().float().reshape(n, k // gs, gs)
-    scale = clip_search.maxabs_scale(w.reshape(-1, gs)).reshape(n, k // gs)
-    q = torch.clamp(torch.round(w / scale.float().unsqueeze(2)), QMIN, QMAX)
-    return GPTQResult(
-        q=q.reshape(n, k).t().to(torch.int8).contiguous(),
-        scales=scale.t().contiguous(),
+    wg = w.reshape(n * (k // gs), gs)
+    scale, zero = fmt.params(wg)
+    q = fmt.quantize(wg, scale, zero)[0].reshape(n, k)
+    res = GPTQResult(
+        q=q.t().to(torch.int8).contiguous(),
+        scales=scale.reshape(n, k // gs).t().to(torch.float16).contiguous(),
         perm=None,
         group_size=group_size,
+        zeros=None if zero is None else zero.reshape(n, k // gs).t().to(torch.float16).contiguous(),
+        bits=bits,
+        sparsity=sparsity,
+        keep=keep,
     )
+    if keep is not None:
+        res.pruned_fraction = pruned_fraction(weight, keep)
+    return res
+
+
+def pruned_fraction(weight: torch.Tensor, keep: torch.Tensor) -> float:
+    """||W at the pruned positions|| / ||W|| for nn.Linear's weight [N, K] and keep [K, N]."""
+    w = weight.detach().float()
+    norm = w.norm()
+    return float((w * (~keep.to(w.device)).t()).norm() / norm) if norm > 0 else 0.0
 
 
 def gptq_quantize(
@@ -154,28 +239,36 @@ def gptq_quantize(
     clip_grid: tuple = clip_search.DEFAULT_GRID,
     damp: float = 0.01,
     block_size: int = 128,
+    bits: int = 4,
+    sym: bool = True,
+    sparsity: Optional[str] = None,
 ) -> GPTQResult:
     """Quantize nn.Linear's ``weight`` [N, K] with the Hessian ``h`` [K, K] of its inputs.
 
     ``group_size``: -1 (one scale per output column of B) or a divisor of K; ``act_order``:
-    quantize inputs in order of decreasing diag(H); ``clip``: choose each group's scale by the
-    Hessian-weighted clip search (marlin.quantize.clip) over ``clip_grid`` instead of max-abs;
-    ``damp``: fraction of mean(diag H) added to the diagonal. Computes in float32 on h's device.
+    quantize inputs in order of decreasing diag(H); ``clip``: choose each group's range by the
+    Hessian-weighted clip search (marlin.quantize.clip) over ``clip_grid`` instead of the full
+    range; ``damp``: fraction of mean(diag H) added to the diagonal; ``bits`` 4 or 8 and ``sym``
+    (False: 4-bit zero points) the format; ``sparsity`` "2:4": prune jointly (SparseGPT, see the
+    module doc). Computes in float32 on h's device.
     """
     _check(weight, h, group_size, block_size)
+    fmt = WeightFormat(bits, sym)
+    _check_sparsity(sparsity, weight.shape[1], fmt, act_order, block_size)
     if not 0 <= damp < 1:
         raise ValueError(f"damp = {damp!r}, expected a fraction in [0, 1)")
     with torch.no_grad(), _one_thread_on_cpu(h.device):
-        return _gptq(weight, h, group_size, act_order, clip, tuple(clip_grid), damp, block_size)
+        return _gptq(weight, h, group_size, act_order, clip, tuple(clip_grid), damp, block_size, fmt, sparsity)
 
 
-def _gptq(weight, h, group_size, act_order, clip, clip_grid, damp, block_size) -> GPTQResult:
+def _gptq(weight, h, group_size, act_order, clip, clip_grid, damp, block_size, fmt, sparsity) -> GPTQResult:
     dev = h.device
     w_orig = weight.detach().to(dev, torch.float32)
     w = w_orig.clone()
     h_input = h.detach().to(torch.float32)
     h = h_input.clone()
     n, k = w.shape
+    prune = sparsity is not None
 
     dead = torch.diag(h) == 0  # inputs that were always zero: any weight is right, use 0
     h[dead, dead] = 1.0
@@ -188,13 +281,20 @@ def _gptq(weight, h, group_size, act_order, clip, clip_grid, damp, block_size) -
     h_plain = h.clone()  # the clip search weighs errors with the undamped Hessian
     h.diagonal().add_(damp * torch.mean(torch.diag(h)))
     u = _inverse_cholesky_upper(h)
+    u_diag2 = torch.diag(u).square()  # OBS saliency denominators (2:4)
+
+    def params(cols: slice, w_cols: torch.Tensor):
+        if prune:  # provisional mask: the pruned weights must not set the range
+            w_cols = w_cols * ~_prune_2_of_4(w_cols.square() / u_diag2[cols])
+        return _group_params(w_cols, h_plain[cols, cols], clip, clip_grid, fmt)
 
     q_all = torch.zeros(n, k, dtype=torch.float32, device=dev)
+    pruned_all = torch.zeros(n, k, dtype=torch.bool, device=dev) if prune else None
     if group_size == -1:
-        scale = _group_scale(w, h_plain, clip, clip_grid)  # [N], from the whole (updated=original) rows
-        scales = [scale]
+        scale, zero = params(slice(0, k), w)  # [N], from the whole (updated=original) rows
+        scales, zeros = [scale], [zero]
     else:
-        scales = []
+        scales, zeros = [], []
 
     for b0 in range(0, k, block_size):
         b1 = min(b0 + block_size, k)
@@ -204,10 +304,16 @@ def _gptq(weight, h, group_size, act_order, clip, clip_grid, damp, block_size) -
         for i in range(b1 - b0):
             col = b0 + i
             if group_size != -1 and col % group_size == 0:
-                g = slice(col, col + group_size)
-                scale = _group_scale(w_blk[:, i : i + group_size], h_plain[g, g], clip, clip_grid)
+                scale, zero = params(slice(col, col + group_size), w_blk[:, i : i + group_size])
                 scales.append(scale)
-            q, dq = _quantize_columns(w_blk[:, i : i + 1], scale)
+                zeros.append(zero)
+            if prune and col % 4 == 0:
+                pruned_all[:, col : col + 4] = _prune_2_of_4(w_blk[:, i : i + 4].square() / u_diag2[col : col + 4])
+            q, dq = fmt.quantize(w_blk[:, i : i + 1], scale, zero)
+            if prune:
+                cut = pruned_all[:, col : col + 1]
+                q = torch.where(cut, torch.zeros_like(q), q)  # symmetric: q = 0 is w = 0
+                dq = torch.where(cut, torch.zeros_like(dq), dq)
             q_all[:, col] = q[:, 0]
             err = (w_blk[:, i] - dq[:, 0]) / u_blk[i, i]
             w_blk[:, i:] -= err.unsqueeze(1) * u_blk[i, i:].unsqueeze(0)
@@ -215,6 +321,7 @@ def _gptq(weight, h, group_size, act_order, clip, clip_grid, damp, block_size) -
         w[:, b1:] -= err_blk @ u[b0:b1, b1:]
 
     scales_t = torch.stack(scales, dim=0).to(torch.float16)  # [groups, N]
+    zeros_t = None if zeros[0] is None else torch.stack(zeros, dim=0).to(torch.float16)
     q_t = q_all.t()  # [K, N], rows in quantization order
     if perm is not None and group_size == -1:
         # One scale per column: the row order does not matter for the scales, so put the rows
@@ -226,6 +333,12 @@ def _gptq(weight, h, group_size, act_order, clip, clip_grid, damp, block_size) -
         scales=scales_t.contiguous().cpu(),
         perm=None if perm is None else perm.cpu(),
         group_size=group_size,
+        zeros=None if zeros_t is None else zeros_t.contiguous().cpu(),
+        bits=fmt.bits,
+        sparsity=sparsity,
+        keep=None if pruned_all is None else (~pruned_all).t().contiguous().cpu(),
     )
+    if prune:
+        result.pruned_fraction = pruned_fraction(w_orig, result.keep)
     result.error = relative_output_error(w_orig, result.dequantized().to(dev), h_input)
     return result

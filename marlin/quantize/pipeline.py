@@ -35,14 +35,18 @@ class QuantizeSummary:
     peak_device_mb: Optional[float] = None
     mean_error: Optional[float] = None
     mean_rtn_error: Optional[float] = None
+    mean_pruned: Optional[float] = None  # 2:4: mean share of the weight norm pruned
 
     def text(self) -> str:
         lines = [f"wrote {self.dst}: {self.quantized} layers quantized, {len(self.kept)} kept in full precision"]
         if self.mean_error is not None:
             lines.append(
                 f"mean relative output error on the calibration data {self.mean_error:.4f} "
-                f"(round to nearest: {self.mean_rtn_error:.4f}); per layer in {self.dst / REPORT_FILE}"
+                f"(round to nearest{' after magnitude pruning' if self.mean_pruned is not None else ''}: "
+                f"{self.mean_rtn_error:.4f}); per layer in {self.dst / REPORT_FILE}"
             )
+        if self.mean_pruned is not None:
+            lines.append(f"2:4 pruning removed on average {self.mean_pruned:.1%} of each layer's weight norm")
         for name, why in self.kept[:10]:
             lines.append(f"kept {name}: {why}")
         if len(self.kept) > 10:
@@ -54,23 +58,11 @@ class QuantizeSummary:
 
 
 def check_sparsity(sparsity: Optional[str]) -> None:
-    """None is dense. '2:4' is refused with a clear error: the quantizer has no joint 2:4
-    pruning yet (the Sparse-MARLIN format and layer exist where marlin.sparse is present)."""
-    if sparsity is None:
+    """None is dense; '2:4' is joint 2:4 pruning (SparseGPT) for the Sparse-MARLIN layer
+    (marlin.MarlinLinear24); anything else is refused."""
+    if sparsity is None or sparsity == "2:4":
         return
-    if sparsity != "2:4":
-        raise ValueError(f"sparsity = {sparsity!r}, expected '2:4' (the only pattern of the sparse kernel) or none")
-    try:
-        from .. import sparse  # noqa: F401
-    except ImportError:
-        raise ValueError(
-            "sparsity 2:4 writes weights for the Sparse-MARLIN kernel (marlin.sparse), which this build of marlin "
-            "does not have; quantize dense (no --sparsity)"
-        ) from None
-    raise ValueError(
-        "sparsity 2:4: joint 2:4 pruning and GPTQ quantization is not implemented in marlin-quantize; quantize dense "
-        "(no --sparsity), or prune by magnitude and round to nearest with marlin.sparse_nn.replace_linear_2_4"
-    )
+    raise ValueError(f"sparsity = {sparsity!r}, expected '2:4' (the only pattern of the sparse kernel) or none")
 
 
 def parse_device(device: Union[str, torch.device]) -> torch.device:
@@ -99,6 +91,8 @@ def quantize_checkpoint(
     seqlen_range: tuple = (32, 512),
     seed: int = 0,
     sparsity: Optional[str] = None,
+    bits: int = 4,
+    sym: bool = True,
     device: Union[str, torch.device] = "cpu",
     gguf_file: Optional[str] = None,
     overwrite: bool = False,
@@ -111,6 +105,8 @@ def quantize_checkpoint(
     ``calib``: a text file or a directory of .txt files; ``nsamples`` windows of its tokens with
     lengths drawn from ``seqlen_range`` (MIN, MAX) with ``seed`` (MIN == MAX: fixed length).
     ``clip``: the group-wise clip search; ``act_order``: GPTQ's descending-activation order.
+    ``bits`` 4 or 8 and ``sym`` (False: 4-bit zero points): the weight format. ``sparsity``
+    "2:4": prune to 2:4 jointly with the quantization (2:4 Marlin layers; group 128 or -1).
     Layers whose shapes the kernel does not take stay in full precision (listed in the report).
     Raises ValueError for bad input, before anything is loaded or written.
     """
@@ -120,7 +116,16 @@ def quantize_checkpoint(
     check_destination(source.directory, dst, overwrite)
     check_sparsity(sparsity)
     dev = parse_device(device)
-    config = QuantizeConfig(group_size=group_size, act_order=act_order, clip=clip, clip_grid=tuple(clip_grid), damp=damp)
+    config = QuantizeConfig(
+        group_size=group_size,
+        act_order=act_order,
+        clip=clip,
+        clip_grid=tuple(clip_grid),
+        damp=damp,
+        bits=bits,
+        sym=sym,
+        sparsity=sparsity,
+    )
     spec = CalibrationSpec(nsamples=nsamples, min_len=seqlen_range[0], max_len=seqlen_range[1], seed=seed)
     text = read_texts(calib)
 
@@ -131,6 +136,9 @@ def quantize_checkpoint(
     samples = draw_samples(ids, spec)
 
     settings = {
+        "bits": bits,
+        "sym": sym,
+        "sparsity": sparsity,
         "group_size": group_size,
         "act_order": act_order,
         "clip_search": clip,
@@ -167,6 +175,9 @@ def quantize_checkpoint(
     if quantized:
         summary.mean_error = sum(r.error for r in quantized) / len(quantized)
         summary.mean_rtn_error = sum(r.rtn_error for r in quantized) / len(quantized)
+        pruned = [r.pruned_fraction for r in quantized if r.pruned_fraction is not None]
+        if pruned:
+            summary.mean_pruned = sum(pruned) / len(pruned)
     summary.seconds = time.perf_counter() - start
     summary.peak_rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     if dev.type == "cuda":

@@ -30,8 +30,9 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from .. import ops
-from .clip import DEFAULT_GRID
-from .gptq import GPTQResult, gptq_quantize, rtn_quantize
+from ..sparse import SUPPORTED_GROUP_SIZES_2_4, check_shape_2_4
+from .clip import DEFAULT_GRID, WeightFormat
+from .gptq import SPARSITIES, GPTQResult, gptq_quantize, pruned_fraction, rtn_quantize
 from .hessian import HessianAccumulator, relative_output_error
 
 __all__ = ["QuantizeConfig", "LayerReport", "find_blocks", "quantize_model", "UnsupportedModelError"]
@@ -56,12 +57,30 @@ class QuantizeConfig:
     damp: float = 0.01
     method: str = "gptq"  # or "rtn": round to nearest (no calibration needed for the weights)
     kernel_shapes_only: bool = True  # keep layers the Marlin kernel cannot take in full precision
+    bits: int = 4  # 4 or 8
+    sym: bool = True  # False: 4-bit with zero points
+    sparsity: Optional[str] = None  # "2:4": joint pruning (SparseGPT), MarlinLinear24 weights
 
     def __post_init__(self):
         if self.method not in METHODS:
             raise ValueError(f"method = {self.method!r}, expected one of {METHODS}")
         if self.group_size != -1 and (not isinstance(self.group_size, int) or self.group_size <= 0 or self.group_size % 16):
             raise ValueError(f"group_size = {self.group_size!r}, expected -1 (per column) or a multiple of 16 (32, 64, 128)")
+        WeightFormat(self.bits, self.sym)  # ValueError for formats Marlin does not have
+        if self.sparsity is not None:
+            if self.sparsity not in SPARSITIES:
+                raise ValueError(f"sparsity = {self.sparsity!r}, expected None (dense) or one of {SPARSITIES}")
+            if (self.bits, self.sym) != (4, True):
+                raise ValueError(
+                    f"sparsity 2:4 with bits = {self.bits}, sym = {self.sym}: the 2:4 format holds symmetric 4-bit weights only"
+                )
+            if self.group_size not in SUPPORTED_GROUP_SIZES_2_4:
+                raise ValueError(
+                    f"sparsity 2:4 with group_size = {self.group_size}: the 2:4 kernel takes group size "
+                    f"{' or '.join(map(str, SUPPORTED_GROUP_SIZES_2_4))} (-1: per column)"
+                )
+            if self.act_order:
+                raise ValueError("sparsity 2:4 with act_order: the 2:4 format keeps the input order (no permutation)")
 
     @property
     def block_size(self) -> int:
@@ -81,6 +100,7 @@ class LayerReport:
     error: Optional[float] = None  # relative output error on the calibration data
     rtn_error: Optional[float] = None  # the same for round to nearest, for comparison
     seconds: float = 0.0
+    pruned_fraction: Optional[float] = None  # 2:4: ||W at the pruned positions|| / ||W||
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -184,7 +204,11 @@ def _eligible(name: str, layer: nn.Linear, config: QuantizeConfig) -> Optional[s
     if config.group_size != -1 and k % config.group_size:
         return f"in_features = {k} is not a multiple of group_size = {config.group_size}"
     if config.kernel_shapes_only:
-        reason = ops.check_shape(k, n, config.group_size)
+        if config.sparsity is not None:
+            reason = check_shape_2_4(k, n, config.group_size)
+            if reason is not None:
+                return f"shape not supported by the 2:4 Marlin kernel: {reason}"
+        reason = ops.check_shape(k, n, config.group_size, config.bits)
         if reason is not None:
             return f"shape not supported by the Marlin kernel: {reason}"
     return None
@@ -196,8 +220,9 @@ def _quantize_group(
     """Quantize layers that share the Hessian ``h`` as one stacked matrix; one result per layer."""
     weights = [layer.weight.detach().to(device, torch.float32) for layer in layers]
     stacked = torch.cat(weights, dim=0)
+    fmt = dict(bits=config.bits, sym=config.sym, sparsity=config.sparsity)
     if config.method == "rtn":
-        joint = rtn_quantize(stacked, config.group_size)
+        joint = rtn_quantize(stacked, config.group_size, **fmt)
     else:
         joint = gptq_quantize(
             stacked,
@@ -208,18 +233,16 @@ def _quantize_group(
             clip_grid=config.clip_grid,
             damp=config.damp,
             block_size=config.block_size,
+            **fmt,
         )
     results, n0 = [], 0
     for w in weights:
         n1 = n0 + w.shape[0]
-        res = GPTQResult(
-            q=joint.q[:, n0:n1].contiguous(),
-            scales=joint.scales[:, n0:n1].contiguous(),
-            perm=joint.perm,
-            group_size=config.group_size,
-        )
+        res = joint.columns(n0, n1)
+        if res.keep is not None:
+            res.pruned_fraction = pruned_fraction(w, res.keep)
         res.error = relative_output_error(w, res.dequantized().to(device), h)
-        res.rtn_error = relative_output_error(w, rtn_quantize(w, config.group_size).dequantized().to(device), h)
+        res.rtn_error = relative_output_error(w, rtn_quantize(w, config.group_size, **fmt).dequantized().to(device), h)
         results.append(res)
         n0 = n1
     return results
@@ -343,6 +366,7 @@ def _quantize_block(index, linears: dict, block, hidden, calls, config: Quantize
                     error=res.error,
                     rtn_error=res.rtn_error,
                     seconds=seconds,
+                    pruned_fraction=res.pruned_fraction,
                 )
             )
     del hessians

@@ -1,15 +1,18 @@
 """The checkpoint marlin-quantize writes, and the per-block state that lets it resume.
 
 Output directory DST (what marlin.load_quantized reads, the same layout as marlin-convert's):
-  * ``model.safetensors``: for each quantized layer ``<name>.b_q``, ``<name>.b_scales`` (and
-    ``<name>.perm`` with act-order groups, ``<name>.bias`` if any), every other tensor of the
-    model's state dict in fp16 (embeddings, norms, head, layers kept in full precision); tied
-    tensors once;
-  * ``config.json`` with ``quantization_config`` (checkpoint_format "marlin", quant_method
-    "gptq", bits, group_size, desc_act, sym, and how it was made), tokenizer files,
-    generation_config.json;
+  * ``model.safetensors``: for each quantized layer its MarlinLinear state dict (``<name>.b_q``,
+    ``<name>.b_scales``, ``<name>.b_zeros`` with zero points, ``<name>.perm`` with act-order
+    groups, ``<name>.bias`` if any) or, with 2:4 sparsity, its MarlinLinear24 state dict
+    (``b_q``, ``b_meta``, ``b_scales``, ``bias``); every other tensor of the model's state dict
+    in fp16 (embeddings, norms, head, layers kept in full precision); tied tensors once;
+  * ``config.json`` with ``quantization_config`` (quant_method and checkpoint_format "marlin",
+    so that transformers' from_pretrained loads it too; bits, sym, sparsity, group_size,
+    desc_act, and how it was made), tokenizer files, generation_config.json;
   * ``quantize_report.json`` and ``quantize_report.md``: every layer's relative output error on
-    the calibration data (and round to nearest's, for comparison), or why it was kept.
+    the calibration data (and round to nearest's, for comparison; with 2:4, magnitude pruning
+    then round to nearest, and the share of the weight norm the pruning removed), or why it was
+    kept.
 DST appears complete or not at all: everything is written into a hidden staging directory next to
 it, renamed at the end (marlin.convert.staging).
 
@@ -33,7 +36,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from .. import ops, packing
+from .. import ops, packing, sparse
 from ..convert.checkpoint import write_json
 from ..convert.converter import MARLIN_FORMAT
 from ..convert.staging import staged_directory
@@ -99,6 +102,10 @@ class ResumeStore:
                     group_size=self.manifest["group_size"],
                     error=row["error"],
                     rtn_error=row["rtn_error"],
+                    zeros=tensors.get(f"{name}.zeros"),
+                    bits=self.manifest.get("bits", 4),
+                    sparsity=self.manifest.get("sparsity"),
+                    pruned_fraction=row.get("pruned_fraction"),
                 )
             done[index] = BlockOutcome(index, results, [LayerReport(**row) for row in rows])
         return done
@@ -113,6 +120,8 @@ class ResumeStore:
         for name, res in outcome.results.items():
             tensors[f"{name}.q"] = res.q
             tensors[f"{name}.scales"] = res.scales
+            if res.zeros is not None:
+                tensors[f"{name}.zeros"] = res.zeros
             if res.perm is not None:
                 tensors[f"{name}.perm"] = res.perm
         base = self.directory / f"block-{outcome.index:04d}"
@@ -128,8 +137,15 @@ class ResumeStore:
 
 
 def _marlin_tensors(name: str, res: GPTQResult, bias: Optional[torch.Tensor]) -> dict:
-    b_q, b_scales = packing.pack(res.q, res.scales)
-    out = {f"{name}.b_q": b_q, f"{name}.b_scales": b_scales}
+    """The layer's MarlinLinear (or, 2:4, MarlinLinear24) state dict entries."""
+    if res.sparsity is not None:
+        b_q, b_meta, b_scales = sparse.pack_2_4(res.q, res.scales)
+        out = {f"{name}.b_q": b_q, f"{name}.b_meta": b_meta, f"{name}.b_scales": b_scales}
+    else:
+        packed = packing.pack(res.q, res.scales, res.zeros, bits=res.bits)
+        out = {f"{name}.b_q": packed[0], f"{name}.b_scales": packed[1]}
+        if res.zeros is not None:
+            out[f"{name}.b_zeros"] = packed[2]
     if res.perm is not None:
         out[f"{name}.perm"] = res.perm.to(torch.int32)
     if bias is not None:
@@ -165,14 +181,21 @@ def report_markdown(reports: Sequence[LayerReport], settings: dict) -> str:
         "Relative output error ||X W^T - X W_q^T|| / ||X W^T|| of each layer on its calibration inputs "
         "(the inputs it saw with the earlier blocks already quantized); `rtn` is round to nearest of "
         "the same weights on the same inputs.",
-        "",
-        "| layer | in | out | status | error | rtn error | note |",
-        "|---|---:|---:|---|---:|---:|---|",
     ]
+    sparse_run = any(r.pruned_fraction is not None for r in reports)
+    if sparse_run:
+        lines[-1] += (
+            " With 2:4 sparsity, `rtn` prunes by magnitude and then rounds to nearest, and `pruned` is "
+            "||W at the pruned positions|| / ||W||."
+        )
+        lines += ["", "| layer | in | out | status | error | rtn error | pruned | note |", "|---|---:|---:|---|---:|---:|---:|---|"]
+    else:
+        lines += ["", "| layer | in | out | status | error | rtn error | note |", "|---|---:|---:|---|---:|---:|---|"]
     for r in reports:
         err = f"{r.error:.4f}" if r.error is not None else ""
         rtn = f"{r.rtn_error:.4f}" if r.rtn_error is not None else ""
-        lines.append(f"| {r.name} | {r.in_features} | {r.out_features} | {r.status} | {err} | {rtn} | {r.reason} |")
+        pruned = (f" {r.pruned_fraction:.1%} |" if r.pruned_fraction is not None else " |") if sparse_run else ""
+        lines.append(f"| {r.name} | {r.in_features} | {r.out_features} | {r.status} | {err} | {rtn} |{pruned} {r.reason} |")
     quantized = [r for r in reports if r.status == "quantized"]
     if quantized:
         mean = sum(r.error for r in quantized) / len(quantized)
@@ -196,16 +219,22 @@ def write_checkpoint(
     dst = Path(dst)
     for name, res in results.items():
         k, n = res.q.shape
-        reason = ops.check_shape(k, n, res.group_size)
+        reason = ops.check_shape(k, n, res.group_size, res.bits)
+        if reason is None and res.sparsity is not None:
+            reason = sparse.check_shape_2_4(k, n, res.group_size)
         if reason is not None:
             raise ValueError(f"{name}: quantized with a shape the Marlin kernel cannot load ({reason})")
     tensors = _state_tensors(model, results)
     config = model.config.to_dict()
+    # quant_method "marlin" routes transformers' from_pretrained to marlin's quantizer
+    # (marlin.integrations), as marlin-convert's checkpoints do; the layers' formats are in
+    # their tensors (b_zeros, b_meta, b_q's width).
     config["quantization_config"] = {
-        "quant_method": "gptq",
+        "quant_method": MARLIN_FORMAT,
         "checkpoint_format": MARLIN_FORMAT,
-        "bits": 4,
-        "sym": True,
+        "bits": settings.get("bits", 4),
+        "sym": settings.get("sym", True),
+        "sparsity": settings.get("sparsity"),
         "group_size": settings["group_size"],
         "desc_act": bool(settings.get("act_order", False)),
         "quantizer": "marlin-quantize",
