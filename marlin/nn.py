@@ -13,12 +13,14 @@ from __future__ import annotations
 import fnmatch
 import logging
 from dataclasses import dataclass, field
-from typing import Iterable, Optional, Sequence, Union
+from typing import Callable, Iterable, Optional, Sequence, Union
 
 import torch
 from torch import nn
 
 from . import ops, packing
+from ._layer_common import QuantizedLinearBase, float_weight
+from ._layer_common import new_workspace as _new_workspace  # noqa: F401  (also imported from here by other modules)
 from .hf import load_quantized
 
 __all__ = ["MarlinLinear", "replace_linear", "ReplaceReport", "load_quantized"]
@@ -33,19 +35,12 @@ def _zero_word(bits: int) -> int:
     return value - 2**32
 
 
-def _new_workspace(device: torch.device) -> torch.Tensor:
-    """A zeroed lock workspace for gemm on ``device`` (the CPU op ignores it; one element suffices)."""
-    if device.type == "cuda":
-        return ops.make_workspace(device)
-    return torch.zeros(1, dtype=torch.int32, device=device)
-
-
 def _default_dtype(dtype: Optional[torch.dtype]) -> torch.dtype:
     """A float weight's dtype -> the layer's: bf16 stays bf16, everything else becomes fp16."""
     return dtype if dtype in packing.SUPPORTED_DTYPES else torch.float16
 
 
-class MarlinLinear(nn.Module):
+class MarlinLinear(QuantizedLinearBase):
     """y = x @ dequant(b_q, b_scales, b_zeros) + bias, for x [..., in_features] -> y [..., out_features].
 
     The layer has one compute dtype, float16 or bfloat16 (``dtype``): the input, the scales, the
@@ -153,11 +148,7 @@ class MarlinLinear(nn.Module):
             if bits != 4 or not sym or dtype not in (None, torch.float16):
                 raise ValueError("from_linear: sparsity='2:4' takes fp16 4-bit symmetric weights only")
             return sparse_nn.MarlinLinear24.from_linear(linear, group_size)
-        if not isinstance(linear, nn.Linear):
-            raise TypeError(f"from_linear: expected an nn.Linear, got {type(linear).__name__}")
-        weight = linear.weight
-        if weight.is_meta:
-            raise ValueError("from_linear: the layer's weight is on the meta device (no values to quantize)")
+        weight = float_weight(linear)
         dtype = _default_dtype(weight.dtype) if dtype is None else dtype
         layer = cls(
             linear.in_features,
@@ -174,8 +165,7 @@ class MarlinLinear(nn.Module):
         layer.b_scales.copy_(packed[1])
         if not sym:
             layer.b_zeros.copy_(packed[2])
-        if linear.bias is not None:
-            layer.bias.copy_(linear.bias.detach())
+        layer._copy_bias(linear)
         return layer
 
     @classmethod
@@ -245,23 +235,17 @@ class MarlinLinear(nn.Module):
 
     # -- compute ------------------------------------------------------------------------------
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Both checks depend only on dtype and shape, which torch.compile specializes on, so they
-        # cost nothing in a compiled graph.
-        if x.dtype != self.dtype:
-            raise TypeError(
-                f"MarlinLinear: input dtype is {x.dtype}, expected {self.dtype} (the layer's compute dtype; "
-                f"run the model in that dtype, e.g. model.to({self.dtype}), or build the layer with dtype={x.dtype})"
-            )
-        if x.shape[-1] != self.in_features:
-            raise ValueError(f"MarlinLinear: input shape {tuple(x.shape)}, expected [..., {self.in_features}]")
-        lead = x.shape[:-1]
-        a = x.reshape(-1, self.in_features)
+        a = self._flat_input(x, self.dtype)
         if self.perm is not None:
             a = a.index_select(1, self.perm)
         y = ops.gemm(a, self.b_q, self.b_scales, self.workspace, b_zeros=self.b_zeros, bits=self.bits)
-        if self.bias is not None:
-            y = y + self.bias
-        return y.reshape(*lead, self.out_features)
+        return self._output(y, x.shape[:-1])
+
+    def _dtype_advice(self, got: torch.dtype) -> str:
+        return (
+            f"the layer's compute dtype; run the model in that dtype, e.g. model.to({self.dtype}), "
+            f"or build the layer with dtype={got}"
+        )
 
     def extra_repr(self) -> str:
         return (
@@ -270,33 +254,11 @@ class MarlinLinear(nn.Module):
             f"bits={self.bits}, zero_points={self.zero_points}"
         )
 
-    # -- device moves and state_dict ----------------------------------------------------------
-    def _apply(self, fn, recurse=True):
-        # Keep the dtype: a dtype change of the scales (bf16 has fewer mantissa bits than fp16,
-        # fp16 less range than bf16) would change the weights. Device moves and to_empty still apply.
-        def keep_dtype(t: torch.Tensor) -> torch.Tensor:
-            out = fn(t)
-            return out if out.dtype == t.dtype else t.to(device=out.device)
-
-        old_workspace = self.workspace
-        super()._apply(keep_dtype, recurse)
-        # The workspace must be zeroed and sized for its device: make a new one whenever it was
-        # moved or re-allocated (to_empty), but keep it when nothing changed, so that a CUDA graph
-        # captured earlier still points at live memory.
-        if self.workspace is not old_workspace or self.workspace.device != self.b_q.device:
-            self.workspace = _new_workspace(self.b_q.device)
-        return self
-
+    # -- state_dict (device moves: QuantizedLinearBase._apply) ----------------------------------
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
-        version = local_metadata.get("version")
-        # None: no metadata (e.g. a converted safetensors checkpoint), which is written in the current
-        # layout. Version 1 (fp16, 4-bit symmetric) has the keys and layout of version 2's fp16 4-bit
+        # Version 1 (fp16, 4-bit symmetric) has the keys and layout of version 2's fp16 4-bit
         # symmetric layers, so it loads as it is; the checks below refuse it for any other format.
-        if version is not None and version > self._version:
-            error_msgs.append(
-                f"{prefix}: state_dict version {version} was written by a newer marlin (this one reads up to "
-                f"{self._version}); upgrade marlin"
-            )
+        if not self._version_readable(local_metadata, prefix, error_msgs):
             return
         perm_key = prefix + "perm"
         if self.perm is None and perm_key in state_dict:
@@ -317,13 +279,7 @@ class MarlinLinear(nn.Module):
     def _check_format(self, state_dict, prefix, error_msgs) -> None:
         """The checkpoint's format (group size, dtype, bits, zero points) must be the layer's:
         load_state_dict copies values and would cast a dtype silently."""
-        scales = state_dict.get(prefix + "b_scales")
-        if isinstance(scales, torch.Tensor) and scales.dim() == 2 and scales.shape[0] != self.b_scales.shape[0]:
-            error_msgs.append(
-                f"{prefix}b_scales: {scales.shape[0]} scale rows, i.e. group size "
-                f"{packing.group_size_of(self.in_features, scales.shape[0])}, but this layer was built with "
-                f"group_size={self.group_size} ({self.b_scales.shape[0]} rows)"
-            )
+        self._check_scale_rows(state_dict, prefix, error_msgs)
         for name in ("b_scales", "b_zeros", "bias"):
             t = state_dict.get(prefix + name)
             if isinstance(t, torch.Tensor) and t.dtype != self.dtype:
@@ -442,7 +398,39 @@ def replace_linear(
         raise ValueError(f"replace_linear: sym=False with bits = {bits}; zero points exist for 4-bit weights only")
     include_p, exclude_p = _as_patterns(include, "include"), _as_patterns(exclude, "exclude") or ()
     report = ReplaceReport()
-    converted: dict[int, nn.Module] = {}  # id(old Linear) -> its MarlinLinear (shared layers)
+    _swap_linears(
+        model,
+        report,
+        "replace_linear",
+        strict,
+        skip_reason=lambda name, child: _skip_reason(
+            name, child, include_p, exclude_p, lambda k, n: ops.check_shape(k, n, group_size, bits), "kernel"
+        ),
+        convert=lambda name, child: MarlinLinear.from_linear(child, group_size, bits=bits, sym=sym),
+        layer_class=MarlinLinear,
+    )
+    log.info("replace_linear: replaced %d layers, kept %d", len(report.replaced), len(report.skipped))
+    if fuse:
+        from .fuse import fuse_projections  # imports this module: import here, not at the top
+
+        report.fused = fuse_projections(model)
+    return report
+
+
+def _swap_linears(
+    model: nn.Module,
+    report: ReplaceReport,
+    where: str,
+    strict: bool,
+    skip_reason: Callable[[str, nn.Linear], tuple[Optional[str], bool]],
+    convert: Callable[[str, nn.Linear], nn.Module],
+    layer_class: type,
+) -> None:
+    """The walk that replace_linear and replace_linear_2_4 share: every nn.Linear child of every
+    module of ``model`` becomes ``convert(name, linear)`` unless ``skip_reason(name, linear)`` gives
+    a reason to keep it (see _skip_reason); ``report`` gets the names. A Linear held in several
+    places is converted once and the one new layer put in each place."""
+    converted: dict[int, nn.Module] = {}  # id(old Linear) -> its new layer (shared layers)
     for parent_name, parent in list(model.named_modules(remove_duplicate=False)):
         # _modules rather than named_children(), which lists a child held twice by one parent once.
         for child_name, child in list(parent._modules.items()):
@@ -453,29 +441,28 @@ def replace_linear(
                 setattr(parent, child_name, converted[id(child)])
                 report.replaced.append(name)
                 continue
-            why, selected = _skip_reason(name, child, include_p, exclude_p, group_size, bits)
+            why, selected = skip_reason(name, child)
             if why is not None:
                 if selected and strict:
-                    raise ValueError(f"replace_linear: cannot replace {name}: {why}")
+                    raise ValueError(f"{where}: cannot replace {name}: {why}")
                 report.skipped.append((name, why))
-                log.log(logging.WARNING if selected else logging.INFO, "replace_linear: kept %s: %s", name, why)
+                log.log(logging.WARNING if selected else logging.INFO, "%s: kept %s: %s", where, name, why)
                 continue
-            new = MarlinLinear.from_linear(child, group_size, bits=bits, sym=sym)
+            new = convert(name, child)
             converted[id(child)] = new
             setattr(parent, child_name, new)
             report.replaced.append(name)
     if isinstance(model, nn.Linear):
-        report.skipped.append(("", "the model itself is an nn.Linear; wrap it or use MarlinLinear.from_linear"))
-    log.info("replace_linear: replaced %d layers, kept %d", len(report.replaced), len(report.skipped))
-    if fuse:
-        from .fuse import fuse_projections  # imports this module: import here, not at the top
-
-        report.fused = fuse_projections(model)
-    return report
+        report.skipped.append(
+            ("", f"the model itself is an nn.Linear; wrap it or use {layer_class.__name__}.from_linear")
+        )
 
 
-def _skip_reason(name, linear, include, exclude, group_size, bits=4) -> tuple[Optional[str], bool]:
-    """(why the layer is kept, or None; whether the name filters selected it)."""
+def _skip_reason(
+    name, linear, include, exclude, shape_reason: Callable[[int, int], Optional[str]], kernel: str
+) -> tuple[Optional[str], bool]:
+    """(why the layer is kept, or None; whether the name filters selected it). ``shape_reason(K, N)``
+    says why ``kernel`` cannot take the shape, or None."""
     pattern = _matches(name, exclude)
     if pattern is not None:
         return f"excluded by pattern {pattern!r}", False
@@ -483,9 +470,9 @@ def _skip_reason(name, linear, include, exclude, group_size, bits=4) -> tuple[Op
         return f"not matched by include {list(include)}", False
     if type(linear) is not nn.Linear:
         return f"{type(linear).__name__} is a subclass of nn.Linear (only plain nn.Linear is replaced)", True
-    reason = ops.check_shape(linear.in_features, linear.out_features, group_size, bits)
+    reason = shape_reason(linear.in_features, linear.out_features)
     if reason is not None:
-        return f"shape not supported by the kernel: {reason}", True
+        return f"shape not supported by the {kernel}: {reason}", True
     if linear.weight.is_meta:
         return "weight is on the meta device (no values to quantize)", True
     return None, True

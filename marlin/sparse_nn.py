@@ -20,7 +20,8 @@ import torch
 from torch import nn
 
 from . import ops, packing, sparse
-from .nn import ReplaceReport, _as_patterns, _matches
+from ._layer_common import QuantizedLinearBase, float_weight, new_workspace
+from .nn import ReplaceReport, _as_patterns, _skip_reason, _swap_linears
 
 __all__ = ["MarlinLinear24", "SparseReplaceReport", "replace_linear_2_4", "SPARSITIES"]
 
@@ -33,19 +34,12 @@ _ZERO_WORD = 0x88888888 - 2**32
 _META_01 = 0x44444444
 
 
-def _new_workspace(device: torch.device) -> torch.Tensor:
-    """A zeroed lock workspace on ``device`` (the CPU op ignores it; one element suffices)."""
-    if device.type == "cuda":
-        return ops.make_workspace(device)
-    return torch.zeros(1, dtype=torch.int32, device=device)
-
-
 def check_sparsity(sparsity: Optional[str], where: str) -> None:
     if sparsity is not None and sparsity not in SPARSITIES:
         raise ValueError(f"{where}: sparsity = {sparsity!r}, expected None (dense) or one of {SPARSITIES}")
 
 
-class MarlinLinear24(nn.Module):
+class MarlinLinear24(QuantizedLinearBase):
     """y = x @ dequant(b_q, b_meta, b_scales) + bias, x fp16 [..., in_features] -> fp16 [..., out_features].
 
     Buffers (all in ``state_dict`` except ``workspace``):
@@ -93,7 +87,7 @@ class MarlinLinear24(nn.Module):
         groups = packing.num_groups(in_features, group_size)
         self.register_buffer("b_scales", torch.ones(groups, out_features, dtype=torch.float16, device=dev))
         self.register_buffer("bias", torch.zeros(out_features, dtype=torch.float16, device=dev) if bias else None)
-        self.register_buffer("workspace", _new_workspace(dev), persistent=False)
+        self.register_buffer("workspace", new_workspace(dev), persistent=False)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, group_size: int = 128, *, prune: bool = True) -> "MarlinLinear24":
@@ -101,11 +95,7 @@ class MarlinLinear24(nn.Module):
         (round to nearest, symmetric INT4) on the device of its weight. With ``prune=False`` the
         weight must be 2:4 already (e.g. from SparseGPT): ValueError naming the columns that are not.
         """
-        if not isinstance(linear, nn.Linear):
-            raise TypeError(f"from_linear: expected an nn.Linear, got {type(linear).__name__}")
-        weight = linear.weight
-        if weight.is_meta:
-            raise ValueError("from_linear: the layer's weight is on the meta device (no values to quantize)")
+        weight = float_weight(linear)
         layer = cls(
             linear.in_features, linear.out_features, bias=linear.bias is not None, group_size=group_size, device=weight.device
         )
@@ -119,23 +109,16 @@ class MarlinLinear24(nn.Module):
         layer.b_q.copy_(b_q)
         layer.b_meta.copy_(b_meta)
         layer.b_scales.copy_(b_scales)
-        if linear.bias is not None:
-            layer.bias.copy_(linear.bias.detach())
+        layer._copy_bias(linear)
         return layer
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype != torch.float16:
-            raise TypeError(
-                f"MarlinLinear24: input dtype is {x.dtype}, expected torch.float16 (the 2:4 kernel computes in fp16; "
-                "run the model in half precision, e.g. model.half())"
-            )
-        if x.shape[-1] != self.in_features:
-            raise ValueError(f"MarlinLinear24: input shape {tuple(x.shape)}, expected [..., {self.in_features}]")
-        lead = x.shape[:-1]
-        y = ops.gemm_2_4(x.reshape(-1, self.in_features), self.b_q, self.b_meta, self.b_scales, self.workspace)
-        if self.bias is not None:
-            y = y + self.bias
-        return y.reshape(*lead, self.out_features)
+        a = self._flat_input(x, torch.float16)
+        y = ops.gemm_2_4(a, self.b_q, self.b_meta, self.b_scales, self.workspace)
+        return self._output(y, x.shape[:-1])
+
+    def _dtype_advice(self, got: torch.dtype) -> str:
+        return "the 2:4 kernel computes in fp16; run the model in half precision, e.g. model.half()"
 
     def extra_repr(self) -> str:
         return (
@@ -147,20 +130,6 @@ class MarlinLinear24(nn.Module):
         """The dense float32 weight [out_features, in_features] the layer computes with (exact)."""
         return sparse.unpack_2_4(self.b_q, self.b_meta, self.b_scales).t()
 
-    def _apply(self, fn, recurse=True):
-        # Keep fp16 (the scales are part of the format); device moves still apply. A moved or
-        # re-allocated workspace is replaced by a zeroed one sized for its device; an unchanged
-        # one is kept so that a captured CUDA graph still points at live memory.
-        def keep_dtype(t: torch.Tensor) -> torch.Tensor:
-            out = fn(t)
-            return out if out.dtype == t.dtype else t.to(device=out.device)
-
-        old_workspace = self.workspace
-        super()._apply(keep_dtype, recurse)
-        if self.workspace is not old_workspace or self.workspace.device != self.b_q.device:
-            self.workspace = _new_workspace(self.b_q.device)
-        return self
-
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
         # A dense MarlinLinear's state_dict first: its version numbers MarlinLinear's layouts, not ours.
         b_q = state_dict.get(prefix + "b_q")
@@ -170,20 +139,9 @@ class MarlinLinear24(nn.Module):
                 "(load it into MarlinLinear)"
             )
             return
-        version = local_metadata.get("version")
-        if version is not None and version > self._version:
-            error_msgs.append(
-                f"{prefix}: MarlinLinear24 state_dict version {version} was written by a newer marlin (this one "
-                f"reads up to {self._version}); upgrade marlin"
-            )
+        if not self._version_readable(local_metadata, prefix, error_msgs):
             return
-        scales = state_dict.get(prefix + "b_scales")
-        if isinstance(scales, torch.Tensor) and scales.dim() == 2 and scales.shape[0] != self.b_scales.shape[0]:
-            error_msgs.append(
-                f"{prefix}b_scales: {scales.shape[0]} scale rows, i.e. group size "
-                f"{packing.group_size_of(self.in_features, scales.shape[0])}, but this layer was built with "
-                f"group_size={self.group_size} ({self.b_scales.shape[0]} rows)"
-            )
+        self._check_scale_rows(state_dict, prefix, error_msgs)
         for key, want in (("b_q", torch.int32), ("b_meta", torch.int32), ("b_scales", torch.float16)):
             t = state_dict.get(prefix + key)
             if isinstance(t, torch.Tensor) and t.dtype != want:
@@ -223,49 +181,32 @@ def replace_linear_2_4(
         raise ValueError(f"replace_linear_2_4: group_size = {group_size!r}, expected 128 or -1 (per column)")
     include_p, exclude_p = _as_patterns(include, "include"), _as_patterns(exclude, "exclude") or ()
     report = SparseReplaceReport()
-    converted: dict[int, nn.Module] = {}
-    for parent_name, parent in list(model.named_modules(remove_duplicate=False)):
-        for child_name, child in list(parent._modules.items()):
-            if not isinstance(child, nn.Linear):
-                continue
-            name = f"{parent_name}.{child_name}" if parent_name else child_name
-            if id(child) in converted:
-                setattr(parent, child_name, converted[id(child)])
-                report.replaced.append(name)
-                continue
-            why, selected = _skip_reason_2_4(name, child, include_p, exclude_p, group_size, prune)
-            if why is not None:
-                if selected and strict:
-                    raise ValueError(f"replace_linear_2_4: cannot replace {name}: {why}")
-                report.skipped.append((name, why))
-                log.log(logging.WARNING if selected else logging.INFO, "replace_linear_2_4: kept %s: %s", name, why)
-                continue
-            new = MarlinLinear24.from_linear(child, group_size, prune=prune)
-            converted[id(child)] = new
-            setattr(parent, child_name, new)
-            report.replaced.append(name)
-            if new.pruned_fraction is not None:
-                report.pruned[name] = new.pruned_fraction
-                log.info("replace_linear_2_4: %s: pruning removed %.1f%% of the weight norm", name, 100 * new.pruned_fraction)
-    if isinstance(model, nn.Linear):
-        report.skipped.append(("", "the model itself is an nn.Linear; wrap it or use MarlinLinear24.from_linear"))
+
+    def convert(name: str, child: nn.Linear) -> MarlinLinear24:
+        new = MarlinLinear24.from_linear(child, group_size, prune=prune)
+        if new.pruned_fraction is not None:
+            report.pruned[name] = new.pruned_fraction
+            log.info("replace_linear_2_4: %s: pruning removed %.1f%% of the weight norm", name, 100 * new.pruned_fraction)
+        return new
+
+    _swap_linears(
+        model,
+        report,
+        "replace_linear_2_4",
+        strict,
+        skip_reason=lambda name, child: _skip_reason_2_4(name, child, include_p, exclude_p, group_size, prune),
+        convert=convert,
+        layer_class=MarlinLinear24,
+    )
     return report
 
 
 def _skip_reason_2_4(name, linear, include, exclude, group_size, prune) -> tuple[Optional[str], bool]:
-    """(why the layer is kept, or None; whether the name filters selected it)."""
-    pattern = _matches(name, exclude)
-    if pattern is not None:
-        return f"excluded by pattern {pattern!r}", False
-    if include is not None and _matches(name, include) is None:
-        return f"not matched by include {list(include)}", False
-    if type(linear) is not nn.Linear:
-        return f"{type(linear).__name__} is a subclass of nn.Linear (only plain nn.Linear is replaced)", True
-    reason = sparse.check_shape_2_4(linear.in_features, linear.out_features, group_size)
-    if reason is not None:
-        return f"shape not supported by the 2:4 kernel: {reason}", True
-    if linear.weight.is_meta:
-        return "weight is on the meta device (no values to quantize)", True
-    if not prune and sparse.violations_2_4(linear.weight.detach().t()).numel():
+    """(why the layer is kept, or None; whether the name filters selected it): marlin.nn's reasons
+    for the 2:4 kernel's shapes, and with ``prune=False`` a weight that is not 2:4 already."""
+    why, selected = _skip_reason(
+        name, linear, include, exclude, lambda k, n: sparse.check_shape_2_4(k, n, group_size), "2:4 kernel"
+    )
+    if why is None and not prune and sparse.violations_2_4(linear.weight.detach().t()).numel():
         return "weight is not 2:4 sparse along in_features (prune=False)", True
-    return None, True
+    return why, selected
