@@ -25,7 +25,10 @@ Parts are fused only when they can share one GEMM: all MarlinLinear of the same 
 input size, the same weight format (buffers, dtypes, group size) and the same act-order
 permutation (or none). Everything else is left alone and listed in the report.
 
-A fused model's state_dict holds the fused names (``qkv_proj.b_q``); fuse after loading.
+A fused model's state_dict holds the fused names (``qkv_proj.b_q``). It loads back into a fused
+model (load_state_dict), and a fused model saved with save_pretrained loads with from_pretrained
+or marlin.load_quantized: the loaders see a ``qkv_proj`` layer where the model built from its
+config has q/k/v_proj and install it with install_fused (the split sizes come from the parts).
 """
 
 from __future__ import annotations
@@ -39,7 +42,8 @@ from torch import nn
 
 from .nn import MarlinLinear
 
-__all__ = ["DEFAULT_GROUPS", "FuseReport", "FusedPart", "fuse_projections", "fuse_group"]
+__all__ = ["DEFAULT_GROUPS", "FuseReport", "FusedPart", "fuse_projections", "fuse_group", "install_fused",
+           "fused_group_parts"]
 
 log = logging.getLogger(__name__)
 
@@ -216,3 +220,40 @@ def fuse_projections(
             report.fused.append((where, [f"{parent_name}.{n}" if parent_name else n for n in part_names]))
     log.info("fuse_projections: fused %d groups, kept %d apart", len(report.fused), len(report.skipped))
     return report
+
+
+def fused_group_parts(parent: nn.Module, fused_name: str, groups: Optional[Mapping[str, Sequence[str]]] = None):
+    """The part modules that ``parent.<fused_name>`` would stand for (e.g. q/k/v_proj for
+    qkv_proj), or None when fused_name is not a group's name or parent lacks any of its parts."""
+    groups = DEFAULT_GROUPS if groups is None else groups
+    names = groups.get(fused_name)
+    if names is None or not all(n in parent._modules for n in names):
+        return None
+    return [parent._modules[n] for n in names]
+
+
+def install_fused(parent: nn.Module, fused_name: str, layer: nn.Module,
+                  groups: Optional[Mapping[str, Sequence[str]]] = None) -> None:
+    """Register ``layer``, a Marlin layer holding a group's parts side by side (as fuse_group
+    makes it, e.g. read back from a fused model's checkpoint), as ``parent.<fused_name>`` and put
+    FusedParts in place of the parts, split by the parts' out_features (nn.Linear or Marlin
+    layers of the model built from its config). Raises ValueError when parent lacks the group's
+    parts or their shapes do not add up to the layer's."""
+    parts = fused_group_parts(parent, fused_name, groups)
+    if parts is None:
+        raise ValueError(f"install_fused: the module has no complete group of parts for {fused_name!r}")
+    names = (DEFAULT_GROUPS if groups is None else groups)[fused_name]
+    ins = [getattr(p, "in_features", None) for p in parts]
+    outs = [getattr(p, "out_features", None) for p in parts]
+    if any(i != layer.in_features for i in ins) or None in outs or sum(outs) != layer.out_features:
+        raise ValueError(
+            f"install_fused: {fused_name} is [{layer.in_features} -> {layer.out_features}], but its parts "
+            f"{list(names)} are {[f'[{i} -> {o}]' for i, o in zip(ins, outs)]}: in_features must match and "
+            "out_features add up"
+        )
+    if any(o % _TILE_N for o in outs):
+        raise ValueError(f"install_fused: the parts' out_features {outs} are not all multiples of {_TILE_N}")
+    shared = _SplitResult(layer, outs)
+    parent.add_module(fused_name, layer)
+    for i, (name, p) in enumerate(zip(names, parts)):
+        parent._modules[name] = FusedPart(shared, i, fused_name, p.in_features, p.out_features)

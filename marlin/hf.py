@@ -155,39 +155,58 @@ def _sparse_layer(ckpt: SafetensorsDir, prefix: str) -> dict:
 
 
 def _install_marlin_layers(model: nn.Module, layers: dict, device: torch.device) -> None:
-    from .nn import MarlinLinear
+    from .fuse import fused_group_parts, install_fused
     from .sparse_nn import MarlinLinear24
 
     for prefix, spec in layers.items():
+        parent_name, _, child = prefix.rpartition(".")
         try:
             old = model.get_submodule(prefix)
         except AttributeError:
+            old = None
+        if old is None and spec.get("sparsity") is None:
+            # a fused model's checkpoint (marlin.fuse_projections, then save_pretrained): qkv_proj
+            # where the model has q/k/v_proj
+            try:
+                parent = model.get_submodule(parent_name) if parent_name else model
+            except AttributeError:
+                parent = None
+            if parent is not None and fused_group_parts(parent, child) is not None:
+                try:
+                    install_fused(parent, child, _new_marlin_layer(spec, device))
+                except ValueError as e:
+                    raise ConversionError(f"{prefix}: {e}") from None
+                continue
+        if old is None:
             raise ConversionError(
                 f"the checkpoint has a Marlin layer {prefix!r}, but the model built from config.json has no such module"
-            ) from None
+            )
         if not isinstance(old, nn.Linear) or (old.in_features, old.out_features) != (spec["k"], spec["n"]):
             raise ConversionError(
                 f"{prefix}: the checkpoint holds a [{spec['k']} -> {spec['n']}] Marlin layer, but the model has {old!r}"
             )
         if spec.get("sparsity") == "2:4":
             new = MarlinLinear24(spec["k"], spec["n"], bias=spec["bias"], group_size=spec["group_size"], device=device)
-            parent_name, _, child = prefix.rpartition(".")
-            setattr(model.get_submodule(parent_name) if parent_name else model, child, new)
-            continue
-        new = MarlinLinear(
-            spec["k"],
-            spec["n"],
-            bias=spec["bias"],
-            group_size=spec["group_size"],
-            device=device,
-            # specs built elsewhere (marlin.parallel) may describe only the shape: fp16 4-bit symmetric
-            dtype=spec.get("dtype", torch.float16),
-            act_order=spec["act_order"],
-            bits=spec.get("bits", 4),
-            zero_points=spec.get("zero_points", False),
-        )
-        parent_name, _, child = prefix.rpartition(".")
+        else:
+            new = _new_marlin_layer(spec, device)
         setattr(model.get_submodule(parent_name) if parent_name else model, child, new)
+
+
+def _new_marlin_layer(spec: dict, device: torch.device) -> nn.Module:
+    from .nn import MarlinLinear
+
+    return MarlinLinear(
+        spec["k"],
+        spec["n"],
+        bias=spec["bias"],
+        group_size=spec["group_size"],
+        device=device,
+        # specs built elsewhere (marlin.parallel) may describe only the shape: fp16 4-bit symmetric
+        dtype=spec.get("dtype", torch.float16),
+        act_order=spec["act_order"],
+        bits=spec.get("bits", 4),
+        zero_points=spec.get("zero_points", False),
+    )
 
 
 def load_quantized(

@@ -44,7 +44,11 @@ CASES = [  # (M, K, N, group size, forced tile): both kernels, split columns, se
 # bounds)
 FORMAT_CASES = [
     (5, 1024, 1536, (torch.bfloat16, 4, False, 32), None),  # small-batch, bf16 zero points, 4 scale rows per stage
-    (13, 1152, 1536, (torch.float16, 8, True, 64), (128, 256)),  # small-batch, 16-row slice, 8-bit
+    (13, 1152, 1536, (torch.float16, 8, True, 64), (128, 256)),  # small-batch, 16-row slice, 8-bit (wgmma on H100/H200)
+    # on H100/H200 the wgmma variant: bf16 zero points in 64-row slices with 4 scale rows per stage;
+    # 8-bit bf16 in one 128-row slice (MARLIN_WG_SLICE=128 below; three stages), columns split
+    (40, 2048, 1536, (torch.bfloat16, 4, False, 32), (128, 256)),
+    (100, 4096, 1536, (torch.bfloat16, 8, True, 128), None),
     (7, 1024, 640, (torch.float16, 4, False, -1), None),  # tiled, per-column zero points
     (40, 576, 192, (torch.bfloat16, 4, False, 64), None),  # tiled 64 x 256, one chunk of four valid
     (100, 320, 1344, (torch.float16, 4, True, -1), None),  # tiled, fp16 per column, partial last tile

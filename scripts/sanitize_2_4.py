@@ -14,11 +14,19 @@ os.environ.setdefault("MARLIN_2_4_CUDA", "1")  # the 2:4 kernel is off by defaul
 import marlin  # noqa: E402
 from marlin import sparse  # noqa: E402
 
-CASES = [  # (M, K, N, group size): 8/16/32-row slices, both tiles, K split into parts or not
-    (1, 1024, 512, 128),  # 256-column tile, K split (fp32 partials + the reduction launch)
+CASES = [  # (M, K, N, group size): 8/16/32/64-row slices, both tiles, K split into parts or not
+    (1, 1024, 512, 128),  # K split (in clusters on sm_90+, else fp32 partials + the last block's reduction)
     (13, 512, 384, -1),  # 128-column tile, 16-row slice, per-column scales
-    (70, 4096, 1024, 128),  # three 32-row slices (the last partial)
+    (70, 4096, 1024, 128),  # two 64-row slices (the last partial)
     (200, 256, 4096, -1),  # many slices, one K part: C written directly
+]
+# each case under the planner's choice, with the K parts forced through global memory, and
+# under the first kernel's plan (csrc/cuda/sparse/gemm_2_4_cuda.cpp reads these per call)
+PLANS = [
+    {},
+    {"MARLIN_2_4_CLUSTERS": "0", "MARLIN_2_4_PARTS": "3"},
+    {"MARLIN_2_4_WARP_SLICES": "4"},
+    {"MARLIN_2_4_PLAN": "legacy"},
 ]
 
 
@@ -29,11 +37,15 @@ def main():
         w = sparse.prune_2_4(torch.randn(k, n, device="cuda"))
         b_q, b_meta, b_s = sparse.quantize_and_pack_2_4(w, g)
         a = torch.randn(m, k, device="cuda", dtype=torch.float16)
-        c = marlin.gemm_2_4(a, b_q, b_meta, b_s)
         ref = a.float() @ sparse.unpack_2_4(b_q, b_meta, b_s)
-        err = ((c.float() - ref).norm() / ref.norm()).item()
-        print(f"M={m} K={k} N={n} g={g}: rel err {err:.2e}")
-        ok &= err < 2e-3
+        for env in PLANS:
+            os.environ.update(env)
+            c = marlin.gemm_2_4(a, b_q, b_meta, b_s)
+            for key in env:
+                del os.environ[key]
+            err = ((c.float() - ref).norm() / ref.norm()).item()
+            print(f"M={m} K={k} N={n} g={g} {env or 'planned'}: rel err {err:.2e}")
+            ok &= err < 2e-3
     torch.cuda.synchronize()
     return 0 if ok else 1
 

@@ -80,6 +80,32 @@ def test_shapes(m, shape, g):
     assert err <= ALLOWED * base + 1e-7, f"M={m} {shape} g={g}: error {err:.3g} vs fp16 matmul {base:.3g}"
 
 
+# Every partition the planner can choose, forced (the knobs are read per call,
+# csrc/cuda/sparse/gemm_2_4_cuda.cpp): K parts in clusters or through global memory, both tile
+# widths, 32-, 64- and 128-row block slices (M > 16), and the first kernel's plan.
+PLANS = {
+    "legacy": {"MARLIN_2_4_PLAN": "legacy"},
+    "global_3": {"MARLIN_2_4_CLUSTERS": "0", "MARLIN_2_4_PARTS": "3"},
+    "global_16": {"MARLIN_2_4_CLUSTERS": "0", "MARLIN_2_4_PARTS": "16"},
+    "parts_8": {"MARLIN_2_4_PARTS": "8"},  # in clusters on sm_90+
+    "parts_5_tile_128": {"MARLIN_2_4_PARTS": "5", "MARLIN_2_4_TILE_N": "128"},
+    "one_part_tile_256": {"MARLIN_2_4_PARTS": "1", "MARLIN_2_4_TILE_N": "256"},
+    "no_pdl": {"MARLIN_PDL": "0"},
+    "warp_slices_1": {"MARLIN_2_4_WARP_SLICES": "1"},
+    "warp_slices_4": {"MARLIN_2_4_WARP_SLICES": "4"},  # 128-row block slices, 128-column tile
+}
+
+
+@pytest.mark.parametrize("g", GROUPS)
+@pytest.mark.parametrize("plan", list(PLANS))
+@pytest.mark.parametrize("m", [1, 12, 31, 40, 64, 130])
+def test_forced_plans(m, plan, g, monkeypatch):
+    for key, value in PLANS[plan].items():
+        monkeypatch.setenv(key, value)
+    err, base, _, _ = check(get_layer(4096, 1024, g), m)
+    assert err <= ALLOWED * base + 1e-7, f"M={m} plan {plan} g={g}: error {err:.3g} vs fp16 matmul {base:.3g}"
+
+
 def test_the_bound_catches_a_wrong_metadata_order():
     layer = get_layer(1024, 512, 128)
     swapped = layer.b_meta.view(-1, 2, 16, 2, 2).flip(3).reshape(layer.b_meta.shape).contiguous()

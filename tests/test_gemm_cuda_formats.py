@@ -1,9 +1,10 @@
 """The CUDA kernels on every weight format besides fp16 symmetric INT4 (test_gemm_cuda.py): bf16
 activations, 4-bit zero points, groups of 32 and 64, 8-bit weights, against a float64 reference of
 A @ dequant(B) built by marlin.packing (the executable spec), on NaN-poisoned outputs. Both
-kernels: the planner runs these formats on the small-batch kernel (mma.sync, 256-column tile) at
-M <= 8, and M <= 16 on deep layers, and on the tiled kernel elsewhere; the instance tests force
-each.
+kernels: the planner runs these formats on the small-batch kernel (256-column tile) at M <= 8,
+and M <= 16 on deep layers, with mma.sync, on H100/H200 (sm_90a build) also where it runs the
+fp16 base format with wgmma (M > 8), and on the tiled kernel elsewhere; the instance tests force
+each, and the plan log shows which ran.
 
 The bound is the one of test_gemm_cuda.py: the kernel's normwise relative error within 1.5x of
 torch.matmul's own error in the same dtype on the (rounded) dequantized weights. A wrong zero
@@ -196,8 +197,9 @@ def test_zero_points_matter():
     assert rel_err(c1, c2.float()) > 1e-2
 
 
-# Every small-batch instance of the other formats: slices of 8 and 16 rows (larger M runs as several
-# 16-row slices), 256 columns; per-column zero points run on the tiled kernel only.
+# Every small-batch instance of the other formats: slices of 8 and 16 rows with mma.sync (larger M
+# runs as several 16-row slices; on H100/H200 M > 8 takes the wgmma variant, see test_wgmma_formats),
+# 256 columns; per-column zero points run on the tiled kernel only.
 @pytest.mark.parametrize("fmt", FORMATS, ids=FORMAT_IDS)
 def test_every_small_batch_instance(fmt):
     layer = get_layer(1152, 1536, fmt)
@@ -234,4 +236,72 @@ def test_default_plans_use_both_kernels():
     r = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0 and " passed" in r.stdout, r.stdout[-3000:] + r.stderr[-3000:]
     kernels = set(re.findall(r"^marlin\.gemm plan: .* kernel=(\w+)", r.stderr, re.M))
-    assert kernels == {"small_m", "tiled"}, kernels
+    # on H100/H200 the wgmma variant takes these formats above 64 rows as it does fp16 g128
+    assert kernels == {"small_m", "tiled"} | ({"small_m_wgmma"} if _wgmma_device() else set()), kernels
+
+
+def _wgmma_device():
+    """A compute capability 9.0 device, and a build that has the sm_90a kernels (setup.py builds
+    them unless TORCH_CUDA_ARCH_LIST leaves out 9.0a)."""
+    import os
+
+    archs = os.environ.get("TORCH_CUDA_ARCH_LIST")
+    return torch.cuda.get_device_capability() == (9, 0) and (archs is None or "9.0a" in archs)
+
+
+# The wgmma variant of the small-batch kernel (H100/H200) on every format it runs (all but
+# per-column zero points, which stay on the tiled kernel): M in each of its slice classes (16, 32,
+# 64 rows, above 64 rows 64 or 128) and M not a multiple of 8, forced onto its 256-column tile;
+# and the default plan on a layer large enough (190 KB of weights per SM) for the planner to pick
+# it at M = 9-128. On other GPUs the same calls run with mma.sync or the tiled kernel.
+# test_plans_of_the_wgmma_format_tests runs both in a subprocess and reads the plans, so that a silent
+# fallback to another kernel fails.
+WG_M = [9, 13, 16, 17, 27, 32, 33, 50, 64, 65, 100, 128]
+WG_FORMATS = [f for f in FORMATS if f[2] or f[3] != -1]
+WG_IDS = [fmt_id(f) for f in WG_FORMATS]
+WG_DEFAULT_M = [12, 16, 24, 48, 64, 96, 128]
+
+
+@pytest.mark.parametrize("fmt", WG_FORMATS, ids=WG_IDS)
+def test_wgmma_formats(fmt):
+    layer = get_layer(1152, 1536, fmt)
+    for m in WG_M:
+        check(layer, m, tile_k=128, tile_n=256)
+
+
+@pytest.mark.parametrize("fmt", WG_FORMATS, ids=WG_IDS)
+def test_wgmma_default_plan(fmt):
+    layer = get_layer(4096, 12288, fmt)
+    for m in WG_DEFAULT_M:
+        check(layer, m)
+
+
+@pytest.mark.parametrize("rows", ["64", "128"])
+def test_plans_of_the_wgmma_format_tests(rows):
+    """The two tests above in a subprocess with the plan log (MARLIN_LOG_PLAN=1) and the slices above
+    64 rows forced to 64 or 128 rows (MARLIN_WG_SLICE): every call with M > 8 ran the wgmma variant
+    with the slice the M class asks for (m_blocks = rows / 8), on every format."""
+    import os
+    import subprocess
+    import sys
+
+    if not _wgmma_device():
+        pytest.skip("the wgmma variant runs on compute capability 9.0 only")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, MARLIN_LOG_PLAN="1", MARLIN_WG_SLICE=rows)
+    cmd = [sys.executable, "-m", "pytest", __file__, "-q", "-s", "-p", "no:cacheprovider", "-k",
+           "test_wgmma_formats or test_wgmma_default_plan"]
+    r = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0 and f" {2 * len(WG_FORMATS)} passed" in r.stdout, r.stdout[-3000:] + r.stderr[-3000:]
+    plans = re.findall(r"^marlin\.gemm plan: m=(\d+) .* dtype=(\w+) bits=(\d) zeros=(\d) .* m_blocks=(\d+) kernel=(\w+) ",
+                       r.stderr, re.M)
+    expected_calls = len(WG_FORMATS) * (len(WG_M) + len(WG_DEFAULT_M))
+    assert len(plans) == expected_calls, (len(plans), expected_calls, r.stderr[-3000:])
+    formats = set()
+    for m, dtype, bits, zeros, m_blocks, kernel in plans:
+        m = int(m)
+        want = 2 if m <= 16 else 4 if m <= 32 else 8 if m <= 64 else int(rows) // 8
+        assert kernel == "small_m_wgmma" and int(m_blocks) == want, (m, dtype, bits, zeros, m_blocks, kernel)
+        formats.add((dtype, bits, zeros))
+    assert formats == {("bf16", "4", "0"), ("bf16", "4", "1"), ("bf16", "8", "0"), ("fp16", "4", "0"),
+                       ("fp16", "4", "1"), ("fp16", "8", "0")}, formats

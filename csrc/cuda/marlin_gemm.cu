@@ -74,8 +74,8 @@ struct Format {
   int group_mode = kPerColumn;     // kGroupBlocks128 (fp16 kU4 only), kGroupBlocksRuntime or kPerColumn
   int group_shift = 0;             // log2 of the group size in k16 blocks (run-time groups)
   // fp16 symmetric INT4 in groups of 128 or per column: the format every kernel and instance
-  // runs; the others run on the tiled kernel and on the small-batch kernel's mma.sync path with
-  // 8 or 16 rows and the 256-column tile (all but per-column zero points)
+  // runs; the others run on the tiled kernel and on the small-batch kernel with the 256-column
+  // tile only (all but per-column zero points): mma.sync with 8 or 16 rows, wgmma with 16-128
   bool base() const { return !bf16 && w == kU4 && group_mode != kGroupBlocksRuntime; }
   bool small_batch() const { return base() || !(w == kU4Zp && group_mode == kPerColumn); }
 };
@@ -101,11 +101,8 @@ std::string format_of(const GemmArgs& a, Format* f) {
   return "";
 }
 
-// 0: use the tiled kernel; else the small-batch kernel's tile width.
-int small_m_tile(const GemmArgs& a, const Format& f) {
-  if (a.n % 256 != 0 || a.k % 128 != 0 || !f.small_batch()) return 0;
-  if (!f.base())  // the mma.sync rules below, 256 columns (the other formats' only instances)
-    return a.m <= kSmallMAlways || (a.m <= kSmallMDeep && a.k >= kSmallMDeepK) ? 256 : 0;
+// 0: use the tiled kernel; else the small-batch kernel's tile width (fp16 symmetric INT4).
+int base_small_m_tile(const GemmArgs& a) {
   const long long bytes_per_sm = static_cast<long long>(a.k) * a.n / 2 / std::max(1, a.sms);
   if (a.wgmma && a.m > kSmallMAlways) {
     if (a.m > kWgSliceRows) return 256;
@@ -117,6 +114,16 @@ int small_m_tile(const GemmArgs& a, const Format& f) {
   if (a.m <= kSmallMDeep && a.k >= kSmallMDeepK) return 256;
   if (bytes_per_sm >= kSmallMHugeBytesPerSm) return a.n % 512 == 0 ? 512 : 256;
   return 0;
+}
+
+// The other formats follow the same rules with the 256-column tile (their only small-batch
+// tile): with wgmma (M > 8 on sm_90a) where the base format takes either tile, without it at
+// M <= 8, and M <= 16 on deep layers (their mma.sync instances have 8 or 16 rows).
+int small_m_tile(const GemmArgs& a, const Format& f) {
+  if (a.n % 256 != 0 || a.k % 128 != 0 || !f.small_batch()) return 0;
+  if (f.base()) return base_small_m_tile(a);
+  if (a.wgmma && a.m > kSmallMAlways) return std::min(base_small_m_tile(a), 256);
+  return a.m <= kSmallMAlways || (a.m <= kSmallMDeep && a.k >= kSmallMDeepK) ? 256 : 0;
 }
 
 // What the planner needs to know of one compiled kernel instance.
@@ -198,29 +205,49 @@ Instance make_smallm_instance() {
                   &launch_smallm<MB, NW, G, WG, ET, W, RG>, &smallm_max_clusters<MB, NW, G, WG, ET, W, RG>};
 }
 
-// The other formats' small-batch instances (smallm_instances.cuh, MARLIN_INSTANTIATE_SMALLM_FORMATS):
-// MB 1 or 2, mma.sync, 256 columns; grouped ones take the group size at run time.
-template <int MB, typename ET>
+// The other formats' small-batch instances (smallm_instances.cuh, MARLIN_INSTANTIATE_SMALLM_FORMATS_WG):
+// 256 columns; grouped ones take the group size at run time.
+template <int MB, bool WG, typename ET>
 bool find_smallm_format_mb(const Format& f, Instance* out) {
   const bool grouped = f.group_mode != kPerColumn;
   if (f.w == kU4) {
-    if (grouped) *out = make_smallm_instance<MB, 4, true, false, ET, kU4, true>();
-    else if (std::is_same<ET, nv_bfloat16>::value) *out = make_smallm_instance<MB, 4, false, false, nv_bfloat16, kU4, false>();
+    if (grouped) *out = make_smallm_instance<MB, 4, true, WG, ET, kU4, true>();
+    else if (std::is_same<ET, nv_bfloat16>::value) *out = make_smallm_instance<MB, 4, false, WG, nv_bfloat16, kU4, false>();
     else return false;  // fp16 per column is the base format
   } else if (f.w == kU4Zp) {
     if (!grouped) return false;  // per-column zero points: tiled kernel only
-    *out = make_smallm_instance<MB, 4, true, false, ET, kU4Zp, true>();
+    *out = make_smallm_instance<MB, 4, true, WG, ET, kU4Zp, true>();
   } else {
-    *out = grouped ? make_smallm_instance<MB, 4, true, false, ET, kU8, true>()
-                   : make_smallm_instance<MB, 4, false, false, ET, kU8, false>();
+    *out = grouped ? make_smallm_instance<MB, 4, true, WG, ET, kU8, true>()
+                   : make_smallm_instance<MB, 4, false, WG, ET, kU8, false>();
   }
   return true;
 }
 
+template <bool WG, typename ET>
+bool find_smallm_format_et(int mb, const Format& f, Instance* out) {
+  if constexpr (WG) {  // smallm_wg_fmt_instances_*.cu
+    switch (mb) {
+      case 2: return find_smallm_format_mb<2, true, ET>(f, out);
+      case 4: return find_smallm_format_mb<4, true, ET>(f, out);
+      case 8: return find_smallm_format_mb<8, true, ET>(f, out);
+      case 16: return find_smallm_format_mb<16, true, ET>(f, out);
+      default: return false;
+    }
+  } else {  // smallm_fmt_instances_mb*.cu
+    switch (mb) {
+      case 1: return find_smallm_format_mb<1, false, ET>(f, out);
+      case 2: return find_smallm_format_mb<2, false, ET>(f, out);
+      default: return false;
+    }
+  }
+}
+
+// mma.sync: MB 1 or 2; wgmma: MB 2, 4, 8 or 16; 256 columns only.
 bool find_smallm_format(int mb, int tile_n, bool wg, const Format& f, Instance* out) {
-  if (wg || tile_n != 256 || (mb != 1 && mb != 2)) return false;
-  if (f.bf16) return mb == 1 ? find_smallm_format_mb<1, nv_bfloat16>(f, out) : find_smallm_format_mb<2, nv_bfloat16>(f, out);
-  return mb == 1 ? find_smallm_format_mb<1, half>(f, out) : find_smallm_format_mb<2, half>(f, out);
+  if (tile_n != 256) return false;
+  if (f.bf16) return wg ? find_smallm_format_et<true, nv_bfloat16>(mb, f, out) : find_smallm_format_et<false, nv_bfloat16>(mb, f, out);
+  return wg ? find_smallm_format_et<true, half>(mb, f, out) : find_smallm_format_et<false, half>(mb, f, out);
 }
 
 // The small-batch instances: MB n8 tiles of the batch (1, 2, 4 with mma.sync; 2, 4, 8 with
@@ -339,13 +366,13 @@ std::string plan_small_m(const GemmArgs& args, int tile_n, GemmPlan* plan) {
            "not at all; " + describe(args, TileConfig{128, tile_n}, 0) +
            " (leave tile_k / tile_n unset to let the planner choose)";
   plan->small_m = true;
-  plan->wgmma = args.wgmma && args.m > 8 && f.base();
+  plan->wgmma = args.wgmma && args.m > 8;
   // rows per slice / 8: above 64 rows (wgmma) 64 or 128, the latter with the 256-column tile only
   const bool wide = plan->wgmma && args.m > kWgSliceRows && tile_n == 256;
   plan->m_blocks = args.m <= 8 ? 1 : args.m <= 16 ? 2 : (args.m <= 32 || !plan->wgmma) ? 4 : wide ? wg_slice_rows(args) / 8 : 8;
   plan->m_slices = (args.m + 8 * plan->m_blocks - 1) / (8 * plan->m_blocks);
   plan->tile = TileConfig{128, tile_n};
-  if (!f.base() && plan->m_blocks > 2) plan->m_blocks = 2;  // the other formats' slices: 8 or 16 rows
+  if (!f.base() && !plan->wgmma && plan->m_blocks > 2) plan->m_blocks = 2;  // their mma.sync slices: 8 or 16 rows
   plan->m_slices = (args.m + 8 * plan->m_blocks - 1) / (8 * plan->m_blocks);
   Instance inst;
   const bool found = f.base() ? find_smallm_instance(plan->m_blocks, tile_n, grouped, plan->wgmma, &inst)

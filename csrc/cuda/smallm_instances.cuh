@@ -13,14 +13,18 @@ namespace marlin {
 // shared memory (2 x 111 KB at most); 4 otherwise. WG (sm_90a, one block per SM) keeps only
 // STAGES - 2 stages in flight where it refills early (SmallMShape::kLateRefill), so it gets 5
 // (at most 206 KB), and 4 at MB = 8 (197 KB) and MB = 16 (197 KB: 32 KB of activations and 16 KB
-// of weights per stage; late refill, 3 in flight).
-template <int MB, int NW, bool WG>
-constexpr int kSmallMStages = WG ? (MB >= 8 ? 4 : 5) : (NW == 8 && MB <= 2) ? 3 : 4;
+// of weights per stage; late refill, 3 in flight). 8-bit weights (W) double a stage's weights:
+// WG keeps 4 stages at MB = 4 (201 KB) and 3 from MB = 8 on (215 and 199 KB), so that a block
+// still fits the 227 KB an H100 / H200 block may opt into.
+template <int MB, int NW, bool WG, int W = kU4>
+constexpr int kSmallMStages = !WG ? ((NW == 8 && MB <= 2) ? 3 : 4)
+                              : W == kU8 ? (MB >= 8 ? 3 : MB == 4 ? 4 : 5)
+                                         : (MB >= 8 ? 4 : 5);
 
 // ET, W, RG: element type, weight format and run-time group size (smallm_kernel.cuh); the
 // defaults are the base format, fp16 symmetric INT4 (group 128 or per column).
 template <int MB, int NW, bool GROUPED, bool WG = false, typename ET = half, int W = kU4, bool RG = false>
-using SmallMShapeOf = SmallMShape<MB, NW, kSmallMStages<MB, NW, WG>, GROUPED, WG, ET, W, RG>;
+using SmallMShapeOf = SmallMShape<MB, NW, kSmallMStages<MB, NW, WG, W>, GROUPED, WG, ET, W, RG>;
 
 template <int MB, int NW, bool GROUPED, bool WG, typename ET = half, int W = kU4, bool RG = false>
 cudaError_t launch_smallm(const KernelParams& p, int grid, int smem, cudaStream_t stream, bool pdl, int cluster);
@@ -40,35 +44,37 @@ SmemAttrCache& smallm_cache() {
   template <int MB, int NW, bool GROUPED, bool WG, typename ET, int W, bool RG>                                     \
   cudaError_t launch_smallm(const KernelParams& p, int grid, int smem, cudaStream_t stream, bool pdl,               \
                             int cluster) {                                                                          \
-    return launch_kernel(marlin_smallm_kernel<MB, NW, kSmallMStages<MB, NW, WG>, GROUPED, WG, ET, W, RG>,           \
+    return launch_kernel(marlin_smallm_kernel<MB, NW, kSmallMStages<MB, NW, WG, W>, GROUPED, WG, ET, W, RG>,           \
                          smallm_cache<MB, NW, GROUPED, WG, ET, W, RG>(), p, grid, kThreads, smem, stream, pdl,      \
                          cluster);                                                                                  \
   }                                                                                                                 \
   template <int MB, int NW, bool GROUPED, bool WG, typename ET, int W, bool RG>                                     \
   int smallm_max_clusters(int cluster, int smem) {                                                                  \
     return smallm_cache<MB, NW, GROUPED, WG, ET, W, RG>().max_clusters(                                             \
-        marlin_smallm_kernel<MB, NW, kSmallMStages<MB, NW, WG>, GROUPED, WG, ET, W, RG>, cluster, kThreads, smem);  \
+        marlin_smallm_kernel<MB, NW, kSmallMStages<MB, NW, WG, W>, GROUPED, WG, ET, W, RG>, cluster, kThreads, smem);  \
   }
 
 #define MARLIN_INSTANTIATE_SMALLM_ONE(MB, NW, G, WG)                                                        \
   template cudaError_t launch_smallm<MB, NW, G, WG>(const KernelParams&, int, int, cudaStream_t, bool, int); \
   template int smallm_max_clusters<MB, NW, G, WG>(int, int);
 
-// One instance of another format (mma.sync, 256-column tile): G grouped (then RG, the group size at
-// run time) or per column.
-#define MARLIN_INSTANTIATE_SMALLM_FMT(MB, ET, W, G)                                                     \
-  template cudaError_t launch_smallm<MB, 4, G, false, ET, W, G>(const KernelParams&, int, int, cudaStream_t, \
-                                                                bool, int);                            \
-  template int smallm_max_clusters<MB, 4, G, false, ET, W, G>(int, int);
+// One instance of another format (256-column tile), mma.sync (WG false) or wgmma: G grouped (then
+// RG, the group size at run time) or per column.
+#define MARLIN_INSTANTIATE_SMALLM_FMT_WG(MB, ET, W, G, WG)                                           \
+  template cudaError_t launch_smallm<MB, 4, G, WG, ET, W, G>(const KernelParams&, int, int, cudaStream_t, \
+                                                             bool, int);                              \
+  template int smallm_max_clusters<MB, 4, G, WG, ET, W, G>(int, int);
+#define MARLIN_INSTANTIATE_SMALLM_FMT(MB, ET, W, G) MARLIN_INSTANTIATE_SMALLM_FMT_WG(MB, ET, W, G, false)
 
-// The small-batch format table (marlin_gemm.cu's find_smallm_instance follows it): for one MB and
-// element type, symmetric INT4 grouped (and per column in bf16), INT4 with zero points grouped,
-// 8-bit grouped and per column.
-#define MARLIN_INSTANTIATE_SMALLM_FORMATS(MB, ET)       \
-  MARLIN_INSTANTIATE_SMALLM_FMT(MB, ET, kU4, true)      \
-  MARLIN_INSTANTIATE_SMALLM_FMT(MB, ET, kU4Zp, true)    \
-  MARLIN_INSTANTIATE_SMALLM_FMT(MB, ET, kU8, true)      \
-  MARLIN_INSTANTIATE_SMALLM_FMT(MB, ET, kU8, false)
+// The small-batch format table (marlin_gemm.cu's find_smallm_format follows it): for one MB,
+// element type and kernel variant, symmetric INT4 grouped (and per column in bf16), INT4 with
+// zero points grouped, 8-bit grouped and per column.
+#define MARLIN_INSTANTIATE_SMALLM_FORMATS_WG(MB, ET, WG)    \
+  MARLIN_INSTANTIATE_SMALLM_FMT_WG(MB, ET, kU4, true, WG)   \
+  MARLIN_INSTANTIATE_SMALLM_FMT_WG(MB, ET, kU4Zp, true, WG) \
+  MARLIN_INSTANTIATE_SMALLM_FMT_WG(MB, ET, kU8, true, WG)   \
+  MARLIN_INSTANTIATE_SMALLM_FMT_WG(MB, ET, kU8, false, WG)
+#define MARLIN_INSTANTIATE_SMALLM_FORMATS(MB, ET) MARLIN_INSTANTIATE_SMALLM_FORMATS_WG(MB, ET, false)
 
 // Both tile widths x (group 128, per column) for one MB, with mma.sync (WG false) or wgmma.
 #define MARLIN_INSTANTIATE_SMALLM(MB, WG)        \

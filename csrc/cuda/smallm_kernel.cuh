@@ -63,7 +63,8 @@ namespace marlin {
 // run time (KernelParams::group_shift; 32, 64 or 128 rows, so a 128-row stage holds 1, 2 or 4
 // scale rows, read per k16 step). The base format (fp16, symmetric INT4, group 128 fixed or per
 // column) keeps the raw-subnormal and group-sum paths below; every other format dequantizes
-// fully and scales the weights (or, per column, the fp32 sums), on the mma.sync path only.
+// fully and scales the weights (or, per column, the fp32 sums), with mma.sync or wgmma (bf16:
+// the wgmma of bf16 operands), on the 256-column tile only.
 template <int MB, int NW, int STAGES, bool GROUPED, bool WG = false, typename ET = half, int W = kU4, bool RG = false>
 struct SmallMShape {
   static constexpr bool kWG = WG;
@@ -97,7 +98,9 @@ struct SmallMShape {
   // warpgroup's refill. Late refill measured 10-28% faster at 128 rows with group scales (4
   // stages, 2 -> 3 in flight; H200, "Session 7" in benchmarks/NOTES.md) and ~3% at 16 rows with
   // group sums, but 4-6% slower at 32 rows, where the copies then delay the next short wgmma.
-  static constexpr bool kLateRefill = WG && (MB == 16 || kGroupSums);
+  // With 3 stages (8-bit weights from 64 rows on, smallm_instances.cuh) early refill would keep a
+  // single stage in flight, issued and waited for in the same step: late refill there too.
+  static constexpr bool kLateRefill = WG && (MB == 16 || kGroupSums || STAGES == 3);
   static constexpr int kAhead = WG && !kLateRefill ? STAGES - 2 : STAGES - 1;
   static constexpr int kJW = WG && MB == 16 ? 2 : 4;  // 16-column blocks of its chunk per warp
   static constexpr int kJSplit = 4 / kJW;             // warps per 64-column chunk
@@ -117,7 +120,7 @@ struct SmallMShape {
   // stage starts on a 1024-byte swizzle atom. Zero points (kU4Zp) follow in the same layout.
   static constexpr int kSRow = GROUPED ? NW * 8 : 0;
   static constexpr int kSRows = RG ? 4 : 1;
-  static constexpr int kSStage = WG && GROUPED ? 64 : kSRows * kSRow;
+  static constexpr int kSStage = WG && GROUPED ? (kSRows * kSRow + 63) / 64 * 64 : kSRows * kSRow;
   static constexpr bool kZeros = W == kU4Zp;
   static constexpr int kZStage = kZeros ? kSStage : 0;
   static constexpr int kStageInt4 = kAStage + kBStage + kSStage + kZStage;
@@ -142,7 +145,7 @@ struct SmallMShape {
   static_assert((STAGES * kSub) % 2 == 0, "register double buffer needs an even sub-step count");
   static_assert(kBStage % kThreads == 0, "B stage must split evenly over threads");
   static_assert(kThreads % (NW * kChunkInt4) == 0, "a round of B copies must cover whole k16 rows");
-  static_assert(kBase || (!WG && NW == 4), "other formats: mma.sync instances with the 256-column tile");
+  static_assert(kBase || NW == 4, "other formats: instances with the 256-column tile only");
   static_assert(kBase || !GROUPED || RG, "other formats take their group size at run time");
   static_assert(!kZeros || GROUPED, "per-column zero points run on the tiled kernel");
   static_assert(kSStage <= kThreads, "one copy per thread loads a stage's scales (and zero points)");
@@ -400,10 +403,13 @@ __global__ void __launch_bounds__(kThreads, kSmallMMinBlocksPerSm<MB, WG>) marli
       }
     }
     if constexpr (S::kBLane == 2) {  // 8-bit: the lane's two int4, words 2j (column g) and 2j + 1 (8 + g)
-      static_assert(JW == 4, "8-bit weights need whole chunks per warp");
       const int4* at = sh + S::kAStage + ((wk * SUB + u) * NW + wn) * S::kChunkInt4 + 2 * lane;
-      reinterpret_cast<int4*>(wq[buf])[0] = at[0];
-      reinterpret_cast<int4*>(wq[buf])[1] = at[1];
+      if constexpr (JW == 4) {
+        reinterpret_cast<int4*>(wq[buf])[0] = at[0];
+        reinterpret_cast<int4*>(wq[buf])[1] = at[1];
+      } else {  // half a chunk per warp (WG, MB == 16): blocks 2 jh and 2 jh + 1, one int4
+        reinterpret_cast<int4*>(wq[buf])[0] = at[jh];
+      }
     } else {
       read_blocks(sh + S::kAStage + ((wk * SUB + u) * NW + wn) * 32 + lane, wq[buf]);
     }
@@ -492,7 +498,7 @@ __global__ void __launch_bounds__(kThreads, kSmallMMinBlocksPerSm<MB, WG>) marli
           else
             wgmma_m64k16_rs<N, true>(reinterpret_cast<float(&)[4 * MB]>(grp[j]), afrag[buf][j], desc);
         } else {
-          wgmma_m64k16_rs<N, true>(reinterpret_cast<float(&)[4 * MB]>(tot[j]), afrag[buf][j], desc);
+          wgmma_m64k16_rs<N, true, kBf16>(reinterpret_cast<float(&)[4 * MB]>(tot[j]), afrag[buf][j], desc);
         }
       }
       if constexpr (S::kRaw) {

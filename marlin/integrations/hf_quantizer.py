@@ -15,6 +15,12 @@ config.json, so transformers hands it to MarlinHfQuantizer, which
   3. after loading: gives each layer a zeroed lock workspace on its device and checks each
      act-order permutation (checkpoints are untrusted input).
 
+The model's dtype follows the checkpoint: Marlin layers compute in their scales' dtype (fp16 or
+bf16), so when the dtype transformers settled on (the ``dtype`` argument, else config.json's, else
+fp16) is another one, step 1 builds the rest of the model in the layers' dtype instead, with a
+warning, and sets config.dtype to it. A checkpoint of a fused model (marlin.fuse_projections, then
+save_pretrained) loads as a fused model.
+
 A GPTQ checkpoint loads the same way, repacked at load time (no converted copy on disk), when its
 config is replaced by the one from ``gptq_config(dir)``:
 
@@ -155,12 +161,14 @@ class MarlinHfQuantizer(HfQuantizer):
     def update_dtype(self, dtype: Optional[torch.dtype]) -> torch.dtype:
         if dtype is None or dtype == torch.float32:
             if dtype == torch.float32:
-                log.info("marlin: loading in torch.float16 instead of torch.float32 (Marlin layers compute in fp16)")
-            return torch.float16
-        if not _layer_takes_dtype(dtype):
+                log.info("marlin: not loading in torch.float32: Marlin layers compute in fp16 or bf16 (the checkpoint's)")
+            dtype = torch.float16
+        elif not _layer_takes_dtype(dtype):
             raise ValueError(
-                f"marlin: dtype = {dtype}, but MarlinLinear does not compute in it; load with dtype=torch.float16"
+                f"marlin: dtype = {dtype}, but MarlinLinear does not compute in it; load with dtype=torch.float16 "
+                "or torch.bfloat16 (or leave it out: the checkpoint's scales decide)"
             )
+        self._dtype = dtype  # what the model is built in; the checkpoint's layers may overrule it
         return dtype
 
     def _process_model_before_weight_loading(self, model, checkpoint_files=None, **kwargs):
@@ -170,11 +178,16 @@ class MarlinHfQuantizer(HfQuantizer):
         fmt = self.quantization_config.checkpoint_format
         with SafetensorsDir(directory) as ckpt:
             if fmt == MARLIN_FORMAT:
-                _install_marlin_layers(model, _marlin_layers(ckpt), torch.device("meta"))
+                layers = _marlin_layers(ckpt)
+                _follow_layer_dtype(model, {spec["dtype"] for spec in layers.values()}, getattr(self, "_dtype", None))
+                _install_marlin_layers(model, layers, torch.device("meta"))
             else:
                 cfg = GPTQConfig.from_dict(dict(self.quantization_config.to_dict(), quant_method="gptq"), str(directory))
                 self._gptq = cfg
-                for prefix, (shapes, dtypes) in _gptq_layers(ckpt, cfg.group_size, cfg.bits).items():
+                gptq_layers = _gptq_layers(ckpt, cfg.group_size, cfg.bits)
+                _follow_layer_dtype(model, {dtypes["scales"] for _, dtypes in gptq_layers.values()},
+                                    getattr(self, "_dtype", None))
+                for prefix, (shapes, dtypes) in gptq_layers.items():
                     old = _existing_linear(model, prefix)
                     k, n = shapes["qweight"][0] * 32 // cfg.bits, shapes["qweight"][1]
                     if (old.in_features, old.out_features) != (k, n):
@@ -206,6 +219,29 @@ class MarlinHfQuantizer(HfQuantizer):
     @property
     def is_compileable(self) -> bool:
         return True  # the op has a fake kernel; forward has no host sync (tests/test_decode.py)
+
+
+def _follow_layer_dtype(model: nn.Module, layer_dtypes: set, built: Optional[torch.dtype]) -> None:
+    """Before loading (parameters on meta): when the quantized layers compute in another dtype than
+    the one the model was built in, make every floating parameter that dtype, so that transformers
+    loads the other tensors (embeddings, norms, lm_head) in it, and record it in config.dtype."""
+    if len(layer_dtypes) != 1:
+        raise ConversionError(f"the checkpoint's quantized layers mix scale dtypes {sorted(map(str, layer_dtypes))}")
+    (dtype,) = layer_dtypes
+    if built is None or dtype == built:
+        return
+    log.warning(
+        "marlin: loading in %s, the dtype of the checkpoint's quantized layers (their scales), not %s; "
+        "pass dtype=%s to from_pretrained to silence this", dtype, built, dtype,
+    )
+    cast: dict = {}  # by identity: a parameter shared by two modules (tied embeddings) stays shared
+    for module in model.modules():
+        for name, p in list(module._parameters.items()):
+            if p is not None and p.is_floating_point() and p.dtype != dtype:
+                if id(p) not in cast:
+                    cast[id(p)] = nn.Parameter(p.detach().to(dtype), requires_grad=p.requires_grad)
+                module._parameters[name] = cast[id(p)]
+    model.config.dtype = dtype
 
 
 def _layer_takes_dtype(dtype: torch.dtype) -> bool:
@@ -268,14 +304,14 @@ def _finish_layer(name: str, layer: MarlinLinear) -> None:
 
 def _finish_sparse_layer(name: str, layer: MarlinLinear24) -> None:
     """After loading a 2:4 layer: a zeroed workspace, and fp16 scales (the 2:4 op computes in fp16)."""
-    from ..sparse_nn import _new_workspace
+    from .._layer_common import new_workspace
 
     if layer.b_scales.dtype != torch.float16:
         raise ConversionError(
             f"{name}: a 2:4-sparse Marlin layer loaded with {layer.b_scales.dtype} scales; the 2:4 kernel computes in "
             "float16: load with dtype=torch.float16"
         )
-    layer.workspace = _new_workspace(layer.b_q.device)
+    layer.workspace = new_workspace(layer.b_q.device)
 
 
 def gptq_config(model_dir: Union[str, Path], **from_pretrained_kwargs) -> "PretrainedConfig":

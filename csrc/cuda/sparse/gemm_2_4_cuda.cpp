@@ -6,6 +6,7 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 
+#include <cstdio>
 #include <cstdlib>
 #include <string>
 
@@ -25,6 +26,22 @@ bool kernel_enabled() {
     return env != nullptr && std::atoi(env) == 1;
   }();
   return value;
+}
+
+// Tuning and diagnosis knobs, read on every call (a getenv each) so that one process can compare
+// plans: MARLIN_2_4_PLAN=legacy runs the first kernel's plan (8-32-row slices, K parts through
+// global memory, no programmatic dependent launch); MARLIN_2_4_PARTS=n forces n K parts where
+// the shape allows; MARLIN_2_4_TILE_N=128 or 256 forces the tile width; MARLIN_2_4_WARP_SLICES=1,
+// 2 or 4 forces the 32-row warp slices per block where M > 16; MARLIN_2_4_CLUSTERS=0 keeps the K parts out of clusters; MARLIN_PDL=0 (as
+// for gemm) launches without programmatic dependent launch; MARLIN_LOG_PLAN=1 prints the plan.
+int env_or(const char* name, int fallback) {
+  const char* env = std::getenv(name);
+  return env != nullptr && *env != '\0' ? std::atoi(env) : fallback;
+}
+
+bool env_is(const char* name, const char* value) {
+  const char* env = std::getenv(name);
+  return env != nullptr && std::string(env) == value;
 }
 
 at::Tensor gemm_2_4_cuda(const at::Tensor& a, const at::Tensor& b_q, const at::Tensor& b_meta, const at::Tensor& b_scales,
@@ -65,10 +82,20 @@ at::Tensor gemm_2_4_cuda(const at::Tensor& a, const at::Tensor& b_q, const at::T
   args.groups = static_cast<int>(sh.groups);
   args.sms = prop->multiProcessorCount;
   args.max_smem = static_cast<int>(prop->sharedMemPerBlockOptin);
+  args.pdl = prop->major >= 9 && env_or("MARLIN_PDL", 1) != 0;
+  args.clusters = prop->major >= 9;
+  args.legacy = env_is("MARLIN_2_4_PLAN", "legacy");
+  args.force_parts = env_or("MARLIN_2_4_PARTS", 0);
+  args.force_tile_n = env_or("MARLIN_2_4_TILE_N", 0);
+  args.force_ms = env_or("MARLIN_2_4_WARP_SLICES", 0);
+  TORCH_CHECK(args.force_ms == 0 || args.force_ms == 1 || args.force_ms == 2 || args.force_ms == 4,
+              "marlin.gemm_2_4: MARLIN_2_4_WARP_SLICES = ", num(args.force_ms), ", expected 1, 2 or 4 (unset: the planner's choice)");
+  args.clusters_off = env_or("MARLIN_2_4_CLUSTERS", 1) == 0;
 
   sparse24::Plan24 plan;
   const std::string why = sparse24::plan_24(args, &plan);
   TORCH_CHECK(why.empty(), why);
+  if (env_or("MARLIN_LOG_PLAN", 0) == 1) std::fprintf(stderr, "marlin.gemm_2_4 plan: %s\n", sparse24::describe_24(args, plan).c_str());
   // K split: fp32 partials, and one arrival counter per column tile and slice, as for gemm: the
   // workspace if given, else the stream's own zeroed lock slot (no allocation, graph-safe), else
   // a zeroed buffer. The kernel leaves the counters at zero.
@@ -76,7 +103,7 @@ at::Tensor gemm_2_4_cuda(const at::Tensor& a, const at::Tensor& b_q, const at::T
   at::Tensor partial, locks;
   args.partial = nullptr;
   args.locks = nullptr;
-  if (plan.parts > 1) {
+  if (plan.partial_floats > 0) {
     partial = at::empty({plan.partial_floats}, a.options().dtype(at::kFloat));
     args.partial = partial.data_ptr<float>();
     if (workspace.has_value()) {

@@ -23,20 +23,39 @@ struct Args24 {
   int groups;
   int sms;
   int max_smem;  // opt-in shared memory per block
+  bool pdl;       // launch with programmatic dependent launch (sm_90+)
+  bool clusters;  // thread-block clusters can be launched (sm_90+)
+  // tuning and diagnosis (gemm_2_4_cuda.cpp reads them from the environment): legacy = the first
+  // kernel's plan (8-32-row slices, 256-column tiles where N allows, K parts added through global
+  // memory, no PDL); force_parts > 0: that many K parts (at most 16 and k-tiles / 2);
+  // force_tile_n > 0: tiles of that many columns (128 or 256); force_ms > 0: that many warp
+  // slices of 32 rows per block where M > 16 (1, 2, or 4 on the 128-column tile); clusters_off:
+  // never clusters.
+  bool legacy = false;
+  int force_parts = 0;
+  int force_tile_n = 0;
+  int force_ms = 0;
+  bool clusters_off = false;
 };
 
 struct Plan24 {
-  int mb;      // n8 tiles per slice (slice = 8 mb rows)
-  int nw;      // 64-column chunks per tile (= warps per block): 4, or 2 where N % 256 != 0
-  int parts;   // K parts per column tile (> 1: fp32 partials, added by the tile's last block)
-  int slices;  // row slices
+  int mb;      // n8 tiles per warp slice (8 mb rows)
+  int nw;      // 64-column chunks per tile: 4, or 2 where N % 256 != 0
+  int ms;      // warp slices per block slice (block slice = 8 mb ms rows; warps = nw ms)
+  int parts;   // K parts per column tile (> 1: reduced in a cluster or through fp32 partials)
+  bool cluster_reduce;  // the parts of a tile form one thread-block cluster
+  int slices;  // block slices
+  int grid;    // blocks: slices x column tiles x parts
   int smem;    // dynamic shared memory bytes
-  long long partial_floats;  // parts * M * N when parts > 1, else 0
-  int locks;                 // arrival counters needed (column tiles x slices) when parts > 1, else 0
+  long long partial_floats;  // parts * M * N when reduced through global memory, else 0
+  int locks;                 // arrival counters needed (column tiles x slices) then, else 0
 };
 
 // Picks the slice size and the K split; an empty string, or why the shape cannot run.
 std::string plan_24(const Args24& args, Plan24* plan);
+
+// The plan in words (MARLIN_LOG_PLAN=1 prints it per call).
+std::string describe_24(const Args24& args, const Plan24& plan);
 
 // Launches the kernel on `stream`; returns the launch error, if any.
 cudaError_t launch_24(const Args24& args, const Plan24& plan, cudaStream_t stream);

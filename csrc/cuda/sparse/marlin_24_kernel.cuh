@@ -10,15 +10,25 @@
 //    (made for selector j / 2). This kernel reads its own and lane ^ 2's 8 bytes and issues every
 //    instruction with selector 0, so that it relies only on selector 0's documented lane pair.
 //  * The activations of a k32 step are one ldmatrix.x4 per n8 tile (4 x 8 columns of K).
-// Structure (deliberately simple; see benchmarks/NOTES.md for what it leaves on the table):
-//  * Block = NW warps, tile = 64 NW columns of N (one 64-column chunk per warp), stage = 128 rows of
-//    the original K (4 strips, one scale group), STAGES-deep cp.async ring for the activations,
-//    values, metadata and group scales of a stage.
-//  * Grid = column tiles x K parts x row slices. Each block sums its K range in fp32 (group
-//    scales applied to fp32 group sums); with one part it writes C (per-column scales applied),
-//    else its fp32 partial, and the last block of the tile to arrive (last_to_arrive, ptx.cuh:
-//    one acquire-release counter per tile and slice, left at zero) adds the partials in part
-//    order, so the result does not depend on the arrival order.
+// Structure:
+//  * Block = NW x MS warps, tile = 64 NW columns of N (one 64-column chunk per warp) by a slice
+//    of 8 MB MS rows of A: warp (wn, ws) computes chunk wn for rows 8 MB ws .. 8 MB (ws + 1) - 1.
+//    With MS = 2 every weight of a stage is read from memory once for 64 rows (the MS warps of a
+//    chunk each dequantize it from shared memory, which is cheaper than streaming it again).
+//  * Stage = 128 rows of the original K (4 strips, one scale group), STAGES-deep cp.async ring
+//    for the activations, values, metadata and group scales of a stage.
+//  * Grid (1-D) = row slices x column tiles x K parts, the parts of a tile consecutive (block
+//    index (slice * n_tiles + tile) * parts + part). Each block sums its K range in fp32 (group
+//    scales applied to fp32 group sums). With one part it writes C (per-column scales applied).
+//    With several, either (cluster_reduce, sm_90+) the parts of a tile are one thread-block
+//    cluster: each block leaves its fp32 partial in its own shared memory and adds 1/parts of
+//    the tile from all of them through distributed shared memory, in rank order; or each writes
+//    its fp32 partial past L1 and the last block of the tile to arrive (last_to_arrive, ptx.cuh:
+//    one acquire-release counter per tile, left at zero) adds the partials in part order. Either
+//    way the result does not depend on the arrival order.
+//  * Programmatic dependent launch (sm_90+, pdl in the launch): nothing is read or written before
+//    grid_dependency_wait(), and the next kernel of the stream may be scheduled once the first
+//    stages are in flight.
 #pragma once
 
 #include <cuda_fp16.h>
@@ -32,6 +42,7 @@ namespace sparse24 {
 
 constexpr int kStrips = 4;     // 32-row strips per stage: 128 rows of K = one scale group
 constexpr int kStageK = 32 * kStrips;
+constexpr int kMaxClusterParts = 8;  // the portable cluster size
 
 struct Params {
   const int4* a;       // [M, K] fp16, rows lda_int4 apart (16-byte units)
@@ -39,25 +50,32 @@ struct Params {
   const int4* b_meta;  // [K/32, N] int32
   const int4* s;       // [groups, N] fp16
   half* c;             // [M, N] fp16
-  float* partial;      // [parts, M, N] fp32 (parts > 1)
-  int* locks;          // one zeroed arrival counter per column tile and slice (parts > 1)
+  float* partial;      // [parts, M, N] fp32 (parts > 1 without cluster_reduce)
+  int* locks;          // one zeroed arrival counter per column tile and slice (as partial)
   int m, n, k;
   long long lda_int4;
   int groups;          // 1: per column, else K / 128
   int parts;           // K parts per column tile
+  bool cluster_reduce; // the parts of a tile are one cluster (sm_90+, parts <= kMaxClusterParts)
 };
 
-// MB: n8 tiles per slice (8 MB rows of A); NW: 64-column chunks per tile, one warp each.
-template <int MB, int NW>
+// MB: n8 tiles per warp slice (8 MB rows of A); NW: 64-column chunks per tile; MS: warp slices
+// per block slice. One warp per chunk and warp slice.
+template <int MB, int NW, int MS>
 struct Shape {
-  static constexpr int kThreads = 32 * NW;
+  static constexpr int kThreads = 32 * NW * MS;
   static constexpr int kTileN = 64 * NW;
-  static constexpr int kRows = 8 * MB;
+  static constexpr int kWarpRows = 8 * MB;
+  static constexpr int kRows = kWarpRows * MS;            // rows of A per block slice
   static constexpr int kAStage = kRows * (kStageK / 8);  // int4: 16 per row
   static constexpr int kBStage = kStrips * NW * 32;      // int4: a lane's 16 bytes per chunk and strip
   static constexpr int kMStage = kStrips * NW * 16;      // int4: a lane's 8 bytes per chunk and strip
   static constexpr int kSStage = NW * 8;                 // int4: the tile's 64 NW group scales
   static constexpr int kStageInt4 = kAStage + kBStage + kMStage + kSStage;
+  // cluster reduction: the block's fp32 partial [kRows][kPartStride] over the drained pipeline
+  // (the padding spreads the rows 2 c4 of a warp's stores over the banks)
+  static constexpr int kPartStride = kTileN + 4;
+  static constexpr int kPartBytes = kRows * kPartStride * 4;
 };
 
 // D += A * B on the sparse tensor cores: A 16 x 32 (2:4, compressed to 16 x 16 in a), B 32 x 8,
@@ -78,18 +96,23 @@ __device__ __forceinline__ void mma_sp_16832(const uint32_t (&a)[4], const uint3
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]), "r"(b[2]), "r"(b[3]), "r"(e), "n"(SEL));
 }
 
-template <int MB, int NW, int STAGES>
-__global__ void __launch_bounds__(32 * NW) marlin_24_kernel(const Params p) {
-  using S = Shape<MB, NW>;
+template <int MB, int NW, int MS, int STAGES>
+__global__ void __launch_bounds__(32 * NW * MS) marlin_24_kernel(const Params p) {
+  using S = Shape<MB, NW, MS>;
   constexpr int kThreads = S::kThreads;
+  static_assert(S::kPartBytes <= STAGES * S::kStageInt4 * 16, "the cluster partial must fit the pipeline's shared memory");
   extern __shared__ int4 smem[];
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
+  const int wn = warp % NW, ws = warp / NW;  // chunk and warp slice of this warp
   const int g = lane / 4, c4 = lane % 4;
 
-  const int nt = blockIdx.x;                 // column tile
-  const int part = blockIdx.y;               // K part
-  const int row0 = blockIdx.z * S::kRows;    // first row of the slice
+  const int n_tiles = p.n / S::kTileN;
+  const int part = blockIdx.x % p.parts;     // K part (= cluster rank with cluster_reduce)
+  const int col = blockIdx.x / p.parts;      // slice * n_tiles + column tile
+  const int nt = col % n_tiles;
+  const int row0 = (col / n_tiles) * S::kRows;  // first row of the block slice
   const int rows = min(S::kRows, p.m - row0);
+  const int wrow0 = ws * S::kWarpRows;        // the warp's first row in the slice
   const int k_tiles = p.k / kStageK;
   const int kt0 = part * k_tiles / p.parts, kt1 = (part + 1) * k_tiles / p.parts;
   const int n_k = kt1 - kt0;
@@ -99,7 +122,7 @@ __global__ void __launch_bounds__(32 * NW) marlin_24_kernel(const Params p) {
   const long long bm_row = p.n / 4;  // int4 per row of b_meta
 
   // One stage: rows of A x 128 halves (16-byte chunk ch of row r at r * 16 + (ch ^ r % 8)), the
-  // tile's values and metadata of 4 strips, and (grouped) the group's 256 scales.
+  // tile's values and metadata of 4 strips, and (grouped) the group's 64 NW scales.
   auto fetch = [&](int kt, int slot) {
     int4* sh = smem + slot * S::kStageInt4;
     for (int x = tid; x < S::kAStage; x += kThreads) {
@@ -132,14 +155,18 @@ __global__ void __launch_bounds__(32 * NW) marlin_24_kernel(const Params p) {
       for (int e = 0; e < 4; e++) tot[j][b][e] = 0.f;
 
   // ldmatrix.x4 for n8 tile b, k32 step u: matrix q = lane / 8 is 16-byte chunk 4 u + q of rows
-  // 8 b .. 8 b + 7; lane supplies row 8 b + lane % 8.
+  // wrow0 + 8 b .. + 7; lane supplies row wrow0 + 8 b + lane % 8.
   const int ld_row = lane % 8, ld_q = lane / 8;
 
+  // Programmatic dependent launch: the previous kernel of the stream may still be running until
+  // here (A, the locks and C may be its inputs or outputs).
+  grid_dependency_wait();
 #pragma unroll
   for (int s = 0; s < STAGES - 1; s++) {
     if (s < n_k) fetch(kt0 + s, s);
     cp_async_commit();
   }
+  grid_launch_dependents();
   for (int i = 0; i < n_k; i++) {
     cp_async_wait<STAGES - 2>();
     __syncthreads();  // stage i landed for every thread; every warp is done with stage i - 1's slot
@@ -160,14 +187,14 @@ __global__ void __launch_bounds__(32 * NW) marlin_24_kernel(const Params p) {
       uint32_t act[MB][4];
 #pragma unroll
       for (int b = 0; b < MB; b++) {
-        const int r = 8 * b + ld_row;
+        const int r = wrow0 + 8 * b + ld_row;
         ldmatrix_x4(act[b], sh + r * 16 + ((4 * u + ld_q) ^ (r % 8)));
       }
-      const int4 wq4 = sb[(u * NW + warp) * 32 + lane];
+      const int4 wq4 = sb[(u * NW + wn) * 32 + lane];
       // metadata: the lane's own words (blocks 0, 1) and its partner's, lane ^ 2 (blocks 2, 3).
       // Every instruction takes selector 0 (lanes c = 0, 1 supply it), whose lane assignment the
       // PTX ISA spells out; blocks 2 and 3 come from the words the format gives lanes c = 2, 3.
-      const uint2* mrow = reinterpret_cast<const uint2*>(sm + (u * NW + warp) * 16);
+      const uint2* mrow = reinterpret_cast<const uint2*>(sm + (u * NW + wn) * 16);
       const uint2 mw = mrow[lane], mw2 = mrow[lane ^ 2];
       const uint32_t wq[4] = {static_cast<uint32_t>(wq4.x), static_cast<uint32_t>(wq4.y), static_cast<uint32_t>(wq4.z),
                               static_cast<uint32_t>(wq4.w)};
@@ -185,7 +212,7 @@ __global__ void __launch_bounds__(32 * NW) marlin_24_kernel(const Params p) {
     // (b_scales permutation: position 8 g + 2 j is column 16 j + g, + 1 is 16 j + 8 + g)
     float s_lo[4], s_hi[4];
     if (grouped) {
-      const int4 sv = sm[S::kMStage + warp * 8 + g];
+      const int4 sv = sm[S::kMStage + wn * 8 + g];
       const half* sc = reinterpret_cast<const half*>(&sv);
 #pragma unroll
       for (int j = 0; j < 4; j++) s_lo[j] = __half2float(sc[2 * j]), s_hi[j] = __half2float(sc[2 * j + 1]);
@@ -205,8 +232,10 @@ __global__ void __launch_bounds__(32 * NW) marlin_24_kernel(const Params p) {
   }
   cp_async_wait<0>();
 
-  // Element (j, b, e) is C[row 8 b + 2 c4 + e % 2][column 64 warp + 16 j + g + 8 (e / 2)] of the tile.
-  const int col0 = nt * S::kTileN + warp * 64 + g;
+  // Element (j, b, e) is C[slice row wrow0 + 8 b + 2 c4 + e % 2][column 64 wn + 16 j + g + 8 (e / 2)]
+  // of the tile; rows of the slice below `lim` exist.
+  const int col0 = nt * S::kTileN + wn * 64 + g;
+  const int lim = rows - wrow0 - 2 * c4;  // element rows 8 b + e % 2 below this exist
   if (p.parts == 1) {
 #pragma unroll
     for (int j = 0; j < 4; j++) {
@@ -220,37 +249,19 @@ __global__ void __launch_bounds__(32 * NW) marlin_24_kernel(const Params p) {
       for (int b = 0; b < MB; b++)
 #pragma unroll
         for (int e = 0; e < 4; e++) {
-          const int r = 8 * b + 2 * c4 + e % 2;
-          if (r < rows)
-            p.c[static_cast<long long>(row0 + r) * p.n + (e < 2 ? col_lo : col_hi)] =
+          if (8 * b + e % 2 < lim)
+            p.c[static_cast<long long>(row0 + wrow0 + 8 * b + 2 * c4 + e % 2) * p.n + (e < 2 ? col_lo : col_hi)] =
                 __float2half_rn(tot[j][b][e] * (e < 2 ? sc_lo : sc_hi));
         }
     }
     return;
   }
 
-  // K split: this block's fp32 partial (past L1), then the last block of the tile adds all parts.
-  float* mine = p.partial + static_cast<long long>(part) * p.m * p.n;
-#pragma unroll
-  for (int j = 0; j < 4; j++)
-#pragma unroll
-    for (int b = 0; b < MB; b++)
-#pragma unroll
-      for (int e = 0; e < 4; e++) {
-        const int r = 8 * b + 2 * c4 + e % 2;
-        if (r < rows) __stcg(mine + static_cast<long long>(row0 + r) * p.n + col0 + 16 * j + 8 * (e / 2), tot[j][b][e]);
-      }
-  if (!last_to_arrive(p.locks + blockIdx.z * gridDim.x + nt, p.parts)) return;
-  constexpr int kChunks = S::kTileN / 4;  // float4 chunks per row of the tile
-  const long long plane = static_cast<long long>(p.m) * p.n;
-  for (int x = tid; x < rows * kChunks; x += kThreads) {
+  // Sum of the tile's parts for float4 chunk x (row x / kChunks of the slice, tile columns
+  // 4 (x % kChunks) .. + 3), per-column scales applied, to C.
+  constexpr int kChunks = S::kTileN / 4;
+  auto store_chunk = [&](int x, float4 sum) {
     const int r = x / kChunks, cc = nt * S::kTileN + 4 * (x % kChunks);
-    const long long at = static_cast<long long>(row0 + r) * p.n + cc;
-    float4 sum = __ldcg(reinterpret_cast<const float4*>(p.partial + at));
-    for (int q = 1; q < p.parts; q++) {
-      const float4 v = __ldcg(reinterpret_cast<const float4*>(p.partial + q * plane + at));
-      sum.x += v.x, sum.y += v.y, sum.z += v.z, sum.w += v.w;
-    }
     if (!grouped) {
       const half* sc = reinterpret_cast<const half*>(p.s) + cc;
       sum.x *= __half2float(sc[0]);
@@ -259,7 +270,76 @@ __global__ void __launch_bounds__(32 * NW) marlin_24_kernel(const Params p) {
       sum.w *= __half2float(sc[3]);
     }
     half2 out[2] = {__floats2half2_rn(sum.x, sum.y), __floats2half2_rn(sum.z, sum.w)};
-    *reinterpret_cast<uint2*>(p.c + at) = *reinterpret_cast<uint2*>(out);
+    *reinterpret_cast<uint2*>(p.c + static_cast<long long>(row0 + r) * p.n + cc) = *reinterpret_cast<uint2*>(out);
+  };
+  const int chunks = rows * kChunks;
+
+  if (p.cluster_reduce) {
+    // The block's partial [rows][kPartStride] in its own shared memory, over the drained stages
+    // (every warp is past its last read of them after this barrier).
+    float* part_sm = reinterpret_cast<float*>(smem);
+    __syncthreads();
+    float* mine = part_sm + (wrow0 + 2 * c4) * S::kPartStride + wn * 64 + g;
+#pragma unroll
+    for (int j = 0; j < 4; j++)
+#pragma unroll
+      for (int b = 0; b < MB; b++)
+#pragma unroll
+        for (int e = 0; e < 4; e++)
+          if (8 * b + e % 2 < lim) mine[(8 * b + e % 2) * S::kPartStride + 16 * j + 8 * (e / 2)] = tot[j][b][e];
+    cluster_sync();  // every part of the tile is in place
+    // This block's 1/parts of the chunks, each the sum of the parts in rank order, all parts'
+    // loads in flight at once.
+    const uint32_t base = smem_addr(part_sm);
+    uint32_t from[kMaxClusterParts];
+#pragma unroll
+    for (int q = 0; q < kMaxClusterParts; q++) from[q] = q < p.parts ? cluster_map(base, q) : 0;
+    const int hi = (part + 1) * chunks / p.parts;
+    for (int x = part * chunks / p.parts + tid; x < hi; x += kThreads) {
+      const uint32_t off = ((x / kChunks) * S::kPartStride + 4 * (x % kChunks)) * 4;
+      float4 v[kMaxClusterParts];
+#pragma unroll
+      for (int q = 0; q < kMaxClusterParts; q++)
+        if (q < p.parts) v[q] = ld_cluster_f4(from[q] + off);
+      float4 sum = v[0];
+#pragma unroll
+      for (int q = 1; q < kMaxClusterParts; q++)
+        if (q < p.parts) sum.x += v[q].x, sum.y += v[q].y, sum.z += v[q].z, sum.w += v[q].w;
+      store_chunk(x, sum);
+    }
+    cluster_sync();  // the other blocks have read this block's partial before it exits
+    return;
+  }
+
+  // K split through global memory: this block's fp32 partial (past L1), then the last block of
+  // the tile adds all parts.
+  float* mine = p.partial + static_cast<long long>(part) * p.m * p.n + static_cast<long long>(row0 + wrow0 + 2 * c4) * p.n + col0;
+#pragma unroll
+  for (int j = 0; j < 4; j++)
+#pragma unroll
+    for (int b = 0; b < MB; b++)
+#pragma unroll
+      for (int e = 0; e < 4; e++)
+        if (8 * b + e % 2 < lim) __stcg(mine + static_cast<long long>(8 * b + e % 2) * p.n + 16 * j + 8 * (e / 2), tot[j][b][e]);
+  if (!last_to_arrive(p.locks + col, p.parts)) return;
+  // kPB parts' loads of a chunk in flight at once (a loop of dependent load-add pairs made the
+  // last block's reduction latency-bound), added in part order.
+  constexpr int kPB = 8;
+  const long long plane = static_cast<long long>(p.m) * p.n;
+  for (int x = tid; x < chunks; x += kThreads) {
+    const long long at = static_cast<long long>(row0 + x / kChunks) * p.n + nt * S::kTileN + 4 * (x % kChunks);
+    float4 sum = __ldcg(reinterpret_cast<const float4*>(p.partial + at));
+#pragma unroll 1
+    for (int q0 = 1; q0 < p.parts; q0 += kPB) {
+      float4 v[kPB];
+#pragma unroll
+      for (int q = 0; q < kPB; q++)
+        if (q0 + q < p.parts) v[q] = __ldcg(reinterpret_cast<const float4*>(p.partial + (q0 + q) * plane + at));
+#pragma unroll
+      for (int q = 0; q < kPB; q++)
+        if (q0 + q < p.parts) sum.x += v[q].x, sum.y += v[q].y, sum.z += v[q].z, sum.w += v[q].w;
+    }
+    store_chunk(x, sum);
   }
 }
 

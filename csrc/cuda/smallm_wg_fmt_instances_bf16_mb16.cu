@@ -1,0 +1,9 @@
+// Small-batch wgmma (sm_90a) instances of the other weight formats in bf16 for 128 rows of M per
+// slice (see smallm_instances.cuh). Built for every target; only the sm_90a code can run them.
+#include "smallm_instances.cuh"
+
+namespace marlin {
+MARLIN_DEFINE_SMALLM_LAUNCH
+MARLIN_INSTANTIATE_SMALLM_FORMATS_WG(16, nv_bfloat16, true)
+MARLIN_INSTANTIATE_SMALLM_FMT_WG(16, nv_bfloat16, kU4, false, true)
+}  // namespace marlin
