@@ -26,7 +26,8 @@ from typing import Optional
 import torch
 from torch import nn
 
-from ..nn import MarlinLinear, _new_workspace
+from .._layer_common import new_workspace
+from ..nn import MarlinLinear
 from . import shard as sh
 from .comm import all_gather_last, all_reduce_sum, rank_and_size
 
@@ -66,7 +67,7 @@ def local_marlin(layer: MarlinLinear, in_features: int, out_features: int, tenso
     for name, t in tensors.items():
         new._buffers[name] = _own(t)
     device = new._buffers["b_q"].device
-    new._buffers["workspace"] = _new_workspace(device)
+    new._buffers["workspace"] = new_workspace(device)
     return new
 
 

@@ -33,7 +33,8 @@ from ..convert.converter import MARLIN_FORMAT, QUANTIZE_CONFIG_FILE, _read_quant
 from ..convert.errors import ConversionError
 from ..convert.gptq import GPTQConfig
 from ..hf import _DERIVED_BUFFER_SUFFIXES, _dtype_kwargs, _install_marlin_layers, _marlin_layers, _parameters_on_meta
-from ..nn import MarlinLinear, _new_workspace
+from .._layer_common import new_workspace
+from ..nn import MarlinLinear
 from .comm import rank_and_size
 from .gptq_source import GPTQSource
 from .layers import (
@@ -254,7 +255,7 @@ def load_sharded(
     model.tie_weights()
     for module in model.modules():  # Marlin layers outside the plan were built on the meta device
         if isinstance(module, MarlinLinear) and module.workspace.is_meta:
-            module.workspace = _new_workspace(device)
+            module.workspace = new_workspace(device)
     missing = [name for name, t in chain(model.named_parameters(), model.named_buffers()) if t.is_meta]
     if unexpected or missing:
         parts = []
