@@ -46,7 +46,7 @@ FORMAT_CASES = [
     (5, 1024, 1536, (torch.bfloat16, 4, False, 32), None),  # small-batch, bf16 zero points, 4 scale rows per stage
     (13, 1152, 1536, (torch.float16, 8, True, 64), (128, 256)),  # small-batch, 16-row slice, 8-bit (wgmma on H100/H200)
     # on H100/H200 the wgmma variant: bf16 zero points in 64-row slices with 4 scale rows per stage;
-    # 8-bit bf16 in a 64-row and a 36-row slice (three stages), columns split over blocks
+    # 8-bit bf16 in one 128-row slice (MARLIN_WG_SLICE=128 below; three stages), columns split
     (40, 2048, 1536, (torch.bfloat16, 4, False, 32), (128, 256)),
     (100, 4096, 1536, (torch.bfloat16, 8, True, 128), None),
     (7, 1024, 640, (torch.float16, 4, False, -1), None),  # tiled, per-column zero points

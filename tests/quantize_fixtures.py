@@ -62,3 +62,46 @@ def make_model_dir(path: Path, *, intermediate_size: int = 512, seed: int = 0) -
     model.save_pretrained(path, safe_serialization=True)
     tokenizer.save_pretrained(path)
     return path
+
+
+def make_tiny(root: Path) -> tuple[Path, Path, Path]:
+    """(root, model dir, calibration text file) under ``root``: the tiny Llama and its text."""
+    src = make_model_dir(root / "src")
+    calib = root / "calib.txt"
+    calib.write_text(make_text(4000, seed=2))
+    return root, src, calib
+
+
+def model_and_samples(src: Path, calib: Path, nsamples: int = 8, min_len: int = 16, max_len: int = 96):
+    """(float model, tokenizer, calibration samples) as marlin-quantize would load and draw them."""
+    from marlin.quantize.calib import CalibrationSpec, draw_samples
+    from marlin.quantize.source import load_model, load_tokenizer, resolve_source
+
+    source = resolve_source(src)
+    model = load_model(source)
+    tokenizer = load_tokenizer(source)
+    ids = tokenizer(calib.read_text(), return_tensors="pt").input_ids[0]
+    return model, tokenizer, draw_samples(ids, CalibrationSpec(nsamples=nsamples, min_len=min_len, max_len=max_len))
+
+
+def marlin_layer_weight(layer) -> torch.Tensor:
+    """nn.Linear-style weight [N, K] of a MarlinLinear (any format), in the original input order."""
+    from marlin import packing
+
+    b = packing.dequantize(*packing.unpack(layer.b_q, layer.b_scales, layer.b_zeros, bits=layer.bits))
+    if layer.perm is not None:
+        out = torch.empty_like(b)
+        out[layer.perm.long()] = b
+        b = out
+    return b.t()
+
+
+def output_errors(fake, loaded, full, x) -> tuple[float, float]:
+    """(loaded vs fake-quantized, full precision vs fake-quantized) normwise relative logit errors
+    on the token ids x: the first says the checkpoint computes what the quantizer computed, the
+    second how far quantization moved the model (so the first check can tell the two apart)."""
+    with torch.no_grad():
+        ref = fake(x).logits.double()
+        got = loaded(x).logits.double()
+        fp = full(x).logits.double()
+    return float((got - ref).norm() / ref.norm()), float((fp - ref).norm() / fp.norm())

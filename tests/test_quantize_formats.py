@@ -97,41 +97,21 @@ transformers = pytest.importorskip("transformers")
 import marlin  # noqa: E402
 from marlin.nn import MarlinLinear  # noqa: E402
 from marlin.quantize import cli  # noqa: E402
-from marlin.quantize.calib import CalibrationSpec, draw_samples  # noqa: E402
 from marlin.quantize.runner import QuantizeConfig, quantize_model  # noqa: E402
-from marlin.quantize.source import load_model, load_tokenizer, resolve_source  # noqa: E402
 from marlin.quantize.writer import write_checkpoint  # noqa: E402
 
-from quantize_fixtures import make_model_dir, make_text  # noqa: E402
+from quantize_fixtures import make_tiny, marlin_layer_weight, model_and_samples, output_errors  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    root = tmp_path_factory.mktemp("quantize_formats")
-    src = make_model_dir(root / "src")
-    calib = root / "calib.txt"
-    calib.write_text(make_text(4000, seed=2))
-    return root, src, calib
-
-
-def layer_weight(layer: MarlinLinear) -> torch.Tensor:
-    parts = packing.unpack(layer.b_q, layer.b_scales, layer.b_zeros, bits=layer.bits)
-    b = packing.dequantize(*parts)
-    if layer.perm is not None:
-        out = torch.empty_like(b)
-        out[layer.perm.long()] = b
-        b = out
-    return b.t()
+    return make_tiny(tmp_path_factory.mktemp("quantize_formats"))
 
 
 @pytest.mark.parametrize("bits, sym, group_size, act_order", [(4, False, 64, True), (8, True, 128, False)])
 def test_checkpoint_in_each_format_loads_exactly(tiny, tmp_path, bits, sym, group_size, act_order):
     _, src, calib = tiny
-    source = resolve_source(src)
-    model = load_model(source)
-    tokenizer = load_tokenizer(source)
-    ids = tokenizer(calib.read_text(), return_tensors="pt").input_ids[0]
-    samples = draw_samples(ids, CalibrationSpec(nsamples=8, min_len=16, max_len=96))
+    model, tokenizer, samples = model_and_samples(src, calib)
     config = QuantizeConfig(group_size=group_size, act_order=act_order, bits=bits, sym=sym)
     fp_model = copy.deepcopy(model)
     results, reports = quantize_model(model, samples, config, progress=False)
@@ -145,16 +125,11 @@ def test_checkpoint_in_each_format_loads_exactly(tiny, tmp_path, bits, sym, grou
     for name, res in results.items():
         layer = loaded.get_submodule(name)
         assert isinstance(layer, MarlinLinear) and layer.bits == bits and layer.zero_points == (not sym)
-        assert torch.equal(layer_weight(layer), res.dequantized())
-    x = samples[0]
-    with torch.no_grad():
-        fake = model(x).logits.double()
-        real = loaded(x).logits.double()
-        full = fp_model(x).logits.double()
-    err = float((real - fake).norm() / fake.norm())
+        assert torch.equal(marlin_layer_weight(layer), res.dequantized())
+    err, moved = output_errors(model, loaded, fp_model, samples[0])
     assert err < MODEL_TOL, f"loaded checkpoint vs the quantizer's model: {err:.2e}"
     if bits == 4:  # 8 bits is close to full precision: the loaded-vs-fake check is the test there
-        assert float((full - fake).norm() / full.norm()) > 3 * err
+        assert moved > 3 * err
 
 
 def test_cli_asym_resumes_and_writes_zero_points(tiny, tmp_path, capsys, monkeypatch):

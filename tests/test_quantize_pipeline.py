@@ -21,16 +21,14 @@ import torch
 pytest.importorskip("transformers")
 
 import marlin  # noqa: E402
-from marlin import packing  # noqa: E402
 from marlin.nn import MarlinLinear  # noqa: E402
 from marlin.quantize import cli  # noqa: E402
-from marlin.quantize.calib import CalibrationSpec, draw_samples  # noqa: E402
 from marlin.quantize.pipeline import quantize_checkpoint  # noqa: E402
 from marlin.quantize.runner import QuantizeConfig, UnsupportedModelError, find_blocks, quantize_model  # noqa: E402
-from marlin.quantize.source import load_model, load_tokenizer, resolve_source  # noqa: E402
+from marlin.quantize.source import resolve_source  # noqa: E402
 from marlin.quantize.writer import REPORT_FILE, ResumeStore, write_checkpoint  # noqa: E402
 
-from quantize_fixtures import make_model_dir, make_text  # noqa: E402
+from quantize_fixtures import make_model_dir, make_text, make_tiny, marlin_layer_weight, model_and_samples, output_errors  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 MODEL_TOL = 1e-2
@@ -38,31 +36,13 @@ MODEL_TOL = 1e-2
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    root = tmp_path_factory.mktemp("quantize")
-    src = make_model_dir(root / "src")
-    calib = root / "calib.txt"
-    calib.write_text(make_text(4000, seed=2))
-    return root, src, calib
-
-
-def dequantized_weight(layer: MarlinLinear) -> torch.Tensor:
-    """nn.Linear-style weight [N, K] of a MarlinLinear, original input order."""
-    b = packing.dequantize(*packing.unpack(layer.b_q, layer.b_scales))
-    if layer.perm is not None:
-        out = torch.empty_like(b)
-        out[layer.perm.long()] = b
-        b = out
-    return b.t()
+    return make_tiny(tmp_path_factory.mktemp("quantize"))
 
 
 @pytest.mark.parametrize("group_size, act_order", [(128, False), (128, True), (-1, True)])
 def test_checkpoint_holds_exactly_the_quantized_weights(tiny, tmp_path, group_size, act_order):
     _, src, calib = tiny
-    source = resolve_source(src)
-    model = load_model(source)
-    tokenizer = load_tokenizer(source)
-    ids = tokenizer(calib.read_text(), return_tensors="pt").input_ids[0]
-    samples = draw_samples(ids, CalibrationSpec(nsamples=8, min_len=16, max_len=96))
+    model, tokenizer, samples = model_and_samples(src, calib)
     config = QuantizeConfig(group_size=group_size, act_order=act_order)
     fp_model = copy.deepcopy(model)
     results, reports = quantize_model(model, samples, config, progress=False)
@@ -78,17 +58,12 @@ def test_checkpoint_holds_exactly_the_quantized_weights(tiny, tmp_path, group_si
     for name, res in results.items():
         layer = loaded.get_submodule(name)
         assert isinstance(layer, MarlinLinear)
-        assert torch.equal(dequantized_weight(layer), res.dequantized())
+        assert torch.equal(marlin_layer_weight(layer), res.dequantized())
         assert (layer.perm is not None) == (res.perm is not None)
 
-    x = samples[0]
-    with torch.no_grad():
-        fake = model(x).logits.double()
-        real = loaded(x).logits.double()
-        full = fp_model(x).logits.double()
-    err = float((real - fake).norm() / fake.norm())
+    err, moved = output_errors(model, loaded, fp_model, samples[0])
     assert err < MODEL_TOL, f"loaded checkpoint vs the quantizer's model: {err:.2e}"
-    assert float((full - fake).norm() / full.norm()) > 3 * err  # the check above can tell quantized from not
+    assert moved > 3 * err  # the check above can tell quantized from not
 
 
 def test_cli_writes_report_and_eval_runs(tiny, tmp_path, capsys):

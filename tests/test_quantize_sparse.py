@@ -99,33 +99,23 @@ def test_bad_sparse_arguments(kwargs, match):
 transformers = pytest.importorskip("transformers")
 
 import marlin  # noqa: E402
-from marlin.quantize.calib import CalibrationSpec, draw_samples  # noqa: E402
 from marlin.quantize.pipeline import quantize_checkpoint  # noqa: E402
 from marlin.quantize.runner import QuantizeConfig, quantize_model  # noqa: E402
-from marlin.quantize.source import load_model, load_tokenizer, resolve_source  # noqa: E402
 from marlin.quantize.writer import REPORT_FILE, write_checkpoint  # noqa: E402
 from marlin.sparse_nn import MarlinLinear24  # noqa: E402
 
-from quantize_fixtures import make_model_dir, make_text  # noqa: E402
+from quantize_fixtures import make_tiny, model_and_samples, output_errors  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    root = tmp_path_factory.mktemp("quantize24")
-    src = make_model_dir(root / "src")
-    calib = root / "calib.txt"
-    calib.write_text(make_text(4000, seed=2))
-    return root, src, calib
+    return make_tiny(tmp_path_factory.mktemp("quantize24"))
 
 
 @pytest.mark.parametrize("group_size", [128, -1])
 def test_sparse_checkpoint_is_2_4_and_loads_exactly(tiny, tmp_path, group_size):
     _, src, calib = tiny
-    source = resolve_source(src)
-    model = load_model(source)
-    tokenizer = load_tokenizer(source)
-    ids = tokenizer(calib.read_text(), return_tensors="pt").input_ids[0]
-    samples = draw_samples(ids, CalibrationSpec(nsamples=8, min_len=16, max_len=96))
+    model, tokenizer, samples = model_and_samples(src, calib)
     config = QuantizeConfig(group_size=group_size, sparsity="2:4")
     fp_model = copy.deepcopy(model)
     results, reports = quantize_model(model, samples, config, progress=False)
@@ -147,15 +137,10 @@ def test_sparse_checkpoint_is_2_4_and_loads_exactly(tiny, tmp_path, group_size):
         assert isinstance(layer, MarlinLinear24) and layer.group_size == group_size
         assert torch.equal(layer.dequantized_weight(), res.dequantized())
 
-    x = samples[0]
-    with torch.no_grad():
-        fake = model(x).logits.double()
-        real = loaded(x).logits.double()
-        full = fp_model(x).logits.double()
-    err = float((real - fake).norm() / fake.norm())
+    err, moved = output_errors(model, loaded, fp_model, samples[0])
     assert err < MODEL_TOL, f"loaded 2:4 checkpoint vs the quantizer's model: {err:.2e}"
-    assert float((full - fake).norm() / full.norm()) > 3 * err
-    gen = loaded.generate(x[:, :8], max_new_tokens=4, do_sample=False)
+    assert moved > 3 * err
+    gen = loaded.generate(samples[0][:, :8], max_new_tokens=4, do_sample=False)
     assert gen.shape == (1, 12)
 
 

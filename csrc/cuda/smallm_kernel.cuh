@@ -98,7 +98,9 @@ struct SmallMShape {
   // warpgroup's refill. Late refill measured 10-28% faster at 128 rows with group scales (4
   // stages, 2 -> 3 in flight; H200, "Session 7" in benchmarks/NOTES.md) and ~3% at 16 rows with
   // group sums, but 4-6% slower at 32 rows, where the copies then delay the next short wgmma.
-  static constexpr bool kLateRefill = WG && (MB == 16 || kGroupSums);
+  // With 3 stages (8-bit weights from 64 rows on, smallm_instances.cuh) early refill would keep a
+  // single stage in flight, issued and waited for in the same step: late refill there too.
+  static constexpr bool kLateRefill = WG && (MB == 16 || kGroupSums || STAGES == 3);
   static constexpr int kAhead = WG && !kLateRefill ? STAGES - 2 : STAGES - 1;
   static constexpr int kJW = WG && MB == 16 ? 2 : 4;  // 16-column blocks of its chunk per warp
   static constexpr int kJSplit = 4 / kJW;             // warps per 64-column chunk

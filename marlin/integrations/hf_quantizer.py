@@ -304,14 +304,14 @@ def _finish_layer(name: str, layer: MarlinLinear) -> None:
 
 def _finish_sparse_layer(name: str, layer: MarlinLinear24) -> None:
     """After loading a 2:4 layer: a zeroed workspace, and fp16 scales (the 2:4 op computes in fp16)."""
-    from ..sparse_nn import _new_workspace
+    from .._layer_common import new_workspace
 
     if layer.b_scales.dtype != torch.float16:
         raise ConversionError(
             f"{name}: a 2:4-sparse Marlin layer loaded with {layer.b_scales.dtype} scales; the 2:4 kernel computes in "
             "float16: load with dtype=torch.float16"
         )
-    layer.workspace = _new_workspace(layer.b_q.device)
+    layer.workspace = new_workspace(layer.b_q.device)
 
 
 def gptq_config(model_dir: Union[str, Path], **from_pretrained_kwargs) -> "PretrainedConfig":
