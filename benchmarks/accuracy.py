@@ -49,6 +49,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from marlin import ops  # noqa: E402
+from marlin.convert.staging import replace_file  # noqa: E402
 from marlin.quantize.calib import CalibrationSpec, draw_samples  # noqa: E402
 from marlin.quantize.evaluate import perplexity  # noqa: E402
 from marlin.quantize.gptq import rtn_quantize  # noqa: E402
@@ -135,9 +136,7 @@ def calibration(ids: torch.Tensor, args, varlen: bool) -> CalibrationSpec:
 def save(path: Path, meta: dict, points: list) -> None:
     doc = {"meta": meta, "points": points}
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(doc, indent=1) + "\n", encoding="utf-8")
-    tmp.replace(path)
+    replace_file(path, lambda tmp: tmp.write_text(json.dumps(doc, indent=1) + "\n", encoding="utf-8"))
 
 
 def _key(point: dict) -> tuple:
