@@ -13,6 +13,7 @@ benchmarks/NOTES.md.
 import argparse
 import json
 import os
+import sys
 
 import torch
 
@@ -28,13 +29,16 @@ MS = [int(m) for m in os.environ.get("PROBE_MS", "1,8,16,32,64,128").split(",")]
 
 def plan_env(name: str) -> dict:
     """auto: the planner; legacy: the first kernel's plan; pN: N K parts (clusters where they
-    fit); pNg: N parts through global memory; t128 / t256: the tile width; nopdl."""
+    fit); pNg: N parts through global memory; t128 / t256: the tile width; s1 / s2 / s4: 32-row
+    warp slices per block (M > 16); nopdl."""
     if name == "auto":
         return {}
     if name == "legacy":
         return {"MARLIN_2_4_PLAN": "legacy"}
     if name == "nopdl":
         return {"MARLIN_PDL": "0"}
+    if name.startswith("s"):
+        return {"MARLIN_2_4_WARP_SLICES": name[1:]}
     if name.startswith("t"):
         return {"MARLIN_2_4_TILE_N": name[1:]}
     if name.startswith("p"):
@@ -42,11 +46,19 @@ def plan_env(name: str) -> dict:
         if name.endswith("g"):
             env["MARLIN_2_4_CLUSTERS"] = "0"
         return env
-    raise ValueError(f"PROBE_PLANS: unknown plan {name!r} (auto, legacy, nopdl, t128, t256, pN, pNg)")
+    raise ValueError(f"PROBE_PLANS: unknown plan {name!r} (auto, legacy, nopdl, t128, t256, s1, s2, s4, pN, pNg)")
 
 
 PLANS = os.environ.get("PROBE_PLANS", "auto,legacy").split(",")
-_KNOBS = ("MARLIN_2_4_PLAN", "MARLIN_PDL", "MARLIN_2_4_TILE_N", "MARLIN_2_4_PARTS", "MARLIN_2_4_CLUSTERS", "MARLIN_LOG_PLAN")
+_KNOBS = (
+    "MARLIN_2_4_PLAN",
+    "MARLIN_PDL",
+    "MARLIN_2_4_TILE_N",
+    "MARLIN_2_4_PARTS",
+    "MARLIN_2_4_CLUSTERS",
+    "MARLIN_2_4_WARP_SLICES",
+    "MARLIN_LOG_PLAN",
+)
 
 
 def with_env(env: dict, fn):
@@ -136,8 +148,12 @@ def main():
             row["fp16"] = time_us(lambda: torch.matmul(a, rot(w16).t()))
             row["dense_g128"] = time_us(lambda: marlin.gemm(a, *rot(dn), ws))
             for p, env in envs.items():
-                with_env({**env, "MARLIN_LOG_PLAN": "1"}, lambda: marlin.gemm_2_4(a, *sp[0]))  # the plan, to stderr
-                row[p] = with_env(env, lambda: time_us(lambda: marlin.gemm_2_4(a, *rot(sp))))
+                try:
+                    with_env({**env, "MARLIN_LOG_PLAN": "1"}, lambda: marlin.gemm_2_4(a, *sp[0]))  # the plan, to stderr
+                    row[p] = with_env(env, lambda: time_us(lambda: marlin.gemm_2_4(a, *rot(sp))))
+                except RuntimeError as e:  # a forced plan the shape cannot take
+                    print(f"{name} M={m} {p}: {str(e).splitlines()[0]}", file=sys.stderr)
+                    row[p] = float("nan")
             rows.append(row)
             ratio = row["dense_g128"] / row[PLANS[0]]
             print(

@@ -22,7 +22,12 @@ CASES = [  # (M, K, N, group size): 8/16/32/64-row slices, both tiles, K split i
 ]
 # each case under the planner's choice, with the K parts forced through global memory, and
 # under the first kernel's plan (csrc/cuda/sparse/gemm_2_4_cuda.cpp reads these per call)
-PLANS = [{}, {"MARLIN_2_4_CLUSTERS": "0", "MARLIN_2_4_PARTS": "3"}, {"MARLIN_2_4_PLAN": "legacy"}]
+PLANS = [
+    {},
+    {"MARLIN_2_4_CLUSTERS": "0", "MARLIN_2_4_PARTS": "3"},
+    {"MARLIN_2_4_WARP_SLICES": "4"},
+    {"MARLIN_2_4_PLAN": "legacy"},
+]
 
 
 def main():

@@ -82,7 +82,7 @@ def test_shapes(m, shape, g):
 
 # Every partition the planner can choose, forced (the knobs are read per call,
 # csrc/cuda/sparse/gemm_2_4_cuda.cpp): K parts in clusters or through global memory, both tile
-# widths, 64-row block slices (M > 32), and the first kernel's plan.
+# widths, 32-, 64- and 128-row block slices (M > 16), and the first kernel's plan.
 PLANS = {
     "legacy": {"MARLIN_2_4_PLAN": "legacy"},
     "global_3": {"MARLIN_2_4_CLUSTERS": "0", "MARLIN_2_4_PARTS": "3"},
@@ -91,6 +91,8 @@ PLANS = {
     "parts_5_tile_128": {"MARLIN_2_4_PARTS": "5", "MARLIN_2_4_TILE_N": "128"},
     "one_part_tile_256": {"MARLIN_2_4_PARTS": "1", "MARLIN_2_4_TILE_N": "256"},
     "no_pdl": {"MARLIN_PDL": "0"},
+    "warp_slices_1": {"MARLIN_2_4_WARP_SLICES": "1"},
+    "warp_slices_4": {"MARLIN_2_4_WARP_SLICES": "4"},  # 128-row block slices, 128-column tile
 }
 
 

@@ -31,7 +31,8 @@ bool kernel_enabled() {
 // Tuning and diagnosis knobs, read on every call (a getenv each) so that one process can compare
 // plans: MARLIN_2_4_PLAN=legacy runs the first kernel's plan (8-32-row slices, K parts through
 // global memory, no programmatic dependent launch); MARLIN_2_4_PARTS=n forces n K parts where
-// the shape allows; MARLIN_2_4_TILE_N=128 or 256 forces the tile width; MARLIN_2_4_CLUSTERS=0 keeps the K parts out of clusters; MARLIN_PDL=0 (as
+// the shape allows; MARLIN_2_4_TILE_N=128 or 256 forces the tile width; MARLIN_2_4_WARP_SLICES=1,
+// 2 or 4 forces the 32-row warp slices per block where M > 16; MARLIN_2_4_CLUSTERS=0 keeps the K parts out of clusters; MARLIN_PDL=0 (as
 // for gemm) launches without programmatic dependent launch; MARLIN_LOG_PLAN=1 prints the plan.
 int env_or(const char* name, int fallback) {
   const char* env = std::getenv(name);
@@ -86,6 +87,9 @@ at::Tensor gemm_2_4_cuda(const at::Tensor& a, const at::Tensor& b_q, const at::T
   args.legacy = env_is("MARLIN_2_4_PLAN", "legacy");
   args.force_parts = env_or("MARLIN_2_4_PARTS", 0);
   args.force_tile_n = env_or("MARLIN_2_4_TILE_N", 0);
+  args.force_ms = env_or("MARLIN_2_4_WARP_SLICES", 0);
+  TORCH_CHECK(args.force_ms == 0 || args.force_ms == 1 || args.force_ms == 2 || args.force_ms == 4,
+              "marlin.gemm_2_4: MARLIN_2_4_WARP_SLICES = ", num(args.force_ms), ", expected 1, 2 or 4 (unset: the planner's choice)");
   args.clusters_off = env_or("MARLIN_2_4_CLUSTERS", 1) == 0;
 
   sparse24::Plan24 plan;

@@ -65,7 +65,9 @@ Instance make() {
                   &max_clusters<MB, NW, MS>, &launch<MB, NW, MS>};
 }
 
-// The compiled instances: MB 1, 2, 4 x NW 2, 4, and two warp slices (64-row block slices) at MB 4.
+// The compiled instances: MB 1, 2, 4 x NW 2, 4; at MB 4 also two warp slices (64-row block
+// slices), and four on the 128-column tile (128 rows, 8 warps; four would exceed the registers
+// of an SM on the 256-column tile).
 Instance find(int mb, int nw, int ms) {
 #define MARLIN_24_TRY(MB, NW, MS) \
   if (mb == MB && nw == NW && ms == MS) return make<MB, NW, MS>();
@@ -77,6 +79,7 @@ Instance find(int mb, int nw, int ms) {
   MARLIN_24_TRY(2, 2, 1)
   MARLIN_24_TRY(4, 2, 1)
   MARLIN_24_TRY(4, 2, 2)
+  MARLIN_24_TRY(4, 2, 4)
 #undef MARLIN_24_TRY
   return make<4, 2, 1>();  // not reached: plan_24 asks only for the ones above
 }
@@ -126,6 +129,7 @@ std::string plan_24(const Args24& args, Plan24* plan) {
   // per block (64 rows), so that a stage's weights are read once for both
   plan->mb = args.m <= 8 ? 1 : args.m <= 16 ? 2 : 4;
   plan->ms = args.m > 32 && !args.legacy ? 2 : 1;
+  if (args.force_ms > 0 && plan->mb == 4 && !args.legacy) plan->ms = args.force_ms;
   const int rows = 8 * plan->mb * plan->ms;
   plan->slices = (args.m + rows - 1) / rows;
   const int k_tiles = args.k / kStageK;
@@ -135,6 +139,7 @@ std::string plan_24(const Args24& args, Plan24* plan) {
   // tile: 256 columns (legacy: wherever N allows) or 128 (more tiles where there are few)
   for (int nw : {4, 2}) {
     if (args.n % (64 * nw) != 0 || (args.force_tile_n > 0 && args.force_tile_n != 64 * nw)) continue;
+    if (plan->ms == 4 && nw == 4) continue;  // not compiled (see find)
     if (args.legacy && plan->nw != 0) break;
     const Instance inst = find(plan->mb, nw, plan->ms);
     if (inst.smem > args.max_smem)
