@@ -254,7 +254,7 @@ def _wgmma_device():
 # 64 rows, above 64 rows 64 or 128) and M not a multiple of 8, forced onto its 256-column tile;
 # and the default plan on a layer large enough (190 KB of weights per SM) for the planner to pick
 # it at M = 9-128. On other GPUs the same calls run with mma.sync or the tiled kernel.
-# test_wgmma_formats_ran_on_wgmma runs both in a subprocess and reads the plans, so that a silent
+# test_plans_of_the_wgmma_format_tests runs both in a subprocess and reads the plans, so that a silent
 # fallback to another kernel fails.
 WG_M = [9, 13, 16, 17, 27, 32, 33, 50, 64, 65, 100, 128]
 WG_FORMATS = [f for f in FORMATS if f[2] or f[3] != -1]
@@ -277,7 +277,7 @@ def test_wgmma_default_plan(fmt):
 
 
 @pytest.mark.parametrize("rows", ["64", "128"])
-def test_wgmma_formats_ran_on_wgmma(rows):
+def test_plans_of_the_wgmma_format_tests(rows):
     """The two tests above in a subprocess with the plan log (MARLIN_LOG_PLAN=1) and the slices above
     64 rows forced to 64 or 128 rows (MARLIN_WG_SLICE): every call with M > 8 ran the wgmma variant
     with the slice the M class asks for (m_blocks = rows / 8), on every format."""
