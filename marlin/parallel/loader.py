@@ -50,11 +50,10 @@ from .model import (
     _ROW,
     LLAMA_PLAN,
     TPReport,
-    _check_heads,
     _compile,
     localize_attention,
     model_tp_plan,
-    style_of,
+    planned_layers,
 )
 from .shard import ShardError
 
@@ -209,21 +208,13 @@ def load_sharded(
             )
         _install_marlin_layers(model, layers, torch.device("meta"))  # shapes only; no memory
         compiled = _compile((model_tp_plan(model) or LLAMA_PLAN) if plan is None else plan)
-        base_prefix = getattr(model, "base_model_prefix", "")
-        todo = []
-        for name, module in model.named_modules():
-            style = style_of(name, compiled, base_prefix)
-            if style is None:
-                continue
-            if style not in _COLUMN and style not in _ROW:
-                report.kept.append((name, f"style {style!r} is not supported for a {type(module).__name__}"))
-            elif isinstance(module, nn.Linear) and not reader.has(f"{name}.weight"):
-                report.kept.append((name, "weight not in the checkpoint (tied to another tensor): kept whole"))
-            elif isinstance(module, (MarlinLinear, nn.Linear)):
-                todo.append((name, module, style))
-            else:
-                raise ShardError(f"load_sharded: {name} has style {style!r} but is a {type(module).__name__}")
-        _check_heads(model, world_size, [name for name, _, _ in todo])
+
+        def tied(name: str, module: nn.Module) -> Optional[str]:
+            if isinstance(module, nn.Linear) and not reader.has(f"{name}.weight"):
+                return "weight not in the checkpoint (tied to another tensor): kept whole"
+            return None
+
+        todo = planned_layers(model, compiled, report, "load_sharded", keep=tied)
         for name, module, style in todo:
             if isinstance(module, MarlinLinear) and gptq is not None:
                 new = _shard_gptq(module, name, style, gptq, kw, device)
