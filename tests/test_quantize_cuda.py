@@ -1,5 +1,6 @@
 """marlin-quantize with --device cuda (skipped without a GPU): the same pipeline, block and
-Hessians on the GPU, and the checkpoint run through the CUDA kernel.
+Hessians on the GPU, and the checkpoint run through the CUDA kernel, in every format the
+quantizer writes (4-bit symmetric and with zero points, 8-bit, 2:4-sparse).
 
 Bounds: the CUDA run's GPTQ is not bit-identical to the CPU run (different float summation
 orders change a few roundings), so the check is on outputs: the loaded checkpoint on the GPU
@@ -18,29 +19,32 @@ pytest.importorskip("transformers")
 
 import marlin  # noqa: E402
 from marlin.nn import MarlinLinear  # noqa: E402
-from marlin.quantize.calib import CalibrationSpec, draw_samples  # noqa: E402
 from marlin.quantize.pipeline import quantize_checkpoint  # noqa: E402
 from marlin.quantize.runner import QuantizeConfig, quantize_model  # noqa: E402
-from marlin.quantize.source import load_model, load_tokenizer, resolve_source  # noqa: E402
 from marlin.quantize.writer import write_checkpoint  # noqa: E402
+from marlin.sparse_nn import MarlinLinear24  # noqa: E402
 
-from quantize_fixtures import make_model_dir, make_text  # noqa: E402
+from quantize_fixtures import make_tiny, model_and_samples  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
-@pytest.mark.parametrize("group_size, act_order", [(64, False), (128, True), (-1, False)])
-def test_quantize_on_cuda_and_run_through_the_kernel(tmp_path, group_size, act_order):
-    src = make_model_dir(tmp_path / "src")
-    calib = tmp_path / "calib.txt"
-    calib.write_text(make_text(4000, seed=2))
-    source = resolve_source(src)
-    tokenizer = load_tokenizer(source)
-    ids = tokenizer(calib.read_text(), return_tensors="pt").input_ids[0]
-    samples = draw_samples(ids, CalibrationSpec(nsamples=8, min_len=16, max_len=96))
-    config = QuantizeConfig(group_size=group_size, act_order=act_order)
+@pytest.mark.parametrize(
+    "group_size, act_order, fmt",
+    [
+        (64, False, {}),
+        (128, True, {}),
+        (-1, False, {}),
+        (64, True, {"sym": False}),  # zero points
+        (128, False, {"bits": 8}),
+        (128, False, {"sparsity": "2:4"}),  # MarlinLinear24 through the 2:4 kernel
+    ],
+)
+def test_quantize_on_cuda_and_run_through_the_kernel(tmp_path, group_size, act_order, fmt):
+    _, src, calib = make_tiny(tmp_path)
+    model, tokenizer, samples = model_and_samples(src, calib)
+    config = QuantizeConfig(group_size=group_size, act_order=act_order, **fmt)
 
-    model = load_model(source)
     cpu_model = copy.deepcopy(model)
     results, reports = quantize_model(model, samples, config, device="cuda", progress=False)
     _, cpu_reports = quantize_model(cpu_model, samples, config, device="cpu", progress=False)
@@ -51,9 +55,10 @@ def test_quantize_on_cuda_and_run_through_the_kernel(tmp_path, group_size, act_o
     assert next(model.parameters()).device.type == "cpu"  # the model goes back where it was
 
     out = tmp_path / "out"
-    write_checkpoint(model, results, reports, out, settings={"group_size": group_size}, tokenizer=tokenizer)
+    write_checkpoint(model, results, reports, out, settings={"group_size": group_size, **fmt}, tokenizer=tokenizer)
     loaded = marlin.load_quantized(out, device="cuda")
-    assert sum(isinstance(m, MarlinLinear) for m in loaded.modules()) == 14
+    layer_type = MarlinLinear24 if fmt.get("sparsity") else MarlinLinear
+    assert sum(isinstance(m, layer_type) for m in loaded.modules()) == 14
     x = samples[0]
     with torch.no_grad():
         fake = model(x).logits.double()
@@ -63,9 +68,7 @@ def test_quantize_on_cuda_and_run_through_the_kernel(tmp_path, group_size, act_o
 
 
 def test_cli_pipeline_on_cuda(tmp_path):
-    src = make_model_dir(tmp_path / "src")
-    calib = tmp_path / "calib.txt"
-    calib.write_text(make_text(4000, seed=2))
+    _, src, calib = make_tiny(tmp_path)
     summary = quantize_checkpoint(
         src, tmp_path / "out", calib=calib, nsamples=8, seqlen_range=(16, 64), group_size=64, device="cuda", progress=False
     )

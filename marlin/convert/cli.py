@@ -7,7 +7,7 @@ import sys
 from typing import Optional, Sequence
 
 from .converter import convert_gptq_checkpoint
-from .errors import ConversionError
+from .errors import run_reporting_errors
 from .verify import VERIFY_TOLERANCE
 
 __all__ = ["main", "build_parser"]
@@ -40,13 +40,15 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Run the converter; returns the exit status (0 ok, 1 conversion error, 2 usage error)."""
     args = build_parser().parse_args(argv)
-    try:
-        report = convert_gptq_checkpoint(
+    # OSError: e.g. DST's parent is not writable, disk full
+    report, status = run_reporting_errors(
+        "marlin-convert",
+        lambda: convert_gptq_checkpoint(
             args.src, args.dst, overwrite=args.overwrite, verify=args.verify, device=args.device, quiet=args.quiet
-        )
-    except (ConversionError, OSError) as e:  # OSError: e.g. DST's parent is not writable, disk full
-        print(f"marlin-convert: error: {e}", file=sys.stderr)
-        return 1
+        ),
+    )
+    if status:
+        return status
     if not args.quiet:
         print(report.summary())
     return 0

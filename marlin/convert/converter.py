@@ -22,6 +22,7 @@ from tqdm.auto import tqdm
 
 from .. import ops
 from .checkpoint import INDEX_SUFFIX, PICKLE_SUFFIXES, SafetensorsDir, TensorInfo, read_json, write_json, write_shard
+from .device import parse_device
 from .errors import ConversionError
 from .awq import AWQConfig, awq_to_marlin, check_awq_layer_tensors, dequantize_awq
 from .compressed import CompressedTensorsConfig, check_ct_layer_tensors, ct_to_marlin, dequantize_ct
@@ -201,18 +202,6 @@ def _plan_layers(ckpt: SafetensorsDir, cfg: SourceConfig) -> tuple[dict, list]:
     return layers, passthrough
 
 
-def _parse_device(device: Union[str, torch.device]) -> torch.device:
-    try:
-        dev = torch.device(device)
-    except (RuntimeError, TypeError) as e:
-        raise ConversionError(f"device = {device!r} is not a device ({e}); expected 'cpu' or 'cuda'") from None
-    if dev.type not in ("cpu", "cuda"):
-        raise ConversionError(f"device = {device!r}, expected 'cpu' or 'cuda'")
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ConversionError(f"device = {device!r}, but CUDA is not available here; use 'cpu'")
-    return dev
-
-
 def _copy_other_files(src: Path, out: Path, handled: set, report: ConversionReport) -> None:
     for path in sorted(src.iterdir()):
         name = path.name
@@ -272,7 +261,7 @@ def convert_gptq_checkpoint(
     if not src.is_dir():
         raise ConversionError(f"source {src} is not a directory")
     check_destination(src, dst, overwrite)
-    dev = _parse_device(device) if verify else None
+    dev = parse_device(device) if verify else None
     configs = _read_quant_configs(src)
     cfg = configs.parsed
     report = ConversionReport(src=src, dst=dst)

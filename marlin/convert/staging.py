@@ -1,8 +1,12 @@
-"""All-or-nothing output directories: write into a hidden sibling of DST, rename at the end.
+"""All-or-nothing output: directories and single files written under a temporary name, renamed at the end.
 
-An error (or Ctrl-C) at any point removes the partial directory, so a failed conversion leaves
-neither DST nor a temporary directory behind. The rename is atomic on one file system; replacing
-an existing DST (overwrite) takes two renames, so in the moment between them DST is briefly absent.
+Used by marlin-convert and marlin-quantize (and the benchmarks' result files). A directory
+(staged_directory) is written into a hidden sibling of DST; an error (or Ctrl-C) at any point
+removes the partial directory, so a failed run leaves neither DST nor a temporary directory
+behind. The rename is atomic on one file system; replacing an existing DST (overwrite) takes two
+renames, so in the moment between them DST is briefly absent. A single file (replace_file) is
+written next to its final name and moved over it with os.replace, so a reader sees the old file
+or the new one, never a torn one.
 """
 
 from __future__ import annotations
@@ -12,11 +16,11 @@ import shutil
 import uuid
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 from .errors import ConversionError
 
-__all__ = ["check_destination", "staged_directory"]
+__all__ = ["check_destination", "staged_directory", "replace_file"]
 
 
 def _is_within(path: Path, parent: Path) -> bool:
@@ -71,3 +75,16 @@ def _commit(tmp: Path, dst: Path, overwrite: bool) -> None:
         os.rename(old, dst)  # put the previous output back
         raise
     shutil.rmtree(old, ignore_errors=True)
+
+
+def replace_file(path: Path, write: Callable[[Path], None]) -> None:
+    """``write(tmp)`` a file next to ``path``, then move it over ``path`` atomically; on error the
+    temporary file is removed and ``path`` is left as it was."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:12]}")
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise

@@ -33,10 +33,18 @@ from ..convert.converter import MARLIN_FORMAT, QUANTIZE_CONFIG_FILE, _read_quant
 from ..convert.errors import ConversionError
 from ..convert.gptq import GPTQConfig
 from ..hf import _DERIVED_BUFFER_SUFFIXES, _dtype_kwargs, _install_marlin_layers, _marlin_layers, _parameters_on_meta
-from ..nn import MarlinLinear, _new_workspace
+from .._layer_common import new_workspace
+from ..nn import MarlinLinear
 from .comm import rank_and_size
 from .gptq_source import GPTQSource
-from .layers import ColumnParallelLinear, RowParallelLinear, local_linear, marlin_column_shard, marlin_row_shard
+from .layers import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    linear_column_shard,
+    linear_row_shard,
+    marlin_column_shard,
+    marlin_row_shard,
+)
 from .model import (
     _COLUMN,
     _ROW,
@@ -99,25 +107,19 @@ def _shard_marlin(module: MarlinLinear, name: str, style: str, reader: _SliceRea
 def _shard_linear(module: nn.Linear, name: str, style: str, reader: _SliceReader, kw: dict, dtype) -> nn.Module:
     rank, world_size = kw["rank"], kw["world_size"]
     k, n = module.in_features, module.out_features
-    has_bias = reader.has(f"{name}.bias")
 
     def get(suffix: str, index: tuple) -> torch.Tensor:
         t = reader.get(f"{name}.{suffix}", index)
         return t.to(dtype) if t.is_floating_point() else t
 
+    def has(suffix: str) -> bool:
+        return reader.has(f"{name}.{suffix}")
+
     if style in _COLUMN:
-        if n % world_size:
-            raise ShardError(f"{name}: out_features = {n} does not split evenly over {world_size} ranks")
-        part = n // world_size
-        rows = slice(rank * part, (rank + 1) * part)
-        bias = get("bias", (rows,)) if has_bias else None
-        local = local_linear(module, k, part, get("weight", (rows, slice(None))), bias)
+        local = linear_column_shard(module, name, get, has, rank, world_size)
         return ColumnParallelLinear(local, k, n, gather_output=_COLUMN[style], **kw)
-    if k % world_size:
-        raise ShardError(f"{name}: in_features = {k} does not split evenly over {world_size} ranks")
-    part = k // world_size
-    local = local_linear(module, part, n, get("weight", (slice(None), slice(rank * part, (rank + 1) * part))), None)
-    bias = get("bias", (slice(None),)) if has_bias else None
+    local = linear_row_shard(module, name, get, rank, world_size)
+    bias = get("bias", (slice(None),)) if has("bias") else None
     return RowParallelLinear(local, k, n, bias=bias, input_is_parallel=_ROW[style], **kw)
 
 
@@ -253,7 +255,7 @@ def load_sharded(
     model.tie_weights()
     for module in model.modules():  # Marlin layers outside the plan were built on the meta device
         if isinstance(module, MarlinLinear) and module.workspace.is_meta:
-            module.workspace = _new_workspace(device)
+            module.workspace = new_workspace(device)
     missing = [name for name, t in chain(model.named_parameters(), model.named_buffers()) if t.is_meta]
     if unexpected or missing:
         parts = []

@@ -7,7 +7,7 @@ import json
 import sys
 from typing import Optional, Sequence
 
-from ..convert.errors import ConversionError
+from ..convert.errors import ConversionError, run_reporting_errors
 from .calib import parse_seqlen_range
 from .clip import DEFAULT_GRID
 
@@ -18,6 +18,17 @@ THREADS_HELP = (
     "CPU threads for torch (default: torch's choice); on a machine whose cores are busy with other work, 1 can be "
     "several times faster (docs/QUANTIZE.md)"
 )
+# Bad input of either command: exit status 1 with the message (NotImplementedError: a feature
+# that a model or option asks for and the quantizer does not have).
+INPUT_ERRORS = (ValueError, NotImplementedError, ConversionError, OSError)
+
+
+def _add_run_options(p: argparse.ArgumentParser, device_help: str, quiet_help: str) -> None:
+    """The options both commands share: where to compute, which .gguf, threads, quiet."""
+    p.add_argument("--device", default="cpu", help=device_help)
+    p.add_argument("--gguf-file", default=None, help="which .gguf of MODEL to read when it has several")
+    p.add_argument("--threads", type=int, default=None, help=THREADS_HELP)
+    p.add_argument("--quiet", action="store_true", help=quiet_help)
 
 
 def _set_threads(threads: Optional[int]) -> None:
@@ -89,45 +100,48 @@ def build_parser() -> argparse.ArgumentParser:
     sym.add_argument(
         "--asym", dest="sym", action="store_false", help="4-bit weights with a zero point per group (the clip search shrinks min and max)"
     )
-    p.add_argument("--device", default="cpu", help="where a block and its Hessians are computed: cpu (default) or cuda")
-    p.add_argument("--gguf-file", default=None, help="which .gguf of MODEL to read when it has several")
-    p.add_argument("--threads", type=int, default=None, help=THREADS_HELP)
     p.add_argument("--overwrite", action="store_true", help="replace OUT if it exists")
     p.add_argument("--no-resume", action="store_true", help="discard the finished blocks of an interrupted run")
-    p.add_argument("--quiet", action="store_true", help="no progress bar and no summary")
+    _add_run_options(p, "where a block and its Hessians are computed: cpu (default) or cuda", "no progress bar and no summary")
     return p
+
+
+def _run(prog: str, args: argparse.Namespace, command, **kwargs):
+    """Run ``command(MODEL, **kwargs)`` with the shared options; (result, 0) or (None, 1) on bad input."""
+    _set_threads(args.threads)
+    return run_reporting_errors(
+        prog,
+        lambda: command(args.model, device=args.device, gguf_file=args.gguf_file, progress=not args.quiet, **kwargs),
+        INPUT_ERRORS,
+    )
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Exit status: 0 ok, 1 bad input or failure, 2 usage error."""
     args = build_parser().parse_args(argv)
-    _set_threads(args.threads)
     from .pipeline import quantize_checkpoint
 
-    try:
-        summary = quantize_checkpoint(
-            args.model,
-            args.out,
-            calib=args.calib,
-            group_size=args.group_size,
-            act_order=args.act_order,
-            clip=args.clip_search,
-            damp=args.damp,
-            nsamples=args.nsamples,
-            seqlen_range=args.seqlen_range,
-            seed=args.seed,
-            sparsity=args.sparsity,
-            bits=args.bits,
-            sym=args.sym,
-            device=args.device,
-            gguf_file=args.gguf_file,
-            overwrite=args.overwrite,
-            resume=not args.no_resume,
-            progress=not args.quiet,
-        )
-    except (ValueError, NotImplementedError, ConversionError, OSError) as e:
-        print(f"marlin-quantize: error: {e}", file=sys.stderr)
-        return 1
+    summary, status = _run(
+        "marlin-quantize",
+        args,
+        quantize_checkpoint,
+        dst=args.out,
+        calib=args.calib,
+        group_size=args.group_size,
+        act_order=args.act_order,
+        clip=args.clip_search,
+        damp=args.damp,
+        nsamples=args.nsamples,
+        seqlen_range=args.seqlen_range,
+        seed=args.seed,
+        sparsity=args.sparsity,
+        bits=args.bits,
+        sym=args.sym,
+        overwrite=args.overwrite,
+        resume=not args.no_resume,
+    )
+    if status:
+        return status
     if not args.quiet:
         print(summary.text())
     return 0
@@ -147,33 +161,20 @@ def build_eval_parser() -> argparse.ArgumentParser:
     p.add_argument("--context", type=int, default=512, help="tokens per window (default 512)")
     p.add_argument("--stride", type=int, default=None, help="window step; tokens scored per window (default: context)")
     p.add_argument("--max-tokens", type=int, default=None, help="evaluate only the first N tokens of the text")
-    p.add_argument("--device", default="cpu", help="cpu (default) or cuda")
-    p.add_argument("--gguf-file", default=None, help="which .gguf of MODEL to read when it has several")
-    p.add_argument("--threads", type=int, default=None, help=THREADS_HELP)
     p.add_argument("--json", action="store_true", help="print the result as JSON")
-    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    _add_run_options(p, "cpu (default) or cuda", "no progress bar")
     return p
 
 
 def eval_main(argv: Optional[Sequence[str]] = None) -> int:
     args = build_eval_parser().parse_args(argv)
-    _set_threads(args.threads)
     from .evaluate import evaluate_path
 
-    try:
-        result = evaluate_path(
-            args.model,
-            args.text,
-            context=args.context,
-            stride=args.stride,
-            max_tokens=args.max_tokens,
-            device=args.device,
-            gguf_file=args.gguf_file,
-            progress=not args.quiet,
-        )
-    except (ValueError, ConversionError, OSError) as e:
-        print(f"marlin-eval: error: {e}", file=sys.stderr)
-        return 1
+    result, status = _run(
+        "marlin-eval", args, evaluate_path, text=args.text, context=args.context, stride=args.stride, max_tokens=args.max_tokens
+    )
+    if status:
+        return status
     if args.json:
         print(json.dumps(result))
     else:

@@ -100,7 +100,7 @@ def evaluate_path(
     import transformers
 
     from ..hf import load_quantized
-    from .pipeline import parse_device
+    from ..convert.device import parse_device
     from .source import load_model, load_tokenizer, resolve_source
 
     dev = parse_device(device)

@@ -16,13 +16,14 @@ from typing import Optional, Union
 import torch
 
 from ..convert.staging import check_destination
+from ..convert.device import parse_device
 from .calib import CalibrationSpec, draw_samples, read_texts
 from .clip import DEFAULT_GRID
 from .runner import QuantizeConfig, find_blocks, quantize_model
 from .source import load_model, load_tokenizer, resolve_source
 from .writer import REPORT_FILE, ResumeStore, samples_fingerprint, write_checkpoint
 
-__all__ = ["quantize_checkpoint", "QuantizeSummary", "check_sparsity", "parse_device"]
+__all__ = ["quantize_checkpoint", "QuantizeSummary", "check_sparsity"]
 
 @dataclass
 class QuantizeSummary:
@@ -63,18 +64,6 @@ def check_sparsity(sparsity: Optional[str]) -> None:
     if sparsity is None or sparsity == "2:4":
         return
     raise ValueError(f"sparsity = {sparsity!r}, expected '2:4' (the only pattern of the sparse kernel) or none")
-
-
-def parse_device(device: Union[str, torch.device]) -> torch.device:
-    try:
-        dev = torch.device(device)
-    except (RuntimeError, TypeError) as e:
-        raise ValueError(f"device = {device!r} is not a device ({e}); expected 'cpu' or 'cuda'") from None
-    if dev.type not in ("cpu", "cuda"):
-        raise ValueError(f"device = {device!r}, expected 'cpu' or 'cuda'")
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device = {device!r}, but CUDA is not available here; use 'cpu'")
-    return dev
 
 
 def quantize_checkpoint(

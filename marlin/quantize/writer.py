@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import shutil
 from pathlib import Path
 from typing import Optional, Sequence
@@ -39,7 +38,7 @@ from torch import nn
 from .. import ops, packing, sparse
 from ..convert.checkpoint import write_json
 from ..convert.converter import MARLIN_FORMAT
-from ..convert.staging import staged_directory
+from ..convert.staging import replace_file, staged_directory
 from .gptq import GPTQResult
 from .runner import BlockOutcome, LayerReport
 
@@ -125,12 +124,11 @@ class ResumeStore:
             if res.perm is not None:
                 tensors[f"{name}.perm"] = res.perm
         base = self.directory / f"block-{outcome.index:04d}"
-        tmp = base.with_suffix(".safetensors.tmp")
-        save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp))
-        os.replace(tmp, base.with_suffix(".safetensors"))
-        tmp_json = base.with_suffix(".json.tmp")
-        tmp_json.write_text(json.dumps([r.as_dict() for r in outcome.reports], indent=1), encoding="utf-8")
-        os.replace(tmp_json, base.with_suffix(".json"))
+        replace_file(
+            base.with_suffix(".safetensors"), lambda tmp: save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp))
+        )
+        rows = json.dumps([r.as_dict() for r in outcome.reports], indent=1)
+        replace_file(base.with_suffix(".json"), lambda tmp: tmp.write_text(rows, encoding="utf-8"))
 
     def remove(self) -> None:
         shutil.rmtree(self.directory, ignore_errors=True)
