@@ -18,6 +18,7 @@ import sys
 import torch
 
 import marlin
+from benchmarks.gemm_prep import random_meta_2_4
 from benchmarks.shapes import BENCH_SHAPES, ideal_shape
 
 os.environ.setdefault("MARLIN_2_4_CUDA", "1")  # the kernel may still be off by default
@@ -92,12 +93,9 @@ def time_us(fn, reps=20, rounds=7):
 
 
 def random_meta(rows: int, n: int) -> torch.Tensor:
-    """int32 [rows, n] of valid 2:4 metadata: every nibble two increasing positions (64 random
-    rows repeated: the int64 intermediates of a whole ideal layer would take ~30 GB)."""
-    pairs = torch.tensor([0x4, 0x8, 0xC, 0x9, 0xD, 0xE], dtype=torch.int64, device="cuda")
-    nib = pairs[torch.randint(0, 6, (min(rows, 64), n, 8), device="cuda")]
-    word = (nib << (4 * torch.arange(8, device="cuda"))).sum(-1)
-    word = (word - ((word >> 31) << 32)).to(torch.int32)  # as signed 32-bit
+    """int32 [rows, n] of valid 2:4 metadata: 64 random rows repeated (the int64 intermediates of
+    a whole ideal layer would take ~30 GB)."""
+    word = random_meta_2_4(32 * min(rows, 64), n, "cuda")
     return word.repeat(-(-rows // word.shape[0]), 1)[:rows].contiguous()
 
 

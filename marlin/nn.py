@@ -389,7 +389,9 @@ def replace_linear(
             raise ValueError("replace_linear: fuse=True is not supported with sparsity='2:4' (2:4 layers are not fused)")
         if bits != 4 or not sym:
             raise ValueError("replace_linear: sparsity='2:4' takes 4-bit symmetric weights only (bits=4, sym=True)")
-        return sparse_nn.replace_linear_2_4(model, group_size, include, exclude, strict=strict)
+        report = sparse_nn.replace_linear_2_4(model, group_size, include, exclude, strict=strict)
+        _mark_config(model, report, group_size=group_size, bits=4, sym=True, sparsity=sparsity)
+        return report
     if group_size not in packing.SUPPORTED_GROUP_SIZES:
         raise ValueError(f"replace_linear: group_size = {group_size!r}, expected one of {packing.SUPPORTED_GROUP_SIZES} (-1: per column)")
     if isinstance(bits, bool) or bits not in packing.SUPPORTED_BITS:
@@ -410,11 +412,21 @@ def replace_linear(
         layer_class=MarlinLinear,
     )
     log.info("replace_linear: replaced %d layers, kept %d", len(report.replaced), len(report.skipped))
+    _mark_config(model, report, group_size=group_size, bits=bits, sym=sym)
     if fuse:
         from .fuse import fuse_projections  # imports this module: import here, not at the top
 
         report.fused = fuse_projections(model)
     return report
+
+
+def _mark_config(model: nn.Module, report, **fields) -> None:
+    """A transformers model with replaced layers says so in its config, so that save_pretrained
+    writes a checkpoint that from_pretrained loads (marlin.integrations.mark_marlin_config)."""
+    if report.replaced:
+        from .integrations import mark_marlin_config
+
+        mark_marlin_config(model, quantizer="marlin.replace_linear", **fields)
 
 
 def _swap_linears(

@@ -133,3 +133,36 @@ def test_fused_checkpoint_that_does_not_fit_the_config_is_refused(fused_saved, t
         marlin.load_quantized(bad, device="cpu")
     with pytest.raises(ConversionError, match="out_features add up"):
         AutoModelForCausalLM.from_pretrained(bad)
+
+
+def test_replace_linear_then_save_pretrained_loads_back(tmp_path):
+    # Without quant_method "marlin" in the saved config, from_pretrained would build nn.Linear
+    # layers, find none of their weights and initialize them at random.
+    from conftest import tiny_llama_config
+
+    torch.manual_seed(0)
+    prev = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float16)  # built in fp16, as from_pretrained builds it
+    try:
+        model = transformers.LlamaForCausalLM(tiny_llama_config()).eval()
+    finally:
+        torch.set_default_dtype(prev)
+    report = marlin.replace_linear(model, group_size=64, fuse=True)
+    assert report.replaced and model.config.quantization_config["quant_method"] == "marlin"
+    assert model.config.quantization_config["group_size"] == 64
+    model.save_pretrained(tmp_path / "saved")
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "saved")
+    _assert_same_fused_model(loaded, model)
+    _assert_same_fused_model(marlin.load_quantized(tmp_path / "saved", device="cpu"), model)
+
+
+def test_replace_linear_keeps_an_existing_quantization_config():
+    from conftest import tiny_llama_config
+
+    model = transformers.LlamaForCausalLM(tiny_llama_config()).half().eval()
+    model.config.quantization_config = {"quant_method": "marlin", "checkpoint_format": "marlin", "note": "mine"}
+    marlin.replace_linear(model)
+    assert model.config.quantization_config["note"] == "mine"
+    plain = torch.nn.Sequential(torch.nn.Linear(128, 128).half())
+    marlin.replace_linear(plain)  # not a transformers model: nothing to mark, no error
+    assert isinstance(plain[0], marlin.MarlinLinear)

@@ -14,7 +14,7 @@ import importlib.abc
 import logging
 import sys
 
-__all__ = ["register_transformers", "install_transformers_hook"]
+__all__ = ["register_transformers", "install_transformers_hook", "mark_marlin_config"]
 
 log = logging.getLogger(__name__)
 
@@ -85,3 +85,22 @@ def install_transformers_hook() -> None:
         register_transformers()
     elif _hook not in sys.meta_path:
         sys.meta_path.insert(0, _hook)
+
+
+def mark_marlin_config(model, **fields) -> bool:
+    """Give a transformers model whose layers marlin.replace_linear just replaced a
+    ``quantization_config`` with quant_method "marlin" (a plain dict: no transformers import),
+    unless its config already has one. Without it, save_pretrained writes the Marlin tensors under
+    a plain config, and from_pretrained of that directory builds nn.Linear layers, finds none of
+    their weights and initializes them at random (transformers only reports it). With it, the
+    directory loads through marlin's quantizer (and load_quantized). ``fields`` describe the
+    quantization (bits, group_size, sym, ...); the loaders read each layer's format from its
+    tensors. Returns True when the config was set."""
+    config = getattr(model, "config", None)
+    if config is None or not hasattr(model, "save_pretrained") or not hasattr(config, "to_dict"):
+        return False
+    if getattr(config, "quantization_config", None) is not None:
+        return False
+    config.quantization_config = {"quant_method": "marlin", "checkpoint_format": "marlin", "desc_act": False,
+                                  **fields}
+    return True

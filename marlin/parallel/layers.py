@@ -26,7 +26,8 @@ from typing import Optional
 import torch
 from torch import nn
 
-from ..nn import MarlinLinear, _new_workspace
+from .._layer_common import new_workspace
+from ..nn import MarlinLinear
 from . import shard as sh
 from .comm import all_gather_last, all_reduce_sum, rank_and_size
 
@@ -37,6 +38,8 @@ __all__ = [
     "local_linear",
     "marlin_column_shard",
     "marlin_row_shard",
+    "linear_column_shard",
+    "linear_row_shard",
 ]
 
 
@@ -64,7 +67,7 @@ def local_marlin(layer: MarlinLinear, in_features: int, out_features: int, tenso
     for name, t in tensors.items():
         new._buffers[name] = _own(t)
     device = new._buffers["b_q"].device
-    new._buffers["workspace"] = _new_workspace(device)
+    new._buffers["workspace"] = new_workspace(device)
     return new
 
 
@@ -101,6 +104,24 @@ def marlin_row_shard(
     return local, plan.gather_index
 
 
+def linear_column_shard(template: nn.Linear, name: str, take: sh.Take, has, rank: int, world_size: int) -> nn.Linear:
+    """Rank ``rank``'s output columns of the nn.Linear ``template`` describes: rows of its weight
+    [out, in] and of its bias, read with ``take(parameter, index)``."""
+    k, n = template.in_features, template.out_features
+    part = sh._check_split(name, "out_features", n, world_size, 1, "")
+    rows = slice(rank * part, (rank + 1) * part)
+    bias = take("bias", (rows,)) if has("bias") else None
+    return local_linear(template, k, part, take("weight", (rows, slice(None))), bias)
+
+
+def linear_row_shard(template: nn.Linear, name: str, take: sh.Take, rank: int, world_size: int) -> nn.Linear:
+    """Rank ``rank``'s input rows of the nn.Linear ``template`` describes: columns of its weight
+    [out, in], no bias (the row-parallel wrapper adds it once, after the all-reduce)."""
+    k, n = template.in_features, template.out_features
+    part = sh._check_split(name, "in_features", k, world_size, 1, "")
+    return local_linear(template, part, n, take("weight", (slice(None), slice(rank * part, (rank + 1) * part))), None)
+
+
 def _bits(layer: MarlinLinear) -> int:
     return getattr(layer, "bits", 4)
 
@@ -117,12 +138,36 @@ def _has(layer: nn.Module):
     return lambda name: getattr(layer, name, None) is not None
 
 
-def _check_layer(layer: nn.Module, name: str) -> None:
+def _checked_rank(layer: nn.Module, name: str, group, rank: Optional[int], world_size: Optional[int]) -> tuple:
+    """(rank, world size) for sharding ``layer``, after checking that it is a layer we can shard."""
     if not isinstance(layer, (MarlinLinear, nn.Linear)):
         raise TypeError(f"{name}: expected a MarlinLinear or nn.Linear to shard, got {type(layer).__name__}")
+    return _rank_args(group, rank, world_size)
 
 
-class ColumnParallelLinear(nn.Module):
+class _ShardedLinear(nn.Module):
+    """What both wrappers hold: this rank's layer as ``.local`` (so that its buffers keep their
+    names under the wrapper), the full layer's in/out features, the process group and the rank."""
+
+    def __init__(self, local: nn.Module, in_features: int, out_features: int, group, rank, world_size):
+        super().__init__()
+        self.rank, self.world_size = _rank_args(group, rank, world_size)
+        self.group = group
+        self.local = local
+        self.in_features, self.out_features = in_features, out_features
+
+    def _mode_repr(self) -> str:
+        """The wrapper's own settings, for extra_repr."""
+        raise NotImplementedError
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, rank={self.rank}/{self.world_size}, "
+            + self._mode_repr()
+        )
+
+
+class ColumnParallelLinear(_ShardedLinear):
     """This rank's output columns of a linear layer (see the module docstring)."""
 
     def __init__(
@@ -136,11 +181,7 @@ class ColumnParallelLinear(nn.Module):
         rank: Optional[int] = None,
         world_size: Optional[int] = None,
     ):
-        super().__init__()
-        self.rank, self.world_size = _rank_args(group, rank, world_size)
-        self.group = group
-        self.local = local
-        self.in_features, self.out_features = in_features, out_features
+        super().__init__(local, in_features, out_features, group, rank, world_size)
         self.gather_output = gather_output
 
     @classmethod
@@ -149,30 +190,21 @@ class ColumnParallelLinear(nn.Module):
     ) -> "ColumnParallelLinear":
         """Shard ``layer`` by columns; ShardError (a ValueError naming ``name``) when the shard would
         break the packed tile width or the kernel's shape rules."""
-        _check_layer(layer, name)
-        rank, world_size = _rank_args(group, rank, world_size)
+        rank, world_size = _checked_rank(layer, name, group, rank, world_size)
+        shard = marlin_column_shard if isinstance(layer, MarlinLinear) else linear_column_shard
+        local = shard(layer, name, _buffer_take(layer), _has(layer), rank, world_size)
         k, n = layer.in_features, layer.out_features
-        if isinstance(layer, MarlinLinear):
-            local = marlin_column_shard(layer, name, _buffer_take(layer), _has(layer), rank, world_size)
-        else:
-            part = sh._check_split(name, "out_features", n, world_size, 1, "")
-            n0, n1 = rank * part, (rank + 1) * part
-            bias = None if layer.bias is None else layer.bias[n0:n1]
-            local = local_linear(layer, k, part, layer.weight[n0:n1], bias)
         return cls(local, k, n, gather_output=gather_output, group=group, rank=rank, world_size=world_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.local(x)
         return all_gather_last(y, self.group, self.world_size) if self.gather_output else y
 
-    def extra_repr(self) -> str:
-        return (
-            f"in_features={self.in_features}, out_features={self.out_features}, rank={self.rank}/{self.world_size}, "
-            f"gather_output={self.gather_output}"
-        )
+    def _mode_repr(self) -> str:
+        return f"gather_output={self.gather_output}"
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(_ShardedLinear):
     """This rank's input rows of a linear layer, summed over ranks (see the module docstring)."""
 
     def __init__(
@@ -188,11 +220,7 @@ class RowParallelLinear(nn.Module):
         rank: Optional[int] = None,
         world_size: Optional[int] = None,
     ):
-        super().__init__()
-        self.rank, self.world_size = _rank_args(group, rank, world_size)
-        self.group = group
-        self.local = local
-        self.in_features, self.out_features = in_features, out_features
+        super().__init__(local, in_features, out_features, group, rank, world_size)
         self.input_is_parallel = input_is_parallel
         part = in_features // self.world_size
         self.k0, self.k1 = self.rank * part, (self.rank + 1) * part
@@ -214,9 +242,7 @@ class RowParallelLinear(nn.Module):
     ) -> "RowParallelLinear":
         """Shard ``layer`` by input rows; ShardError naming ``name`` when a shard would split a group,
         a packed tile, or break the kernel's shape rules."""
-        _check_layer(layer, name)
-        rank, world_size = _rank_args(group, rank, world_size)
-        k, n = layer.in_features, layer.out_features
+        rank, world_size = _checked_rank(layer, name, group, rank, world_size)
         bias = layer.bias.detach() if layer.bias is not None else None
         gather_index = None
         if isinstance(layer, MarlinLinear):
@@ -224,12 +250,11 @@ class RowParallelLinear(nn.Module):
                 layer, name, _buffer_take(layer), _has(layer), layer.perm, rank, world_size
             )
         else:
-            part = sh._check_split(name, "in_features", k, world_size, 1, "")
-            local = local_linear(layer, part, n, layer.weight[:, rank * part : (rank + 1) * part], None)
+            local = linear_row_shard(layer, name, _buffer_take(layer), rank, world_size)
         return cls(
             local,
-            k,
-            n,
+            layer.in_features,
+            layer.out_features,
             bias=bias,
             gather_index=gather_index,
             input_is_parallel=input_is_parallel,
@@ -248,11 +273,8 @@ class RowParallelLinear(nn.Module):
         y = all_reduce_sum(self.local(x), self.group, self.world_size)
         return y + self.bias if self.bias is not None else y
 
-    def extra_repr(self) -> str:
-        return (
-            f"in_features={self.in_features}, out_features={self.out_features}, rank={self.rank}/{self.world_size}, "
-            f"input_is_parallel={self.input_is_parallel}, gathers_input={self.gather_index is not None}"
-        )
+    def _mode_repr(self) -> str:
+        return f"input_is_parallel={self.input_is_parallel}, gathers_input={self.gather_index is not None}"
 
 
 def _device_of(module: nn.Module) -> torch.device:

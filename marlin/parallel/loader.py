@@ -33,20 +33,27 @@ from ..convert.converter import MARLIN_FORMAT, QUANTIZE_CONFIG_FILE, _read_quant
 from ..convert.errors import ConversionError
 from ..convert.gptq import GPTQConfig
 from ..hf import _DERIVED_BUFFER_SUFFIXES, _dtype_kwargs, _install_marlin_layers, _marlin_layers, _parameters_on_meta
-from ..nn import MarlinLinear, _new_workspace
+from .._layer_common import new_workspace
+from ..nn import MarlinLinear
 from .comm import rank_and_size
 from .gptq_source import GPTQSource
-from .layers import ColumnParallelLinear, RowParallelLinear, local_linear, marlin_column_shard, marlin_row_shard
+from .layers import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    linear_column_shard,
+    linear_row_shard,
+    marlin_column_shard,
+    marlin_row_shard,
+)
 from .model import (
     _COLUMN,
     _ROW,
     LLAMA_PLAN,
     TPReport,
-    _check_heads,
     _compile,
     localize_attention,
     model_tp_plan,
-    style_of,
+    planned_layers,
 )
 from .shard import ShardError
 
@@ -99,25 +106,19 @@ def _shard_marlin(module: MarlinLinear, name: str, style: str, reader: _SliceRea
 def _shard_linear(module: nn.Linear, name: str, style: str, reader: _SliceReader, kw: dict, dtype) -> nn.Module:
     rank, world_size = kw["rank"], kw["world_size"]
     k, n = module.in_features, module.out_features
-    has_bias = reader.has(f"{name}.bias")
 
     def get(suffix: str, index: tuple) -> torch.Tensor:
         t = reader.get(f"{name}.{suffix}", index)
         return t.to(dtype) if t.is_floating_point() else t
 
+    def has(suffix: str) -> bool:
+        return reader.has(f"{name}.{suffix}")
+
     if style in _COLUMN:
-        if n % world_size:
-            raise ShardError(f"{name}: out_features = {n} does not split evenly over {world_size} ranks")
-        part = n // world_size
-        rows = slice(rank * part, (rank + 1) * part)
-        bias = get("bias", (rows,)) if has_bias else None
-        local = local_linear(module, k, part, get("weight", (rows, slice(None))), bias)
+        local = linear_column_shard(module, name, get, has, rank, world_size)
         return ColumnParallelLinear(local, k, n, gather_output=_COLUMN[style], **kw)
-    if k % world_size:
-        raise ShardError(f"{name}: in_features = {k} does not split evenly over {world_size} ranks")
-    part = k // world_size
-    local = local_linear(module, part, n, get("weight", (slice(None), slice(rank * part, (rank + 1) * part))), None)
-    bias = get("bias", (slice(None),)) if has_bias else None
+    local = linear_row_shard(module, name, get, rank, world_size)
+    bias = get("bias", (slice(None),)) if has("bias") else None
     return RowParallelLinear(local, k, n, bias=bias, input_is_parallel=_ROW[style], **kw)
 
 
@@ -207,21 +208,13 @@ def load_sharded(
             )
         _install_marlin_layers(model, layers, torch.device("meta"))  # shapes only; no memory
         compiled = _compile((model_tp_plan(model) or LLAMA_PLAN) if plan is None else plan)
-        base_prefix = getattr(model, "base_model_prefix", "")
-        todo = []
-        for name, module in model.named_modules():
-            style = style_of(name, compiled, base_prefix)
-            if style is None:
-                continue
-            if style not in _COLUMN and style not in _ROW:
-                report.kept.append((name, f"style {style!r} is not supported for a {type(module).__name__}"))
-            elif isinstance(module, nn.Linear) and not reader.has(f"{name}.weight"):
-                report.kept.append((name, "weight not in the checkpoint (tied to another tensor): kept whole"))
-            elif isinstance(module, (MarlinLinear, nn.Linear)):
-                todo.append((name, module, style))
-            else:
-                raise ShardError(f"load_sharded: {name} has style {style!r} but is a {type(module).__name__}")
-        _check_heads(model, world_size, [name for name, _, _ in todo])
+
+        def tied(name: str, module: nn.Module) -> Optional[str]:
+            if isinstance(module, nn.Linear) and not reader.has(f"{name}.weight"):
+                return "weight not in the checkpoint (tied to another tensor): kept whole"
+            return None
+
+        todo = planned_layers(model, compiled, report, "load_sharded", keep=tied)
         for name, module, style in todo:
             if isinstance(module, MarlinLinear) and gptq is not None:
                 new = _shard_gptq(module, name, style, gptq, kw, device)
@@ -253,7 +246,7 @@ def load_sharded(
     model.tie_weights()
     for module in model.modules():  # Marlin layers outside the plan were built on the meta device
         if isinstance(module, MarlinLinear) and module.workspace.is_meta:
-            module.workspace = _new_workspace(device)
+            module.workspace = new_workspace(device)
     missing = [name for name, t in chain(model.named_parameters(), model.named_buffers()) if t.is_meta]
     if unexpected or missing:
         parts = []
