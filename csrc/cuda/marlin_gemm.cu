@@ -33,12 +33,16 @@ constexpr long long kSmallMHugeBytesPerSm = 8LL << 20;
 
 // With wgmma (sm_90a, compute capability 9.0; measured on an H200, benchmarks/NOTES.md
 // "Session 3" and "Session 5"): the wgmma variant takes 9-64 rows on layers where each SM
-// streams >= 128 KB (with the 512-column tile at 9-16 rows from 768 KB on), and every M above
+// streams >= 80 KB (with the 512-column tile at 9-16 rows from 768 KB on), and every M above
 // 64, in slices of 64 or 128 rows (wg_slice_rows below). Elsewhere the rules above apply.
 // (Since columns are split in equal parts, 7B qkv / down and 70B o at 32-64 rows run 9-29%
-// faster with it than with the tiled kernel; 7B o, 64 KB per SM, stays 15-25% faster on the
-// tiled kernel.)
-constexpr long long kWgBytesPerSm = 128LL << 10;
+// faster with it than with the tiled kernel.) The 80 KB line, probed on an H100 (NOTES.md
+// "2026-11-25: the planner on small layers"): Llama-3-8B qkv (93 KB per SM) and Llama-2-13B o
+// (97 KB) run 8-17% faster on the wgmma variant than on the tiled kernel at 16-64 rows.
+constexpr long long kWgBytesPerSm = 80LL << 10;
+// Below that line (7B o, Llama-3-8B o: 62 KB per SM on 132 SMs) the tiled kernel takes 9-64
+// rows, and there its 128x128 tile (more blocks along K) beats the 64x256 one by 11-14% at
+// 32-64 rows (H100 probe, same entry): the layer is too small for wide tiles to pay.
 constexpr long long kWg512BytesPerSm = 768LL << 10;
 constexpr int kWgSliceRows = 64;
 
@@ -101,9 +105,11 @@ std::string format_of(const GemmArgs& a, Format* f) {
   return "";
 }
 
+long long weight_bytes_per_sm(const GemmArgs& a) { return static_cast<long long>(a.k) * a.n / 2 / std::max(1, a.sms); }
+
 // 0: use the tiled kernel; else the small-batch kernel's tile width (fp16 symmetric INT4).
 int base_small_m_tile(const GemmArgs& a) {
-  const long long bytes_per_sm = static_cast<long long>(a.k) * a.n / 2 / std::max(1, a.sms);
+  const long long bytes_per_sm = weight_bytes_per_sm(a);
   if (a.wgmma && a.m > kSmallMAlways) {
     if (a.m > kWgSliceRows) return 256;
     if (bytes_per_sm >= kWgBytesPerSm)
@@ -418,7 +424,8 @@ std::string plan_gemm(const GemmArgs& args, int tile_k, int tile_n, GemmPlan* pl
   plan->small_m = false;
   plan->wgmma = false;
   plan->m_blocks = tiled_m_blocks(args.m, f, false);
-  const TileConfig* table = args.m <= 16 ? kSmallBatchTiles : kLargeBatchTiles;
+  const bool small_layer = args.wgmma && args.m <= kWgSliceRows && weight_bytes_per_sm(args) < kWgBytesPerSm;
+  const TileConfig* table = args.m <= 16 || small_layer ? kSmallBatchTiles : kLargeBatchTiles;
   const int table_len = 2;
   std::string why;
   for (int i = 0; i < (forced ? 1 : table_len); i++) {

@@ -20,7 +20,6 @@ loading the result is faster when the model is loaded often.
 from __future__ import annotations
 
 import logging
-from itertools import chain
 from pathlib import Path
 from typing import Optional, Union
 
@@ -32,7 +31,7 @@ from ..convert.checkpoint import SafetensorsDir, read_json
 from ..convert.converter import MARLIN_FORMAT, QUANTIZE_CONFIG_FILE, _read_quant_configs
 from ..convert.errors import ConversionError
 from ..convert.gptq import GPTQConfig
-from ..hf import _DERIVED_BUFFER_SUFFIXES, _dtype_kwargs, _install_marlin_layers, _marlin_layers, _parameters_on_meta
+from ..hf import _assign_checkpoint, _dtype_kwargs, _install_marlin_layers, _marlin_layers, _parameters_on_meta
 from .._layer_common import new_workspace
 from ..nn import MarlinLinear
 from .comm import rank_and_size
@@ -240,24 +239,9 @@ def load_sharded(
             state[name] = t.to(dtype) if t.is_floating_point() and t.dtype != dtype else t
 
     localize_attention(model, world_size)
-    ignored = [k for k in state if k.endswith(_DERIVED_BUFFER_SUFFIXES)]
-    result = model.load_state_dict(state, strict=False, assign=True)
-    unexpected = [k for k in result.unexpected_keys if k not in ignored]
-    model.tie_weights()
     for module in model.modules():  # Marlin layers outside the plan were built on the meta device
         if isinstance(module, MarlinLinear) and module.workspace.is_meta:
             module.workspace = new_workspace(device)
-    missing = [name for name, t in chain(model.named_parameters(), model.named_buffers()) if t.is_meta]
-    if unexpected or missing:
-        parts = []
-        if missing:
-            parts.append(f"{len(missing)} model tensor(s) not in the checkpoint, e.g. {missing[:5]}")
-        if unexpected:
-            parts.append(f"{len(unexpected)} checkpoint tensor(s) the model does not use, e.g. {unexpected[:5]}")
-        raise ConversionError(f"{model_dir}: checkpoint and config.json do not match: " + "; ".join(parts))
-    model.to(device)  # the non-persistent buffers built by the constructor (rotary frequencies)
-    if (model_dir / "generation_config.json").is_file():
-        model.generation_config = transformers.GenerationConfig.from_pretrained(model_dir)
+    _assign_checkpoint(model, state, model_dir, device, "load_sharded")
     model.tp_report = report
-    model.eval()
     return model
