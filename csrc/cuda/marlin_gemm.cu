@@ -33,12 +33,16 @@ constexpr long long kSmallMHugeBytesPerSm = 8LL << 20;
 
 // With wgmma (sm_90a, compute capability 9.0; measured on an H200, benchmarks/NOTES.md
 // "Session 3" and "Session 5"): the wgmma variant takes 9-64 rows on layers where each SM
-// streams >= 128 KB (with the 512-column tile at 9-16 rows from 768 KB on), and every M above
+// streams >= 80 KB (with the 512-column tile at 9-16 rows from 768 KB on), and every M above
 // 64, in slices of 64 or 128 rows (wg_slice_rows below). Elsewhere the rules above apply.
 // (Since columns are split in equal parts, 7B qkv / down and 70B o at 32-64 rows run 9-29%
-// faster with it than with the tiled kernel; 7B o, 64 KB per SM, stays 15-25% faster on the
-// tiled kernel.)
-constexpr long long kWgBytesPerSm = 128LL << 10;
+// faster with it than with the tiled kernel.) The 80 KB line, probed on an H100 (NOTES.md
+// "2026-11-25: the planner on small layers"): Llama-3-8B qkv (93 KB per SM) and Llama-2-13B o
+// (97 KB) run 8-17% faster on the wgmma variant than on the tiled kernel at 16-64 rows.
+constexpr long long kWgBytesPerSm = 80LL << 10;
+// Below that line (7B o, Llama-3-8B o: 62 KB per SM on 132 SMs) the tiled kernel takes 9-64
+// rows, and there its 128x128 tile (more blocks along K) beats the 64x256 one by 11-14% at
+// 32-64 rows (H100 probe, same entry): the layer is too small for wide tiles to pay.
 constexpr long long kWg512BytesPerSm = 768LL << 10;
 constexpr int kWgSliceRows = 64;
 
@@ -62,7 +66,7 @@ int split_parts(long long columns, long long slots, int k_tiles) {
 // slices compute 256 rows; 7-9% slower there on 7B qkv / gate_up and 70B qkv.)
 int wg_slice_rows(const GemmArgs& a) {
   if (a.wg_slice_rows == 64 || a.wg_slice_rows == 128) return a.wg_slice_rows;
-  const long long columns = static_cast<long long>((a.m + 127) / 128) * (a.n / 256);
+  const long long columns = static_cast<long long>((a.m + 127) / 128) * ((a.n + 255) / 256);
   const long long parts = std::max(1, split_parts(columns, a.sms, a.k / 128));
   return parts * parts * 6 <= a.k / 128 ? 128 : 64;
 }
@@ -101,9 +105,11 @@ std::string format_of(const GemmArgs& a, Format* f) {
   return "";
 }
 
+long long weight_bytes_per_sm(const GemmArgs& a) { return static_cast<long long>(a.k) * a.n / 2 / std::max(1, a.sms); }
+
 // 0: use the tiled kernel; else the small-batch kernel's tile width (fp16 symmetric INT4).
 int base_small_m_tile(const GemmArgs& a) {
-  const long long bytes_per_sm = static_cast<long long>(a.k) * a.n / 2 / std::max(1, a.sms);
+  const long long bytes_per_sm = weight_bytes_per_sm(a);
   if (a.wgmma && a.m > kSmallMAlways) {
     if (a.m > kWgSliceRows) return 256;
     if (bytes_per_sm >= kWgBytesPerSm)
@@ -118,10 +124,18 @@ int base_small_m_tile(const GemmArgs& a) {
 
 // The other formats follow the same rules with the 256-column tile (their only small-batch
 // tile): with wgmma (M > 8 on sm_90a) where the base format takes either tile, without it at
-// M <= 8, and M <= 16 on deep layers (their mma.sync instances have 8 or 16 rows).
+// M <= 8, and M <= 16 on deep layers (their mma.sync instances have 8 or 16 rows). Their
+// instances with 8-row mma.sync slices and 16- or 32-row wgmma slices take a partial last tile
+// (N a multiple of 64, SmallMShape::kPartialN); the others need N to be a multiple of the tile.
+constexpr int kSmallMPartialNMaxM = 32;
+bool small_m_partial_n(const Format& f, bool wgmma, int m_blocks) {
+  return !f.base() && (m_blocks == 1 || (wgmma && m_blocks <= kSmallMPartialNMaxM / 8));
+}
+
 int small_m_tile(const GemmArgs& a, const Format& f) {
-  if (a.n % 256 != 0 || a.k % 128 != 0 || !f.small_batch()) return 0;
-  if (f.base()) return base_small_m_tile(a);
+  if (a.k % 128 != 0 || !f.small_batch()) return 0;
+  if (f.base()) return a.n % 256 == 0 ? base_small_m_tile(a) : 0;
+  if (a.n % 256 != 0 && a.m > (a.wgmma ? kSmallMPartialNMaxM : kSmallMAlways)) return 0;
   if (a.wgmma && a.m > kSmallMAlways) return std::min(base_small_m_tile(a), 256);
   return a.m <= kSmallMAlways || (a.m <= kSmallMDeep && a.k >= kSmallMDeepK) ? 256 : 0;
 }
@@ -330,8 +344,8 @@ std::string finish_plan(const GemmArgs& args, const Instance& inst, GemmPlan* pl
   plan->smem_bytes = inst.smem_bytes;
 
   const int k_tiles = args.k / plan->tile.tile_k;
-  // the tiled kernel's last column of tiles may be partial (N a multiple of 64); the small-batch
-  // kernel's tiles divide N (plan_small_m)
+  // the last column of tiles may be partial (N a multiple of 64): in the tiled kernel, and in some
+  // small-batch instances of the other formats (plan_small_m)
   const int n_tiles = (args.n + plan->tile.tile_n - 1) / plan->tile.tile_n;
   const long long total = static_cast<long long>(plan->m_slices) * n_tiles * k_tiles;
   if (total >= (1LL << 31)) return "marlin.gemm: problem too large for 32-bit tile indices; " + describe(args, plan->tile, plan->m_blocks);
@@ -378,7 +392,9 @@ std::string plan_small_m(const GemmArgs& args, int tile_n, GemmPlan* plan) {
   const bool found = f.base() ? find_smallm_instance(plan->m_blocks, tile_n, grouped, plan->wgmma, &inst)
                               : find_smallm_format(plan->m_blocks, tile_n, plan->wgmma, f, &inst);
   if (!found) return "marlin.gemm: internal error, no small-batch kernel for " + describe(args, plan->tile, plan->m_blocks);
-  if (args.k % 128 != 0 || args.n % tile_n != 0)
+  // some instances of the other formats take a partial last tile of whole 64-column chunks
+  const bool partial_n = small_m_partial_n(f, plan->wgmma, plan->m_blocks);
+  if (args.k % 128 != 0 || args.n % (partial_n ? 64 : tile_n) != 0)
     return "marlin.gemm: k=" + std::to_string(args.k) + " n=" + std::to_string(args.n) +
            " do not divide into tile_k=128 x tile_n=" + std::to_string(tile_n);
   if (inst.smem_bytes > args.max_smem)
@@ -408,7 +424,8 @@ std::string plan_gemm(const GemmArgs& args, int tile_k, int tile_n, GemmPlan* pl
   plan->small_m = false;
   plan->wgmma = false;
   plan->m_blocks = tiled_m_blocks(args.m, f, false);
-  const TileConfig* table = args.m <= 16 ? kSmallBatchTiles : kLargeBatchTiles;
+  const bool small_layer = args.wgmma && args.m <= kWgSliceRows && weight_bytes_per_sm(args) < kWgBytesPerSm;
+  const TileConfig* table = args.m <= 16 || small_layer ? kSmallBatchTiles : kLargeBatchTiles;
   const int table_len = 2;
   std::string why;
   for (int i = 0; i < (forced ? 1 : table_len); i++) {

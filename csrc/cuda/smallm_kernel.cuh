@@ -146,6 +146,13 @@ struct SmallMShape {
   static_assert(kBStage % kThreads == 0, "B stage must split evenly over threads");
   static_assert(kThreads % (NW * kChunkInt4) == 0, "a round of B copies must cover whole k16 rows");
   static_assert(kBase || NW == 4, "other formats: instances with the 256-column tile only");
+  // N a multiple of 64 only (the other formats; 8-row mma.sync slices, 16- and 32-row wgmma
+  // ones): the last tile of N may hold fewer than NW chunks of 64 columns. Their copies re-read
+  // chunk 0 of the tile (in bounds, no branch in the copy loop) and their results are not stored.
+  // Not in the base instances, where the tile divides N (planner), nor where registers are at
+  // their bound: there the checks made the 16-row mma.sync (128 registers) and the 64- and
+  // 128-row wgmma instances (255) spill 8-32 more bytes inside the main loop.
+  static constexpr bool kPartialN = !kBase && (MB == 1 || (WG && MB <= 4));
   static_assert(kBase || !GROUPED || RG, "other formats take their group size at run time");
   static_assert(!kZeros || GROUPED, "per-column zero points run on the tiled kernel");
   static_assert(kSStage <= kThreads, "one copy per thread loads a stage's scales (and zero points)");
@@ -171,6 +178,14 @@ __global__ void __launch_bounds__(kThreads, kSmallMMinBlocksPerSm<MB, WG>) marli
   using T2 = typename E::T2;
   constexpr bool kBf16 = kIsBf16<ET>;
   constexpr int KW = S::kKW, SUB = S::kSub;
+#if !MARLIN_HAS_WGMMA
+  // A wgmma instance built for another target than sm_90a is never launched (planner): a trap
+  // stub, so that the default multi-target build does not compile its body for every target.
+  if constexpr (WG) {
+    __trap();
+    return;
+  }
+#endif
   extern __shared__ int4 smem_raw[];
   int4* smem = smem_raw;
   if constexpr (WG) smem += ((1024 - (smem_addr(smem_raw) & 1023)) & 1023) / 16;
@@ -185,7 +200,8 @@ __global__ void __launch_bounds__(kThreads, kSmallMMinBlocksPerSm<MB, WG>) marli
   const int g = lane / 4, c4 = lane % 4;
 
   const int k_tiles = p.k / (16 * S::kTK);
-  const int n_tiles = p.n / S::kTileN;
+  // kPartialN: chunk c (0..NW-1) of tile nt exists where (nt NW + c) 64 < p.n
+  const int n_tiles = S::kPartialN ? (p.n + S::kTileN - 1) / S::kTileN : p.n / S::kTileN;
   const int total = p.m_slices * n_tiles * k_tiles;
   const int T = p.tiles_per_block;
   const int parts = p.split_parts;
@@ -310,10 +326,20 @@ __global__ void __launch_bounds__(kThreads, kSmallMMinBlocksPerSm<MB, WG>) marli
         f_a[l] = p.a + (w.row0 + (f_a_ok[l] ? a_row[l] : 0)) * p.lda_int4 + w.kt * S::kARowInt4 + a_col;
       }
     }
-    f_b = p.b + (static_cast<long long>(w.kt) * S::kTK + b_kb0) * b_row_int4 + w.nt * NW * S::kChunkInt4 + b_off;
-    if constexpr (RG)  // thread tid < (8 >> shift) kSRow copies row tid / kSRow of the tile's scale rows
+    // a copy of a chunk past N (kPartialN) reads the same offset of chunk 0
+    int b_col = b_off;
+    if constexpr (S::kPartialN) {
+      if ((w.nt * NW + b_off / S::kChunkInt4) * 64 >= p.n) b_col = b_off % S::kChunkInt4;
+    }
+    f_b = p.b + (static_cast<long long>(w.kt) * S::kTK + b_kb0) * b_row_int4 + w.nt * NW * S::kChunkInt4 + b_col;
+    if constexpr (RG) {  // thread tid < (8 >> shift) kSRow copies row tid / kSRow of the tile's scale rows
+      int s_col = tid % S::kSRow;
+      if constexpr (S::kPartialN) {
+        if ((w.nt * NW + s_col / 8) * 64 >= p.n) s_col %= 8;
+      }
       f_s = p.s + (static_cast<long long>(w.kt) * (S::kTK >> p.group_shift) + tid / S::kSRow) * (p.n / 8) +
-            w.nt * S::kSRow + tid % S::kSRow;
+            w.nt * S::kSRow + s_col;
+    }
     else if constexpr (GROUPED)
       f_s = p.s + static_cast<long long>(w.kt) * (p.n / 8) + w.nt * S::kSRow + tid;
   };
@@ -608,6 +634,9 @@ __global__ void __launch_bounds__(kThreads, kSmallMMinBlocksPerSm<MB, WG>) marli
   auto store_chunk = [&](const Where& w, int x, float4 v) {
     const int r = x / kRowChunks, cc = 4 * (x % kRowChunks);
     const long long c_col = static_cast<long long>(w.nt) * S::kTileN + cc;
+    if constexpr (S::kPartialN) {
+      if (c_col >= p.n) return;  // a chunk past N
+    }
     if constexpr (!GROUPED) {
       const T2* sc = reinterpret_cast<const T2*>(reinterpret_cast<const ET*>(p.s) + c_col);
       const float2 s01 = E::to_float2(sc[0]), s23 = E::to_float2(sc[1]);
@@ -726,7 +755,7 @@ __global__ void __launch_bounds__(kThreads, kSmallMMinBlocksPerSm<MB, WG>) marli
     const int n_parts = last_block - first_block + 1;
     const int col0 = w.nt * S::kTileN + wn * 64 + jcol + g;
     if (n_parts == 1) {
-      if (wk == 0) {
+      if (wk == 0 && (!S::kPartialN || (w.nt * NW + wn) * 64 < p.n)) {
         float s_lo[JW], s_hi[JW];
 #pragma unroll
         for (int j = 0; j < JW; j++) {
@@ -852,8 +881,12 @@ __global__ void __launch_bounds__(kThreads, kSmallMMinBlocksPerSm<MB, WG>) marli
     const int ahead = min(S::kAhead, min(n_mine, k_tiles - w0.kt));  // tiles of the first column
     const int4* b0 = p.b + static_cast<long long>(w0.kt) * S::kTK * b_row_int4 + w0.nt * NW * S::kChunkInt4;
     constexpr int kLinesPerRow = NW * S::kChunkInt4 / 8;  // 128-byte lines of one packed row of the tile
-    for (int l = tid; l < S::kTK * ahead * kLinesPerRow; l += kThreads)
+    for (int l = tid; l < S::kTK * ahead * kLinesPerRow; l += kThreads) {
+      if constexpr (S::kPartialN) {
+        if ((w0.nt * NW + (l % kLinesPerRow) * 8 / S::kChunkInt4) * 64 >= p.n) continue;
+      }
       prefetch_l2(b0 + (l / kLinesPerRow) * b_row_int4 + (l % kLinesPerRow) * 8);
+    }
     if constexpr (GROUPED && !RG) {
       constexpr int kLinesPerScaleRow = S::kSRow / 8;
       if (tid < ahead * kLinesPerScaleRow)

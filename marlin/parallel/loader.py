@@ -20,7 +20,6 @@ loading the result is faster when the model is loaded often.
 from __future__ import annotations
 
 import logging
-from itertools import chain
 from pathlib import Path
 from typing import Optional, Union
 
@@ -32,7 +31,7 @@ from ..convert.checkpoint import SafetensorsDir, read_json
 from ..convert.converter import MARLIN_FORMAT, QUANTIZE_CONFIG_FILE, _read_quant_configs
 from ..convert.errors import ConversionError
 from ..convert.gptq import GPTQConfig
-from ..hf import _DERIVED_BUFFER_SUFFIXES, _dtype_kwargs, _install_marlin_layers, _marlin_layers, _parameters_on_meta
+from ..hf import _assign_checkpoint, _dtype_kwargs, _install_marlin_layers, _marlin_layers, _parameters_on_meta
 from .._layer_common import new_workspace
 from ..nn import MarlinLinear
 from .comm import rank_and_size
@@ -50,11 +49,10 @@ from .model import (
     _ROW,
     LLAMA_PLAN,
     TPReport,
-    _check_heads,
     _compile,
     localize_attention,
     model_tp_plan,
-    style_of,
+    planned_layers,
 )
 from .shard import ShardError
 
@@ -209,21 +207,13 @@ def load_sharded(
             )
         _install_marlin_layers(model, layers, torch.device("meta"))  # shapes only; no memory
         compiled = _compile((model_tp_plan(model) or LLAMA_PLAN) if plan is None else plan)
-        base_prefix = getattr(model, "base_model_prefix", "")
-        todo = []
-        for name, module in model.named_modules():
-            style = style_of(name, compiled, base_prefix)
-            if style is None:
-                continue
-            if style not in _COLUMN and style not in _ROW:
-                report.kept.append((name, f"style {style!r} is not supported for a {type(module).__name__}"))
-            elif isinstance(module, nn.Linear) and not reader.has(f"{name}.weight"):
-                report.kept.append((name, "weight not in the checkpoint (tied to another tensor): kept whole"))
-            elif isinstance(module, (MarlinLinear, nn.Linear)):
-                todo.append((name, module, style))
-            else:
-                raise ShardError(f"load_sharded: {name} has style {style!r} but is a {type(module).__name__}")
-        _check_heads(model, world_size, [name for name, _, _ in todo])
+
+        def tied(name: str, module: nn.Module) -> Optional[str]:
+            if isinstance(module, nn.Linear) and not reader.has(f"{name}.weight"):
+                return "weight not in the checkpoint (tied to another tensor): kept whole"
+            return None
+
+        todo = planned_layers(model, compiled, report, "load_sharded", keep=tied)
         for name, module, style in todo:
             if isinstance(module, MarlinLinear) and gptq is not None:
                 new = _shard_gptq(module, name, style, gptq, kw, device)
@@ -249,24 +239,9 @@ def load_sharded(
             state[name] = t.to(dtype) if t.is_floating_point() and t.dtype != dtype else t
 
     localize_attention(model, world_size)
-    ignored = [k for k in state if k.endswith(_DERIVED_BUFFER_SUFFIXES)]
-    result = model.load_state_dict(state, strict=False, assign=True)
-    unexpected = [k for k in result.unexpected_keys if k not in ignored]
-    model.tie_weights()
     for module in model.modules():  # Marlin layers outside the plan were built on the meta device
         if isinstance(module, MarlinLinear) and module.workspace.is_meta:
             module.workspace = new_workspace(device)
-    missing = [name for name, t in chain(model.named_parameters(), model.named_buffers()) if t.is_meta]
-    if unexpected or missing:
-        parts = []
-        if missing:
-            parts.append(f"{len(missing)} model tensor(s) not in the checkpoint, e.g. {missing[:5]}")
-        if unexpected:
-            parts.append(f"{len(unexpected)} checkpoint tensor(s) the model does not use, e.g. {unexpected[:5]}")
-        raise ConversionError(f"{model_dir}: checkpoint and config.json do not match: " + "; ".join(parts))
-    model.to(device)  # the non-persistent buffers built by the constructor (rotary frequencies)
-    if (model_dir / "generation_config.json").is_file():
-        model.generation_config = transformers.GenerationConfig.from_pretrained(model_dir)
+    _assign_checkpoint(model, state, model_dir, device, "load_sharded")
     model.tp_report = report
-    model.eval()
     return model

@@ -127,6 +127,35 @@ def _check_heads(model: nn.Module, world_size: int, sharded_names: list) -> None
             )
 
 
+def planned_layers(model: nn.Module, compiled: list, report: TPReport, where: str, keep=None) -> list:
+    """(name, layer, style) of every layer of ``model`` that the compiled plan shards, checked
+    against the model's head counts. A style this package does not apply, or a reason that
+    ``keep(name, layer)`` gives (or None), keeps the layer whole, noted in ``report.kept``. A
+    planned layer that is neither MarlinLinear nor nn.Linear raises ShardError naming ``where``."""
+    base_prefix = getattr(model, "base_model_prefix", "")
+    todo = []
+    for name, module in model.named_modules():
+        style = style_of(name, compiled, base_prefix)
+        if style is None:
+            continue
+        if style not in _COLUMN and style not in _ROW:
+            report.kept.append((name, f"style {style!r} is not supported for a {type(module).__name__}"))
+        elif keep is not None and (why := keep(name, module)) is not None:
+            report.kept.append((name, why))
+        elif isinstance(module, (MarlinLinear, nn.Linear)):
+            todo.append((name, module, style))
+        else:
+            # Keeping one projection whole while its neighbours are split would feed the row-parallel
+            # layer full-width inputs: a wrong answer, so refuse.
+            hint = " (fused projections: shard first, fuse never)" if type(module).__name__ == "FusedPart" else ""
+            raise ShardError(
+                f"{where}: {name} has style {style!r} but is a {type(module).__name__}{hint}; only "
+                "MarlinLinear and nn.Linear layers can be split"
+            )
+    _check_heads(model, report.world_size, [name for name, _, _ in todo])
+    return todo
+
+
 def tensor_parallel(
     model: nn.Module,
     plan: Optional[dict] = None,
@@ -145,28 +174,10 @@ def tensor_parallel(
     compiled = _compile(plan)
     if not compiled:
         raise ValueError("tensor_parallel: empty plan; pass plan={'model.layers.*.mlp.up_proj': 'colwise', ...}")
-    base_prefix = getattr(model, "base_model_prefix", "")
     if rank is None and world_size is None:
         rank, world_size = rank_and_size(group)
     report = TPReport(rank=rank, world_size=world_size)
-    todo = []
-    for name, module in model.named_modules():
-        style = style_of(name, compiled, base_prefix)
-        if style is None:
-            continue
-        if style not in _COLUMN and style not in _ROW:
-            report.kept.append((name, f"style {style!r} is not supported for a {type(module).__name__}"))
-        elif isinstance(module, (MarlinLinear, nn.Linear)):
-            todo.append((name, module, style))
-        else:
-            # Keeping one projection whole while its neighbours are split would feed the row-parallel
-            # layer full-width inputs: a wrong answer, so refuse.
-            hint = " (fused projections: shard first, fuse never)" if type(module).__name__ == "FusedPart" else ""
-            raise ShardError(
-                f"tensor_parallel: {name} has style {style!r} but is a {type(module).__name__}{hint}; only "
-                "MarlinLinear and nn.Linear layers can be split"
-            )
-    _check_heads(model, world_size, [name for name, _, _ in todo])
+    todo = planned_layers(model, compiled, report, "tensor_parallel")
     new = {}
     for name, module, style in todo:  # build every shard first: an error leaves the model untouched
         kw = dict(group=group, rank=rank, world_size=world_size)
