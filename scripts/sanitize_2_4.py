@@ -9,22 +9,21 @@ import sys
 
 import torch
 
-os.environ.setdefault("MARLIN_2_4_CUDA", "1")  # the 2:4 kernel is off by default until validated
-
-import marlin  # noqa: E402
-from marlin import sparse  # noqa: E402
+import marlin
+from marlin import sparse
 
 CASES = [  # (M, K, N, group size): 8/16/32/64-row slices, both tiles, K split into parts or not
-    (1, 1024, 512, 128),  # K split (in clusters on sm_90+, else fp32 partials + the last block's reduction)
+    (1, 1024, 512, 128),  # K split (fp32 partials + the last block's reduction, or in clusters)
     (13, 512, 384, -1),  # 128-column tile, 16-row slice, per-column scales
     (70, 4096, 1024, 128),  # two 64-row slices (the last partial)
     (200, 256, 4096, -1),  # many slices, one K part: C written directly
 ]
-# each case under the planner's choice, with the K parts forced through global memory, and
-# under the first kernel's plan (csrc/cuda/sparse/gemm_2_4_cuda.cpp reads these per call)
+# each case under the planner's choice, with the K parts forced through global memory, forced
+# into clusters (sm_90+), with 128-row slices, and under the first kernel's plan (csrc/cuda/sparse/gemm_2_4_cuda.cpp reads these per call)
 PLANS = [
     {},
     {"MARLIN_2_4_CLUSTERS": "0", "MARLIN_2_4_PARTS": "3"},
+    {"MARLIN_2_4_CLUSTERS": "1", "MARLIN_2_4_PARTS": "4", "MARLIN_2_4_PDL": "1"},
     {"MARLIN_2_4_WARP_SLICES": "4"},
     {"MARLIN_2_4_PLAN": "legacy"},
 ]
