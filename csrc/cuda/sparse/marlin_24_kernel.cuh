@@ -103,7 +103,7 @@ __global__ void __launch_bounds__(32 * NW * MS) marlin_24_kernel(const Params p)
   static_assert(S::kPartBytes <= STAGES * S::kStageInt4 * 16, "the cluster partial must fit the pipeline's shared memory");
   extern __shared__ int4 smem[];
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
-  const int wn = warp % NW, ws = warp / NW;  // chunk and warp slice of this warp
+  const int wn = MS == 1 ? warp : warp % NW, ws = MS == 1 ? 0 : warp / NW;  // chunk and warp slice of this warp
   const int g = lane / 4, c4 = lane % 4;
 
   const int n_tiles = p.n / S::kTileN;
