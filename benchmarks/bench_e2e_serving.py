@@ -28,6 +28,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Optional
 
 import numpy as np
 import torch
@@ -57,9 +58,10 @@ def arrivals(n: int, rate: float, seed: int) -> list[float]:
 
 
 def serve(model, requests: list[dict], offsets: list[float], warmup: bool, timeout_s: float,
-          small_cache: bool = False) -> list[dict]:
+          small_cache: bool = False, cuda_graph: Optional[bool] = None) -> list[dict]:
     """Submit each request at its offset, wait for all; per request its arrival and token times.
-    ``small_cache``: a few KV blocks instead of most of the free GPU memory (smoke runs, tests)."""
+    ``small_cache``: a few KV blocks instead of most of the free GPU memory (smoke runs, tests).
+    ``cuda_graph``: the manager's use_cuda_graph (None: its own choice)."""
     from transformers import ContinuousBatchingConfig, GenerationConfig
 
     gc_ = GenerationConfig(do_sample=False, eos_token_id=-1, pad_token_id=0,
@@ -68,7 +70,10 @@ def serve(model, requests: list[dict], offsets: list[float], warmup: bool, timeo
     arrival: dict = {}
     # persistent: the manager (paged cache, captured graphs) is reused by the next call; main()
     # destroys it when the kernel changes.
-    cb_config = ContinuousBatchingConfig(num_blocks=8, max_batch_tokens=256) if small_cache else None
+    cb_kw = dict(num_blocks=8, max_batch_tokens=256) if small_cache else {}
+    if cuda_graph is not None:
+        cb_kw["use_cuda_graph"] = cuda_graph
+    cb_config = ContinuousBatchingConfig(**cb_kw) if cb_kw else None
     with model.continuous_batching_context_manager(generation_config=gc_, warmup=warmup, block=True,
                                                    persistent_manager=True,
                                                    continuous_batching_config=cb_config) as manager:
@@ -127,6 +132,8 @@ def parse_args(argv=None):
     p.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for the last results of a rate")
     p.add_argument("--out")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--cuda-graph", choices=("auto", "on", "off"), default="auto",
+                   help="the continuous batching manager's CUDA graphs (auto: transformers decides)")
     p.add_argument("--no-warmup", action="store_true",
                    help="skip the manager's CUDA graph pre-capture (quicker start; the first requests then capture)")
     p.add_argument("--dry-run", action="store_true",
@@ -137,6 +144,7 @@ def parse_args(argv=None):
     if any(k not in KERNELS for k in args.kernels):
         p.error(f"--kernels: expected a subset of {KERNELS}")
     args.rates = [float(r) for r in args.rates.split(",") if r.strip()]
+    args.cuda_graph_flag = {"auto": None, "on": True, "off": False}[args.cuda_graph]
     if args.dry_run:
         args.model, args.layers, args.num_requests, args.rates = "tiny", None, 4, [50.0, float("inf")]
         args.prompt_median, args.output_median, args.max_len = 6, 4, 12
@@ -157,7 +165,7 @@ def main(argv=None) -> int:
     meta = collect_meta(dev, "dry-run" if args.dry_run else "serving", kind="serving")
     meta.update(transformers=transformers.__version__, model=args.model, rates=args.rates,
                 num_requests=args.num_requests, prompt_median=args.prompt_median, output_median=args.output_median,
-                warmup=not (args.dry_run or args.no_warmup))
+                warmup=not (args.dry_run or args.no_warmup), cuda_graph=args.cuda_graph)
     model = build_model(args.model, args.layers, dev, seed=args.seed)
     meta["layers"] = model.config.num_hidden_layers
     reqs = workload(args.num_requests, args.prompt_median, args.output_median, args.max_len,
@@ -184,10 +192,11 @@ def main(argv=None) -> int:
             to_marlin(model, fuse=True)
         # one short unmeasured round first: the manager's set-up (cache sizing, graph capture) is
         # not a request's latency
-        serve(model, reqs[:2], [0.0, 0.0], warmup=not (args.dry_run or args.no_warmup), timeout_s=args.timeout, small_cache=args.dry_run)
+        kw = dict(warmup=not (args.dry_run or args.no_warmup), timeout_s=args.timeout, small_cache=args.dry_run,
+                  cuda_graph=args.cuda_graph_flag)
+        serve(model, reqs[:2], [0.0, 0.0], **kw)
         for rate in args.rates:
-            recs = serve(model, reqs, arrivals(len(reqs), rate, args.seed), warmup=not (args.dry_run or args.no_warmup),
-                         timeout_s=args.timeout, small_cache=args.dry_run)
+            recs = serve(model, reqs, arrivals(len(reqs), rate, args.seed), **kw)
             point = {"kernel": kernel, "rate": rate if np.isfinite(rate) else None, **summarize(recs)}
             points.append(point)
             requests_out += [dict(r, kernel=kernel, rate=point["rate"]) for r in recs]

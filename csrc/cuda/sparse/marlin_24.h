@@ -23,19 +23,19 @@ struct Args24 {
   int groups;
   int sms;
   int max_smem;  // opt-in shared memory per block
-  bool pdl;       // launch with programmatic dependent launch (sm_90+)
+  bool pdl;       // launch with programmatic dependent launch (sm_90+; measured slower here, off by default)
   bool clusters;  // thread-block clusters can be launched (sm_90+)
   // tuning and diagnosis (gemm_2_4_cuda.cpp reads them from the environment): legacy = the first
-  // kernel's plan (8-32-row slices, 256-column tiles where N allows, K parts added through global
-  // memory, no PDL); force_parts > 0: that many K parts (at most 16 and k-tiles / 2);
-  // force_tile_n > 0: tiles of that many columns (128 or 256); force_ms > 0: that many warp
-  // slices of 32 rows per block where M > 16 (1, 2, or 4 on the 128-column tile); clusters_off:
-  // never clusters.
+  // kernel's plan (8-32-row slices, K parts by fill alone, added through global memory);
+  // force_parts > 0: that many K parts (at most 16 and k-tiles / 2); force_tile_n > 0: tiles of
+  // that many columns (128 or 256); force_ms > 0: that many warp slices of 32 rows per block
+  // where M > 16 (1, 2, or 4 on the 128-column tile); cluster_mode: 0 never clusters, 1 wherever
+  // they fit, -1 the planner's rule.
   bool legacy = false;
   int force_parts = 0;
   int force_tile_n = 0;
   int force_ms = 0;
-  bool clusters_off = false;
+  int cluster_mode = -1;
 };
 
 struct Plan24 {
