@@ -20,7 +20,8 @@ CASES = [  # (M, K, N, group size): 8/16/32/64-row slices, both tiles, K split i
     (200, 256, 4096, -1),  # many slices, one K part: C written directly
 ]
 # each case under the planner's choice, with the K parts forced through global memory, forced
-# into clusters (sm_90+), with 128-row slices, and under the first kernel's plan (csrc/cuda/sparse/gemm_2_4_cuda.cpp reads these per call)
+# into clusters (sm_90+), with 128-row slices, and under the first kernel's plan
+# (csrc/cuda/sparse/gemm_2_4_cuda.cpp reads these per call)
 PLANS = [
     {},
     {"MARLIN_2_4_CLUSTERS": "0", "MARLIN_2_4_PARTS": "3"},
