@@ -4,6 +4,12 @@ import pytest
 import torch
 
 from marlin import packing
+from strict_skips import (  # noqa: F401  (hooks: CI fails on a skip other than a missing GPU)
+    pytest_collectreport,
+    pytest_runtest_logreport,
+    pytest_sessionfinish,
+    pytest_terminal_summary,
+)
 
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 # the 2:4 op's CUDA kernel is built only where CUDA is (and until it exists, not at all)
