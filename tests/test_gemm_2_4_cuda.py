@@ -232,6 +232,8 @@ def test_the_off_switch():
         "except NotImplementedError as e:\n"
         "    print('OFF:', e)\n"
     )
-    env = {**os.environ, "MARLIN_2_4_CUDA": "0"}
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repo, wherever marlin is imported from
+    path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p)
+    env = {**os.environ, "MARLIN_2_4_CUDA": "0", "PYTHONPATH": path}
+    out = subprocess.run([sys.executable, "-c", code], env=env, cwd=root, capture_output=True, text=True, timeout=120)
     assert "OFF:" in out.stdout and "MARLIN_2_4_CUDA=0" in out.stdout, out.stdout + out.stderr
