@@ -101,17 +101,19 @@ double fill(long long blocks, long long slots, int sms) {
 // K parts and tile width, as measured on an H100 (benchmarks/NOTES.md, "kernel v2"): the parts
 // that fill the resident slots best in whole waves (the fewest on a tie; each part at least 2
 // stages), on the 256-column tile wherever N allows. Since the last block of a tile reads every
-// part's fp32 partial (the tile's rows of it), parts are limited to parts^2 x rows <= 32 x
-// k-tiles: without that limit 7B qkv at M = 32-64 took 11 parts and ran 1.7x slower than with 2-4.
+// part's fp32 partial (the tile's rows of it), parts are limited to parts^2 x rows <= 16 x
+// k-tiles: without that limit 7B qkv at M = 32-64 took 11 parts and ran 1.7x slower than with
+// 2-4; with 32 instead of 16, 70B o at M = 16 took 11 parts (27.6 us) where 8 took 21.9.
 // The parts of a tile are reduced in a thread-block cluster (sm_90+, at most 8 parts, all
 // clusters resident) from 16 rows on, where that measured faster than the global reduction
 // (70B o M = 16-128: 8 parts 10-17% faster); below 16 rows it measured 0-40% slower.
 std::string plan_24(const Args24& args, Plan24* plan) {
   if (args.n % 128 != 0) return "marlin.gemm_2_4: N = " + std::to_string(args.n) + " is not a multiple of 128";
-  // rows per warp slice: the smallest of 8, 16, 32 that holds M; above 32 rows two warp slices
-  // per block (64 rows), so that a stage's weights are read once for both
+  // rows per warp slice: the smallest of 8, 16, 32 that holds M. One warp slice per block: two
+  // (64-row block slices, each stage's weights read once for both) measured 8-10% faster on the
+  // ideal layer at M = 64-128 but 20-40% slower on 70B o / gate_up / down (H100, NOTES.md).
   plan->mb = args.m <= 8 ? 1 : args.m <= 16 ? 2 : 4;
-  plan->ms = args.m > 32 && !args.legacy ? 2 : 1;
+  plan->ms = 1;
   if (args.force_ms > 0 && plan->mb == 4 && !args.legacy) plan->ms = args.force_ms;
   const int rows = 8 * plan->mb * plan->ms;
   const int rows_used = std::min(rows, args.m);  // rows of a slice's partial that are read
@@ -145,7 +147,7 @@ std::string plan_24(const Args24& args, Plan24* plan) {
   double best_fill = -1.0;
   for (int parts = 1; parts <= max_parts; parts++) {
     const int forced = args.force_parts > 0 ? std::min(args.force_parts, max_parts) : 0;
-    if (forced > 0 ? parts != forced : (!args.legacy && parts > 1 && static_cast<long long>(parts) * parts * rows_used > 32LL * k_tiles))
+    if (forced > 0 ? parts != forced : (!args.legacy && parts > 1 && static_cast<long long>(parts) * parts * rows_used > 16LL * k_tiles))
       continue;
     if (tiles * parts > 0x7fffffffLL) break;
     bool cluster = false;
