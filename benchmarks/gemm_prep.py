@@ -194,8 +194,6 @@ def prepare(kernel: str, k: int, n: int, dev: torch.device, l2_bytes: int, min_c
     if kernel in MARLIN_24_GROUP:
         from marlin import ops as marlin_ops
 
-        # the 2:4 CUDA kernel is off by default until validated (csrc/cuda/sparse/gemm_2_4_cuda.cpp)
-        os.environ.setdefault("MARLIN_2_4_CUDA", "1")
         groups = 1 if MARLIN_24_GROUP[kernel] == -1 else k // MARLIN_24_GROUP[kernel]
         b_q = torch.randint(-(2**31), 2**31, (k // 32, 2 * n), dtype=torch.int32, device=dev)
         b_meta = random_meta_2_4(k, n, dev)

@@ -21,43 +21,46 @@ import marlin
 from benchmarks.gemm_prep import random_meta_2_4
 from benchmarks.shapes import BENCH_SHAPES, ideal_shape
 
-os.environ.setdefault("MARLIN_2_4_CUDA", "1")  # the kernel may still be off by default
-
 _NAMES = os.environ.get("PROBE_SHAPES", "7B_qkv,7B_o,70B_gateup,70B_down")
 SHAPES = {s: BENCH_SHAPES[s] for s in _NAMES.split(",") if s}
 MS = [int(m) for m in os.environ.get("PROBE_MS", "1,8,16,32,64,128").split(",")]
 
 
 def plan_env(name: str) -> dict:
-    """auto: the planner; legacy: the first kernel's plan; pN: N K parts (clusters where they
-    fit); pNg: N parts through global memory; t128 / t256: the tile width; s1 / s2 / s4: 32-row
-    warp slices per block (M > 16); nopdl."""
+    """auto: the planner; legacy: the first kernel's plan; pN: N K parts (clusters by the
+    planner's rule); pNg: N parts through global memory; pNc: in clusters wherever they fit;
+    t128 / t256: the tile width; s1 / s2 / s4: 32-row warp slices per block (M > 16); st3: the
+    3-stage instances (M <= 16); pdl: programmatic dependent launch."""
     if name == "auto":
         return {}
     if name == "legacy":
         return {"MARLIN_2_4_PLAN": "legacy"}
-    if name == "nopdl":
-        return {"MARLIN_PDL": "0"}
+    if name == "pdl":
+        return {"MARLIN_2_4_PDL": "1"}
+    if name == "st3":
+        return {"MARLIN_2_4_STAGES": "3"}
     if name.startswith("s"):
         return {"MARLIN_2_4_WARP_SLICES": name[1:]}
     if name.startswith("t"):
         return {"MARLIN_2_4_TILE_N": name[1:]}
     if name.startswith("p"):
-        env = {"MARLIN_2_4_PARTS": name[1:].rstrip("g")}
-        if name.endswith("g"):
-            env["MARLIN_2_4_CLUSTERS"] = "0"
+        env = {"MARLIN_2_4_PARTS": name[1:].rstrip("gc")}
+        if name[-1] in "gc":
+            env["MARLIN_2_4_CLUSTERS"] = "0" if name.endswith("g") else "1"
         return env
-    raise ValueError(f"PROBE_PLANS: unknown plan {name!r} (auto, legacy, nopdl, t128, t256, s1, s2, s4, pN, pNg)")
+    raise ValueError(f"PROBE_PLANS: unknown plan {name!r} (auto, legacy, pdl, t128, t256, s1, s2, s4, st3, pN, pNg, pNc)")
 
 
 PLANS = os.environ.get("PROBE_PLANS", "auto,legacy").split(",")
 _KNOBS = (
     "MARLIN_2_4_PLAN",
     "MARLIN_PDL",
+    "MARLIN_2_4_PDL",
     "MARLIN_2_4_TILE_N",
     "MARLIN_2_4_PARTS",
     "MARLIN_2_4_CLUSTERS",
     "MARLIN_2_4_WARP_SLICES",
+    "MARLIN_2_4_STAGES",
     "MARLIN_LOG_PLAN",
 )
 

@@ -63,7 +63,7 @@ def plot(data: dict, out: Path) -> str:
     return f"wrote {out.name}"
 
 
-def markdown(data: dict, figure_msg: str) -> list[str]:
+def markdown(data: dict, figure_msg: str, extra_figures: tuple = ()) -> list[str]:
     meta, points, sp = data["meta"], data.get("points", []), _over(data.get("speedups", []))
     fused = {(x["kernel"], x["mode"], x["batch"]): x["speedup"] for x in _over(data.get("speedups", []), "fp16_fused")}
     md = [f"# End-to-end decode: {meta.get('model')} ({meta.get('layers')} layers) on {meta.get('gpu')}", ""]
@@ -96,6 +96,9 @@ def markdown(data: dict, figure_msg: str) -> list[str]:
                 r = p["tpot_ms"] / floor
                 md.append(f"- {p['kernel']} {p['mode']} at batch 1: {p['tpot_ms']:.3f} ms = {r:.2f}x the floor "
                           f"({'within' if r <= FLOOR_FACTOR else 'above'} {FLOOR_FACTOR}x)")
+    for msg in extra_figures:
+        if msg.startswith("wrote "):
+            md += ["", f"![{msg.split()[1]}]({msg.split()[1]})"]
     for prof in _profiles(data):
         head = f"## Where a decode step's time goes: {prof.get('kernel')}, {prof.get('mode', 'compiled')}, batch {prof.get('batch')}"
         md += ["", head, ""]
@@ -124,10 +127,46 @@ def _profiles(data: dict) -> list[dict]:
     return list(profs)
 
 
+# stacking order and colours of the profile figure (categories of e2e_model._CATEGORIES)
+_PROFILE_ORDER = ("marlin GEMM", "FP16 GEMM", "attention", "fused elementwise (inductor)", "cache write / index",
+                  "copy / cast / cat (aten)", "elementwise / reduce (aten)", "other", "gaps")
+
+
+def plot_profiles(data: dict, out: Path) -> str:
+    """STEM-profile.png: one stacked bar per profiled (kernel, mode, batch): kernel time per decode
+    step by category, plus the gaps (the graph's TPOT minus the kernels' sum)."""
+    profs = [p for p in _profiles(data) if "us_per_step_by_category" in p]
+    if not profs:
+        return "no profiles: no profile figure"
+    fig, ax = plt.subplots(figsize=(max(5.0, 1.3 * len(profs) + 2), 4.5))
+    labels = [f"{p['kernel']}\n{p.get('mode', 'compiled')} b{p['batch']}" for p in profs]
+    bottom = [0.0] * len(profs)
+    cmap = plt.get_cmap("tab10")
+    for i, cat in enumerate(_PROFILE_ORDER):
+        vals = [max(0.0, p.get("idle_us_per_step", 0.0)) if cat == "gaps" else p["us_per_step_by_category"].get(cat, 0.0)
+                for p in profs]
+        if any(vals):
+            ax.bar(labels, [v / 1e3 for v in vals], bottom=[b / 1e3 for b in bottom], label=cat, color=cmap(i % 10))
+            bottom = [b + v for b, v in zip(bottom, vals)]
+    meta = data["meta"]
+    ax.set_ylabel("ms per decode step")
+    ax.set_title(f"Where a decode step's time goes: {meta.get('model')} ({meta.get('layers')} layers), {meta.get('gpu')}",
+                 fontsize=9)
+    ax.legend(fontsize=7)
+    ax.grid(True, axis="y", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+    return f"wrote {out.name}"
+
+
 def report_e2e(data: dict, stem: str, outdir: Path) -> list[str]:
     msg = plot(data, outdir / f"{stem}.png")
-    (outdir / f"{stem}.md").write_text("\n".join(markdown(data, msg)) + "\n")
-    return [msg, f"wrote {stem}.md"]
+    msgs = [msg]
+    if _profiles(data):
+        msgs.append(plot_profiles(data, outdir / f"{stem}-profile.png"))
+    (outdir / f"{stem}.md").write_text("\n".join(markdown(data, msg, msgs[1:])) + "\n")
+    return msgs + [f"wrote {stem}.md"]
 
 
 # -- serving (bench_e2e_serving) ------------------------------------------------------------------

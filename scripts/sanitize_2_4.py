@@ -1,6 +1,7 @@
 """A small-batch and a large-batch gemm_2_4 for compute-sanitizer (memcheck, racecheck, synccheck).
 
     compute-sanitizer --tool memcheck python scripts/sanitize_2_4.py
+    SANITIZE_QUICK=1 compute-sanitizer --tool racecheck python scripts/sanitize_2_4.py   (two plans only)
 Checks the results against the spec too, so a run that is clean but wrong still fails.
 """
 
@@ -9,25 +10,27 @@ import sys
 
 import torch
 
-os.environ.setdefault("MARLIN_2_4_CUDA", "1")  # the 2:4 kernel is off by default until validated
-
-import marlin  # noqa: E402
-from marlin import sparse  # noqa: E402
+import marlin
+from marlin import sparse
 
 CASES = [  # (M, K, N, group size): 8/16/32/64-row slices, both tiles, K split into parts or not
-    (1, 1024, 512, 128),  # K split (in clusters on sm_90+, else fp32 partials + the last block's reduction)
+    (1, 1024, 512, 128),  # K split (fp32 partials + the last block's reduction, or in clusters)
     (13, 512, 384, -1),  # 128-column tile, 16-row slice, per-column scales
     (70, 4096, 1024, 128),  # two 64-row slices (the last partial)
     (200, 256, 4096, -1),  # many slices, one K part: C written directly
 ]
-# each case under the planner's choice, with the K parts forced through global memory, and
-# under the first kernel's plan (csrc/cuda/sparse/gemm_2_4_cuda.cpp reads these per call)
+# each case under the planner's choice, with the K parts forced through global memory, forced
+# into clusters (sm_90+), with 128-row slices, and under the first kernel's plan
+# (csrc/cuda/sparse/gemm_2_4_cuda.cpp reads these per call)
 PLANS = [
     {},
     {"MARLIN_2_4_CLUSTERS": "0", "MARLIN_2_4_PARTS": "3"},
+    {"MARLIN_2_4_CLUSTERS": "1", "MARLIN_2_4_PARTS": "4", "MARLIN_2_4_PDL": "1"},
     {"MARLIN_2_4_WARP_SLICES": "4"},
     {"MARLIN_2_4_PLAN": "legacy"},
 ]
+if os.environ.get("SANITIZE_QUICK") == "1":  # racecheck / synccheck are slow: the planner's plan and clusters
+    PLANS = PLANS[:1] + PLANS[2:3]
 
 
 def main():

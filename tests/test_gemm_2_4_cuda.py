@@ -7,6 +7,10 @@ Skipped without a GPU (or without the kernel in the build). Bound as in test_gem
 exact fp32 product (the kernel's group scales act on fp32 sums, so it is usually more accurate).
 """
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -82,17 +86,19 @@ def test_shapes(m, shape, g):
 
 # Every partition the planner can choose, forced (the knobs are read per call,
 # csrc/cuda/sparse/gemm_2_4_cuda.cpp): K parts in clusters or through global memory, both tile
-# widths, 32-, 64- and 128-row block slices (M > 16), and the first kernel's plan.
+# widths, 32-, 64- and 128-row block slices (M > 16), the 3-stage instances, and the first
+# kernel's plan.
 PLANS = {
     "legacy": {"MARLIN_2_4_PLAN": "legacy"},
     "global_3": {"MARLIN_2_4_CLUSTERS": "0", "MARLIN_2_4_PARTS": "3"},
     "global_16": {"MARLIN_2_4_CLUSTERS": "0", "MARLIN_2_4_PARTS": "16"},
-    "parts_8": {"MARLIN_2_4_PARTS": "8"},  # in clusters on sm_90+
+    "parts_8_clusters": {"MARLIN_2_4_PARTS": "8", "MARLIN_2_4_CLUSTERS": "1"},  # clusters on sm_90+
     "parts_5_tile_128": {"MARLIN_2_4_PARTS": "5", "MARLIN_2_4_TILE_N": "128"},
     "one_part_tile_256": {"MARLIN_2_4_PARTS": "1", "MARLIN_2_4_TILE_N": "256"},
-    "no_pdl": {"MARLIN_PDL": "0"},
+    "pdl": {"MARLIN_2_4_PDL": "1"},
     "warp_slices_1": {"MARLIN_2_4_WARP_SLICES": "1"},
     "warp_slices_4": {"MARLIN_2_4_WARP_SLICES": "4"},  # 128-row block slices, 128-column tile
+    "stages_3": {"MARLIN_2_4_STAGES": "3", "MARLIN_2_4_CLUSTERS": "1"},  # 3-stage instances at M <= 16
 }
 
 
@@ -211,3 +217,23 @@ def test_every_block_and_half_of_the_tile():
                 report[(strip_half, j, half)] = rel_err(c[:, sel], ref[:, sel])
     bad = {key: round(v, 4) for key, v in report.items() if not v < 2e-3}
     assert not bad, f"(rows 16-31 of the strip?, block j, column half): error {bad}"
+
+
+def test_the_off_switch():
+    """MARLIN_2_4_CUDA=0 (read once per process) turns the CUDA kernel off with a clear error."""
+    code = (
+        "import torch, marlin\n"
+        "a = torch.zeros(1, 128, dtype=torch.float16, device='cuda')\n"
+        "b_q = torch.zeros(4, 256, dtype=torch.int32, device='cuda')\n"
+        "b_meta = torch.zeros(4, 128, dtype=torch.int32, device='cuda')\n"
+        "s = torch.ones(1, 128, dtype=torch.float16, device='cuda')\n"
+        "try:\n"
+        "    marlin.gemm_2_4(a, b_q, b_meta, s)\n"
+        "except NotImplementedError as e:\n"
+        "    print('OFF:', e)\n"
+    )
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repo, wherever marlin is imported from
+    path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p)
+    env = {**os.environ, "MARLIN_2_4_CUDA": "0", "PYTHONPATH": path}
+    out = subprocess.run([sys.executable, "-c", code], env=env, cwd=root, capture_output=True, text=True, timeout=120)
+    assert "OFF:" in out.stdout and "MARLIN_2_4_CUDA=0" in out.stdout, out.stdout + out.stderr

@@ -166,3 +166,14 @@ def test_replace_linear_keeps_an_existing_quantization_config():
     plain = torch.nn.Sequential(torch.nn.Linear(128, 128).half())
     marlin.replace_linear(plain)  # not a transformers model: nothing to mark, no error
     assert isinstance(plain[0], marlin.MarlinLinear)
+
+
+def test_fused_checkpoint_is_refused_by_tensor_parallel_loading(fused_saved):
+    # Column-sharding a fused qkv layer as one would hand each rank the wrong mix of q, k and v
+    # columns; load_sharded must refuse (it shards the parts, which a fused checkpoint lacks).
+    from marlin.parallel import ShardError
+    from marlin.parallel.loader import load_sharded
+
+    _, saved = fused_saved
+    with pytest.raises(ShardError, match="FusedPart .fused projections: shard first, fuse never"):
+        load_sharded(saved, device="cpu")

@@ -48,8 +48,10 @@ def test_dry_run_and_report(tmp_path):
     assert s["speedup"] == pytest.approx(by[("fp16", "graph", 3)]["tpot_ms"] / by[("marlin", "graph", 3)]["tpot_ms"])
     msgs = report.report(out, tmp_path)
     assert (tmp_path / "e2e.png").is_file() and "| marlin | graph | 3 |" in (tmp_path / "e2e.md").read_text()
-    assert msgs == ["wrote e2e.png", "wrote e2e.md"]
-    assert "## Where a decode step's time goes: marlin, graph, batch 3" in (tmp_path / "e2e.md").read_text()
+    assert msgs == ["wrote e2e.png", "wrote e2e-profile.png", "wrote e2e.md"]
+    md = (tmp_path / "e2e.md").read_text()
+    assert "## Where a decode step's time goes: marlin, graph, batch 3" in md and "![e2e-profile.png]" in md
+    assert (tmp_path / "e2e-profile.png").is_file()
 
 
 def test_speedups_and_targets():

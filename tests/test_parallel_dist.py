@@ -8,6 +8,9 @@ and off)."""
 
 from __future__ import annotations
 
+import sys
+import time
+
 import pytest
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -17,12 +20,25 @@ import tp_workers
 pytestmark = pytest.mark.skipif(
     not (dist.is_available() and dist.is_gloo_available()), reason="torch.distributed with gloo is not available"
 )
+JOIN_TIMEOUT_S = 600  # a whole scenario; each collective times out after tp_workers.TIMEOUT
 WORLD = 2  # each spawn costs a few seconds of start-up (torch, transformers): few spawns, many checks each
 
 
 def spawn(tmp_path, scenario: str, arg) -> None:
-    init_file = tmp_path / "pg-init"
-    mp.spawn(tp_workers.run, args=(WORLD, str(init_file), scenario, arg), nprocs=WORLD, join=True)
+    """Runs the scenario on WORLD ranks; a rank's exception or signal fails the test (spawn raises it
+    with the rank's traceback), and so do ranks still running after JOIN_TIMEOUT_S."""
+    init_file = tmp_path / "pg-init"  # FileStore rendezvous, private to this test (tp_workers.run)
+    ctx = mp.start_processes(
+        tp_workers.run, args=(WORLD, str(init_file), scenario, arg), nprocs=WORLD, join=False, start_method="spawn"
+    )
+    deadline = time.monotonic() + JOIN_TIMEOUT_S
+    while not ctx.join(timeout=1.0):
+        if time.monotonic() > deadline:
+            alive = [rank for rank, p in enumerate(ctx.processes) if p.is_alive()]
+            for p in ctx.processes:
+                p.kill()
+                p.join()
+            pytest.fail(f"{scenario}: ranks {alive} still running after {JOIN_TIMEOUT_S} s (killed)")
 
 
 def test_layers_two_ranks(tmp_path):
@@ -34,3 +50,18 @@ def test_models_two_ranks(tmp_path):
     """Tiny Llama via tensor_parallel, load_sharded of a Marlin and of a GPTQ checkpoint; act-order off and on."""
     pytest.importorskip("transformers")
     spawn(tmp_path, "all_models", str(tmp_path / "ckpts"))
+
+
+def test_a_failing_rank_fails_the_test_at_once(tmp_path):
+    """A rank's exception reaches the parent with its message while its peer hangs."""
+    start = time.monotonic()
+    with pytest.raises(mp.ProcessRaisedException, match="rank 1 fails on purpose"):
+        spawn(tmp_path, "failing", 1)
+    assert time.monotonic() - start < 120  # not the peer's 300 s
+
+
+def test_hung_ranks_are_killed_at_the_deadline(tmp_path, monkeypatch):
+    """Ranks still running at the deadline are killed and the test fails, naming them."""
+    monkeypatch.setattr(sys.modules[__name__], "JOIN_TIMEOUT_S", 3)
+    with pytest.raises(pytest.fail.Exception, match=r"ranks \[0, 1\] still running after 3 s"):
+        spawn(tmp_path, "failing", None)

@@ -1,7 +1,10 @@
 """The tensor-parallel scenarios of tests/tp_workers.py on GPUs with NCCL, one rank per GPU:
 
-    python -m torch.distributed.run --nproc-per-node 2 tests/tp_torchrun.py   # 2 GPUs
-    python -m torch.distributed.run --nproc-per-node 1 tests/tp_torchrun.py   # world size 1 smoke test
+    python -m torch.distributed.run --standalone --nproc-per-node 2 tests/tp_torchrun.py   # 2 GPUs
+    python -m torch.distributed.run --standalone --nproc-per-node 1 tests/tp_torchrun.py   # world size 1
+
+--standalone lets the OS pick the rendezvous port; without it every run takes port 29500, and a
+second run on the same machine at the same time fails to start.
 
 Exits non-zero (with the failing rank's traceback) when a sharded result differs from the full one.
 """

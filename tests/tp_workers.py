@@ -5,7 +5,11 @@ rank fails the test). tests/tp_torchrun.py runs the same scenarios on GPUs with 
 
 from __future__ import annotations
 
+import os
+import sys
+import time
 import traceback
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -19,6 +23,10 @@ from marlin.parallel.model import LLAMA_PLAN
 DEVICE = torch.device("cpu")  # tests/tp_torchrun.py sets each rank's GPU
 TOL = 3e-3  # one layer: partial outputs rounded to fp16 and summed in fp16 (see test_parallel_shard)
 MODEL_TOL = 1e-2  # logits after two decoder layers of fp16 activations
+# rendezvous and every collective: far above a loaded 2-core CI machine's waits (a rank writing a
+# checkpoint while its peer waits: seconds), far below gloo's 30-minute default, so a rank that
+# died or hung fails the test in minutes instead of stalling CI
+TIMEOUT = timedelta(minutes=5)
 
 
 def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
@@ -27,18 +35,27 @@ def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def run(rank: int, world_size: int, init_file: str, scenario: str, arg) -> None:
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
+    # rendezvous through a file in the test's own temporary directory: no port to choose, so tests
+    # and CI jobs running at the same time on one machine cannot meet each other's ranks
+    store = dist.FileStore(init_file, world_size)
+    store.set_timeout(TIMEOUT)
+    # gloo over loopback: both ranks are on this machine, and the host name need not resolve to an
+    # address the ranks can reach
+    if sys.platform.startswith("linux"):
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=TIMEOUT)
     try:
         SCENARIOS[scenario](rank, world_size, arg)
-        # both ranks finish their collectives before either tears gloo down: a rank that destroys
-        # its group while the peer's last send is in flight aborted ("terminate called without an
-        # active exception", SIGABRT) on a loaded CI machine
-        dist.barrier()
     except BaseException:
-        traceback.print_exc()  # the rank's own traceback; spawn re-raises in the parent
+        # the rank's own traceback (spawn re-raises it in the parent too); the group is left to
+        # process exit: tearing it down while the peer waits in a collective can block or abort
+        traceback.print_exc()
         raise
-    finally:
-        dist.destroy_process_group()
+    # both ranks finish their collectives before either tears gloo down: a rank that destroys
+    # its group while the peer's last send is in flight aborted ("terminate called without an
+    # active exception", SIGABRT) on a loaded CI machine
+    dist.barrier()
+    dist.destroy_process_group()
 
 
 def marlin_from_seed(k: int, n: int, seed: int, group_size: int = 128, bias: bool = True) -> MarlinLinear:
@@ -256,7 +273,16 @@ def all_models_scenario(rank: int, world_size: int, directory: str) -> None:
         load_gptq_scenario(rank, world_size, (str(Path(directory) / f"gptq-{act_order}"), act_order))
 
 
+def failing_scenario(rank: int, world_size: int, arg) -> None:
+    """Rank `arg` fails at once and every other rank hangs (tests/test_parallel_dist.py checks that the
+    failure reaches the parent at once, with its message); arg None: every rank hangs."""
+    if rank == arg:
+        raise AssertionError(f"rank {rank} fails on purpose")
+    time.sleep(300)  # (not a collective: a peer's lost connection would race the failure to the parent)
+
+
 SCENARIOS = {
+    "failing": failing_scenario,
     "layers": layers_scenario,
     "llama": llama_scenario,
     "load": load_scenario,

@@ -178,6 +178,14 @@ __global__ void __launch_bounds__(kThreads, kSmallMMinBlocksPerSm<MB, WG>) marli
   using T2 = typename E::T2;
   constexpr bool kBf16 = kIsBf16<ET>;
   constexpr int KW = S::kKW, SUB = S::kSub;
+#if !MARLIN_HAS_WGMMA
+  // A wgmma instance built for another target than sm_90a is never launched (planner): a trap
+  // stub, so that the default multi-target build does not compile its body for every target.
+  if constexpr (WG) {
+    __trap();
+    return;
+  }
+#endif
   extern __shared__ int4 smem_raw[];
   int4* smem = smem_raw;
   if constexpr (WG) smem += ((1024 - (smem_addr(smem_raw) & 1023)) & 1023) / 16;

@@ -17,23 +17,26 @@
 namespace marlin {
 namespace {
 
-// MARLIN_2_4_CUDA=1 enables the kernel. Until it has passed tests/test_gemm_2_4_cuda.py on a GPU
-// it is off by default, so that an untested kernel cannot give a wrong answer (the tests turn it
-// on in tests/conftest.py). Read once per process.
+// MARLIN_2_4_CUDA=0 switches the kernel off (a CUDA call then raises NotImplementedError), e.g.
+// to rule it out when a model misbehaves. On by default since it passed tests/test_gemm_2_4_cuda.py
+// and compute-sanitizer on an H100. Read once per process.
 bool kernel_enabled() {
   static const bool value = [] {
     const char* env = std::getenv("MARLIN_2_4_CUDA");
-    return env != nullptr && std::atoi(env) == 1;
+    return env == nullptr || *env == '\0' || std::atoi(env) != 0;
   }();
   return value;
 }
 
 // Tuning and diagnosis knobs, read on every call (a getenv each) so that one process can compare
-// plans: MARLIN_2_4_PLAN=legacy runs the first kernel's plan (8-32-row slices, K parts through
-// global memory, no programmatic dependent launch); MARLIN_2_4_PARTS=n forces n K parts where
-// the shape allows; MARLIN_2_4_TILE_N=128 or 256 forces the tile width; MARLIN_2_4_WARP_SLICES=1,
-// 2 or 4 forces the 32-row warp slices per block where M > 16; MARLIN_2_4_CLUSTERS=0 keeps the K parts out of clusters; MARLIN_PDL=0 (as
-// for gemm) launches without programmatic dependent launch; MARLIN_LOG_PLAN=1 prints the plan.
+// plans: MARLIN_2_4_PLAN=legacy runs the first kernel's plan (8-32-row slices, K parts by fill
+// alone through global memory); MARLIN_2_4_PARTS=n forces n K parts where the shape allows;
+// MARLIN_2_4_TILE_N=128 or 256 forces the tile width; MARLIN_2_4_WARP_SLICES=1, 2 or 4 forces the
+// 32-row warp slices per block where M > 16; MARLIN_2_4_CLUSTERS=0 keeps the K parts out of
+// clusters, =1 puts them in clusters wherever they fit; MARLIN_2_4_STAGES=3 takes the 3-stage
+// instances at 8-16 rows on the 256-column tile (4 blocks per SM); MARLIN_2_4_PDL=1 launches with
+// programmatic dependent launch (sm_90+; off by default: 7B qkv M = 1-16 ran 20% slower with it
+// on an H100), MARLIN_PDL=0 (as for gemm) keeps it off; MARLIN_LOG_PLAN=1 prints the plan.
 int env_or(const char* name, int fallback) {
   const char* env = std::getenv(name);
   return env != nullptr && *env != '\0' ? std::atoi(env) : fallback;
@@ -47,8 +50,8 @@ bool env_is(const char* name, const char* value) {
 at::Tensor gemm_2_4_cuda(const at::Tensor& a, const at::Tensor& b_q, const at::Tensor& b_meta, const at::Tensor& b_scales,
                          const std::optional<at::Tensor>& workspace) {
   const Gemm24Shape sh = check_gemm_2_4_args(a, b_q, b_meta, b_scales, workspace);
-  TORCH_CHECK_NOT_IMPLEMENTED(kernel_enabled(), "marlin.gemm_2_4: the CUDA kernel is experimental (not yet validated on a "
-                              "GPU) and off by default; set MARLIN_2_4_CUDA=1 to use it, or call the op on CPU tensors");
+  TORCH_CHECK_NOT_IMPLEMENTED(kernel_enabled(), "marlin.gemm_2_4: the CUDA kernel is switched off by MARLIN_2_4_CUDA=0; "
+                              "unset it to use the kernel, or call the op on CPU tensors");
   const c10::cuda::OptionalCUDAGuard guard(a.device());
   const cudaDeviceProp* prop = at::cuda::getCurrentDeviceProperties();
   TORCH_CHECK(prop->major >= 8, "marlin.gemm_2_4: needs a GPU of compute capability 8.0 or newer (sparse tensor cores); ",
@@ -82,7 +85,7 @@ at::Tensor gemm_2_4_cuda(const at::Tensor& a, const at::Tensor& b_q, const at::T
   args.groups = static_cast<int>(sh.groups);
   args.sms = prop->multiProcessorCount;
   args.max_smem = static_cast<int>(prop->sharedMemPerBlockOptin);
-  args.pdl = prop->major >= 9 && env_or("MARLIN_PDL", 1) != 0;
+  args.pdl = prop->major >= 9 && env_or("MARLIN_2_4_PDL", 0) == 1 && env_or("MARLIN_PDL", 1) != 0;
   args.clusters = prop->major >= 9;
   args.legacy = env_is("MARLIN_2_4_PLAN", "legacy");
   args.force_parts = env_or("MARLIN_2_4_PARTS", 0);
@@ -90,7 +93,8 @@ at::Tensor gemm_2_4_cuda(const at::Tensor& a, const at::Tensor& b_q, const at::T
   args.force_ms = env_or("MARLIN_2_4_WARP_SLICES", 0);
   TORCH_CHECK(args.force_ms == 0 || args.force_ms == 1 || args.force_ms == 2 || args.force_ms == 4,
               "marlin.gemm_2_4: MARLIN_2_4_WARP_SLICES = ", num(args.force_ms), ", expected 1, 2 or 4 (unset: the planner's choice)");
-  args.clusters_off = env_or("MARLIN_2_4_CLUSTERS", 1) == 0;
+  args.cluster_mode = env_or("MARLIN_2_4_CLUSTERS", -1);
+  args.force_stages = env_or("MARLIN_2_4_STAGES", 0);
 
   sparse24::Plan24 plan;
   const std::string why = sparse24::plan_24(args, &plan);

@@ -10,6 +10,8 @@ namespace marlin {
 namespace sparse24 {
 namespace {
 
+// Stages of the cp.async ring: 4, and 3 as a second instance at 8-16 rows on the 256-column
+// tile (less shared memory: 4 blocks per SM instead of 3; MARLIN_2_4_STAGES=3 selects it).
 constexpr int kStages = 4;
 
 // One compiled instance: its launch, shared memory, threads, and (once per device) its resident
@@ -22,23 +24,23 @@ struct Instance {
   cudaError_t (*launch)(const Params& p, int grid, int smem, cudaStream_t stream, bool pdl, int cluster);
 };
 
-template <int MB, int NW, int MS>
+template <int MB, int NW, int MS, int ST>
 SmemAttrCache& cache() {
   static SmemAttrCache c;
   return c;
 }
 
 // Resident blocks per SM (registers and shared memory), at least 1; 0 if the queries failed.
-template <int MB, int NW, int MS>
+template <int MB, int NW, int MS, int ST>
 int blocks_per_sm(int smem) {
   constexpr int kMaxDevices = 64;
   static std::atomic<int> known[kMaxDevices];  // 0: not yet
   int device = 0;
   if (cudaGetDevice(&device) != cudaSuccess) return 0;
   if (device >= 0 && device < kMaxDevices && known[device].load() > 0) return known[device].load();
-  auto kernel = marlin_24_kernel<MB, NW, MS, kStages>;
+  auto kernel = marlin_24_kernel<MB, NW, MS, ST>;
   int blocks = 0;
-  if (cache<MB, NW, MS>().ensure(reinterpret_cast<const void*>(kernel), smem) != cudaSuccess ||
+  if (cache<MB, NW, MS, ST>().ensure(reinterpret_cast<const void*>(kernel), smem) != cudaSuccess ||
       cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, Shape<MB, NW, MS>::kThreads, smem) != cudaSuccess) {
     (void)cudaGetLastError();
     return 0;
@@ -48,27 +50,28 @@ int blocks_per_sm(int smem) {
   return blocks;
 }
 
-template <int MB, int NW, int MS>
+template <int MB, int NW, int MS, int ST>
 int max_clusters(int cluster, int smem) {
-  return cache<MB, NW, MS>().max_clusters(marlin_24_kernel<MB, NW, MS, kStages>, cluster, Shape<MB, NW, MS>::kThreads, smem);
+  return cache<MB, NW, MS, ST>().max_clusters(marlin_24_kernel<MB, NW, MS, ST>, cluster, Shape<MB, NW, MS>::kThreads, smem);
 }
 
-template <int MB, int NW, int MS>
+template <int MB, int NW, int MS, int ST>
 cudaError_t launch(const Params& p, int grid, int smem, cudaStream_t stream, bool pdl, int cluster) {
-  return launch_kernel(marlin_24_kernel<MB, NW, MS, kStages>, cache<MB, NW, MS>(), p, grid, Shape<MB, NW, MS>::kThreads, smem,
+  return launch_kernel(marlin_24_kernel<MB, NW, MS, ST>, cache<MB, NW, MS, ST>(), p, grid, Shape<MB, NW, MS>::kThreads, smem,
                        stream, pdl, cluster);
 }
 
-template <int MB, int NW, int MS>
+template <int MB, int NW, int MS, int ST = kStages>
 Instance make() {
-  return Instance{kStages * Shape<MB, NW, MS>::kStageInt4 * 16, Shape<MB, NW, MS>::kThreads, &blocks_per_sm<MB, NW, MS>,
-                  &max_clusters<MB, NW, MS>, &launch<MB, NW, MS>};
+  return Instance{ST * Shape<MB, NW, MS>::kStageInt4 * 16, Shape<MB, NW, MS>::kThreads, &blocks_per_sm<MB, NW, MS, ST>,
+                  &max_clusters<MB, NW, MS, ST>, &launch<MB, NW, MS, ST>};
 }
 
 // The compiled instances: MB 1, 2, 4 x NW 2, 4; at MB 4 also two warp slices (64-row block
 // slices), and four on the 128-column tile (128 rows, 8 warps; four would exceed the registers
-// of an SM on the 256-column tile).
-Instance find(int mb, int nw, int ms) {
+// of an SM on the 256-column tile); 3 stages at MB 1, 2 on the 256-column tile.
+Instance find(int mb, int nw, int ms, int stages) {
+  if (stages == 3 && nw == 4 && ms == 1 && mb <= 2) return mb == 1 ? make<1, 4, 1, 3>() : make<2, 4, 1, 3>();
 #define MARLIN_24_TRY(MB, NW, MS) \
   if (mb == MB && nw == NW && ms == MS) return make<MB, NW, MS>();
   MARLIN_24_TRY(1, 4, 1)
@@ -84,45 +87,25 @@ Instance find(int mb, int nw, int ms) {
   return make<4, 2, 1>();  // not reached: plan_24 asks only for the ones above
 }
 
-// The first kernel's K split (legacy plan): parts so that the blocks fill the resident slots in
-// whole waves, the fewest on a tie; each part at least 2 stages; only where the tiles fit the
-// arrival counters.
-int legacy_parts(long long base, int k_tiles, long long slots, int sms) {
-  int best = 1;
-  double best_fill = 0.0;
-  for (int parts = 1; parts <= (base <= 2LL * sms ? std::min(16, k_tiles) : 1); parts++) {
-    if (parts > 1 && k_tiles / parts < 2) break;
-    const long long blocks = base * parts;
-    const long long waves = (blocks + slots - 1) / slots;
-    double fill = static_cast<double>(blocks) / static_cast<double>(waves * slots);
-    if (blocks < sms) fill *= 0.5;
-    if (fill > best_fill + 0.02) best = parts, best_fill = fill;
-  }
-  return best;
-}
-
-// Estimated time of a plan, in units of one SM streaming one 256-column stage (48 bytes per
-// column: values and metadata) at its full share of the memory bandwidth (a prediction; see
-// benchmarks/NOTES.md for what it gave). Streaming: the waves, times the blocks each SM holds in
-// a wave, times the stages of the longest part; one block alone on an SM is assumed to reach 0.8
-// of the SM's share (its 3 stages in flight barely cover the memory latency). Reduction:
-// through global memory the last block of a tile reads every part's fp32 partial (rows x tile
-// columns x 4 bytes each) at about the rate it streams weights; in a cluster each block reads
-// 1/parts of that from distributed shared memory, plus about half a stage for the barriers.
-double plan_cost(long long tiles, int parts, int k_tiles, int sms, long long slots, int rows, bool cluster, int nw) {
-  const long long blocks = tiles * parts;
+// Fill of the GPU's resident block slots by `blocks` blocks in whole waves (a block streams its
+// weights at about the same rate wherever it runs, so a partial last wave leaves SMs idle);
+// below one block per SM, halved (fewer blocks than SMs is worse than any full wave).
+double fill(long long blocks, long long slots, int sms) {
   const long long waves = (blocks + slots - 1) / slots;
-  const long long per_sm = (std::min(blocks, slots) + sms - 1) / sms;
-  double t = static_cast<double>(waves * per_sm) * ((k_tiles + parts - 1) / parts) / (per_sm == 1 ? 0.8 : 1.0);
-  if (parts > 1) {
-    const double read = static_cast<double>(rows) * 4.0 / 48.0;  // one part's partial, in stages
-    t += cluster ? 0.5 * read + 0.5 : read * parts;
-  }
-  return t * nw / 4.0;
+  const double f = static_cast<double>(blocks) / static_cast<double>(waves * slots);
+  return blocks < sms ? 0.5 * f : f;
 }
 
 }  // namespace
 
+// K parts and tile width, as measured on an H100 (benchmarks/NOTES.md, "kernel v2"): the parts
+// that fill the resident slots best in whole waves (the fewest on a tie; each part at least 2
+// stages), on the 256-column tile wherever N allows. Since the last block of a tile reads every
+// part's fp32 partial (the tile's rows of it), parts are limited to parts^2 x rows <= 32 x
+// k-tiles: without that limit 7B qkv at M = 32-64 took 11 parts and ran 1.7x slower than with 2-4.
+// The parts of a tile are reduced in a thread-block cluster (sm_90+, at most 8 parts, all
+// clusters resident) from 16 rows on, where that measured faster than the global reduction
+// (70B o M = 16-128: 8 parts 10-17% faster); below 16 rows it measured 0-40% slower.
 std::string plan_24(const Args24& args, Plan24* plan) {
   if (args.n % 128 != 0) return "marlin.gemm_2_4: N = " + std::to_string(args.n) + " is not a multiple of 128";
   // rows per warp slice: the smallest of 8, 16, 32 that holds M; above 32 rows two warp slices
@@ -131,50 +114,55 @@ std::string plan_24(const Args24& args, Plan24* plan) {
   plan->ms = args.m > 32 && !args.legacy ? 2 : 1;
   if (args.force_ms > 0 && plan->mb == 4 && !args.legacy) plan->ms = args.force_ms;
   const int rows = 8 * plan->mb * plan->ms;
+  const int rows_used = std::min(rows, args.m);  // rows of a slice's partial that are read
   plan->slices = (args.m + rows - 1) / rows;
   const int k_tiles = args.k / kStageK;
-  const bool clusters = args.clusters && !args.clusters_off && !args.legacy;
-  double best_t = 0.0;
-  plan->nw = 0;
-  // tile: 256 columns (legacy: wherever N allows) or 128 (more tiles where there are few)
-  for (int nw : {4, 2}) {
-    if (args.n % (64 * nw) != 0 || (args.force_tile_n > 0 && args.force_tile_n != 64 * nw)) continue;
-    if (plan->ms == 4 && nw == 4) continue;  // not compiled (see find)
-    if (args.legacy && plan->nw != 0) break;
-    const Instance inst = find(plan->mb, nw, plan->ms);
-    if (inst.smem > args.max_smem)
-      return "marlin.gemm_2_4: the kernel needs " + std::to_string(inst.smem) + " bytes of shared memory per block, the device allows " +
-             std::to_string(args.max_smem);
-    const long long tiles = static_cast<long long>(args.n / (64 * nw)) * plan->slices;
-    if (tiles > (1LL << 30))
-      return "marlin.gemm_2_4: M = " + std::to_string(args.m) + " x N = " + std::to_string(args.n) + " makes too many tiles (split the batch)";
-    const int per_sm = inst.blocks_per_sm(inst.smem);
-    if (per_sm == 0) return "marlin.gemm_2_4: could not set up the kernel instance (cudaFuncSetAttribute / occupancy query failed)";
-    const long long slots = static_cast<long long>(args.sms) * per_sm;
-    const bool locks_ok = tiles <= 2LL * args.sms;  // max_locks: 2 arrival counters per SM
-    if (args.legacy) {
-      plan->nw = nw, plan->parts = legacy_parts(tiles, k_tiles, slots, args.sms), plan->cluster_reduce = false;
-      break;
-    }
-    // among 1..16 parts (8 in clusters), each at least 2 stages, the cheapest by plan_cost
-    for (int parts = 1; parts <= std::max(1, std::min(16, k_tiles / 2)); parts++) {
-      if (args.force_parts > 0 && parts != std::min(args.force_parts, std::max(1, std::min(16, k_tiles / 2)))) continue;
-      if (tiles * parts > 0x7fffffffLL) break;
-      bool cluster = false;
-      long long cslots = slots;
-      if (parts > 1 && clusters && parts <= kMaxClusterParts) {
-        const int n_clusters = inst.max_clusters(parts, inst.smem);
-        if (n_clusters > 0) cluster = true, cslots = std::min(slots, static_cast<long long>(n_clusters) * parts);
-      }
-      if (parts > 1 && !cluster && !locks_ok) continue;
-      const double t = plan_cost(tiles, parts, k_tiles, args.sms, cslots, rows, cluster, nw);
-      if (plan->nw == 0 || t < best_t * 0.98)
-        best_t = t, plan->nw = nw, plan->parts = parts, plan->cluster_reduce = cluster;
-    }
+  plan->nw = args.n % 256 == 0 && plan->ms != 4 ? 4 : 2;
+  if (args.force_tile_n > 0) {
+    plan->nw = args.force_tile_n / 64;
+    if ((plan->nw != 2 && plan->nw != 4) || args.n % args.force_tile_n != 0 || (plan->ms == 4 && plan->nw == 4))
+      return "marlin.gemm_2_4: MARLIN_2_4_TILE_N = " + std::to_string(args.force_tile_n) + " cannot run N = " +
+             std::to_string(args.n) + " with " + std::to_string(rows) + "-row slices (128 or 256 dividing N; 128 for 128-row slices)";
   }
-  if (plan->nw == 0) return "marlin.gemm_2_4: no plan for " + std::to_string(args.n) + " columns (check MARLIN_2_4_PARTS and MARLIN_2_4_TILE_N)";
-  plan->smem = find(plan->mb, plan->nw, plan->ms).smem;
+  plan->stages = args.force_stages == 3 && plan->nw == 4 && plan->ms == 1 && plan->mb <= 2 ? 3 : kStages;
+  const Instance inst = find(plan->mb, plan->nw, plan->ms, plan->stages);
+  plan->smem = inst.smem;
+  if (plan->smem > args.max_smem)
+    return "marlin.gemm_2_4: the kernel needs " + std::to_string(plan->smem) + " bytes of shared memory per block, the device allows " +
+           std::to_string(args.max_smem);
   const long long tiles = static_cast<long long>(args.n / (64 * plan->nw)) * plan->slices;
+  if (tiles > (1LL << 30))
+    return "marlin.gemm_2_4: M = " + std::to_string(args.m) + " x N = " + std::to_string(args.n) + " makes too many tiles (split the batch)";
+  const int per_sm = inst.blocks_per_sm(plan->smem);
+  if (per_sm == 0) return "marlin.gemm_2_4: could not set up the kernel instance (cudaFuncSetAttribute / occupancy query failed)";
+  const long long slots = static_cast<long long>(args.sms) * per_sm;
+  const bool locks_ok = tiles <= 2LL * args.sms;  // max_locks: 2 arrival counters per SM
+  const bool clusters = !args.legacy && args.clusters && args.cluster_mode != 0 && (rows_used >= 16 || args.cluster_mode == 1);
+
+  const int max_parts = std::max(1, std::min(16, k_tiles / 2));
+  int best = 1;
+  bool best_cluster = false;
+  double best_fill = -1.0;
+  for (int parts = 1; parts <= max_parts; parts++) {
+    const int forced = args.force_parts > 0 ? std::min(args.force_parts, max_parts) : 0;
+    if (forced > 0 ? parts != forced : (!args.legacy && parts > 1 && static_cast<long long>(parts) * parts * rows_used > 32LL * k_tiles))
+      continue;
+    if (tiles * parts > 0x7fffffffLL) break;
+    bool cluster = false;
+    long long cslots = slots;
+    if (parts > 1 && clusters && parts <= kMaxClusterParts) {
+      const int n_clusters = inst.max_clusters(parts, plan->smem);
+      if (n_clusters > 0) cluster = true, cslots = std::min(slots, static_cast<long long>(n_clusters) * parts);
+    }
+    if (parts > 1 && !cluster && !locks_ok) continue;
+    const double f = fill(tiles * parts, cslots, args.sms);
+    if (f > best_fill + 0.02 || forced > 0) best = parts, best_cluster = cluster, best_fill = f;
+  }
+  if (args.force_parts > 0 && best != std::min(args.force_parts, max_parts))
+    return "marlin.gemm_2_4: MARLIN_2_4_PARTS = " + std::to_string(args.force_parts) + " cannot run this shape (" +
+           std::to_string(tiles) + " tiles: more than the arrival counters and no cluster)";
+  plan->parts = best;
+  plan->cluster_reduce = best > 1 && best_cluster;
   plan->grid = static_cast<int>(tiles * plan->parts);
   const bool global = plan->parts > 1 && !plan->cluster_reduce;
   plan->partial_floats = global ? static_cast<long long>(plan->parts) * args.m * args.n : 0;
@@ -185,7 +173,7 @@ std::string plan_24(const Args24& args, Plan24* plan) {
 std::string describe_24(const Args24& args, const Plan24& plan) {
   return "m=" + std::to_string(args.m) + " n=" + std::to_string(args.n) + " k=" + std::to_string(args.k) +
          " groups=" + std::to_string(args.groups) + " slice_rows=" + std::to_string(8 * plan.mb * plan.ms) +
-         " mb=" + std::to_string(plan.mb) + " ms=" + std::to_string(plan.ms) + " tile_n=" + std::to_string(64 * plan.nw) +
+         " mb=" + std::to_string(plan.mb) + " ms=" + std::to_string(plan.ms) + " stages=" + std::to_string(plan.stages) + " tile_n=" + std::to_string(64 * plan.nw) +
          " parts=" + std::to_string(plan.parts) + " cluster=" + (plan.cluster_reduce ? "1" : "0") +
          " grid=" + std::to_string(plan.grid) + " pdl=" + (args.pdl && !args.legacy ? "1" : "0") + (args.legacy ? " legacy" : "");
 }
@@ -206,7 +194,7 @@ cudaError_t launch_24(const Args24& args, const Plan24& plan, cudaStream_t strea
   p.parts = plan.parts;
   p.cluster_reduce = plan.cluster_reduce;
   p.locks = args.locks;
-  const Instance inst = find(plan.mb, plan.nw, plan.ms);
+  const Instance inst = find(plan.mb, plan.nw, plan.ms, plan.stages);
   return inst.launch(p, plan.grid, plan.smem, stream, args.pdl && !args.legacy, plan.cluster_reduce ? plan.parts : 1);
 }
 

@@ -23,25 +23,27 @@ struct Args24 {
   int groups;
   int sms;
   int max_smem;  // opt-in shared memory per block
-  bool pdl;       // launch with programmatic dependent launch (sm_90+)
+  bool pdl;       // launch with programmatic dependent launch (sm_90+; measured slower here, off by default)
   bool clusters;  // thread-block clusters can be launched (sm_90+)
   // tuning and diagnosis (gemm_2_4_cuda.cpp reads them from the environment): legacy = the first
-  // kernel's plan (8-32-row slices, 256-column tiles where N allows, K parts added through global
-  // memory, no PDL); force_parts > 0: that many K parts (at most 16 and k-tiles / 2);
-  // force_tile_n > 0: tiles of that many columns (128 or 256); force_ms > 0: that many warp
-  // slices of 32 rows per block where M > 16 (1, 2, or 4 on the 128-column tile); clusters_off:
-  // never clusters.
+  // kernel's plan (8-32-row slices, K parts by fill alone, added through global memory);
+  // force_parts > 0: that many K parts (at most 16 and k-tiles / 2); force_tile_n > 0: tiles of
+  // that many columns (128 or 256); force_ms > 0: that many warp slices of 32 rows per block
+  // where M > 16 (1, 2, or 4 on the 128-column tile); cluster_mode: 0 never clusters, 1 wherever
+  // they fit, -1 the planner's rule.
   bool legacy = false;
   int force_parts = 0;
   int force_tile_n = 0;
   int force_ms = 0;
-  bool clusters_off = false;
+  int force_stages = 0;  // 3: the 3-stage instances where they exist (8-16 rows, 256-column tile)
+  int cluster_mode = -1;
 };
 
 struct Plan24 {
   int mb;      // n8 tiles per warp slice (8 mb rows)
   int nw;      // 64-column chunks per tile: 4, or 2 where N % 256 != 0
   int ms;      // warp slices per block slice (block slice = 8 mb ms rows; warps = nw ms)
+  int stages;  // of the cp.async ring
   int parts;   // K parts per column tile (> 1: reduced in a cluster or through fp32 partials)
   bool cluster_reduce;  // the parts of a tile form one thread-block cluster
   int slices;  // block slices
