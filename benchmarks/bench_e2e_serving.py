@@ -15,7 +15,10 @@ Requests are submitted at their arrival times from this thread while the manager
 thread batches them (transformers' continuous batching, paged KV cache). Per request, from the
 token timestamps the manager records: TTFT = first token - arrival, TPOT = (last token - first
 token) / (tokens - 1). Per (kernel, rate): median and mean TPOT and TTFT, p90 TTFT, and the
-output tokens per second over the run. Writes benchmarks/results/<gpu>-serving[-<L>L].json.
+output tokens per second over the run. Before the measured rates, an unmeasured round of
+--warmup-requests requests (all at once) sets the manager up; transformers captures a CUDA graph
+for each new padded batch size it meets, so short runs need ``--warmup-requests all`` to time
+steady-state steps rather than captures. Writes benchmarks/results/<gpu>-serving[-<L>L].json.
 The model is benchmarks/e2e_model.py's (random weights; Marlin: replace_linear + fuse).
 """
 
@@ -134,6 +137,8 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--cuda-graph", choices=("auto", "on", "off"), default="auto",
                    help="the continuous batching manager's CUDA graphs (auto: transformers decides)")
+    p.add_argument("--warmup-requests", default="2",
+                   help="requests of the unmeasured first round, all at once: a number or 'all' (the whole workload)")
     p.add_argument("--no-warmup", action="store_true",
                    help="skip the manager's CUDA graph pre-capture (quicker start; the first requests then capture)")
     p.add_argument("--dry-run", action="store_true",
@@ -145,6 +150,8 @@ def parse_args(argv=None):
         p.error(f"--kernels: expected a subset of {KERNELS}")
     args.rates = [float(r) for r in args.rates.split(",") if r.strip()]
     args.cuda_graph_flag = {"auto": None, "on": True, "off": False}[args.cuda_graph]
+    if args.warmup_requests != "all" and not (args.warmup_requests.isdigit() and int(args.warmup_requests) > 0):
+        p.error(f"--warmup-requests: expected a positive number or 'all', got {args.warmup_requests!r}")
     if args.dry_run:
         args.model, args.layers, args.num_requests, args.rates = "tiny", None, 4, [50.0, float("inf")]
         args.prompt_median, args.output_median, args.max_len = 6, 4, 12
@@ -165,7 +172,8 @@ def main(argv=None) -> int:
     meta = collect_meta(dev, "dry-run" if args.dry_run else "serving", kind="serving")
     meta.update(transformers=transformers.__version__, model=args.model, rates=args.rates,
                 num_requests=args.num_requests, prompt_median=args.prompt_median, output_median=args.output_median,
-                warmup=not (args.dry_run or args.no_warmup), cuda_graph=args.cuda_graph)
+                warmup=not (args.dry_run or args.no_warmup), cuda_graph=args.cuda_graph,
+                warmup_requests=args.warmup_requests)
     model = build_model(args.model, args.layers, dev, seed=args.seed)
     meta["layers"] = model.config.num_hidden_layers
     reqs = workload(args.num_requests, args.prompt_median, args.output_median, args.max_len,
@@ -190,11 +198,14 @@ def main(argv=None) -> int:
     for kernel in args.kernels:
         if kernel == "marlin":
             to_marlin(model, fuse=True)
-        # one short unmeasured round first: the manager's set-up (cache sizing, graph capture) is
-        # not a request's latency
+        # an unmeasured round first: the manager's set-up (cache sizing, graph capture) is not a
+        # request's latency. --warmup-requests all: the whole workload at once, which passes
+        # through every batch size from all requests down to one, so that the CUDA graphs of the
+        # padded sizes the measured rounds meet are captured before they are timed.
         kw = dict(warmup=not (args.dry_run or args.no_warmup), timeout_s=args.timeout, small_cache=args.dry_run,
                   cuda_graph=args.cuda_graph_flag)
-        serve(model, reqs[:2], [0.0, 0.0], **kw)
+        n_warm = len(reqs) if args.warmup_requests == "all" else min(len(reqs), int(args.warmup_requests))
+        serve(model, reqs[:n_warm], [0.0] * n_warm, **kw)
         for rate in args.rates:
             recs = serve(model, reqs, arrivals(len(reqs), rate, args.seed), **kw)
             point = {"kernel": kernel, "rate": rate if np.isfinite(rate) else None, **summarize(recs)}

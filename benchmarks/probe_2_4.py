@@ -29,14 +29,16 @@ MS = [int(m) for m in os.environ.get("PROBE_MS", "1,8,16,32,64,128").split(",")]
 def plan_env(name: str) -> dict:
     """auto: the planner; legacy: the first kernel's plan; pN: N K parts (clusters by the
     planner's rule); pNg: N parts through global memory; pNc: in clusters wherever they fit;
-    t128 / t256: the tile width; s1 / s2 / s4: 32-row warp slices per block (M > 16); pdl:
-    programmatic dependent launch."""
+    t128 / t256: the tile width; s1 / s2 / s4: 32-row warp slices per block (M > 16); st3: the
+    3-stage instances (M <= 16); pdl: programmatic dependent launch."""
     if name == "auto":
         return {}
     if name == "legacy":
         return {"MARLIN_2_4_PLAN": "legacy"}
     if name == "pdl":
         return {"MARLIN_2_4_PDL": "1"}
+    if name == "st3":
+        return {"MARLIN_2_4_STAGES": "3"}
     if name.startswith("s"):
         return {"MARLIN_2_4_WARP_SLICES": name[1:]}
     if name.startswith("t"):
@@ -46,7 +48,7 @@ def plan_env(name: str) -> dict:
         if name[-1] in "gc":
             env["MARLIN_2_4_CLUSTERS"] = "0" if name.endswith("g") else "1"
         return env
-    raise ValueError(f"PROBE_PLANS: unknown plan {name!r} (auto, legacy, pdl, t128, t256, s1, s2, s4, pN, pNg, pNc)")
+    raise ValueError(f"PROBE_PLANS: unknown plan {name!r} (auto, legacy, pdl, t128, t256, s1, s2, s4, st3, pN, pNg, pNc)")
 
 
 PLANS = os.environ.get("PROBE_PLANS", "auto,legacy").split(",")
@@ -58,6 +60,7 @@ _KNOBS = (
     "MARLIN_2_4_PARTS",
     "MARLIN_2_4_CLUSTERS",
     "MARLIN_2_4_WARP_SLICES",
+    "MARLIN_2_4_STAGES",
     "MARLIN_LOG_PLAN",
 )
 

@@ -86,7 +86,8 @@ def test_shapes(m, shape, g):
 
 # Every partition the planner can choose, forced (the knobs are read per call,
 # csrc/cuda/sparse/gemm_2_4_cuda.cpp): K parts in clusters or through global memory, both tile
-# widths, 32-, 64- and 128-row block slices (M > 16), and the first kernel's plan.
+# widths, 32-, 64- and 128-row block slices (M > 16), the 3-stage instances, and the first
+# kernel's plan.
 PLANS = {
     "legacy": {"MARLIN_2_4_PLAN": "legacy"},
     "global_3": {"MARLIN_2_4_CLUSTERS": "0", "MARLIN_2_4_PARTS": "3"},
@@ -97,6 +98,7 @@ PLANS = {
     "pdl": {"MARLIN_2_4_PDL": "1"},
     "warp_slices_1": {"MARLIN_2_4_WARP_SLICES": "1"},
     "warp_slices_4": {"MARLIN_2_4_WARP_SLICES": "4"},  # 128-row block slices, 128-column tile
+    "stages_3": {"MARLIN_2_4_STAGES": "3", "MARLIN_2_4_CLUSTERS": "1"},  # 3-stage instances at M <= 16
 }
 
 
@@ -230,6 +232,8 @@ def test_the_off_switch():
         "except NotImplementedError as e:\n"
         "    print('OFF:', e)\n"
     )
-    env = {**os.environ, "MARLIN_2_4_CUDA": "0"}
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repo, wherever marlin is imported from
+    path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p)
+    env = {**os.environ, "MARLIN_2_4_CUDA": "0", "PYTHONPATH": path}
+    out = subprocess.run([sys.executable, "-c", code], env=env, cwd=root, capture_output=True, text=True, timeout=120)
     assert "OFF:" in out.stdout and "MARLIN_2_4_CUDA=0" in out.stdout, out.stdout + out.stderr

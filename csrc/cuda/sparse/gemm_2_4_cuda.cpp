@@ -33,7 +33,8 @@ bool kernel_enabled() {
 // alone through global memory); MARLIN_2_4_PARTS=n forces n K parts where the shape allows;
 // MARLIN_2_4_TILE_N=128 or 256 forces the tile width; MARLIN_2_4_WARP_SLICES=1, 2 or 4 forces the
 // 32-row warp slices per block where M > 16; MARLIN_2_4_CLUSTERS=0 keeps the K parts out of
-// clusters, =1 puts them in clusters wherever they fit; MARLIN_2_4_PDL=1 launches with
+// clusters, =1 puts them in clusters wherever they fit; MARLIN_2_4_STAGES=3 takes the 3-stage
+// instances at 8-16 rows on the 256-column tile (4 blocks per SM); MARLIN_2_4_PDL=1 launches with
 // programmatic dependent launch (sm_90+; off by default: 7B qkv M = 1-16 ran 20% slower with it
 // on an H100), MARLIN_PDL=0 (as for gemm) keeps it off; MARLIN_LOG_PLAN=1 prints the plan.
 int env_or(const char* name, int fallback) {
@@ -93,6 +94,7 @@ at::Tensor gemm_2_4_cuda(const at::Tensor& a, const at::Tensor& b_q, const at::T
   TORCH_CHECK(args.force_ms == 0 || args.force_ms == 1 || args.force_ms == 2 || args.force_ms == 4,
               "marlin.gemm_2_4: MARLIN_2_4_WARP_SLICES = ", num(args.force_ms), ", expected 1, 2 or 4 (unset: the planner's choice)");
   args.cluster_mode = env_or("MARLIN_2_4_CLUSTERS", -1);
+  args.force_stages = env_or("MARLIN_2_4_STAGES", 0);
 
   sparse24::Plan24 plan;
   const std::string why = sparse24::plan_24(args, &plan);

@@ -10,6 +10,8 @@ namespace marlin {
 namespace sparse24 {
 namespace {
 
+// Stages of the cp.async ring: 4, and 3 as a second instance at 8-16 rows on the 256-column
+// tile (less shared memory: 4 blocks per SM instead of 3; MARLIN_2_4_STAGES=3 selects it).
 constexpr int kStages = 4;
 
 // One compiled instance: its launch, shared memory, threads, and (once per device) its resident
@@ -22,23 +24,23 @@ struct Instance {
   cudaError_t (*launch)(const Params& p, int grid, int smem, cudaStream_t stream, bool pdl, int cluster);
 };
 
-template <int MB, int NW, int MS>
+template <int MB, int NW, int MS, int ST>
 SmemAttrCache& cache() {
   static SmemAttrCache c;
   return c;
 }
 
 // Resident blocks per SM (registers and shared memory), at least 1; 0 if the queries failed.
-template <int MB, int NW, int MS>
+template <int MB, int NW, int MS, int ST>
 int blocks_per_sm(int smem) {
   constexpr int kMaxDevices = 64;
   static std::atomic<int> known[kMaxDevices];  // 0: not yet
   int device = 0;
   if (cudaGetDevice(&device) != cudaSuccess) return 0;
   if (device >= 0 && device < kMaxDevices && known[device].load() > 0) return known[device].load();
-  auto kernel = marlin_24_kernel<MB, NW, MS, kStages>;
+  auto kernel = marlin_24_kernel<MB, NW, MS, ST>;
   int blocks = 0;
-  if (cache<MB, NW, MS>().ensure(reinterpret_cast<const void*>(kernel), smem) != cudaSuccess ||
+  if (cache<MB, NW, MS, ST>().ensure(reinterpret_cast<const void*>(kernel), smem) != cudaSuccess ||
       cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, Shape<MB, NW, MS>::kThreads, smem) != cudaSuccess) {
     (void)cudaGetLastError();
     return 0;
@@ -48,27 +50,28 @@ int blocks_per_sm(int smem) {
   return blocks;
 }
 
-template <int MB, int NW, int MS>
+template <int MB, int NW, int MS, int ST>
 int max_clusters(int cluster, int smem) {
-  return cache<MB, NW, MS>().max_clusters(marlin_24_kernel<MB, NW, MS, kStages>, cluster, Shape<MB, NW, MS>::kThreads, smem);
+  return cache<MB, NW, MS, ST>().max_clusters(marlin_24_kernel<MB, NW, MS, ST>, cluster, Shape<MB, NW, MS>::kThreads, smem);
 }
 
-template <int MB, int NW, int MS>
+template <int MB, int NW, int MS, int ST>
 cudaError_t launch(const Params& p, int grid, int smem, cudaStream_t stream, bool pdl, int cluster) {
-  return launch_kernel(marlin_24_kernel<MB, NW, MS, kStages>, cache<MB, NW, MS>(), p, grid, Shape<MB, NW, MS>::kThreads, smem,
+  return launch_kernel(marlin_24_kernel<MB, NW, MS, ST>, cache<MB, NW, MS, ST>(), p, grid, Shape<MB, NW, MS>::kThreads, smem,
                        stream, pdl, cluster);
 }
 
-template <int MB, int NW, int MS>
+template <int MB, int NW, int MS, int ST = kStages>
 Instance make() {
-  return Instance{kStages * Shape<MB, NW, MS>::kStageInt4 * 16, Shape<MB, NW, MS>::kThreads, &blocks_per_sm<MB, NW, MS>,
-                  &max_clusters<MB, NW, MS>, &launch<MB, NW, MS>};
+  return Instance{ST * Shape<MB, NW, MS>::kStageInt4 * 16, Shape<MB, NW, MS>::kThreads, &blocks_per_sm<MB, NW, MS, ST>,
+                  &max_clusters<MB, NW, MS, ST>, &launch<MB, NW, MS, ST>};
 }
 
 // The compiled instances: MB 1, 2, 4 x NW 2, 4; at MB 4 also two warp slices (64-row block
 // slices), and four on the 128-column tile (128 rows, 8 warps; four would exceed the registers
-// of an SM on the 256-column tile).
-Instance find(int mb, int nw, int ms) {
+// of an SM on the 256-column tile); 3 stages at MB 1, 2 on the 256-column tile.
+Instance find(int mb, int nw, int ms, int stages) {
+  if (stages == 3 && nw == 4 && ms == 1 && mb <= 2) return mb == 1 ? make<1, 4, 1, 3>() : make<2, 4, 1, 3>();
 #define MARLIN_24_TRY(MB, NW, MS) \
   if (mb == MB && nw == NW && ms == MS) return make<MB, NW, MS>();
   MARLIN_24_TRY(1, 4, 1)
@@ -121,7 +124,8 @@ std::string plan_24(const Args24& args, Plan24* plan) {
       return "marlin.gemm_2_4: MARLIN_2_4_TILE_N = " + std::to_string(args.force_tile_n) + " cannot run N = " +
              std::to_string(args.n) + " with " + std::to_string(rows) + "-row slices (128 or 256 dividing N; 128 for 128-row slices)";
   }
-  const Instance inst = find(plan->mb, plan->nw, plan->ms);
+  plan->stages = args.force_stages == 3 && plan->nw == 4 && plan->ms == 1 && plan->mb <= 2 ? 3 : kStages;
+  const Instance inst = find(plan->mb, plan->nw, plan->ms, plan->stages);
   plan->smem = inst.smem;
   if (plan->smem > args.max_smem)
     return "marlin.gemm_2_4: the kernel needs " + std::to_string(plan->smem) + " bytes of shared memory per block, the device allows " +
@@ -169,7 +173,7 @@ std::string plan_24(const Args24& args, Plan24* plan) {
 std::string describe_24(const Args24& args, const Plan24& plan) {
   return "m=" + std::to_string(args.m) + " n=" + std::to_string(args.n) + " k=" + std::to_string(args.k) +
          " groups=" + std::to_string(args.groups) + " slice_rows=" + std::to_string(8 * plan.mb * plan.ms) +
-         " mb=" + std::to_string(plan.mb) + " ms=" + std::to_string(plan.ms) + " tile_n=" + std::to_string(64 * plan.nw) +
+         " mb=" + std::to_string(plan.mb) + " ms=" + std::to_string(plan.ms) + " stages=" + std::to_string(plan.stages) + " tile_n=" + std::to_string(64 * plan.nw) +
          " parts=" + std::to_string(plan.parts) + " cluster=" + (plan.cluster_reduce ? "1" : "0") +
          " grid=" + std::to_string(plan.grid) + " pdl=" + (args.pdl && !args.legacy ? "1" : "0") + (args.legacy ? " legacy" : "");
 }
@@ -190,7 +194,7 @@ cudaError_t launch_24(const Args24& args, const Plan24& plan, cudaStream_t strea
   p.parts = plan.parts;
   p.cluster_reduce = plan.cluster_reduce;
   p.locks = args.locks;
-  const Instance inst = find(plan.mb, plan.nw, plan.ms);
+  const Instance inst = find(plan.mb, plan.nw, plan.ms, plan.stages);
   return inst.launch(p, plan.grid, plan.smem, stream, args.pdl && !args.legacy, plan.cluster_reduce ? plan.parts : 1);
 }
 

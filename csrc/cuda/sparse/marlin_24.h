@@ -35,6 +35,7 @@ struct Args24 {
   int force_parts = 0;
   int force_tile_n = 0;
   int force_ms = 0;
+  int force_stages = 0;  // 3: the 3-stage instances where they exist (8-16 rows, 256-column tile)
   int cluster_mode = -1;
 };
 
@@ -42,6 +43,7 @@ struct Plan24 {
   int mb;      // n8 tiles per warp slice (8 mb rows)
   int nw;      // 64-column chunks per tile: 4, or 2 where N % 256 != 0
   int ms;      // warp slices per block slice (block slice = 8 mb ms rows; warps = nw ms)
+  int stages;  // of the cp.async ring
   int parts;   // K parts per column tile (> 1: reduced in a cluster or through fp32 partials)
   bool cluster_reduce;  // the parts of a tile form one thread-block cluster
   int slices;  // block slices

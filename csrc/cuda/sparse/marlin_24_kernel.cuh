@@ -96,6 +96,16 @@ __device__ __forceinline__ void mma_sp_16832(const uint32_t (&a)[4], const uint3
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]), "r"(b[2]), "r"(b[3]), "r"(e), "n"(SEL));
 }
 
+// D = A * B (no accumulator input: the first product of a group's sum, which saves zeroing it).
+template <int SEL>
+__device__ __forceinline__ void mma_sp_16832_first(const uint32_t (&a)[4], const uint32_t (&b)[4], uint32_t e, float (&d)[4]) {
+  asm volatile(
+      MARLIN_MMA_SP ".sync.aligned.m16n8k32.row.col.f32.f16.f16.f32 "
+      "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9, %10, %11}, {%14, %14, %14, %14}, %12, %13;\n"
+      : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]), "r"(b[2]), "r"(b[3]), "r"(e), "n"(SEL), "f"(0.f));
+}
+
 template <int MB, int NW, int MS, int STAGES>
 __global__ void __launch_bounds__(32 * NW * MS) marlin_24_kernel(const Params p) {
   using S = Shape<MB, NW, MS>;
@@ -103,7 +113,7 @@ __global__ void __launch_bounds__(32 * NW * MS) marlin_24_kernel(const Params p)
   static_assert(S::kPartBytes <= STAGES * S::kStageInt4 * 16, "the cluster partial must fit the pipeline's shared memory");
   extern __shared__ int4 smem[];
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
-  const int wn = warp % NW, ws = warp / NW;  // chunk and warp slice of this warp
+  const int wn = MS == 1 ? warp : warp % NW, ws = MS == 1 ? 0 : warp / NW;  // chunk and warp slice of this warp
   const int g = lane / 4, c4 = lane % 4;
 
   const int n_tiles = p.n / S::kTileN;
@@ -177,12 +187,6 @@ __global__ void __launch_bounds__(32 * NW * MS) marlin_24_kernel(const Params p)
     const int4* sb = sh + S::kAStage;
     const int4* sm = sb + S::kBStage;
 #pragma unroll
-    for (int j = 0; j < 4; j++)
-#pragma unroll
-      for (int b = 0; b < MB; b++)
-#pragma unroll
-        for (int e = 0; e < 4; e++) grp[j][b][e] = 0.f;
-#pragma unroll
     for (int u = 0; u < kStrips; u++) {
       uint32_t act[MB][4];
 #pragma unroll
@@ -205,7 +209,12 @@ __global__ void __launch_bounds__(32 * NW * MS) marlin_24_kernel(const Params p)
         const uint32_t a[4] = {lo[0], hi[0], lo[1], hi[1]};
         const uint32_t e = j == 0 ? mw.x : j == 1 ? mw.y : j == 2 ? mw2.x : mw2.y;
 #pragma unroll
-        for (int b = 0; b < MB; b++) mma_sp_16832<0>(a, act[b], e, grp[j][b]);
+        for (int b = 0; b < MB; b++) {
+          if (u == 0)  // the stage's first strip starts the group's sums
+            mma_sp_16832_first<0>(a, act[b], e, grp[j][b]);
+          else
+            mma_sp_16832<0>(a, act[b], e, grp[j][b]);
+        }
       }
     }
     // group scale (or 1 per column) on the stage's fp32 sums; the lane's 8 scales are one int4
