@@ -2,8 +2,9 @@
 
 The model is built from config.json with its parameters on the meta device (no memory, no random
 initialization), the layers the checkpoint stores as ``<prefix>.b_q`` are swapped for MarlinLinear
-(MarlinLinear24 where a ``<prefix>.b_meta`` says the layer is 2:4-sparse), and then every tensor of the checkpoint is assigned, strictly: a checkpoint tensor that the model
-does not use, or a model tensor that the checkpoint does not give (after weight tying), is an error.
+(MarlinLinear24 where a ``<prefix>.b_meta`` says the layer is 2:4-sparse), and then every tensor
+of the checkpoint is assigned, strictly: a checkpoint tensor that the model does not use, or a
+model tensor that the checkpoint does not give (after weight tying), is an error.
 transformers is imported only when this is called.
 """
 

@@ -310,31 +310,52 @@ def test_plans_of_the_wgmma_format_tests(rows):
 
 
 # The small-batch instances of the other formats with 8-row mma.sync slices and 16- or 32-row wgmma
-# slices take N a multiple of 64 (a partial last tile of 1, 2 or 3 chunks of 64 columns;
-# tensor-parallel shards): forced onto the 256-column tile at M <= 8 and, on H100/H200, at M = 9-32
-# (elsewhere those M need whole tiles: the planner takes the tiled kernel), and by default.
-PARTIAL_N = [1088, 1152, 1216]  # 4 tiles + 1, 2, 3 chunks
+# slices take N a multiple of 64: a partial last tile of 1, 2 or 3 chunks of 64 columns (N = 5504 is
+# Llama-2-7B's MLP width 11008 split over 2 GPUs). A forced tile must divide N (the op's contract),
+# so the planner's own choice runs them, on a layer large enough (169-173 KB of weights per SM on
+# 132 SMs) for the wgmma variant at 9-32 rows; test_plans_of_the_partial_tile_test reads the plans.
+PARTIAL_N = [5440, 5504, 5568]  # 21 tiles of 256 columns + 1, 2, 3 chunks
+PARTIAL_M = [1, 5, 8, 13, 16, 27, 32, 40]
 
 
 @pytest.mark.parametrize("n", PARTIAL_N)
 @pytest.mark.parametrize("fmt", WG_FORMATS, ids=WG_IDS)
 def test_small_batch_partial_last_tile(fmt, n):
-    layer = get_layer(1152, n, fmt)
-    for m in (1, 5, 8) + ((13, 16, 27, 32) if _wgmma_device() else ()):
-        check(layer, m, tile_k=128, tile_n=256)
-    for m in (1, 7, 40):
+    layer = get_layer(8192, n, fmt)
+    for m in PARTIAL_M:
         check(layer, m)
-    if _wgmma_device():  # 64-row slices need whole tiles: a clear error when forced
-        a = torch.randn(33, layer.k, device="cuda", dtype=layer.dtype)
-        with pytest.raises(RuntimeError, match="do not divide into tile_k=128 x tile_n=256"):
-            run(layer, a, tile_k=128, tile_n=256)
+
+
+def test_plans_of_the_partial_tile_test():
+    """The test above in a subprocess with the plan log: M <= 8 ran the small-batch kernel (8-row
+    mma.sync slices), M = 9-32 its wgmma variant on H100/H200 (the tiled kernel elsewhere), M = 40 the
+    tiled kernel (64-row slices need whole tiles)."""
+    import os
+    import re
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, MARLIN_LOG_PLAN="1")
+    cmd = [sys.executable, "-m", "pytest", __file__, "-q", "-s", "-p", "no:cacheprovider", "-k",
+           "test_small_batch_partial_last_tile"]
+    r = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=900)
+    n_tests = len(WG_FORMATS) * len(PARTIAL_N)
+    assert r.returncode == 0 and re.search(rf"\b{n_tests} passed", r.stdout), r.stdout[-3000:] + r.stderr[-3000:]
+    plans = re.findall(r"^marlin\.gemm plan: m=(\d+) n=(\d+) .* m_blocks=(\d+) kernel=(\w+) ", r.stderr, re.M)
+    assert len(plans) == n_tests * len(PARTIAL_M), (len(plans), r.stderr[-3000:])
+    wg = _wgmma_device()
+    for m, n, m_blocks, kernel in plans:
+        m = int(m)
+        want = "small_m" if m <= 8 else "small_m_wgmma" if wg and m <= 32 else "tiled"
+        assert kernel == want and int(n) in PARTIAL_N, (m, n, m_blocks, kernel)
 
 
 def test_small_batch_partial_tile_refused_for_base_format():
-    """fp16 symmetric INT4 runs the small-batch kernel with N a multiple of the tile only: forcing
-    it elsewhere is a clear error (the default plan takes the tiled kernel there)."""
+    """fp16 symmetric INT4 runs the small-batch kernel with N a multiple of its tile only; forcing a
+    tile that does not divide N is a clear error, and the default plan takes the tiled kernel."""
     layer = get_layer(1152, 1088, (torch.float16, 4, True, 128))
     a = torch.randn(4, 1152, device="cuda", dtype=torch.float16)
-    with pytest.raises(RuntimeError, match="do not divide into tile_k=128 x tile_n=256"):
+    with pytest.raises(RuntimeError, match="do not divide into tile_k = 128, tile_n = 256"):
         run(layer, a, tile_k=128, tile_n=256)
     check(layer, 4)
