@@ -18,6 +18,7 @@ import sys
 import torch
 
 import marlin
+from benchmarks.timing import graph_median_us as time_us
 from benchmarks.gemm_prep import random_meta_2_4
 from benchmarks.shapes import BENCH_SHAPES, ideal_shape
 
@@ -75,24 +76,6 @@ def with_env(env: dict, fn):
         for k in env:
             os.environ.pop(k, None)
         os.environ.update(saved)
-
-
-def time_us(fn, reps=20, rounds=7):
-    fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(reps):
-            fn()
-    times = []
-    for _ in range(rounds):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        g.replay()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) * 1000 / reps)
-    return sorted(times)[rounds // 2]
 
 
 def random_meta(rows: int, n: int) -> torch.Tensor:

@@ -11,6 +11,7 @@ import os
 import torch
 
 import marlin
+from benchmarks.timing import graph_median_us as time_us
 from benchmarks.shapes import BENCH_SHAPES, MODEL_LAYERS, ideal_shape
 
 # the Llama-2 7B / 70B layers, or PROBE_SHAPES=7B_o,Llama-3-8B/qkv,... (names of benchmarks/shapes.py)
@@ -21,24 +22,6 @@ MS = [int(m) for m in os.environ.get("PROBE_MS", "1,4,8,16,32,64").split(",")]
 # (PROBE_TILES=auto,64x256,128x256 to choose)
 _TILE_NAMES = os.environ.get("PROBE_TILES", "auto,128x128,64x256,128x256,128x512").split(",")
 TILES = [(None, None) if t == "auto" else tuple(int(v) for v in t.split("x")) for t in _TILE_NAMES]
-
-
-def time_us(fn, reps=20, rounds=7):
-    fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(reps):
-            fn()
-    times = []
-    for _ in range(rounds):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        g.replay()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) * 1000 / reps)
-    return sorted(times)[rounds // 2]
 
 
 def main():

@@ -164,6 +164,26 @@ def _summary(times: list[float], how: str, samples: int, calls: int) -> dict:
     }
 
 
+def graph_median_us(fn, reps: int = 20, rounds: int = 7) -> float:
+    """The development probes' quick timer (probe_tiles, probe_2_4): `reps` calls captured in one
+    CUDA graph, replayed `rounds` times; the median per-call time in microseconds."""
+    fn()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(reps):
+            fn()
+    times = []
+    for _ in range(rounds):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        g.replay()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) * 1000 / reps)
+    return sorted(times)[rounds // 2]
+
+
 def round_orders(kernels: list[str], rounds: int) -> list[list[str]]:
     """The kernel order of each timing round: round r starts r places further along the list, so
     that each kernel follows a different one from round to round (no kernel always inherits the
