@@ -202,12 +202,23 @@ def device_facts(dev: torch.device) -> dict:
     }
 
 
+def _package_version(name: str) -> Optional[str]:
+    """The installed version of a package, without importing it (None when absent)."""
+    from importlib import metadata
+
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return None
+
+
 def collect_meta(dev: torch.device, mode: str, kind: str = "gemm", expect_rev=None, expect_tree=None) -> dict:
     meta = {"kind": kind, "mode": mode}
     meta.update(device_facts(dev))
     meta.update(
         {
             "torch": torch.__version__,
+            "transformers": _package_version("transformers"),
             "cuda": torch.version.cuda,
             "python": platform.python_version(),
             "host": platform.node(),
