@@ -25,6 +25,7 @@ import torch
 
 from .. import ops, packing
 from .errors import ConversionError
+from .tensor_checks import check_layer_names, shape_str as _shape_str, tensor_expecter
 from .gptq import MarlinTensors
 
 __all__ = [
@@ -86,23 +87,12 @@ class AWQConfig:
         return cls(bits=4, group_size=group_size, version="gemm")
 
 
-def _shape_str(shape) -> str:
-    return "[" + ", ".join(str(int(s)) for s in shape) + "]"
-
 
 def check_awq_layer_tensors(
     prefix: str, shapes: Mapping[str, tuple], dtypes: Mapping[str, Any], group_size: int
 ) -> tuple[int, int]:
     """Check the names, shapes and dtypes of one AWQ layer's tensors (no data needed); (K, N)."""
-    for suffix in _REQUIRED:
-        if suffix not in shapes:
-            raise ConversionError(f"layer {prefix}: {prefix}.{suffix} is missing (an AWQ layer has qweight, qzeros, scales)")
-    unknown = sorted(set(shapes) - set(AWQ_LAYER_SUFFIXES))
-    if unknown:
-        raise ConversionError(
-            f"layer {prefix}: unexpected tensor(s) {', '.join(f'{prefix}.{u}' for u in unknown)} next to {prefix}.qweight; "
-            f"an AWQ layer has only {', '.join(AWQ_LAYER_SUFFIXES)}"
-        )
+    check_layer_names(prefix, shapes, _REQUIRED, AWQ_LAYER_SUFFIXES, "an AWQ layer")
     qw = tuple(shapes["qweight"])
     if dtypes["qweight"] != torch.int32 or len(qw) != 2:
         raise ConversionError(f"{prefix}.qweight: dtype {dtypes['qweight']} shape {_shape_str(qw)}, expected torch.int32 [K, N / 8]")
@@ -112,13 +102,7 @@ def check_awq_layer_tensors(
         raise ConversionError(f"layer {prefix} (K = in_features = {k}, N = out_features = {n}) cannot be converted: {reason}")
     groups = packing.num_groups(k, group_size)
 
-    def expect(suffix, dtype_ok, shape, why):
-        if suffix not in shapes:
-            return
-        if dtypes[suffix] not in dtype_ok:
-            raise ConversionError(f"{prefix}.{suffix}: dtype {dtypes[suffix]}, expected " + " or ".join(map(str, dtype_ok)))
-        if tuple(shapes[suffix]) != shape:
-            raise ConversionError(f"{prefix}.{suffix}: shape {_shape_str(shapes[suffix])}, expected {_shape_str(shape)} ({why})")
+    expect = tensor_expecter(prefix, shapes, dtypes)
 
     expect("scales", _SCALE_DTYPES, (groups, n), f"{groups} groups, N = {n}")
     expect("qzeros", (torch.int32,), (groups, n // 8), f"{groups} groups, N / 8 = {n // 8} words")

@@ -22,12 +22,13 @@ with zero points, all exact with the same scales.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Mapping, Optional
+from typing import Any, Mapping
 
 import torch
 
 from .. import ops, packing
 from .errors import ConversionError
+from .tensor_checks import check_layer_names, shape_str as _shape_str, tensor_expecter
 from .gptq import MarlinTensors, act_order_permutation
 
 __all__ = [
@@ -102,21 +103,13 @@ class CompressedTensorsConfig:
         return cls(bits=bits, group_size=group_size, sym=sym)
 
 
-def _shape_str(shape) -> str:
-    return "[" + ", ".join(str(int(s)) for s in shape) + "]"
-
 
 def check_ct_layer_tensors(
     prefix: str, shapes: Mapping[str, tuple], dtypes: Mapping[str, Any], cfg: CompressedTensorsConfig
 ) -> tuple[int, int]:
     """Check one layer's tensor names, shapes and dtypes (no data needed); returns (K, N)."""
     required = ("weight_packed", "weight_scale", "weight_shape") + (() if cfg.sym else ("weight_zero_point",))
-    for suffix in required:
-        if suffix not in shapes:
-            raise ConversionError(f"layer {prefix}: {prefix}.{suffix} is missing")
-    unknown = sorted(set(shapes) - set(CT_LAYER_SUFFIXES))
-    if unknown:
-        raise ConversionError(f"layer {prefix}: unexpected tensor(s) {', '.join(f'{prefix}.{u}' for u in unknown)}")
+    check_layer_names(prefix, shapes, required, CT_LAYER_SUFFIXES)
     if cfg.sym and "weight_zero_point" in shapes:
         raise ConversionError(f"{prefix}.weight_zero_point: present, but the config says symmetric = true")
     per_word = 32 // cfg.bits
@@ -129,13 +122,7 @@ def check_ct_layer_tensors(
         raise ConversionError(f"layer {prefix} (K = in_features = {k}, N = out_features = {n}) cannot be converted: {reason}")
     groups = packing.num_groups(k, cfg.group_size)
 
-    def expect(suffix, dtype_ok, shape, why):
-        if suffix not in shapes:
-            return
-        if dtypes[suffix] not in dtype_ok:
-            raise ConversionError(f"{prefix}.{suffix}: dtype {dtypes[suffix]}, expected " + " or ".join(map(str, dtype_ok)))
-        if tuple(shapes[suffix]) != shape:
-            raise ConversionError(f"{prefix}.{suffix}: shape {_shape_str(shapes[suffix])}, expected {_shape_str(shape)} ({why})")
+    expect = tensor_expecter(prefix, shapes, dtypes)
 
     ints = (torch.int32, torch.int64)
     expect("weight_scale", _SCALE_DTYPES, (n, groups), f"N = {n}, {groups} groups")

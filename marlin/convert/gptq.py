@@ -32,6 +32,7 @@ import torch
 
 from .. import ops, packing
 from .errors import ConversionError
+from .tensor_checks import check_layer_names, shape_str as _shape_str, tensor_expecter
 
 __all__ = [
     "GPTQConfig",
@@ -157,9 +158,6 @@ class MarlinTensors:
         return out
 
 
-def _shape_str(shape) -> str:
-    return "[" + ", ".join(str(int(s)) for s in shape) + "]"
-
 
 def check_layer_tensors(
     prefix: str, shapes: Mapping[str, tuple], dtypes: Mapping[str, Any], group_size: int, bits: int = 4
@@ -169,24 +167,9 @@ def check_layer_tensors(
     ``shapes``/``dtypes`` map suffixes ("qweight", ...) to the tensor's shape and torch dtype.
     Returns (K, N). Raises ConversionError naming the tensor, what it is and what was expected.
     """
-    for suffix in _REQUIRED_SUFFIXES:
-        if suffix not in shapes:
-            raise ConversionError(f"layer {prefix}: {prefix}.{suffix} is missing (a GPTQ layer has qweight, qzeros, scales)")
-    unknown = sorted(set(shapes) - set(LAYER_SUFFIXES))
-    if unknown:
-        raise ConversionError(
-            f"layer {prefix}: unexpected tensor(s) {', '.join(f'{prefix}.{u}' for u in unknown)} next to {prefix}.qweight; "
-            f"a GPTQ layer has only {', '.join(LAYER_SUFFIXES)}"
-        )
+    check_layer_names(prefix, shapes, _REQUIRED_SUFFIXES, LAYER_SUFFIXES, "a GPTQ layer")
 
-    def expect(suffix: str, dtype_ok: tuple, shape: tuple, why: str) -> None:
-        if suffix not in shapes:
-            return
-        if dtypes[suffix] not in dtype_ok:
-            names = " or ".join(str(d) for d in dtype_ok)
-            raise ConversionError(f"{prefix}.{suffix}: dtype {dtypes[suffix]}, expected {names}")
-        if tuple(shapes[suffix]) != shape:
-            raise ConversionError(f"{prefix}.{suffix}: shape {_shape_str(shapes[suffix])}, expected {_shape_str(shape)} ({why})")
+    expect = tensor_expecter(prefix, shapes, dtypes)
 
     per_word = _per_word(bits)
     qw_shape = tuple(shapes["qweight"])
