@@ -56,7 +56,16 @@ from . import clip as clip_search
 from .clip import SYM4, WeightFormat
 from .hessian import relative_output_error
 
-__all__ = ["GPTQResult", "gptq_quantize", "rtn_quantize", "QMIN", "QMAX", "SPARSITIES", "CLIP_OBJECTIVES"]
+__all__ = [
+    "GPTQResult",
+    "gptq_quantize",
+    "rtn_quantize",
+    "compensated_hessian",
+    "QMIN",
+    "QMAX",
+    "SPARSITIES",
+    "CLIP_OBJECTIVES",
+]
 
 QMIN, QMAX = SYM4.qmin, SYM4.qmax  # the default format's range (symmetric 4-bit)
 SPARSITIES = ("2:4",)
@@ -148,6 +157,13 @@ def _inverse_cholesky_upper(h: torch.Tensor) -> torch.Tensor:
         raise ValueError(
             f"GPTQ: the damped Hessian is not positive definite ({e}); raise damp or use more calibration data"
         ) from None
+
+
+def compensated_hessian(u: torch.Tensor, cols: slice) -> torch.Tensor:
+    """The Hessian of columns ``cols`` once the columns after them have absorbed their error:
+    (U_gg^T U_gg)^-1 for U the upper Cholesky factor of H^-1 (module doc), which is the Schur
+    complement H_gg - H_gr H_rr^-1 H_rg of the later columns r in H."""
+    return torch.cholesky_inverse(u[cols, cols], upper=True)
 
 
 def _prune_2_of_4(saliency: torch.Tensor) -> torch.Tensor:
@@ -294,7 +310,7 @@ def _gptq(weight, h, group_size, act_order, clip, clip_grid, clip_objective, dam
         if not clip:
             return fmt.params(w_cols)
         if clip_objective == "compensated":
-            return clip_search.search_params(w_cols, torch.cholesky_inverse(u[cols, cols], upper=True), clip_grid, fmt)
+            return clip_search.search_params(w_cols, compensated_hessian(u, cols), clip_grid, fmt)
         return clip_search.search_params(w_cols, h_plain[cols, cols], clip_grid, fmt)
 
     q_all = torch.zeros(n, k, dtype=torch.float32, device=dev)
