@@ -126,3 +126,44 @@ def test_speedups_over_both_baselines():
     assert sp[("fp16_fused", "fp16")]["target"] is None  # the targets are Marlin's
     table = bench_e2e.format_table(pts, list(sp.values()), None)
     assert "marlin          compiled      1     4.000     250.0" in table and "2.50    2.00" in table
+
+
+def test_decode_step_reads_the_static_cache():
+    # The step must attend to the prompt in the static cache: transformers up to 5.1x names the
+    # forward's cache argument past_key_values, 5.2x names it cache, and a wrong name is silently
+    # ignored (a fresh DynamicCache per step: attention over the new token only, no cache read).
+    import torch
+
+    from benchmarks.e2e_model import DecodeStep, build_model, cache_kwarg
+
+    model = build_model("tiny", None, torch.device("cpu")).float()
+    step = DecodeStep(model, 2, 8, 4, torch.device("cpu"), seed=3)
+    step.prefill()
+    layers = [layer for layer in step.cache.layers if getattr(layer, "is_initialized", False)]
+    assert len(layers) == model.config.num_hidden_layers  # the prefill filled the static cache
+    step.reset(step.prompt_len)
+    with torch.no_grad():
+        before = step.eager_call()().clone()
+        for layer in layers:  # other cached values: a step that reads the cache must change
+            layer.keys.normal_()
+            layer.values.normal_()
+        step.reset(step.prompt_len)
+        after = step.eager_call()()
+    assert (before - after).abs().max() > 1e-3
+
+
+def test_cache_kwarg_follows_the_forward_signature():
+    from benchmarks.e2e_model import cache_kwarg
+
+    class Old:
+        def forward(self, input_ids=None, past_key_values=None, **kwargs): ...
+
+    class New:
+        def forward(self, input_ids=None, cache=None, **kwargs): ...
+
+    class Neither:
+        def forward(self, input_ids=None, **kwargs): ...
+
+    assert cache_kwarg(Old()) == "past_key_values" and cache_kwarg(New()) == "cache"
+    with pytest.raises(TypeError, match="neither"):
+        cache_kwarg(Neither())
