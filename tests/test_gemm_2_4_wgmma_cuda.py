@@ -3,8 +3,9 @@ the float64 product A @ dequant(B), on the dense suite's M classes (9-128 rows: 
 64-row warp slices, one or two per block, partial slices) and shapes, with NaN-poisoned outputs;
 every partition forced; repeats bit-identical; a CUDA graph; the fallback where N % 256 != 0.
 
-Each call's plan line (MARLIN_LOG_PLAN=1, read per call) must say wgmma=1, so that a build or
-device without the sparse wgmma fails here instead of silently testing the mma.sync kernel. Every
+Each call's plan line (MARLIN_LOG_PLAN=1, read per call) must name a wgmma instance (wgmma=1; 2
+for the late-refill variant), so that a build or device without the sparse wgmma fails here
+instead of silently testing the mma.sync kernel. Every
 instance first runs in a fresh process (test_instances_run_in_a_fresh_process): if one faults
 there, that test fails and the others are not run in this process, whose CUDA context a fault
 would leave unusable for the rest of the suite. Skipped
@@ -95,7 +96,7 @@ for g in (128, -1):
     w = sparse.prune_2_4(torch.randn(1152, 768, device="cuda"))
     b_q, b_meta, b_s = sparse.quantize_and_pack_2_4(w, g)
     for env in ({}, {"MARLIN_2_4_PARTS": "1"}, {"MARLIN_2_4_PARTS": "4", "MARLIN_2_4_CLUSTERS": "1"},
-                {"MARLIN_2_4_PARTS": "4", "MARLIN_2_4_CLUSTERS": "0"}):
+                {"MARLIN_2_4_PARTS": "4", "MARLIN_2_4_CLUSTERS": "0"}, {"MARLIN_2_4_WG_LATE": "1"}):
         os.environ.update(env)
         for m in (9, 16, 17, 33, 64, 65, 128, 130):
             marlin.gemm_2_4(torch.randn(m, 1152, device="cuda", dtype=torch.float16), b_q, b_meta, b_s)
@@ -139,15 +140,16 @@ def plan_lines(capfd):
     return [line for line in capfd.readouterr().err.splitlines() if line.startswith("marlin.gemm_2_4 plan:")]
 
 
-def check(layer, m, capfd, wgmma=True):
-    """(error, fp16 matmul's error) against the float64 product; asserts the plan's kernel."""
+def check(layer, m, capfd, wgmma=1):
+    """(error, fp16 matmul's error) against the float64 product; asserts the plan's kernel
+    (wgmma = 0: mma.sync, 1: wgmma with early refill, 2: with late refill)."""
     a = torch.randn(m, layer.k, device="cuda", dtype=torch.float16)
     ptr = poison_allocator(m * layer.n)
     plan_lines(capfd)  # drop earlier output
     c = marlin.gemm_2_4(a, layer.b_q, layer.b_meta, layer.b_s)
     torch.cuda.synchronize()
     lines = plan_lines(capfd)
-    assert len(lines) == 1 and f"wgmma={int(wgmma)}" in lines[0], lines
+    assert len(lines) == 1 and f"wgmma={wgmma}" in lines[0], lines
     assert c.data_ptr() == ptr, "output did not land in the poisoned block; the NaN check would be void"
     ref = a.double() @ layer.w_exact
     base = rel_err(a @ layer.w_fp16, ref)
@@ -162,6 +164,15 @@ def test_shapes(m, shape, g, wgmma_on, capfd):
     assert err <= ALLOWED * base + 1e-7, f"M={m} {shape} g={g}: error {err:.3g} vs fp16 matmul {base:.3g} ({plan})"
 
 
+@pytest.mark.parametrize("g", GROUPS)
+@pytest.mark.parametrize("shape", ["70B_o", "1152x768"])
+@pytest.mark.parametrize("m", M_VALUES)
+def test_shapes_late_refill(m, shape, g, wgmma_on, capfd):
+    wgmma_on.setenv("MARLIN_2_4_WG_LATE", "1")
+    err, base, plan = check(get_layer(*SHAPES[shape], g), m, capfd, wgmma=2)
+    assert err <= ALLOWED * base + 1e-7, f"M={m} {shape} g={g}: error {err:.3g} vs fp16 matmul {base:.3g} ({plan})"
+
+
 # Every partition under the wgmma instances, forced: K parts through global memory or in
 # clusters, one part, 64- or 128-row block slices above 32 rows.
 PLANS = {
@@ -172,6 +183,9 @@ PLANS = {
     "one_part": {"MARLIN_2_4_PARTS": "1"},
     "warp_slices_1": {"MARLIN_2_4_WARP_SLICES": "1"},
     "warp_slices_2": {"MARLIN_2_4_WARP_SLICES": "2"},
+    "late_parts_8_clusters": {"MARLIN_2_4_WG_LATE": "1", "MARLIN_2_4_PARTS": "8", "MARLIN_2_4_CLUSTERS": "1"},
+    "late_global_5": {"MARLIN_2_4_WG_LATE": "1", "MARLIN_2_4_PARTS": "5", "MARLIN_2_4_CLUSTERS": "0"},
+    "late_warp_slices_1": {"MARLIN_2_4_WG_LATE": "1", "MARLIN_2_4_WARP_SLICES": "1"},
 }
 
 
@@ -181,7 +195,7 @@ PLANS = {
 def test_forced_plans(m, plan, g, wgmma_on, capfd):
     for key, value in PLANS[plan].items():
         wgmma_on.setenv(key, value)
-    err, base, line = check(get_layer(4096, 1024, g), m, capfd)
+    err, base, line = check(get_layer(4096, 1024, g), m, capfd, wgmma=2 if "MARLIN_2_4_WG_LATE" in PLANS[plan] else 1)
     assert err <= ALLOWED * base + 1e-7, f"M={m} plan {plan} g={g}: error {err:.3g} vs fp16 matmul {base:.3g} ({line})"
 
 
@@ -191,13 +205,13 @@ def test_slices_follow_m(wgmma_on, capfd):
     expect = {8: None, 9: "slice_rows=16", 16: "slice_rows=16", 17: "slice_rows=32", 33: "slice_rows=64", 64: "slice_rows=64",
               65: "slice_rows=128", 128: "slice_rows=128"}
     for m, rows in expect.items():
-        _, _, line = check(layer, m, capfd, wgmma=rows is not None)
+        _, _, line = check(layer, m, capfd, wgmma=1 if rows is not None else 0)
         if rows is not None:
             assert rows + " " in line, (m, line)
 
 
 def test_n_not_a_multiple_of_256_falls_back(wgmma_on, capfd):
-    err, base, line = check(get_layer(256, 384, 128), 40, capfd, wgmma=False)
+    err, base, line = check(get_layer(256, 384, 128), 40, capfd, wgmma=0)
     assert "tile_n=128" in line and err <= ALLOWED * base + 1e-7
 
 

@@ -24,14 +24,14 @@ struct Instance {
   cudaError_t (*launch)(const Params& p, int grid, int smem, cudaStream_t stream, bool pdl, int cluster);
 };
 
-template <int MB, int NW, int MS, int ST, bool WG>
+template <int MB, int NW, int MS, int ST, int WG>
 SmemAttrCache& cache() {
   static SmemAttrCache c;
   return c;
 }
 
 // Resident blocks per SM (registers and shared memory), at least 1; 0 if the queries failed.
-template <int MB, int NW, int MS, int ST, bool WG>
+template <int MB, int NW, int MS, int ST, int WG>
 int blocks_per_sm(int smem) {
   constexpr int kMaxDevices = 64;
   static std::atomic<int> known[kMaxDevices];  // 0: not yet
@@ -41,7 +41,7 @@ int blocks_per_sm(int smem) {
   auto kernel = marlin_24_kernel<MB, NW, MS, ST, WG>;
   int blocks = 0;
   if (cache<MB, NW, MS, ST, WG>().ensure(reinterpret_cast<const void*>(kernel), smem) != cudaSuccess ||
-      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, Shape<MB, NW, MS, WG>::kThreads, smem) != cudaSuccess) {
+      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, Shape<MB, NW, MS, WG != 0>::kThreads, smem) != cudaSuccess) {
     (void)cudaGetLastError();
     return 0;
   }
@@ -50,20 +50,20 @@ int blocks_per_sm(int smem) {
   return blocks;
 }
 
-template <int MB, int NW, int MS, int ST, bool WG>
+template <int MB, int NW, int MS, int ST, int WG>
 int max_clusters(int cluster, int smem) {
-  return cache<MB, NW, MS, ST, WG>().max_clusters(marlin_24_kernel<MB, NW, MS, ST, WG>, cluster, Shape<MB, NW, MS, WG>::kThreads, smem);
+  return cache<MB, NW, MS, ST, WG>().max_clusters(marlin_24_kernel<MB, NW, MS, ST, WG>, cluster, Shape<MB, NW, MS, WG != 0>::kThreads, smem);
 }
 
-template <int MB, int NW, int MS, int ST, bool WG>
+template <int MB, int NW, int MS, int ST, int WG>
 cudaError_t launch(const Params& p, int grid, int smem, cudaStream_t stream, bool pdl, int cluster) {
-  return launch_kernel(marlin_24_kernel<MB, NW, MS, ST, WG>, cache<MB, NW, MS, ST, WG>(), p, grid, Shape<MB, NW, MS, WG>::kThreads,
+  return launch_kernel(marlin_24_kernel<MB, NW, MS, ST, WG>, cache<MB, NW, MS, ST, WG>(), p, grid, Shape<MB, NW, MS, WG != 0>::kThreads,
                        smem, stream, pdl, cluster);
 }
 
-template <int MB, int NW, int MS, int ST = kStages, bool WG = false>
+template <int MB, int NW, int MS, int ST = kStages, int WG = 0>
 Instance make() {
-  using S = Shape<MB, NW, MS, WG>;
+  using S = Shape<MB, NW, MS, WG != 0>;
   return Instance{S::template smem_bytes<ST>(), S::kThreads, &blocks_per_sm<MB, NW, MS, ST, WG>, &max_clusters<MB, NW, MS, ST, WG>,
                   &launch<MB, NW, MS, ST, WG>};
 }
@@ -72,13 +72,20 @@ Instance make() {
 // slices), and four on the 128-column tile (128 rows, 8 warps; four would exceed the registers
 // of an SM on the 256-column tile); 3 stages at MB 1, 2 on the 256-column tile. WG (sm_90a
 // builds; trap stubs elsewhere): the 256-column tile, warp slices of 16, 32, 64 rows, and two
-// 64-row warp slices (128-row block slices), 4 stages.
-Instance find(int mb, int nw, int ms, int stages, bool wg) {
-  if (wg) {
-    if (mb == 2) return make<2, 4, 1, kStages, true>();
-    if (mb == 4) return make<4, 4, 1, kStages, true>();
-    if (ms == 2) return make<8, 4, 2, kStages, true>();
-    return make<8, 4, 1, kStages, true>();
+// 64-row warp slices (128-row block slices); wg = 1: early refill, 4 stages; wg = 2: late
+// refill, 4 stages, but 3 for one 64-row warp slice (88 KB: 2 blocks per SM instead of 1).
+Instance find(int mb, int nw, int ms, int stages, int wg) {
+  if (wg == 1) {
+    if (mb == 2) return make<2, 4, 1, kStages, 1>();
+    if (mb == 4) return make<4, 4, 1, kStages, 1>();
+    if (ms == 2) return make<8, 4, 2, kStages, 1>();
+    return make<8, 4, 1, kStages, 1>();
+  }
+  if (wg == 2) {
+    if (mb == 2) return make<2, 4, 1, kStages, 2>();
+    if (mb == 4) return make<4, 4, 1, kStages, 2>();
+    if (ms == 2) return make<8, 4, 2, kStages, 2>();
+    return make<8, 4, 1, 3, 2>();
   }
   if (stages == 3 && nw == 4 && ms == 1 && mb <= 2) return mb == 1 ? make<1, 4, 1, 3>() : make<2, 4, 1, 3>();
 #define MARLIN_24_TRY(MB, NW, MS) \
@@ -124,7 +131,8 @@ std::string plan_24(const Args24& args, Plan24* plan) {
   // The sparse wgmma (sm_90a, MARLIN_2_4_WGMMA=1) from 9 rows on, on the 256-column tile: warp
   // slices of 16, 32 or 64 rows (the smallest that holds M), two 64-row warp slices per block
   // above 64 rows (each stage's weights read once for 128 rows).
-  plan->wg = args.wgmma && !args.legacy && args.m > 8 && args.n % 256 == 0 && args.force_tile_n != 128 && args.force_ms != 4;
+  const bool wg = args.wgmma && !args.legacy && args.m > 8 && args.n % 256 == 0 && args.force_tile_n != 128 && args.force_ms != 4;
+  plan->wg = wg ? (args.wg_late ? 2 : 1) : 0;
   if (plan->wg) {
     plan->mb = args.m <= 16 ? 2 : args.m <= 32 ? 4 : 8;
     plan->ms = plan->mb == 8 && (args.force_ms > 0 ? args.force_ms == 2 : args.m > 64) ? 2 : 1;
@@ -145,6 +153,7 @@ std::string plan_24(const Args24& args, Plan24* plan) {
              std::to_string(args.n) + " with " + std::to_string(rows) + "-row slices (128 or 256 dividing N; 128 for 128-row slices)";
   }
   plan->stages = !plan->wg && args.force_stages == 3 && plan->nw == 4 && plan->ms == 1 && plan->mb <= 2 ? 3 : kStages;
+  if (plan->wg == 2 && plan->mb == 8 && plan->ms == 1) plan->stages = 3;
   const Instance inst = find(plan->mb, plan->nw, plan->ms, plan->stages, plan->wg);
   plan->smem = inst.smem;
   if (plan->smem > args.max_smem)
@@ -195,7 +204,7 @@ std::string describe_24(const Args24& args, const Plan24& plan) {
          " groups=" + std::to_string(args.groups) + " slice_rows=" + std::to_string(8 * plan.mb * plan.ms) +
          " mb=" + std::to_string(plan.mb) + " ms=" + std::to_string(plan.ms) + " stages=" + std::to_string(plan.stages) + " tile_n=" + std::to_string(64 * plan.nw) +
          " parts=" + std::to_string(plan.parts) + " cluster=" + (plan.cluster_reduce ? "1" : "0") +
-         " grid=" + std::to_string(plan.grid) + " pdl=" + (args.pdl && !args.legacy ? "1" : "0") + " wgmma=" + (plan.wg ? "1" : "0") +
+         " grid=" + std::to_string(plan.grid) + " pdl=" + (args.pdl && !args.legacy ? "1" : "0") + " wgmma=" + std::to_string(plan.wg) +
          (args.legacy ? " legacy" : "");
 }
 

@@ -129,21 +129,32 @@ __device__ __forceinline__ void mma_sp_16832_first(const uint32_t (&a)[4], const
 // left to the epilogue. Each 32-row strip is one wgmma group per block j (4 instructions), kept
 // one group deep: the wait after a strip's commit ends the previous strip's group, whose A
 // fragments and metadata registers (double buffered) are refilled next.
-// Ring: a wgmma reads its activations from shared memory until its wait, so at the barrier of
-// stage i the last group of stage i - 1 may still run in some warp; every group of stage i - 2
-// has ended in every warp. The refill after that barrier therefore takes the slot of stage
-// i - 2, and STAGES - 2 stages are in flight ahead of the one computed.
-template <int MB, int NW, int MS, int STAGES, typename Fetch>
+// Ring: a wgmma reads its activations from shared memory until its wait, so at a barrier before
+// stage i's first strip the last group of stage i - 1 may still run in some warp.
+//  * early refill (LATE = false): the barrier before stage i's first strip; the refill after it
+//    takes the slot of stage i - 2 (every group of that stage has ended in every warp), so
+//    STAGES - 2 stages are in flight ahead of the one computed.
+//  * late refill (LATE = true): the barrier that makes stage i + 1 visible comes before stage i's
+//    last strip is issued, after every warp's wait at strip 0 has ended stage i - 1's last
+//    group; the refill after that barrier (and that strip's issue) takes stage i - 1's slot, so
+//    STAGES - 1 stages are in flight with one barrier per stage as well (the dense wgmma
+//    instances' late refill, smallm_kernel.cuh).
+template <int MB, int NW, int MS, int STAGES, bool LATE, typename Fetch>
 __device__ __forceinline__ void main_loop_wg(const int4* smem, Fetch& fetch, float (&tot)[4][MB][4], int kt0, int n_k, int wn,
                                              int wrow0, int lane, int g, bool grouped) {
   using S = Shape<MB, NW, MS, true>;
-  constexpr int kAhead = STAGES - 2;
+  constexpr int kAhead = LATE ? STAGES - 1 : STAGES - 2;
 #pragma unroll
   for (int s = 0; s < kAhead; s++) {
     if (s < n_k) fetch(kt0 + s, s);
     cp_async_commit();
   }
   grid_launch_dependents();
+  if constexpr (LATE) {  // stage 0 visible to all (later stages: at the previous stage's last strip)
+    cp_async_wait<kAhead - 1>();
+    fence_proxy_async_smem();
+    __syncthreads();
+  }
   // the descriptor's low word moves with the stage, strip and warp slice; its high word is fixed
   // (start address >> 4 stays within bits 0-13 for any offset inside 227 KB)
   const uint64_t desc0 = smem_desc_sw128(smem_addr(smem));
@@ -151,11 +162,13 @@ __device__ __forceinline__ void main_loop_wg(const int4* smem, Fetch& fetch, flo
   uint32_t afrag[2][4][4];  // [buffer][block j][register]
   uint32_t meta[2][4];      // [buffer][block j]
   for (int i = 0; i < n_k; i++) {
-    cp_async_wait<kAhead - 1>();
-    fence_proxy_async_smem();  // cp.async wrote what the wgmma reads
-    __syncthreads();           // stage i landed for every thread; stage i - 2's wgmma ended in every warp
-    if (i + kAhead < n_k) fetch(kt0 + i + kAhead, (i + kAhead) % STAGES);
-    cp_async_commit();
+    if constexpr (!LATE) {
+      cp_async_wait<kAhead - 1>();
+      fence_proxy_async_smem();  // cp.async wrote what the wgmma reads
+      __syncthreads();           // stage i landed for every thread; stage i - 2's wgmma ended in every warp
+      if (i + kAhead < n_k) fetch(kt0 + i + kAhead, (i + kAhead) % STAGES);
+      cp_async_commit();
+    }
 
     const int slot = i % STAGES;
     const int4* sb = smem + slot * S::kStageInt4 + S::kAStage;
@@ -207,12 +220,23 @@ __device__ __forceinline__ void main_loop_wg(const int4* smem, Fetch& fetch, flo
       }
       // strip u: 64-half block u / 2 of the stage, 64 bytes per strip inside it
       const uint64_t desc = desc_hi | (desc_lo + (((u / 2) * S::kRows * 128 + (u % 2) * 64) >> 4));
+      if (LATE && u == kStrips - 1) {
+        // stage i + 1 landed (committed after it: the kAhead - 2 later stages), visible to all;
+        // every warp has waited for stage i - 1's last group (at strip 0 of this stage)
+        cp_async_wait<(LATE ? kAhead - 2 : 0)>();
+        fence_proxy_async_smem();
+        __syncthreads();
+      }
       wgmma_fence();
 #pragma unroll
       for (int j = 0; j < 4; j++)
         wgmma_sp_m64k32_rs<8 * MB>(reinterpret_cast<float(&)[4 * MB]>(tot[j]), afrag[buf][j], desc, meta[buf][j]);
       wgmma_commit();
       wgmma_wait<1>();
+      if (LATE && u == kStrips - 1) {  // stage i + kAhead into stage i - 1's slot
+        if (i + kAhead < n_k) fetch(kt0 + i + kAhead, (i + kAhead) % STAGES);
+        cp_async_commit();
+      }
     }
   }
   // every group has landed before the epilogue reads tot (the empty asm pins the reads after it)
@@ -225,12 +249,13 @@ __device__ __forceinline__ void main_loop_wg(const int4* smem, Fetch& fetch, flo
       for (int e = 0; e < 4; e++) fence_operand(tot[j][b][e]);
 }
 
-template <int MB, int NW, int MS, int STAGES, bool WG = false>
+// WG: 0 the mma.sync loop, 1 the wgmma loop with early refill, 2 with late refill (main_loop_wg).
+template <int MB, int NW, int MS, int STAGES, int WG = 0>
 __global__ void __launch_bounds__(32 * NW * MS) marlin_24_kernel(const Params p) {
-  using S = Shape<MB, NW, MS, WG>;
+  using S = Shape<MB, NW, MS, WG != 0>;
   constexpr int kThreads = S::kThreads;
   static_assert(S::kPartBytes <= STAGES * S::kStageInt4 * 16, "the cluster partial must fit the pipeline's shared memory");
-  static_assert(!WG || STAGES >= 3, "WG refills the slot of the stage before the previous one");
+  static_assert(!WG || STAGES >= 3, "the wgmma loop needs at least 3 stages");
 #if !MARLIN_HAS_WGMMA
   // A wgmma instance built for another target than sm_90a is never launched (plan_24): a trap stub.
   if constexpr (WG) {
@@ -303,7 +328,7 @@ __global__ void __launch_bounds__(32 * NW * MS) marlin_24_kernel(const Params p)
   // here (A, the locks and C may be its inputs or outputs).
   grid_dependency_wait();
   if constexpr (WG) {
-    main_loop_wg<MB, NW, MS, STAGES>(smem, fetch, tot, kt0, n_k, wn, wrow0, lane, g, grouped);
+    main_loop_wg<MB, NW, MS, STAGES, WG == 2>(smem, fetch, tot, kt0, n_k, wn, wrow0, lane, g, grouped);
   } else {
 #pragma unroll
   for (int s = 0; s < STAGES - 1; s++) {
