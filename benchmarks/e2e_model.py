@@ -177,11 +177,13 @@ def compile_layers(model, backend: str = "inductor") -> Callable[[], None]:
     per kernel and batch shape at 32 layers against 8-17 s at 8 layers). Layers share their code,
     so inductor's graph cache serves layers 2..N from layer 1's compiled graph; dynamo still
     traces each layer once (its cache index is a constant of the trace), hence the raised
-    recompile limit. The step is still captured whole in one CUDA graph (DecodeStep.setup); what
+    recompile limit (and the reset of dynamo's caches, here and on undo). The step is still captured whole in one CUDA graph (DecodeStep.setup); what
     it loses against the whole-model compile is the fusion across layer boundaries (the residual
     add of one layer with the next layer's norm) and inductor's work on the eager parts."""
+    import torch._dynamo
     import torch._dynamo.config as dcfg
 
+    torch._dynamo.reset()  # another model's entries would count against this one's recompile limit
     name = "recompile_limit" if hasattr(dcfg, "recompile_limit") else "cache_size_limit"
     old_limit = getattr(dcfg, name)
     layers = list(model.model.layers)
@@ -193,6 +195,7 @@ def compile_layers(model, backend: str = "inductor") -> Callable[[], None]:
         for layer in layers:
             layer._compiled_call_impl = None
         setattr(dcfg, name, old_limit)
+        torch._dynamo.reset()
 
     return undo
 
