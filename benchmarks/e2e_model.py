@@ -30,7 +30,7 @@ import torch
 
 from . import shapes as S
 
-__all__ = ["MODEL_SPECS", "build_model", "to_marlin", "fuse_fp16", "weight_bytes", "cache_kwarg", "decode_forward", "compile_decode", "compile_layers", "DecodeStep",
+__all__ = ["MODEL_SPECS", "build_model", "to_marlin", "fuse_fp16", "weight_bytes", "eager", "cache_kwarg", "decode_forward", "compile_decode", "compile_layers", "DecodeStep",
            "time_generate", "profile_step"]
 
 TINY = {"hidden_size": 256, "intermediate_size": 512, "num_attention_heads": 4, "num_key_value_heads": 2,
@@ -132,6 +132,15 @@ def _sync(dev):
         torch.cuda.synchronize(dev)
 
 
+def eager():
+    """A context in which torch.compile'd code runs eagerly (torch.compiler.set_stance): prefills
+    and reference forwards where the decoder layers are compiled (compile_layers)."""
+    import contextlib
+
+    stance = getattr(torch.compiler, "set_stance", None)
+    return stance("force_eager") if stance is not None else contextlib.nullcontext()
+
+
 def cache_kwarg(model) -> str:
     """The name under which this transformers version's forward takes the KV cache: ``cache``
     (5.2x) or ``past_key_values`` (up to 5.1x). An unknown name is not an error there: it goes into
@@ -215,18 +224,20 @@ class DecodeStep:
         """Run the prompt through the model (eager, as generate() runs it); returns seconds."""
         self.reset(0)
         _sync(self.dev)
-        if self.dev.type == "cuda":
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            self.model(input_ids=self.prompt, use_cache=True, logits_to_keep=1, **{cache_kwarg(self.model): self.cache})
-            b.record()
-            b.synchronize()
-            return a.elapsed_time(b) * 1e-3
-        import time
+        kw = {cache_kwarg(self.model): self.cache}
+        with eager():  # eager as generate() runs it, also where the layers are compiled
+            if self.dev.type == "cuda":
+                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                a.record()
+                self.model(input_ids=self.prompt, use_cache=True, logits_to_keep=1, **kw)
+                b.record()
+                b.synchronize()
+                return a.elapsed_time(b) * 1e-3
+            import time
 
-        t0 = time.perf_counter()
-        self.model(input_ids=self.prompt, use_cache=True, logits_to_keep=1, **{cache_kwarg(self.model): self.cache})
-        return time.perf_counter() - t0
+            t0 = time.perf_counter()
+            self.model(input_ids=self.prompt, use_cache=True, logits_to_keep=1, **kw)
+            return time.perf_counter() - t0
 
     def eager_call(self) -> Callable[[], torch.Tensor]:
         return lambda: decode_forward(self.model, self.ids, self.pos, self.cache)
@@ -265,7 +276,8 @@ class DecodeStep:
         """Normwise relative error of one step's logits against the eager forward at the same
         cache state (a wrong capture or compile shows up here)."""
         self.reset(self.prompt_len)
-        ref = self.eager_call()().float().clone()
+        with eager():  # the reference is eager also where the layers are compiled
+            ref = self.eager_call()().float().clone()
         self.reset(self.prompt_len)
         out = step().float()
         if not torch.isfinite(out).all():

@@ -66,13 +66,14 @@ def test_speedups_and_targets():
         "marlin", "compiled", 16, 2.5, 2.0, True, "fp16")
 
 
-def test_serving_dry_run_and_report(tmp_path):
+@pytest.mark.parametrize("engine", ["slots", "transformers"])
+def test_serving_dry_run_and_report(tmp_path, engine):
     from benchmarks import bench_e2e_serving
 
     out = tmp_path / "serving.json"
-    assert bench_e2e_serving.main(["--dry-run", "--out", str(out)]) == 0
+    assert bench_e2e_serving.main(["--dry-run", "--engine", engine, "--out", str(out)]) == 0
     data = json.loads(out.read_text())
-    assert data["meta"]["kind"] == "serving"
+    assert data["meta"]["kind"] == "serving" and data["meta"]["engine"] == engine
     points = data["points"]
     assert {(p["kernel"], p["rate"]) for p in points} == {(k, r) for k in ("fp16", "marlin") for r in (50.0, None)}
     for p in points:
@@ -167,3 +168,53 @@ def test_cache_kwarg_follows_the_forward_signature():
     assert cache_kwarg(Old()) == "past_key_values" and cache_kwarg(New()) == "cache"
     with pytest.raises(TypeError, match="neither"):
         cache_kwarg(Neither())
+
+
+@pytest.mark.parametrize("kernel", ["fp16", "marlin"])
+@pytest.mark.parametrize("compiled", [False, True])
+def test_slot_server_generates_what_generate_does(kernel, compiled):
+    # The slots engine (benchmarks/serving_engine.py): 6 requests of different lengths through 3
+    # rows, arriving together and later (rows freed and reused, several (B, Lb) buckets, rows of
+    # different lengths in one step): each request's tokens are the model's own greedy generate().
+    # Compiled: decoder layers traced with fullgraph (backend "eager": dynamo's trace, no C++
+    # toolchain), as the benchmark compiles them with inductor.
+    import torch
+
+    from benchmarks.e2e_model import build_model, compile_layers, to_marlin
+    from benchmarks.serving_engine import SlotServer
+
+    model = build_model("tiny", None, torch.device("cpu"))  # fp16: the Marlin layers' compute dtype
+    if kernel == "marlin":
+        to_marlin(model, fuse=True)
+    else:
+        model.float()
+    g = torch.Generator().manual_seed(5)
+    lens = [(5, 4), (9, 7), (3, 6), (12, 5), (7, 9), (20, 3)]
+    reqs = [{"prompt": torch.randint(0, 1000, (p,), generator=g).tolist(), "output_len": o} for p, o in lens]
+    torch._dynamo.reset()
+    undo = compile_layers(model, "eager") if compiled else (lambda: None)
+    try:
+        server = SlotServer(model, slots=3, max_len=32, kv_bucket=8)
+        res = server.serve(reqs, [0.0, 0.0, 0.0, 0.02, 0.02, 0.05], collect_tokens=True)
+    finally:
+        undo()
+        torch._dynamo.reset()
+    for r, q in zip(res, reqs):
+        ref = model.generate(torch.tensor([q["prompt"]]), max_new_tokens=q["output_len"], min_new_tokens=q["output_len"],
+                             do_sample=False, pad_token_id=0)[0, len(q["prompt"]):].tolist()
+        assert r["ids"] == ref and r["tokens"] == q["output_len"] and r["ttft_s"] >= 0 and r["tpot_s"] > 0
+    with pytest.raises(ValueError, match="max_len 32"):
+        server.serve([{"prompt": [1] * 30, "output_len": 4}], [0.0])
+
+
+def test_slot_server_buckets():
+    import torch
+
+    from benchmarks.e2e_model import build_model
+    from benchmarks.serving_engine import SlotServer
+
+    server = SlotServer(build_model("tiny", None, torch.device("cpu")), slots=6, max_len=20, kv_bucket=8)
+    assert server.max_len == 24
+    assert server.buckets() == [(b, lb) for b in (1, 2, 4, 6) for lb in (8, 16, 24)]
+    assert SlotServer(build_model("tiny", None, torch.device("cpu")), slots=4, max_len=8, kv_bucket=8).buckets() == [
+        (1, 8), (2, 8), (4, 8)]
