@@ -98,10 +98,11 @@ def make_server(model, args, reqs: list[dict], bar_desc: str):
 
 
 def serve(model, requests: list[dict], offsets: list[float], warmup: bool, timeout_s: float,
-          small_cache: bool = False, cuda_graph: Optional[bool] = None) -> list[dict]:
+          small_cache: bool = False, cuda_graph: Optional[bool] = None, cb_options: Optional[dict] = None) -> list[dict]:
     """Submit each request at its offset, wait for all; per request its arrival and token times.
     ``small_cache``: a few KV blocks instead of most of the free GPU memory (smoke runs, tests).
-    ``cuda_graph``: the manager's use_cuda_graph (None: its own choice)."""
+    ``cuda_graph``: the manager's use_cuda_graph (None: its own choice). ``cb_options``: more
+    ContinuousBatchingConfig fields (compile level, padding intervals)."""
     from transformers import ContinuousBatchingConfig, GenerationConfig
 
     gc_ = GenerationConfig(do_sample=False, eos_token_id=-1, pad_token_id=0,
@@ -113,6 +114,7 @@ def serve(model, requests: list[dict], offsets: list[float], warmup: bool, timeo
     cb_kw = dict(num_blocks=8, max_batch_tokens=256) if small_cache else {}
     if cuda_graph is not None:
         cb_kw["use_cuda_graph"] = cuda_graph
+    cb_kw.update(cb_options or {})
     cb_config = ContinuousBatchingConfig(**cb_kw) if cb_kw else None
     with model.continuous_batching_context_manager(generation_config=gc_, warmup=warmup, block=True,
                                                    persistent_manager=True,
@@ -181,6 +183,13 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--cuda-graph", choices=("auto", "on", "off"), default="auto",
                    help="the continuous batching manager's CUDA graphs (auto: transformers decides)")
+    p.add_argument("--tf-compile-level", type=int, default=0,
+                   help="transformers engine: ContinuousBatchingConfig.default_compile_level (0: eager; 1: compiled, "
+                        "dynamic shapes; 2-3: max-autotune without cudagraphs)")
+    p.add_argument("--q-padding", type=int, default=0,
+                   help="transformers engine: query-token padding of its CUDA graphs (0: its default, 64)")
+    p.add_argument("--kv-padding", type=int, default=0,
+                   help="transformers engine: KV-token padding of its CUDA graphs (0: its default, 16384)")
     p.add_argument("--warmup-requests", default="2",
                    help="requests of the unmeasured first round, all at once: a number or 'all' (the whole workload)")
     p.add_argument("--no-warmup", action="store_true",
@@ -223,6 +232,8 @@ def main(argv=None) -> int:
                 num_requests=args.num_requests, prompt_median=args.prompt_median, output_median=args.output_median,
                 warmup=not (args.dry_run or args.no_warmup), cuda_graph=args.cuda_graph,
                 warmup_requests=args.warmup_requests)
+    if args.engine == "transformers":
+        meta.update(tf_compile_level=args.tf_compile_level, q_padding=args.q_padding, kv_padding=args.kv_padding)
     if args.engine == "slots":
         meta.update(slots=args.slots, kv_bucket=args.kv_bucket, compile=args.compile, backend=args.backend)
     model = build_model(args.model, args.layers, dev, seed=args.seed)
@@ -279,7 +290,10 @@ def main(argv=None) -> int:
         # through every batch size from all requests down to one, so that the CUDA graphs of the
         # padded sizes the measured rounds meet are captured before they are timed.
         kw = dict(warmup=not (args.dry_run or args.no_warmup), timeout_s=args.timeout, small_cache=args.dry_run,
-                  cuda_graph=args.cuda_graph_flag)
+                  cuda_graph=args.cuda_graph_flag,
+                  cb_options={k: v for k, v in (("default_compile_level", args.tf_compile_level),
+                                                ("q_padding_interval_size", args.q_padding),
+                                                ("kv_padding_interval_size", args.kv_padding)) if v})
         n_warm = len(reqs) if args.warmup_requests == "all" else min(len(reqs), int(args.warmup_requests))
         serve(model, reqs[:n_warm], [0.0] * n_warm, **kw)
         for rate in args.rates:
