@@ -257,8 +257,8 @@ def main(argv=None) -> int:
                 p["tpot_speedup"] = base["tpot_ms_median"] / p["tpot_ms_median"]
         out.write_text(dump_results({"meta": meta, "points": points, "requests": requests_out}))
 
-    def record(kernel: str, rate: float, recs: list[dict]) -> None:
-        point = {"kernel": kernel, "rate": rate if np.isfinite(rate) else None, **summarize(recs)}
+    def record(kernel: str, rate: float, recs: list[dict], **extra) -> None:
+        point = {"kernel": kernel, "rate": rate if np.isfinite(rate) else None, **summarize(recs), **extra}
         points.append(point)
         requests_out.extend(dict(r, kernel=kernel, rate=point["rate"]) for r in recs)
         print(f"{kernel:7} rate {rate:6} req/s: " + ", ".join(
@@ -277,7 +277,10 @@ def main(argv=None) -> int:
                 serve_slots(server, reqs[:2], [0.0, 0.0], args.timeout)  # unmeasured: first replays, allocator
                 for rate in args.rates:
                     recs = serve_slots(server, reqs, arrivals(len(reqs), rate, args.seed), args.timeout)
-                    record(kernel, rate, recs)
+                    st = server.steps  # what the GEMMs and attention saw: rows per step, padded batch, cache length
+                    record(kernel, rate, recs, steps=len(st), mean_rows=statistics.fmean(x[0] for x in st) if st else None,
+                           mean_batch=statistics.fmean(x[1] for x in st) if st else None,
+                           mean_kv_len=statistics.fmean(x[2] for x in st) if st else None)
             finally:
                 undo()
                 del server

@@ -209,14 +209,15 @@ def report_serving(data: dict, stem: str, outdir: Path) -> list[str]:
           f"median output {meta.get('output_median')} tokens; {_engine(meta)}", ""]
     if msgs:
         md += [f"![{stem}.png]({stem}.png)", ""]
-    md += ["| kernel | rate req/s | TPOT ms (median) | TTFT ms (median) | TTFT p90 | out tok/s | TPOT x FP16 | failed |",
-           "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    md += ["| kernel | rate req/s | TPOT ms (median) | TTFT ms (median) | TTFT p90 | out tok/s | TPOT x FP16 | rows per step "
+           "| cache len per step | failed |",
+           "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for p in data.get("points", []):
         def f(key, spec=".2f"):
             v = p.get(key)
             return "" if v is None else format(v, spec)
         md.append(f"| {p['kernel']} | {p['rate'] if p['rate'] is not None else 'all at once'} | {f('tpot_ms_median')} | "
                   f"{f('ttft_ms_median')} | {f('ttft_ms_p90')} | {f('output_tokens_per_s', '.1f')} | "
-                  f"{f('tpot_speedup')} | {p.get('failed', '')} |")
+                  f"{f('tpot_speedup')} | {f('mean_rows', '.1f')} | {f('mean_kv_len', '.0f')} | {p.get('failed', '')} |")
     (outdir / f"{stem}.md").write_text("\n".join(md) + "\n")
     return msgs + [f"wrote {stem}.md"]

@@ -126,6 +126,7 @@ class SlotServer:
         self.use_graphs = (self.dev.type == "cuda") if use_graphs is None else use_graphs
         self.graphs: dict = {}
         self.step_fn: Callable = decode_step
+        self.steps: list[tuple[int, int, int]] = []  # last serve(): (occupied rows, B, Lb) per decode step
 
     # -- one decode step for a (B, Lb) bucket --------------------------------------------------
     def _args(self, b: int, lb: int):
@@ -133,8 +134,9 @@ class SlotServer:
 
     @torch.no_grad()
     def _capture(self, b: int, lb: int) -> "torch.cuda.CUDAGraph":
-        # the step mutates ids/pos (device state the server relies on): run it on copies' behalf by
-        # saving and restoring them around the warm-up and capture runs
+        # the step advances ids/pos/out, device state the server relies on: saved here and put
+        # back after the warm-up and capture runs (their cache writes land where the next real
+        # step writes anyway)
         saved = (self.ids.clone(), self.pos.clone(), self.out.clone())
         s = torch.cuda.Stream(self.dev)
         s.wait_stream(torch.cuda.current_stream(self.dev))
@@ -209,6 +211,7 @@ class SlotServer:
         length = [0] * self.slots  # host copy of each row's cache length (stale for free rows)
         out: list[dict] = [{} for _ in requests]
         done = 0
+        self.steps = []
         sync = torch.cuda.synchronize if self.dev.type == "cuda" else (lambda: None)
         sync()
         t0 = time.perf_counter()
@@ -241,6 +244,7 @@ class SlotServer:
             longest = max(length[:b]) + 1
             lb = min(-(-longest // self.kv_bucket) * self.kv_bucket, self.max_len)
             self._step(b, lb)
+            self.steps.append((len(busy), b, lb))
             sync()
             t = time.perf_counter() - t0
             toks = self.out[:b].tolist() if collect_tokens else None

@@ -218,3 +218,16 @@ def test_slot_server_buckets():
     assert server.buckets() == [(b, lb) for b in (1, 2, 4, 6) for lb in (8, 16, 24)]
     assert SlotServer(build_model("tiny", None, torch.device("cpu")), slots=4, max_len=8, kv_bucket=8).buckets() == [
         (1, 8), (2, 8), (4, 8)]
+
+
+def test_dry_run_layer_scope(tmp_path):
+    # --compile-scope layer: each decoder layer traced on its own (one graph per layer and batch
+    # shape, no breaks), the step checked against the eager forward (eager also for the layers)
+    out = tmp_path / "e2e.json"
+    assert bench_e2e.main(["--dry-run", "--kernels", "fp16", "--modes", "compiled", "--compile-scope", "layer",
+                           "--out", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert data["meta"]["compile_scope"] == "layer"
+    for p in data["points"]:
+        assert p["compile_scope"] == "layer" and p["graph_breaks"] == 0 and p["new_graphs"] == 2  # 2 layers
+        assert p["check_rel_err"] <= bench_e2e.CHECK_TOL
