@@ -30,7 +30,7 @@ import torch
 
 from . import shapes as S
 
-__all__ = ["MODEL_SPECS", "build_model", "to_marlin", "fuse_fp16", "weight_bytes", "decode_forward", "compile_decode", "DecodeStep",
+__all__ = ["MODEL_SPECS", "build_model", "to_marlin", "fuse_fp16", "weight_bytes", "eager", "cache_kwarg", "decode_forward", "compile_decode", "compile_layers", "DecodeStep",
            "time_generate", "profile_step"]
 
 TINY = {"hidden_size": 256, "intermediate_size": 512, "num_attention_heads": 4, "num_key_value_heads": 2,
@@ -132,9 +132,32 @@ def _sync(dev):
         torch.cuda.synchronize(dev)
 
 
+def eager():
+    """A context in which torch.compile'd code runs eagerly (torch.compiler.set_stance): prefills
+    and reference forwards where the decoder layers are compiled (compile_layers)."""
+    import contextlib
+
+    stance = getattr(torch.compiler, "set_stance", None)
+    return stance("force_eager") if stance is not None else contextlib.nullcontext()
+
+
+def cache_kwarg(model) -> str:
+    """The name under which this transformers version's forward takes the KV cache: ``cache``
+    (5.2x) or ``past_key_values`` (up to 5.1x). An unknown name is not an error there: it goes into
+    ``**kwargs`` unread while the model builds a fresh DynamicCache, so every decode step would
+    attend to its own token only and leave the static cache unread (and untimed)."""
+    import inspect
+
+    params = inspect.signature(type(model).forward).parameters
+    for name in ("cache", "past_key_values"):
+        if name in params:
+            return name
+    raise TypeError(f"{type(model).__name__}.forward takes neither `cache` nor `past_key_values`")
+
+
 def decode_forward(model, ids, pos, cache):
     """One decode step: logits [batch, 1, vocab] of ``ids`` at positions ``pos``, cache updated."""
-    return model(input_ids=ids, position_ids=pos, cache=cache, use_cache=True).logits
+    return model(input_ids=ids, position_ids=pos, use_cache=True, **{cache_kwarg(model): cache}).logits
 
 
 def compile_decode(mode: str, backend: str = "inductor") -> Callable:
@@ -143,6 +166,38 @@ def compile_decode(mode: str, backend: str = "inductor") -> Callable:
     model: dynamo compiles batch 1 as is, and on the next batch size recompiles once with the
     batch dimension symbolic (its automatic dynamic shapes), which the other sizes then reuse."""
     return torch.compile(decode_forward, backend="eager" if mode == "graph" else backend, fullgraph=True)
+
+
+def compile_layers(model, backend: str = "inductor") -> Callable[[], None]:
+    """Compile each decoder layer on its own (torch.compile(fullgraph=True) per layer; embedding,
+    rotary tables, mask, final norm and lm_head stay eager), for the "compiled" mode's layer scope.
+    Returns a function that undoes it.
+
+    Why: compiling the whole step traces and lowers every layer (compile + capture took 43-54 s
+    per kernel and batch shape at 32 layers against 8-17 s at 8 layers). Layers share their code,
+    so inductor's graph cache serves layers 2..N from layer 1's compiled graph; dynamo still
+    traces each layer once (its cache index is a constant of the trace), hence the raised
+    recompile limit (and the reset of dynamo's caches, here and on undo). The step is still captured whole in one CUDA graph (DecodeStep.setup); what
+    it loses against the whole-model compile is the fusion across layer boundaries (the residual
+    add of one layer with the next layer's norm) and inductor's work on the eager parts."""
+    import torch._dynamo
+    import torch._dynamo.config as dcfg
+
+    torch._dynamo.reset()  # another model's entries would count against this one's recompile limit
+    name = "recompile_limit" if hasattr(dcfg, "recompile_limit") else "cache_size_limit"
+    old_limit = getattr(dcfg, name)
+    layers = list(model.model.layers)
+    setattr(dcfg, name, max(old_limit, 4 * len(layers) + 8))  # a layer per shape, a few shapes
+    for layer in layers:
+        layer.compile(fullgraph=True, backend=backend)
+
+    def undo() -> None:
+        for layer in layers:
+            layer._compiled_call_impl = None
+        setattr(dcfg, name, old_limit)
+        torch._dynamo.reset()
+
+    return undo
 
 
 class DecodeStep:
@@ -172,18 +227,20 @@ class DecodeStep:
         """Run the prompt through the model (eager, as generate() runs it); returns seconds."""
         self.reset(0)
         _sync(self.dev)
-        if self.dev.type == "cuda":
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            self.model(input_ids=self.prompt, cache=self.cache, use_cache=True, logits_to_keep=1)
-            b.record()
-            b.synchronize()
-            return a.elapsed_time(b) * 1e-3
-        import time
+        kw = {cache_kwarg(self.model): self.cache}
+        with eager():  # eager as generate() runs it, also where the layers are compiled
+            if self.dev.type == "cuda":
+                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                a.record()
+                self.model(input_ids=self.prompt, use_cache=True, logits_to_keep=1, **kw)
+                b.record()
+                b.synchronize()
+                return a.elapsed_time(b) * 1e-3
+            import time
 
-        t0 = time.perf_counter()
-        self.model(input_ids=self.prompt, cache=self.cache, use_cache=True, logits_to_keep=1)
-        return time.perf_counter() - t0
+            t0 = time.perf_counter()
+            self.model(input_ids=self.prompt, use_cache=True, logits_to_keep=1, **kw)
+            return time.perf_counter() - t0
 
     def eager_call(self) -> Callable[[], torch.Tensor]:
         return lambda: decode_forward(self.model, self.ids, self.pos, self.cache)
@@ -222,7 +279,8 @@ class DecodeStep:
         """Normwise relative error of one step's logits against the eager forward at the same
         cache state (a wrong capture or compile shows up here)."""
         self.reset(self.prompt_len)
-        ref = self.eager_call()().float().clone()
+        with eager():  # the reference is eager also where the layers are compiled
+            ref = self.eager_call()().float().clone()
         self.reset(self.prompt_len)
         out = step().float()
         if not torch.isfinite(out).all():

@@ -2,7 +2,7 @@
 
     python -m benchmarks.probe_2_4 [--out probe.json]
         PROBE_SHAPES=7B_qkv,70B_gateup  PROBE_IDEAL=1  PROBE_MS=1,16,64
-        PROBE_PLANS=auto,legacy,p4,p8g,t128   (see PLANS)
+        PROBE_PLANS=auto,legacy,p4,p8g,t128,wg,wg_s1   (see plan_env)
 Same method as bench_gemm (weights rotated past L2, CUDA-graph replay, medians), fewer points, and
 several plans of gemm_2_4 in one process: csrc/cuda/sparse/gemm_2_4_cuda.cpp reads its tuning
 variables on every call. Weights are random (valid 2:4 metadata): the time does not depend on
@@ -31,9 +31,16 @@ def plan_env(name: str) -> dict:
     """auto: the planner; legacy: the first kernel's plan; pN: N K parts (clusters by the
     planner's rule); pNg: N parts through global memory; pNc: in clusters wherever they fit;
     t128 / t256: the tile width; s1 / s2 / s4: 32-row warp slices per block (M > 16); st3: the
-    3-stage instances (M <= 16); pdl: programmatic dependent launch."""
+    3-stage instances (M <= 16); pdl: programmatic dependent launch; wg: the sparse wgmma
+    instances (sm_90a, M > 8), wgl: their late-refill variant, wg_<plan> / wgl_<plan>: with another
+    plan's knobs (e.g. wg_s1: 64-row block slices above 64 rows)."""
     if name == "auto":
         return {}
+    if name.startswith("wgl"):
+        return {**plan_env("wg" + name[3:]), "MARLIN_2_4_WG_LATE": "1"}
+    if name.startswith("wg"):
+        rest = name[2:].lstrip("_")
+        return {"MARLIN_2_4_WGMMA": "1", **(plan_env(rest) if rest else {})}
     if name == "legacy":
         return {"MARLIN_2_4_PLAN": "legacy"}
     if name == "pdl":
@@ -49,7 +56,7 @@ def plan_env(name: str) -> dict:
         if name[-1] in "gc":
             env["MARLIN_2_4_CLUSTERS"] = "0" if name.endswith("g") else "1"
         return env
-    raise ValueError(f"PROBE_PLANS: unknown plan {name!r} (auto, legacy, pdl, t128, t256, s1, s2, s4, st3, pN, pNg, pNc)")
+    raise ValueError(f"PROBE_PLANS: unknown plan {name!r} (auto, legacy, pdl, t128, t256, s1, s2, s4, st3, pN, pNg, pNc, wg, wgl, wg_<plan>, wgl_<plan>)")
 
 
 PLANS = os.environ.get("PROBE_PLANS", "auto,legacy").split(",")
@@ -62,6 +69,8 @@ _KNOBS = (
     "MARLIN_2_4_CLUSTERS",
     "MARLIN_2_4_WARP_SLICES",
     "MARLIN_2_4_STAGES",
+    "MARLIN_2_4_WGMMA",
+    "MARLIN_2_4_WG_LATE",
     "MARLIN_LOG_PLAN",
 )
 

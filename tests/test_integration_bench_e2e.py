@@ -66,13 +66,14 @@ def test_speedups_and_targets():
         "marlin", "compiled", 16, 2.5, 2.0, True, "fp16")
 
 
-def test_serving_dry_run_and_report(tmp_path):
+@pytest.mark.parametrize("engine", ["slots", "transformers"])
+def test_serving_dry_run_and_report(tmp_path, engine):
     from benchmarks import bench_e2e_serving
 
     out = tmp_path / "serving.json"
-    assert bench_e2e_serving.main(["--dry-run", "--out", str(out)]) == 0
+    assert bench_e2e_serving.main(["--dry-run", "--engine", engine, "--out", str(out)]) == 0
     data = json.loads(out.read_text())
-    assert data["meta"]["kind"] == "serving"
+    assert data["meta"]["kind"] == "serving" and data["meta"]["engine"] == engine
     points = data["points"]
     assert {(p["kernel"], p["rate"]) for p in points} == {(k, r) for k in ("fp16", "marlin") for r in (50.0, None)}
     for p in points:
@@ -126,3 +127,107 @@ def test_speedups_over_both_baselines():
     assert sp[("fp16_fused", "fp16")]["target"] is None  # the targets are Marlin's
     table = bench_e2e.format_table(pts, list(sp.values()), None)
     assert "marlin          compiled      1     4.000     250.0" in table and "2.50    2.00" in table
+
+
+def test_decode_step_reads_the_static_cache():
+    # The step must attend to the prompt in the static cache: transformers up to 5.1x names the
+    # forward's cache argument past_key_values, 5.2x names it cache, and a wrong name is silently
+    # ignored (a fresh DynamicCache per step: attention over the new token only, no cache read).
+    import torch
+
+    from benchmarks.e2e_model import DecodeStep, build_model, cache_kwarg
+
+    model = build_model("tiny", None, torch.device("cpu")).float()
+    step = DecodeStep(model, 2, 8, 4, torch.device("cpu"), seed=3)
+    step.prefill()
+    layers = [layer for layer in step.cache.layers if getattr(layer, "is_initialized", False)]
+    assert len(layers) == model.config.num_hidden_layers  # the prefill filled the static cache
+    step.reset(step.prompt_len)
+    with torch.no_grad():
+        before = step.eager_call()().clone()
+        for layer in layers:  # other cached values: a step that reads the cache must change
+            layer.keys.normal_()
+            layer.values.normal_()
+        step.reset(step.prompt_len)
+        after = step.eager_call()()
+    assert (before - after).abs().max() > 1e-3
+
+
+def test_cache_kwarg_follows_the_forward_signature():
+    from benchmarks.e2e_model import cache_kwarg
+
+    class Old:
+        def forward(self, input_ids=None, past_key_values=None, **kwargs): ...
+
+    class New:
+        def forward(self, input_ids=None, cache=None, **kwargs): ...
+
+    class Neither:
+        def forward(self, input_ids=None, **kwargs): ...
+
+    assert cache_kwarg(Old()) == "past_key_values" and cache_kwarg(New()) == "cache"
+    with pytest.raises(TypeError, match="neither"):
+        cache_kwarg(Neither())
+
+
+@pytest.mark.parametrize("kernel", ["fp16", "marlin"])
+@pytest.mark.parametrize("compiled", [False, True])
+def test_slot_server_generates_what_generate_does(kernel, compiled):
+    # The slots engine (benchmarks/serving_engine.py): 6 requests of different lengths through 3
+    # rows, arriving together and later (rows freed and reused, several (B, Lb) buckets, rows of
+    # different lengths in one step): each request's tokens are the model's own greedy generate().
+    # Compiled: decoder layers traced with fullgraph (backend "eager": dynamo's trace, no C++
+    # toolchain), as the benchmark compiles them with inductor.
+    import torch
+
+    from benchmarks.e2e_model import build_model, compile_layers, to_marlin
+    from benchmarks.serving_engine import SlotServer
+
+    model = build_model("tiny", None, torch.device("cpu"))  # fp16: the Marlin layers' compute dtype
+    if kernel == "marlin":
+        to_marlin(model, fuse=True)
+    else:
+        model.float()
+    g = torch.Generator().manual_seed(5)
+    lens = [(5, 4), (9, 7), (3, 6), (12, 5), (7, 9), (20, 3)]
+    reqs = [{"prompt": torch.randint(0, 1000, (p,), generator=g).tolist(), "output_len": o} for p, o in lens]
+    torch._dynamo.reset()
+    undo = compile_layers(model, "eager") if compiled else (lambda: None)
+    try:
+        server = SlotServer(model, slots=3, max_len=32, kv_bucket=8)
+        res = server.serve(reqs, [0.0, 0.0, 0.0, 0.02, 0.02, 0.05], collect_tokens=True)
+    finally:
+        undo()
+        torch._dynamo.reset()
+    for r, q in zip(res, reqs):
+        ref = model.generate(torch.tensor([q["prompt"]]), max_new_tokens=q["output_len"], min_new_tokens=q["output_len"],
+                             do_sample=False, pad_token_id=0)[0, len(q["prompt"]):].tolist()
+        assert r["ids"] == ref and r["tokens"] == q["output_len"] and r["ttft_s"] >= 0 and r["tpot_s"] > 0
+    with pytest.raises(ValueError, match="max_len 32"):
+        server.serve([{"prompt": [1] * 30, "output_len": 4}], [0.0])
+
+
+def test_slot_server_buckets():
+    import torch
+
+    from benchmarks.e2e_model import build_model
+    from benchmarks.serving_engine import SlotServer
+
+    server = SlotServer(build_model("tiny", None, torch.device("cpu")), slots=6, max_len=20, kv_bucket=8)
+    assert server.max_len == 24
+    assert server.buckets() == [(b, lb) for b in (1, 2, 4, 6) for lb in (8, 16, 24)]
+    assert SlotServer(build_model("tiny", None, torch.device("cpu")), slots=4, max_len=8, kv_bucket=8).buckets() == [
+        (1, 8), (2, 8), (4, 8)]
+
+
+def test_dry_run_layer_scope(tmp_path):
+    # --compile-scope layer: each decoder layer traced on its own (one graph per layer and batch
+    # shape, no breaks), the step checked against the eager forward (eager also for the layers)
+    out = tmp_path / "e2e.json"
+    assert bench_e2e.main(["--dry-run", "--kernels", "fp16", "--modes", "compiled", "--compile-scope", "layer",
+                           "--out", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert data["meta"]["compile_scope"] == "layer"
+    for p in data["points"]:
+        assert p["compile_scope"] == "layer" and p["graph_breaks"] == 0 and p["new_graphs"] == 2  # 2 layers
+        assert p["check_rel_err"] <= bench_e2e.CHECK_TOL

@@ -56,6 +56,12 @@ int tuning_wg_slice_rows() {
   return value;
 }
 
+// MARLIN_G128_RG=0 keeps fp16 group 128 at 9-16 rows (wgmma) on the group-sum instance.
+bool tuning_g128_runtime_group() {
+  static const bool value = env_int("MARLIN_G128_RG", 1) != 0;
+  return value;
+}
+
 // MARLIN_LOG_PLAN=1 prints each call's plan (kernel, tile, partition) to stderr.
 bool log_plan() {
   static const bool value = env_int("MARLIN_LOG_PLAN", 0) == 1;
@@ -111,6 +117,7 @@ at::Tensor gemm_cuda(const at::Tensor& a, const at::Tensor& b_q, const at::Tenso
   args.split_mode = tuning_split_mode();
   args.clusters = prop->major >= 9;
   args.wg_slice_rows = tuning_wg_slice_rows();
+  args.g128_runtime_group = tuning_g128_runtime_group();
   TORCH_CHECK(reinterpret_cast<uintptr_t>(args.b_q) % 16 == 0 && reinterpret_cast<uintptr_t>(args.scales) % 16 == 0 &&
                   reinterpret_cast<uintptr_t>(args.zeros) % 16 == 0,
               "marlin.gemm: b_q, b_scales and b_zeros must be 16-byte aligned (got a view with an offset?)");

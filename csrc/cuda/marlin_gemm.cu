@@ -289,6 +289,18 @@ bool find_smallm_instance(int mb, int tile_n, bool grouped, bool wg, Instance* o
   return false;
 }
 
+// fp16 group 128 on the wgmma variant's 16-row slices (9-16 rows, 256-column tile) runs the
+// run-time-group instance, which scales the dequantized weights before each wgmma, instead of the
+// group-sum one, which drains every wgmma in flight at each group's end to read its sums. At 16
+// rows the math and its synchronisation, not the copies, set the time (NOTES.md, "the M = 16
+// instance under ncu" and "compute alone and copies alone"), and groups of 64 / 32 measured 4-7%
+// faster there than group 128 on the group-sum path (H100, full run of 2026-11-25).
+void g128_as_runtime_group(const GemmArgs& a, const GemmPlan& plan, Format* f) {
+  if (a.g128_runtime_group && f->group_mode == kGroupBlocks128 && plan.small_m && plan.wgmma && plan.m_blocks == 2 &&
+      plan.tile.tile_n == 256)
+    f->group_mode = kGroupBlocksRuntime;  // group_shift is 3 (128 rows) already
+}
+
 bool find_planned_instance(const GemmPlan& plan, const Format& f, int args_n, Instance* out) {
   if (!plan.small_m) return find_instance(plan.m_blocks, plan.tile, f, args_n % plan.tile.tile_n != 0, out);
   if (!f.base()) return find_smallm_format(plan.m_blocks, plan.tile.tile_n, plan.wgmma, f, out);
@@ -380,14 +392,18 @@ std::string plan_small_m(const GemmArgs& args, int tile_n, GemmPlan* plan) {
            "not at all; " + describe(args, TileConfig{128, tile_n}, 0) +
            " (leave tile_k / tile_n unset to let the planner choose)";
   plan->small_m = true;
-  plan->wgmma = args.wgmma && args.m > 8;
+  // 8-bit weights run the wgmma variant from one row on: its 16-row slice, at M = 1 on an H100,
+  // took 21.6 instead of 24.5 us on 7B qkv and 160 instead of 170 us on 70B gate_up (7B down and
+  // 70B o within 2%), where the 8-row mma.sync slice's two 8-bit fragments per block cost more.
+  plan->wgmma = args.wgmma && (args.m > 8 || f.w == kU8);
   // rows per slice / 8: above 64 rows (wgmma) 64 or 128, the latter with the 256-column tile only
   const bool wide = plan->wgmma && args.m > kWgSliceRows && tile_n == 256;
-  plan->m_blocks = args.m <= 8 ? 1 : args.m <= 16 ? 2 : (args.m <= 32 || !plan->wgmma) ? 4 : wide ? wg_slice_rows(args) / 8 : 8;
+  plan->m_blocks = args.m <= 8 ? (plan->wgmma ? 2 : 1) : args.m <= 16 ? 2 : (args.m <= 32 || !plan->wgmma) ? 4 : wide ? wg_slice_rows(args) / 8 : 8;
   plan->m_slices = (args.m + 8 * plan->m_blocks - 1) / (8 * plan->m_blocks);
   plan->tile = TileConfig{128, tile_n};
   if (!f.base() && !plan->wgmma && plan->m_blocks > 2) plan->m_blocks = 2;  // their mma.sync slices: 8 or 16 rows
   plan->m_slices = (args.m + 8 * plan->m_blocks - 1) / (8 * plan->m_blocks);
+  g128_as_runtime_group(args, *plan, &f);
   Instance inst;
   const bool found = f.base() ? find_smallm_instance(plan->m_blocks, tile_n, grouped, plan->wgmma, &inst)
                               : find_smallm_format(plan->m_blocks, tile_n, plan->wgmma, f, &inst);
@@ -485,6 +501,7 @@ std::string launch_gemm(const GemmArgs& args, const GemmPlan& plan, cudaStream_t
   const std::string bad = format_of(args, &f);
   if (!bad.empty()) return bad;
   p.group_shift = f.group_shift;
+  g128_as_runtime_group(args, plan, &f);
 
   Instance inst;
   if (!find_planned_instance(plan, f, args.n, &inst)) return "marlin.gemm: internal error, planned configuration has no kernel; " + describe(args, plan.tile, plan.m_blocks);

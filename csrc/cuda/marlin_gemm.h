@@ -45,6 +45,9 @@ struct GemmArgs {
   // Rows per slice of the wgmma variant above 64 rows: 0 the planner's choice; 64 or 128 forced
   // (probes, tests).
   int wg_slice_rows = 0;
+  // fp16 group 128 on the wgmma variant's 16-row slices: the run-time-group instance (true) or the
+  // group-sum one (false); see g128_as_runtime_group in marlin_gemm.cu
+  bool g128_runtime_group = true;
 };
 
 // What plan() decided: printed in errors and benchmarks.

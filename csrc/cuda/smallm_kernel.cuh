@@ -123,6 +123,11 @@ struct SmallMShape {
   static constexpr int kSStage = WG && GROUPED ? (kSRows * kSRow + 63) / 64 * 64 : kSRows * kSRow;
   static constexpr bool kZeros = W == kU4Zp;
   static constexpr int kZStage = kZeros ? kSStage : 0;
+  // Zero points: the dequantization constants of a lane's zero points (u4_zero_pair, two
+  // instructions per 16x16 block) made once per group and kept in registers (2 per block), or,
+  // where that spills (128-row wgmma slices: 0 -> 64 bytes; 16-row mma.sync at its 128-register
+  // bound: 0 -> 36), remade at every k16 step.
+  static constexpr bool kZeroConstPerGroup = kZeros && (WG ? MB <= 8 : MB == 1);
   static constexpr int kStageInt4 = kAStage + kBStage + kSStage + kZStage;
   static constexpr int kPipeInt4 = STAGES * kStageInt4;
   // accumulators per thread: kJW row blocks of 16 columns of N x MB n8 tiles x 4
@@ -266,6 +271,7 @@ __global__ void __launch_bounds__(kThreads, kSmallMMinBlocksPerSm<MB, WG>) marli
   alignas(16) uint32_t wq[2][JW * S::kBLane];  // packed weights (8 nibbles / 2 x 4 bytes per block), double buffered
   alignas(16) uint32_t s_cur[JW];              // this lane's scale pairs of the current group
   alignas(16) uint32_t z_cur[JW] = {};         // kZeros: its zero-point pairs, as s_cur
+  U4Zero z_const[S::kZeroConstPerGroup ? JW : 1] = {};  // their dequantization constants (see the shape)
 
   // A lane's 16-byte word in shared memory holds one 32-bit entry per 16-column block of its
   // 64-column chunk (packed weights, scale pairs); a warp with kJW == 2 blocks reads its half.
@@ -461,7 +467,7 @@ __global__ void __launch_bounds__(kThreads, kSmallMMinBlocksPerSm<MB, WG>) marli
       dequant_u8<ET>(wq[buf][2 * j], lo);
       dequant_u8<ET>(wq[buf][2 * j + 1], hi);
     } else if constexpr (W == kU4Zp) {
-      dequant_u4<ET, true>(wq[buf][j], lo, hi, u4_zero_pair<ET>(z_cur[j]));
+      dequant_u4<ET, true>(wq[buf][j], lo, hi, S::kZeroConstPerGroup ? z_const[j] : u4_zero_pair<ET>(z_cur[j]));
     } else if constexpr (kBf16) {
       dequant_u4<ET, false>(wq[buf][j], lo, hi, U4Zero{0, 0});
     } else {
@@ -575,12 +581,23 @@ __global__ void __launch_bounds__(kThreads, kSmallMMinBlocksPerSm<MB, WG>) marli
   // at sub-step 0: after the barrier that made the stage visible, before the one after which the
   // slot is refilled.
   const int s_sh_rd = S::kAStage + S::kBStage + wn * 8 + g;
-  // RG: the k16 step's own scale row of the stage (read at every step).
+  // RG: the k16 step's own scale row of the stage (read at every step; kept across steps it
+  // costs the 64- and 128-row instances 120+ bytes of spills). Zero points (kZeroConstPerGroup):
+  // read and made into dequantization constants where a group starts (and at a stage's first
+  // step), not at every k16 step.
   auto load_scales = [&](int stage, int u) {
     if constexpr (RG) {
-      const int at = stage * S::kStageInt4 + s_sh_rd + ((wk * SUB + u) >> p.group_shift) * S::kSRow;
+      const int kb = wk * SUB + u;
+      const int at = stage * S::kStageInt4 + s_sh_rd + (kb >> p.group_shift) * S::kSRow;
       read_blocks(smem + at, s_cur);
-      if constexpr (S::kZeros) read_blocks(smem + at + S::kSStage, z_cur);
+      if constexpr (S::kZeroConstPerGroup) {
+        if (u != 0 && (kb & ((1 << p.group_shift) - 1)) != 0) return;  // same group as the step before
+        read_blocks(smem + at + S::kSStage, z_cur);
+#pragma unroll
+        for (int j = 0; j < JW; j++) z_const[j] = u4_zero_pair<ET>(z_cur[j]);
+      } else if constexpr (S::kZeros) {
+        read_blocks(smem + at + S::kSStage, z_cur);
+      }
     } else if constexpr (GROUPED) {
       read_blocks(smem + stage * S::kStageInt4 + s_sh_rd, s_cur);
     }

@@ -24,24 +24,24 @@ struct Instance {
   cudaError_t (*launch)(const Params& p, int grid, int smem, cudaStream_t stream, bool pdl, int cluster);
 };
 
-template <int MB, int NW, int MS, int ST>
+template <int MB, int NW, int MS, int ST, int WG>
 SmemAttrCache& cache() {
   static SmemAttrCache c;
   return c;
 }
 
 // Resident blocks per SM (registers and shared memory), at least 1; 0 if the queries failed.
-template <int MB, int NW, int MS, int ST>
+template <int MB, int NW, int MS, int ST, int WG>
 int blocks_per_sm(int smem) {
   constexpr int kMaxDevices = 64;
   static std::atomic<int> known[kMaxDevices];  // 0: not yet
   int device = 0;
   if (cudaGetDevice(&device) != cudaSuccess) return 0;
   if (device >= 0 && device < kMaxDevices && known[device].load() > 0) return known[device].load();
-  auto kernel = marlin_24_kernel<MB, NW, MS, ST>;
+  auto kernel = marlin_24_kernel<MB, NW, MS, ST, WG>;
   int blocks = 0;
-  if (cache<MB, NW, MS, ST>().ensure(reinterpret_cast<const void*>(kernel), smem) != cudaSuccess ||
-      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, Shape<MB, NW, MS>::kThreads, smem) != cudaSuccess) {
+  if (cache<MB, NW, MS, ST, WG>().ensure(reinterpret_cast<const void*>(kernel), smem) != cudaSuccess ||
+      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, Shape<MB, NW, MS, WG != 0>::kThreads, smem) != cudaSuccess) {
     (void)cudaGetLastError();
     return 0;
   }
@@ -50,27 +50,43 @@ int blocks_per_sm(int smem) {
   return blocks;
 }
 
-template <int MB, int NW, int MS, int ST>
+template <int MB, int NW, int MS, int ST, int WG>
 int max_clusters(int cluster, int smem) {
-  return cache<MB, NW, MS, ST>().max_clusters(marlin_24_kernel<MB, NW, MS, ST>, cluster, Shape<MB, NW, MS>::kThreads, smem);
+  return cache<MB, NW, MS, ST, WG>().max_clusters(marlin_24_kernel<MB, NW, MS, ST, WG>, cluster, Shape<MB, NW, MS, WG != 0>::kThreads, smem);
 }
 
-template <int MB, int NW, int MS, int ST>
+template <int MB, int NW, int MS, int ST, int WG>
 cudaError_t launch(const Params& p, int grid, int smem, cudaStream_t stream, bool pdl, int cluster) {
-  return launch_kernel(marlin_24_kernel<MB, NW, MS, ST>, cache<MB, NW, MS, ST>(), p, grid, Shape<MB, NW, MS>::kThreads, smem,
-                       stream, pdl, cluster);
+  return launch_kernel(marlin_24_kernel<MB, NW, MS, ST, WG>, cache<MB, NW, MS, ST, WG>(), p, grid, Shape<MB, NW, MS, WG != 0>::kThreads,
+                       smem, stream, pdl, cluster);
 }
 
-template <int MB, int NW, int MS, int ST = kStages>
+template <int MB, int NW, int MS, int ST = kStages, int WG = 0>
 Instance make() {
-  return Instance{ST * Shape<MB, NW, MS>::kStageInt4 * 16, Shape<MB, NW, MS>::kThreads, &blocks_per_sm<MB, NW, MS, ST>,
-                  &max_clusters<MB, NW, MS, ST>, &launch<MB, NW, MS, ST>};
+  using S = Shape<MB, NW, MS, WG != 0>;
+  return Instance{S::template smem_bytes<ST>(), S::kThreads, &blocks_per_sm<MB, NW, MS, ST, WG>, &max_clusters<MB, NW, MS, ST, WG>,
+                  &launch<MB, NW, MS, ST, WG>};
 }
 
 // The compiled instances: MB 1, 2, 4 x NW 2, 4; at MB 4 also two warp slices (64-row block
 // slices), and four on the 128-column tile (128 rows, 8 warps; four would exceed the registers
-// of an SM on the 256-column tile); 3 stages at MB 1, 2 on the 256-column tile.
-Instance find(int mb, int nw, int ms, int stages) {
+// of an SM on the 256-column tile); 3 stages at MB 1, 2 on the 256-column tile. WG (sm_90a
+// builds; trap stubs elsewhere): the 256-column tile, warp slices of 16, 32, 64 rows, and two
+// 64-row warp slices (128-row block slices); wg = 1: early refill, 4 stages; wg = 2: late
+// refill, 4 stages, but 3 for one 64-row warp slice (88 KB: 2 blocks per SM instead of 1).
+Instance find(int mb, int nw, int ms, int stages, int wg) {
+  if (wg == 1) {
+    if (mb == 2) return make<2, 4, 1, kStages, 1>();
+    if (mb == 4) return make<4, 4, 1, kStages, 1>();
+    if (ms == 2) return make<8, 4, 2, kStages, 1>();
+    return make<8, 4, 1, kStages, 1>();
+  }
+  if (wg == 2) {
+    if (mb == 2) return make<2, 4, 1, kStages, 2>();
+    if (mb == 4) return make<4, 4, 1, kStages, 2>();
+    if (ms == 2) return make<8, 4, 2, kStages, 2>();
+    return make<8, 4, 1, 3, 2>();
+  }
   if (stages == 3 && nw == 4 && ms == 1 && mb <= 2) return mb == 1 ? make<1, 4, 1, 3>() : make<2, 4, 1, 3>();
 #define MARLIN_24_TRY(MB, NW, MS) \
   if (mb == MB && nw == NW && ms == MS) return make<MB, NW, MS>();
@@ -112,22 +128,33 @@ std::string plan_24(const Args24& args, Plan24* plan) {
   // rows per warp slice: the smallest of 8, 16, 32 that holds M. One warp slice per block: two
   // (64-row block slices, each stage's weights read once for both) measured 8-10% faster on the
   // ideal layer at M = 64-128 but 20-40% slower on 70B o / gate_up / down (H100, NOTES.md).
-  plan->mb = args.m <= 8 ? 1 : args.m <= 16 ? 2 : 4;
-  plan->ms = 1;
-  if (args.force_ms > 0 && plan->mb == 4 && !args.legacy) plan->ms = args.force_ms;
+  // The sparse wgmma (sm_90a, MARLIN_2_4_WGMMA=1) from 9 rows on, on the 256-column tile: warp
+  // slices of 16, 32 or 64 rows (the smallest that holds M), two 64-row warp slices per block
+  // above 64 rows (each stage's weights read once for 128 rows).
+  const bool wg = args.wgmma && !args.legacy && args.m > 8 && args.n % 256 == 0 && args.force_tile_n != 128 && args.force_ms != 4;
+  plan->wg = wg ? (args.wg_late ? 2 : 1) : 0;
+  if (plan->wg) {
+    plan->mb = args.m <= 16 ? 2 : args.m <= 32 ? 4 : 8;
+    plan->ms = plan->mb == 8 && (args.force_ms > 0 ? args.force_ms == 2 : args.m > 64) ? 2 : 1;
+  } else {
+    plan->mb = args.m <= 8 ? 1 : args.m <= 16 ? 2 : 4;
+    plan->ms = 1;
+    if (args.force_ms > 0 && plan->mb == 4 && !args.legacy) plan->ms = args.force_ms;
+  }
   const int rows = 8 * plan->mb * plan->ms;
   const int rows_used = std::min(rows, args.m);  // rows of a slice's partial that are read
   plan->slices = (args.m + rows - 1) / rows;
   const int k_tiles = args.k / kStageK;
   plan->nw = args.n % 256 == 0 && plan->ms != 4 ? 4 : 2;
-  if (args.force_tile_n > 0) {
+  if (args.force_tile_n > 0 && !plan->wg) {
     plan->nw = args.force_tile_n / 64;
     if ((plan->nw != 2 && plan->nw != 4) || args.n % args.force_tile_n != 0 || (plan->ms == 4 && plan->nw == 4))
       return "marlin.gemm_2_4: MARLIN_2_4_TILE_N = " + std::to_string(args.force_tile_n) + " cannot run N = " +
              std::to_string(args.n) + " with " + std::to_string(rows) + "-row slices (128 or 256 dividing N; 128 for 128-row slices)";
   }
-  plan->stages = args.force_stages == 3 && plan->nw == 4 && plan->ms == 1 && plan->mb <= 2 ? 3 : kStages;
-  const Instance inst = find(plan->mb, plan->nw, plan->ms, plan->stages);
+  plan->stages = !plan->wg && args.force_stages == 3 && plan->nw == 4 && plan->ms == 1 && plan->mb <= 2 ? 3 : kStages;
+  if (plan->wg == 2 && plan->mb == 8 && plan->ms == 1) plan->stages = 3;
+  const Instance inst = find(plan->mb, plan->nw, plan->ms, plan->stages, plan->wg);
   plan->smem = inst.smem;
   if (plan->smem > args.max_smem)
     return "marlin.gemm_2_4: the kernel needs " + std::to_string(plan->smem) + " bytes of shared memory per block, the device allows " +
@@ -177,7 +204,8 @@ std::string describe_24(const Args24& args, const Plan24& plan) {
          " groups=" + std::to_string(args.groups) + " slice_rows=" + std::to_string(8 * plan.mb * plan.ms) +
          " mb=" + std::to_string(plan.mb) + " ms=" + std::to_string(plan.ms) + " stages=" + std::to_string(plan.stages) + " tile_n=" + std::to_string(64 * plan.nw) +
          " parts=" + std::to_string(plan.parts) + " cluster=" + (plan.cluster_reduce ? "1" : "0") +
-         " grid=" + std::to_string(plan.grid) + " pdl=" + (args.pdl && !args.legacy ? "1" : "0") + (args.legacy ? " legacy" : "");
+         " grid=" + std::to_string(plan.grid) + " pdl=" + (args.pdl && !args.legacy ? "1" : "0") + " wgmma=" + std::to_string(plan.wg) +
+         (args.legacy ? " legacy" : "");
 }
 
 cudaError_t launch_24(const Args24& args, const Plan24& plan, cudaStream_t stream) {
@@ -196,7 +224,7 @@ cudaError_t launch_24(const Args24& args, const Plan24& plan, cudaStream_t strea
   p.parts = plan.parts;
   p.cluster_reduce = plan.cluster_reduce;
   p.locks = args.locks;
-  const Instance inst = find(plan.mb, plan.nw, plan.ms, plan.stages);
+  const Instance inst = find(plan.mb, plan.nw, plan.ms, plan.stages, plan.wg);
   return inst.launch(p, plan.grid, plan.smem, stream, args.pdl && !args.legacy, plan.cluster_reduce ? plan.parts : 1);
 }
 

@@ -25,6 +25,10 @@ struct Args24 {
   int max_smem;  // opt-in shared memory per block
   bool pdl;       // launch with programmatic dependent launch (sm_90+; measured slower here, off by default)
   bool clusters;  // thread-block clusters can be launched (sm_90+)
+  // the sparse wgmma instances may run: an sm_90a build on a compute capability 9.0 device, and
+  // MARLIN_2_4_WGMMA=1 (off by default until measured; gemm_2_4_cuda.cpp)
+  bool wgmma = false;
+  bool wg_late = false;  // the wgmma instances with late refill (MARLIN_2_4_WG_LATE=1, for measurement)
   // tuning and diagnosis (gemm_2_4_cuda.cpp reads them from the environment): legacy = the first
   // kernel's plan (8-32-row slices, K parts by fill alone, added through global memory);
   // force_parts > 0: that many K parts (at most 16 and k-tiles / 2); force_tile_n > 0: tiles of
@@ -43,6 +47,7 @@ struct Plan24 {
   int mb;      // n8 tiles per warp slice (8 mb rows)
   int nw;      // 64-column chunks per tile: 4, or 2 where N % 256 != 0
   int ms;      // warp slices per block slice (block slice = 8 mb ms rows; warps = nw ms)
+  int wg;      // the sparse wgmma instances (sm_90a; nw = 4, mb 2, 4 or 8, ms 1 or 2): 1 early, 2 late refill; 0 mma.sync
   int stages;  // of the cp.async ring
   int parts;   // K parts per column tile (> 1: reduced in a cluster or through fp32 partials)
   bool cluster_reduce;  // the parts of a tile form one thread-block cluster

@@ -36,6 +36,7 @@
 #include <cstdint>
 
 #include "../ptx.cuh"
+#include "../wgmma.cuh"
 
 namespace marlin {
 namespace sparse24 {
@@ -61,8 +62,19 @@ struct Params {
 
 // MB: n8 tiles per warp slice (8 MB rows of A); NW: 64-column chunks per tile; MS: warp slices
 // per block slice. One warp per chunk and warp slice.
-template <int MB, int NW, int MS>
+// WG (sm_90a): the sparse wgmma (wgmma.mma_async.sp) instead of mma.sp. The NW = 4 warps of a
+// warp slice are one warpgroup: for each 32-row strip and 16-column block j, one
+// m64 n(8 MB) k32 instruction takes every warp's block j (its 16 columns are rows 16 w .. of the
+// instruction's 64) with the weights dequantized in registers and the metadata word exactly as
+// for mma.sp (the per-warp layouts are the same), and reads the slice's activations from shared
+// memory by descriptor. One instruction replaces MB mma.sp per warp, which is what made the
+// mma.sync kernel issue-bound from 16 rows on. The activations of a stage are then stored as two
+// 64-half blocks of K, [row][8 chunks] each with the 128-byte swizzle (wgmma.cuh), and a stage
+// is padded to 1 KB so that every stage starts on a swizzle atom.
+template <int MB, int NW, int MS, bool WG = false>
 struct Shape {
+  static_assert(!WG || (NW == 4 && (MB == 2 || MB == 4 || MB == 8) && (MS == 1 || MS == 2)),
+                "WG: one warpgroup (NW = 4) per warp slice of 16, 32 or 64 rows, one or two slices");
   static constexpr int kThreads = 32 * NW * MS;
   static constexpr int kTileN = 64 * NW;
   static constexpr int kWarpRows = 8 * MB;
@@ -71,11 +83,16 @@ struct Shape {
   static constexpr int kBStage = kStrips * NW * 32;      // int4: a lane's 16 bytes per chunk and strip
   static constexpr int kMStage = kStrips * NW * 16;      // int4: a lane's 8 bytes per chunk and strip
   static constexpr int kSStage = NW * 8;                 // int4: the tile's 64 NW group scales
-  static constexpr int kStageInt4 = kAStage + kBStage + kMStage + kSStage;
+  static constexpr int kStageInt4 = (kAStage + kBStage + kMStage + kSStage + (WG ? 63 : 0)) / (WG ? 64 : 1) * (WG ? 64 : 1);
   // cluster reduction: the block's fp32 partial [kRows][kPartStride] over the drained pipeline
   // (the padding spreads the rows 2 c4 of a warp's stores over the banks)
   static constexpr int kPartStride = kTileN + 4;
   static constexpr int kPartBytes = kRows * kPartStride * 4;
+  // WG: + 1 KB to align the dynamic shared memory to the 1024-byte swizzle atom
+  template <int STAGES>
+  static constexpr int smem_bytes() {
+    return STAGES * kStageInt4 * 16 + (WG ? 1024 : 0);
+  }
 };
 
 // D += A * B on the sparse tensor cores: A 16 x 32 (2:4, compressed to 16 x 16 in a), B 32 x 8,
@@ -106,12 +123,149 @@ __device__ __forceinline__ void mma_sp_16832_first(const uint32_t (&a)[4], const
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]), "r"(b[2]), "r"(b[3]), "r"(e), "n"(SEL), "f"(0.f));
 }
 
-template <int MB, int NW, int MS, int STAGES>
+// WG main loop (sm_90a; see Shape): the block's stages kt0 .. kt0 + n_k - 1 into tot, the group
+// scales applied to the dequantized fp16 weights (as the dense wgmma instances do from 32 rows
+// on: a group-sum path would have to wait for every wgmma at each group's end), per-column scales
+// left to the epilogue. Each 32-row strip is one wgmma group per block j (4 instructions), kept
+// one group deep: the wait after a strip's commit ends the previous strip's group, whose A
+// fragments and metadata registers (double buffered) are refilled next.
+// Ring: a wgmma reads its activations from shared memory until its wait, so at a barrier before
+// stage i's first strip the last group of stage i - 1 may still run in some warp.
+//  * early refill (LATE = false): the barrier before stage i's first strip; the refill after it
+//    takes the slot of stage i - 2 (every group of that stage has ended in every warp), so
+//    STAGES - 2 stages are in flight ahead of the one computed.
+//  * late refill (LATE = true): the barrier that makes stage i + 1 visible comes before stage i's
+//    last strip is issued, after every warp's wait at strip 0 has ended stage i - 1's last
+//    group; the refill after that barrier (and that strip's issue) takes stage i - 1's slot, so
+//    STAGES - 1 stages are in flight with one barrier per stage as well (the dense wgmma
+//    instances' late refill, smallm_kernel.cuh).
+template <int MB, int NW, int MS, int STAGES, bool LATE, typename Fetch>
+__device__ __forceinline__ void main_loop_wg(const int4* smem, Fetch& fetch, float (&tot)[4][MB][4], int kt0, int n_k, int wn,
+                                             int wrow0, int lane, int g, bool grouped) {
+  using S = Shape<MB, NW, MS, true>;
+  constexpr int kAhead = LATE ? STAGES - 1 : STAGES - 2;
+#pragma unroll
+  for (int s = 0; s < kAhead; s++) {
+    if (s < n_k) fetch(kt0 + s, s);
+    cp_async_commit();
+  }
+  grid_launch_dependents();
+  if constexpr (LATE) {  // stage 0 visible to all (later stages: at the previous stage's last strip)
+    cp_async_wait<kAhead - 1>();
+    fence_proxy_async_smem();
+    __syncthreads();
+  }
+  // the descriptor's low word moves with the stage, strip and warp slice; its high word is fixed
+  // (start address >> 4 stays within bits 0-13 for any offset inside 227 KB)
+  const uint64_t desc0 = smem_desc_sw128(smem_addr(smem));
+  const uint64_t desc_hi = desc0 & ~0xFFFFFFFFull;
+  uint32_t afrag[2][4][4];  // [buffer][block j][register]
+  uint32_t meta[2][4];      // [buffer][block j]
+  for (int i = 0; i < n_k; i++) {
+    if constexpr (!LATE) {
+      cp_async_wait<kAhead - 1>();
+      fence_proxy_async_smem();  // cp.async wrote what the wgmma reads
+      __syncthreads();           // stage i landed for every thread; stage i - 2's wgmma ended in every warp
+      if (i + kAhead < n_k) fetch(kt0 + i + kAhead, (i + kAhead) % STAGES);
+      cp_async_commit();
+    }
+
+    const int slot = i % STAGES;
+    const int4* sb = smem + slot * S::kStageInt4 + S::kAStage;
+    const int4* sm = sb + S::kBStage;
+    // the lane's group scales (b_scales permutation: position 8 g + 2 j is column 16 j + g, + 1 is
+    // column 16 j + 8 + g, i.e. fragment rows g and g + 8 of block j)
+    half2 s_lo[4], s_hi[4];
+    if (grouped) {
+      const int4 sv = sm[S::kMStage + wn * 8 + g];
+      const half* sc = reinterpret_cast<const half*>(&sv);
+#pragma unroll
+      for (int j = 0; j < 4; j++) s_lo[j] = __half2half2(sc[2 * j]), s_hi[j] = __half2half2(sc[2 * j + 1]);
+    }
+    uint32_t desc_lo = static_cast<uint32_t>(desc0);
+    fence_operand(desc_lo);  // add the offsets here, not one 64-bit descriptor per strip kept alive
+    desc_lo += static_cast<uint32_t>(slot * S::kStageInt4 * 16 + wrow0 * 128) >> 4;
+#pragma unroll
+    for (int u = 0; u < kStrips; u++) {
+      const int buf = u % 2;
+      const int4 wq4 = sb[(u * NW + wn) * 32 + lane];
+      // metadata as in the mma.sync loop: the lane's words (blocks 0, 1) and lane ^ 2's (2, 3), selector 0
+      const uint2* mrow = reinterpret_cast<const uint2*>(sm + (u * NW + wn) * 16);
+      const uint2 mw = mrow[lane], mw2 = mrow[lane ^ 2];
+      meta[buf][0] = mw.x, meta[buf][1] = mw.y, meta[buf][2] = mw2.x, meta[buf][3] = mw2.y;
+      const uint32_t wq[4] = {static_cast<uint32_t>(wq4.x), static_cast<uint32_t>(wq4.y), static_cast<uint32_t>(wq4.z),
+                              static_cast<uint32_t>(wq4.w)};
+#pragma unroll
+      for (int j = 0; j < 4; j++) {
+        uint32_t lo[2], hi[2];
+        dequant_int4x8(wq[j], lo, hi);
+        if (grouped) {
+          half2* l2 = reinterpret_cast<half2*>(lo);
+          half2* h2 = reinterpret_cast<half2*>(hi);
+          l2[0] = __hmul2(l2[0], s_lo[j]);
+          l2[1] = __hmul2(l2[1], s_lo[j]);
+          h2[0] = __hmul2(h2[0], s_hi[j]);
+          h2[1] = __hmul2(h2[1], s_hi[j]);
+        }
+        afrag[buf][j][0] = lo[0];
+        afrag[buf][j][1] = hi[0];
+        afrag[buf][j][2] = lo[1];
+        afrag[buf][j][3] = hi[1];
+      }
+#pragma unroll
+      for (int j = 0; j < 4; j++) {
+#pragma unroll
+        for (int r = 0; r < 4; r++) fence_operand(afrag[buf][j][r]);
+        fence_operand(meta[buf][j]);
+      }
+      // strip u: 64-half block u / 2 of the stage, 64 bytes per strip inside it
+      const uint64_t desc = desc_hi | (desc_lo + (((u / 2) * S::kRows * 128 + (u % 2) * 64) >> 4));
+      if (LATE && u == kStrips - 1) {
+        // stage i + 1 landed (committed after it: the kAhead - 2 later stages), visible to all;
+        // every warp has waited for stage i - 1's last group (at strip 0 of this stage)
+        cp_async_wait<(LATE ? kAhead - 2 : 0)>();
+        fence_proxy_async_smem();
+        __syncthreads();
+      }
+      wgmma_fence();
+#pragma unroll
+      for (int j = 0; j < 4; j++)
+        wgmma_sp_m64k32_rs<8 * MB>(reinterpret_cast<float(&)[4 * MB]>(tot[j]), afrag[buf][j], desc, meta[buf][j]);
+      wgmma_commit();
+      wgmma_wait<1>();
+      if (LATE && u == kStrips - 1) {  // stage i + kAhead into stage i - 1's slot
+        if (i + kAhead < n_k) fetch(kt0 + i + kAhead, (i + kAhead) % STAGES);
+        cp_async_commit();
+      }
+    }
+  }
+  // every group has landed before the epilogue reads tot (the empty asm pins the reads after it)
+  wgmma_wait<0>();
+#pragma unroll
+  for (int j = 0; j < 4; j++)
+#pragma unroll
+    for (int b = 0; b < MB; b++)
+#pragma unroll
+      for (int e = 0; e < 4; e++) fence_operand(tot[j][b][e]);
+}
+
+// WG: 0 the mma.sync loop, 1 the wgmma loop with early refill, 2 with late refill (main_loop_wg).
+template <int MB, int NW, int MS, int STAGES, int WG = 0>
 __global__ void __launch_bounds__(32 * NW * MS) marlin_24_kernel(const Params p) {
-  using S = Shape<MB, NW, MS>;
+  using S = Shape<MB, NW, MS, WG != 0>;
   constexpr int kThreads = S::kThreads;
   static_assert(S::kPartBytes <= STAGES * S::kStageInt4 * 16, "the cluster partial must fit the pipeline's shared memory");
-  extern __shared__ int4 smem[];
+  static_assert(!WG || STAGES >= 3, "the wgmma loop needs at least 3 stages");
+#if !MARLIN_HAS_WGMMA
+  // A wgmma instance built for another target than sm_90a is never launched (plan_24): a trap stub.
+  if constexpr (WG) {
+    __trap();
+    return;
+  }
+#endif
+  extern __shared__ int4 smem_raw[];
+  int4* smem = smem_raw;
+  if constexpr (WG) smem += ((1024 - (smem_addr(smem_raw) & 1023)) & 1023) / 16;
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
   const int wn = MS == 1 ? warp : warp % NW, ws = MS == 1 ? 0 : warp / NW;  // chunk and warp slice of this warp
   const int g = lane / 4, c4 = lane % 4;
@@ -139,7 +293,9 @@ __global__ void __launch_bounds__(32 * NW * MS) marlin_24_kernel(const Params p)
       const int r = x / 16, ch = x % 16;
       const bool ok = r < rows;
       const int4* src = ok ? p.a + (row0 + r) * p.lda_int4 + kt * (kStageK / 8) + ch : p.a;
-      cp_async16_zfill(sh + r * 16 + (ch ^ (r % 8)), src, ok);
+      // WG: [64-half block of K][row][8 chunks], 128-byte swizzle (the wgmma's B operand)
+      const int at = WG ? (ch / 8) * (S::kRows * 8) + r * 8 + ((ch % 8) ^ (r % 8)) : r * 16 + (ch ^ (r % 8));
+      cp_async16_zfill(sh + at, src, ok);
     }
     int4* sb = sh + S::kAStage;
     for (int x = tid; x < S::kBStage; x += kThreads) {
@@ -171,6 +327,9 @@ __global__ void __launch_bounds__(32 * NW * MS) marlin_24_kernel(const Params p)
   // Programmatic dependent launch: the previous kernel of the stream may still be running until
   // here (A, the locks and C may be its inputs or outputs).
   grid_dependency_wait();
+  if constexpr (WG) {
+    main_loop_wg<MB, NW, MS, STAGES, WG == 2>(smem, fetch, tot, kt0, n_k, wn, wrow0, lane, g, grouped);
+  } else {
 #pragma unroll
   for (int s = 0; s < STAGES - 1; s++) {
     if (s < n_k) fetch(kt0 + s, s);
@@ -239,6 +398,7 @@ __global__ void __launch_bounds__(32 * NW * MS) marlin_24_kernel(const Params p)
         tot[j][b][3] = fmaf(s_hi[j], grp[j][b][3], tot[j][b][3]);
       }
   }
+  }  // mma.sync main loop
   cp_async_wait<0>();
 
   // Element (j, b, e) is C[slice row wrow0 + 8 b + 2 c4 + e % 2][column 64 wn + 16 j + g + 8 (e / 2)]
