@@ -175,9 +175,11 @@ def compile_layers(model, backend: str = "inductor") -> Callable[[], None]:
 
     Why: compiling the whole step traces and lowers every layer (compile + capture took 43-54 s
     per kernel and batch shape at 32 layers against 8-17 s at 8 layers). Layers share their code,
-    so inductor's graph cache serves layers 2..N from layer 1's compiled graph; dynamo still
-    traces each layer once (its cache index is a constant of the trace), hence the raised
-    recompile limit (and the reset of dynamo's caches, here and on undo). The step is still captured whole in one CUDA graph (DecodeStep.setup); what
+    and their number is made a traced integer here (allow_unspec_int_on_nn_module), so a cache
+    that offsets a tensor by it (the slots engine's SlotCache) compiles once for all layers and
+    shapes of a class. transformers' StaticCache indexes a Python list with it, which specializes:
+    one compile per layer, no faster than the whole step (32 layers: no point within 165 s on the
+    H100). Hence the raised recompile limit (and the reset of dynamo's caches, here and on undo). The step is still captured whole in one CUDA graph (DecodeStep.setup); what
     it loses against the whole-model compile is the fusion across layer boundaries (the residual
     add of one layer with the next layer's norm) and inductor's work on the eager parts."""
     import torch._dynamo
@@ -188,6 +190,10 @@ def compile_layers(model, backend: str = "inductor") -> Callable[[], None]:
     old_limit = getattr(dcfg, name)
     layers = list(model.model.layers)
     setattr(dcfg, name, max(old_limit, 4 * len(layers) + 8))  # a layer per shape, a few shapes
+    # layer numbers as traced integers: a cache that indexes a tensor with it (the slots engine's)
+    # compiles once for all layers; a list index still specializes (StaticCache: one per layer)
+    old_unspec = dcfg.allow_unspec_int_on_nn_module
+    dcfg.allow_unspec_int_on_nn_module = True
     for layer in layers:
         layer.compile(fullgraph=True, backend=backend)
 
@@ -195,6 +201,7 @@ def compile_layers(model, backend: str = "inductor") -> Callable[[], None]:
         for layer in layers:
             layer._compiled_call_impl = None
         setattr(dcfg, name, old_limit)
+        dcfg.allow_unspec_int_on_nn_module = old_unspec
         torch._dynamo.reset()
 
     return undo

@@ -57,33 +57,39 @@ class SlotCache(Cache):
     def __init__(self, layers: int, slots: int, max_len: int, kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device):
         super().__init__(layers=[])
-        shape = (slots, kv_heads, max_len, head_dim)
-        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
-        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
+        # one tensor for all layers, layer l's rows at l * slots ..: a compiled decoder layer
+        # offsets its rows by its layer number as a traced integer, so every layer runs the same
+        # compiled code (a per-layer list is indexed by a constant: one compile per layer). Writes
+        # index this tensor itself, not a view of it: inductor updates a mutated input in place,
+        # while a write through a view of one became a copy of the whole cache per call.
+        self.slots = slots
+        shape = (layers * slots, kv_heads, max_len, head_dim)
+        self.keys = torch.zeros(shape, dtype=dtype, device=device)
+        self.values = torch.zeros(shape, dtype=dtype, device=device)
         self.rows = torch.arange(slots, device=device)
         self.pos: Optional[torch.Tensor] = None
         self.kv_range: Optional[torch.Tensor] = None
         self.prefill_row: Optional[int] = None
 
     def __len__(self) -> int:
-        return len(self.keys)
+        return self.keys.shape[0] // self.slots
 
     def bind(self, pos: torch.Tensor, kv_range: torch.Tensor) -> None:
         self.pos, self.kv_range, self.prefill_row = pos, kv_range, None
 
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
-        k, v = self.keys[layer_idx], self.values[layer_idx]
+        base = layer_idx * self.slots
         if self.prefill_row is not None:
             n = key_states.shape[2]
-            k[self.prefill_row, :, :n] = key_states[0]
-            v[self.prefill_row, :, :n] = value_states[0]
+            self.keys[base + self.prefill_row, :, :n] = key_states[0]
+            self.values[base + self.prefill_row, :, :n] = value_states[0]
             return key_states, value_states
         b = key_states.shape[0]
-        rows = self.rows[:b]
-        k[rows, :, self.pos] = key_states[:, :, 0]
-        v[rows, :, self.pos] = value_states[:, :, 0]
+        rows = self.rows[:b] + base
+        self.keys[rows, :, self.pos] = key_states[:, :, 0]
+        self.values[rows, :, self.pos] = value_states[:, :, 0]
         lb = self.kv_range.shape[0]
-        return k[:b, :, :lb], v[:b, :, :lb]
+        return self.keys[base:base + b, :, :lb], self.values[base:base + b, :, :lb]
 
     def get_seq_length(self, layer_idx: int = 0) -> int:  # asked only without position_ids; never here
         return 0
@@ -93,7 +99,7 @@ def decode_step(model, ids, pos, kv_range, active, cache: SlotCache, out):
     """One step for rows 0..B-1 (B = ids.shape[0]): next tokens into ``out`` and ``ids``, positions
     of the active rows advanced. Everything stays on the device (graph-capturable)."""
     cache.bind(pos, kv_range)
-    dtype = cache.keys[0].dtype
+    dtype = cache.keys.dtype
     visible = kv_range[None, :] <= pos[:, None]  # [B, Lb]: a row sees its positions 0..pos
     mask = torch.zeros(visible.shape, dtype=dtype, device=ids.device).masked_fill(~visible, torch.finfo(dtype).min)
     logits = model(input_ids=ids, position_ids=pos[:, None], attention_mask=mask[:, None, None, :], use_cache=True,
@@ -181,7 +187,7 @@ class SlotServer:
     def _prefill(self, row: int, prompt: list[int]) -> None:
         n = len(prompt)
         ids = torch.tensor([prompt], dtype=torch.long, device=self.dev)
-        dtype = self.cache.keys[0].dtype
+        dtype = self.cache.keys.dtype
         causal = torch.full((n, n), torch.finfo(dtype).min, dtype=dtype, device=self.dev).triu(1)
         self.cache.prefill_row = row
         try:  # eager even where the layers are compiled: a prompt length or row is not a shape to compile for

@@ -231,3 +231,45 @@ def test_dry_run_layer_scope(tmp_path):
     for p in data["points"]:
         assert p["compile_scope"] == "layer" and p["graph_breaks"] == 0 and p["new_graphs"] == 2  # 2 layers
         assert p["check_rel_err"] <= bench_e2e.CHECK_TOL
+
+
+def test_serving_fused_baseline(tmp_path):
+    # --kernels fp16,fp16_fused,marlin: the stacked FP16 baseline served too (and undone before
+    # Marlin converts the model); Marlin's TPOT speedup over each baseline per rate; the report
+    # draws and tabulates all three
+    from benchmarks import bench_e2e_serving
+
+    out = tmp_path / "serving.json"
+    assert bench_e2e_serving.main(["--dry-run", "--kernels", "marlin,fp16_fused,fp16", "--out", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert [p["kernel"] for p in data["points"]] == ["fp16"] * 2 + ["fp16_fused"] * 2 + ["marlin"] * 2
+    by = {p["kernel"]: p for p in data["points"] if p["rate"] is None}
+    m = by["marlin"]
+    assert m["tpot_speedup"] == pytest.approx(by["fp16"]["tpot_ms_median"] / m["tpot_ms_median"])
+    assert m["tpot_speedup_over_fused"] == pytest.approx(by["fp16_fused"]["tpot_ms_median"] / m["tpot_ms_median"])
+    assert all(p["mean_rows"] > 0 and p["mean_kv_len"] > 0 for p in data["points"])
+    assert report.report(out, tmp_path)[-1] == "wrote serving.md"
+    assert "| fp16_fused |" in (tmp_path / "serving.md").read_text()
+
+
+def test_slot_server_compiles_once_for_all_layers():
+    # compile_layers + SlotCache: the layer number is traced, so the number of compiled graphs does
+    # not grow with the depth (4: layer 0, the layer number made dynamic, then the cache length and
+    # the batch); a per-layer compile would take 4 per layer here
+    import torch
+    from torch._dynamo.utils import counters
+
+    from benchmarks.e2e_model import build_model, compile_layers
+    from benchmarks.serving_engine import SlotServer
+
+    model = build_model("tiny", 4, torch.device("cpu")).float()
+    undo = compile_layers(model, "eager")
+    try:
+        counters.clear()
+        server = SlotServer(model, slots=4, max_len=32, kv_bucket=8, use_graphs=False)
+        with torch.no_grad():
+            for b, lb in server.buckets():
+                server.step_fn(*server._args(b, lb))
+        assert counters["stats"]["unique_graphs"] <= 4 and not counters["graph_break"]
+    finally:
+        undo()
