@@ -297,9 +297,10 @@ def main(argv=None) -> int:
     p.add_argument("--damp", type=float, default=0.01, help="GPTQ's Hessian dampening (fraction of the mean diagonal)")
     p.add_argument("--true-sequential", action=argparse.BooleanOptionalAction, default=True,
                    help="quantize a block's layer groups in call order, each on the quantized earlier ones' outputs")
-    p.add_argument("--clip-objective", choices=["hessian", "compensated"], default="hessian",
+    p.add_argument("--clip-objective", choices=["hessian", "compensated"], default="compensated",
                    help="how the clip search scores a group's error (marlin.quantize.gptq)")
-    p.add_argument("--fp-target", action="store_true", help="fit each layer to the full-precision model's outputs")
+    p.add_argument("--fp-target", action=argparse.BooleanOptionalAction, default=True,
+                   help="fit each layer to the full-precision model's outputs (default on, as marlin-quantize)")
     p.add_argument("--bits", type=int, choices=[4, 8], default=4, help="weight bits for rtn and gptq (8: symmetric)")
     p.add_argument("--asym", action="store_true", help="4-bit weights with zero points")
     p.add_argument("--sparsity", choices=["2:4"], default=None, help="2:4 joint pruning (rtn: magnitude pruning)")
