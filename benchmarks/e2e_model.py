@@ -30,7 +30,7 @@ import torch
 
 from . import shapes as S
 
-__all__ = ["MODEL_SPECS", "build_model", "to_marlin", "fuse_fp16", "weight_bytes", "cache_kwarg", "decode_forward", "compile_decode", "compile_layers", "DecodeStep",
+__all__ = ["MODEL_SPECS", "build_model", "to_marlin", "fuse_fp16", "weight_bytes", "eager", "cache_kwarg", "decode_forward", "compile_decode", "compile_layers", "DecodeStep",
            "time_generate", "profile_step"]
 
 TINY = {"hidden_size": 256, "intermediate_size": 512, "num_attention_heads": 4, "num_key_value_heads": 2,
@@ -132,6 +132,15 @@ def _sync(dev):
         torch.cuda.synchronize(dev)
 
 
+def eager():
+    """A context in which torch.compile'd code runs eagerly (torch.compiler.set_stance): prefills
+    and reference forwards where the decoder layers are compiled (compile_layers)."""
+    import contextlib
+
+    stance = getattr(torch.compiler, "set_stance", None)
+    return stance("force_eager") if stance is not None else contextlib.nullcontext()
+
+
 def cache_kwarg(model) -> str:
     """The name under which this transformers version's forward takes the KV cache: ``cache``
     (5.2x) or ``past_key_values`` (up to 5.1x). An unknown name is not an error there: it goes into
@@ -166,17 +175,25 @@ def compile_layers(model, backend: str = "inductor") -> Callable[[], None]:
 
     Why: compiling the whole step traces and lowers every layer (compile + capture took 43-54 s
     per kernel and batch shape at 32 layers against 8-17 s at 8 layers). Layers share their code,
-    so inductor's graph cache serves layers 2..N from layer 1's compiled graph; dynamo still
-    traces each layer once (its cache index is a constant of the trace), hence the raised
-    recompile limit. The step is still captured whole in one CUDA graph (DecodeStep.setup); what
+    and their number is made a traced integer here (allow_unspec_int_on_nn_module), so a cache
+    that offsets a tensor by it (the slots engine's SlotCache) compiles once for all layers and
+    shapes of a class. transformers' StaticCache indexes a Python list with it, which specializes:
+    one compile per layer, no faster than the whole step (32 layers: no point within 165 s on the
+    H100). Hence the raised recompile limit (and the reset of dynamo's caches, here and on undo). The step is still captured whole in one CUDA graph (DecodeStep.setup); what
     it loses against the whole-model compile is the fusion across layer boundaries (the residual
     add of one layer with the next layer's norm) and inductor's work on the eager parts."""
+    import torch._dynamo
     import torch._dynamo.config as dcfg
 
+    torch._dynamo.reset()  # another model's entries would count against this one's recompile limit
     name = "recompile_limit" if hasattr(dcfg, "recompile_limit") else "cache_size_limit"
     old_limit = getattr(dcfg, name)
     layers = list(model.model.layers)
     setattr(dcfg, name, max(old_limit, 4 * len(layers) + 8))  # a layer per shape, a few shapes
+    # layer numbers as traced integers: a cache that indexes a tensor with it (the slots engine's)
+    # compiles once for all layers; a list index still specializes (StaticCache: one per layer)
+    old_unspec = dcfg.allow_unspec_int_on_nn_module
+    dcfg.allow_unspec_int_on_nn_module = True
     for layer in layers:
         layer.compile(fullgraph=True, backend=backend)
 
@@ -184,6 +201,8 @@ def compile_layers(model, backend: str = "inductor") -> Callable[[], None]:
         for layer in layers:
             layer._compiled_call_impl = None
         setattr(dcfg, name, old_limit)
+        dcfg.allow_unspec_int_on_nn_module = old_unspec
+        torch._dynamo.reset()
 
     return undo
 
@@ -215,18 +234,20 @@ class DecodeStep:
         """Run the prompt through the model (eager, as generate() runs it); returns seconds."""
         self.reset(0)
         _sync(self.dev)
-        if self.dev.type == "cuda":
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            self.model(input_ids=self.prompt, use_cache=True, logits_to_keep=1, **{cache_kwarg(self.model): self.cache})
-            b.record()
-            b.synchronize()
-            return a.elapsed_time(b) * 1e-3
-        import time
+        kw = {cache_kwarg(self.model): self.cache}
+        with eager():  # eager as generate() runs it, also where the layers are compiled
+            if self.dev.type == "cuda":
+                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                a.record()
+                self.model(input_ids=self.prompt, use_cache=True, logits_to_keep=1, **kw)
+                b.record()
+                b.synchronize()
+                return a.elapsed_time(b) * 1e-3
+            import time
 
-        t0 = time.perf_counter()
-        self.model(input_ids=self.prompt, use_cache=True, logits_to_keep=1, **{cache_kwarg(self.model): self.cache})
-        return time.perf_counter() - t0
+            t0 = time.perf_counter()
+            self.model(input_ids=self.prompt, use_cache=True, logits_to_keep=1, **kw)
+            return time.perf_counter() - t0
 
     def eager_call(self) -> Callable[[], torch.Tensor]:
         return lambda: decode_forward(self.model, self.ids, self.pos, self.cache)
@@ -265,7 +286,8 @@ class DecodeStep:
         """Normwise relative error of one step's logits against the eager forward at the same
         cache state (a wrong capture or compile shows up here)."""
         self.reset(self.prompt_len)
-        ref = self.eager_call()().float().clone()
+        with eager():  # the reference is eager also where the layers are compiled
+            ref = self.eager_call()().float().clone()
         self.reset(self.prompt_len)
         out = step().float()
         if not torch.isfinite(out).all():

@@ -1,6 +1,6 @@
 """Development probe: time marlin.gemm with each forced tile configuration on a few layers.
 
-    python -m benchmarks.probe_tiles            (PROBE_MS=1,8,16 PROBE_IDEAL=1 PROBE_TILES=... PROBE_SHAPES=... to
+    python -m benchmarks.probe_tiles            (PROBE_MS=1,8,16 PROBE_IDEAL=1 PROBE_TILES=... PROBE_SHAPES=... (names or KxN) to
                                                  choose points; MARLIN_WGMMA=0 for mma.sync only)
 Same method as bench_gemm (weights rotated past L2, CUDA-graph replay, medians), fewer points.
 Used to fill the tile table in csrc/cuda/marlin_gemm.cu; results go to benchmarks/NOTES.md.
@@ -14,9 +14,21 @@ import marlin
 from benchmarks.timing import graph_median_us as time_us
 from benchmarks.shapes import BENCH_SHAPES, MODEL_LAYERS, ideal_shape
 
-# the Llama-2 7B / 70B layers, or PROBE_SHAPES=7B_o,Llama-3-8B/qkv,... (names of benchmarks/shapes.py)
+# the Llama-2 7B / 70B layers, or PROBE_SHAPES=7B_o,Llama-3-8B/qkv,2048x8192,... (names of
+# benchmarks/shapes.py, or K x N)
 _ALL = {**BENCH_SHAPES, **MODEL_LAYERS}
-SHAPES = {s: _ALL[s] for s in os.environ["PROBE_SHAPES"].split(",")} if os.environ.get("PROBE_SHAPES") else dict(BENCH_SHAPES)
+
+
+def _shape(name):
+    if name in _ALL:
+        return _ALL[name]
+    k, _, n = name.partition("x")
+    if not (k.isdigit() and n.isdigit()):
+        raise SystemExit(f"PROBE_SHAPES: {name!r} is neither a shape of benchmarks/shapes.py nor K x N (e.g. 4096x4096)")
+    return int(k), int(n)
+
+
+SHAPES = {s: _shape(s) for s in os.environ["PROBE_SHAPES"].split(",")} if os.environ.get("PROBE_SHAPES") else dict(BENCH_SHAPES)
 MS = [int(m) for m in os.environ.get("PROBE_MS", "1,4,8,16,32,64").split(",")]
 # (None, None) = the planner's choice; then the tiled kernel's and the small-batch kernel's tiles
 # (PROBE_TILES=auto,64x256,128x256 to choose)

@@ -170,6 +170,13 @@ def report_e2e(data: dict, stem: str, outdir: Path) -> list[str]:
 
 
 # -- serving (bench_e2e_serving) ------------------------------------------------------------------
+def _engine(meta: dict) -> str:
+    if meta.get("engine", "transformers") == "transformers":  # results from before --engine were transformers'
+        return "continuous batching (transformers)"
+    compiled = "compiled layers" if meta.get("compile") == "layer" else "eager kernels"
+    return f"continuous batching (slots engine: {meta.get('slots')} rows, {compiled}, CUDA graphs)"
+
+
 def report_serving(data: dict, stem: str, outdir: Path) -> list[str]:
     """STEM.png: median TPOT and TTFT against request rate per kernel (like the paper's Figures
     12-13); STEM.md: the table with Marlin's TPOT speedup."""
@@ -179,8 +186,10 @@ def report_serving(data: dict, stem: str, outdir: Path) -> list[str]:
         fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
         rates = sorted({p["rate"] for p in points if p["rate"] is not None})
         top = (max(rates) * 2) if rates else 1.0  # where "all at once" (rate None) is drawn
-        for kernel in ("fp16", "marlin"):
+        for kernel in ("fp16", "fp16_fused", "marlin"):
             pts = sorted((p for p in points if p["kernel"] == kernel), key=lambda p: p["rate"] or top)
+            if not pts:
+                continue
             xs = [p["rate"] or top for p in pts]
             ax1.plot(xs, [p["tpot_ms_median"] for p in pts], marker="o", color=COLOR[kernel], label=kernel)
             ax2.plot(xs, [p["ttft_ms_median"] for p in pts], marker="o", color=COLOR[kernel], label=kernel)
@@ -191,7 +200,7 @@ def report_serving(data: dict, stem: str, outdir: Path) -> list[str]:
             ax.grid(True, alpha=0.3)
             ax.legend()
         fig.suptitle(f"Serving {meta.get('model')} ({meta.get('layers')} layers), {meta.get('gpu')}: "
-                     f"{meta.get('num_requests')} requests, continuous batching (transformers)")
+                     f"{meta.get('num_requests')} requests, {_engine(meta)}")
         fig.tight_layout()
         fig.savefig(outdir / f"{stem}.png", dpi=120)
         plt.close(fig)
@@ -199,17 +208,18 @@ def report_serving(data: dict, stem: str, outdir: Path) -> list[str]:
     md = [f"# Serving: {meta.get('model')} ({meta.get('layers')} layers) on {meta.get('gpu')}", "",
           f"torch {meta.get('torch')}, transformers {meta.get('transformers')}, git {str(meta.get('git_rev'))[:12]}; "
           f"{meta.get('num_requests')} requests, median prompt {meta.get('prompt_median')}, "
-          f"median output {meta.get('output_median')} tokens", ""]
+          f"median output {meta.get('output_median')} tokens; {_engine(meta)}", ""]
     if msgs:
         md += [f"![{stem}.png]({stem}.png)", ""]
-    md += ["| kernel | rate req/s | TPOT ms (median) | TTFT ms (median) | TTFT p90 | out tok/s | TPOT x FP16 | failed |",
-           "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    md += ["| kernel | rate req/s | TPOT ms (median) | TTFT ms (median) | TTFT p90 | out tok/s | TPOT x FP16 | TPOT x fused "
+           "| rows per step | cache len per step | failed |",
+           "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for p in data.get("points", []):
         def f(key, spec=".2f"):
             v = p.get(key)
             return "" if v is None else format(v, spec)
         md.append(f"| {p['kernel']} | {p['rate'] if p['rate'] is not None else 'all at once'} | {f('tpot_ms_median')} | "
                   f"{f('ttft_ms_median')} | {f('ttft_ms_p90')} | {f('output_tokens_per_s', '.1f')} | "
-                  f"{f('tpot_speedup')} | {p.get('failed', '')} |")
+                  f"{f('tpot_speedup')} | {f('tpot_speedup_over_fused')} | {f('mean_rows', '.1f')} | {f('mean_kv_len', '.0f')} | {p.get('failed', '')} |")
     (outdir / f"{stem}.md").write_text("\n".join(md) + "\n")
     return msgs + [f"wrote {stem}.md"]

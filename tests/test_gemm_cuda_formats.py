@@ -328,7 +328,7 @@ def test_small_batch_partial_last_tile(fmt, n):
 
 def test_plans_of_the_partial_tile_test():
     """The test above in a subprocess with the plan log: M <= 8 ran the small-batch kernel (8-row
-    mma.sync slices), M = 9-32 its wgmma variant on H100/H200 (the tiled kernel elsewhere), M = 40 the
+    mma.sync slices; 8-bit weights its wgmma variant on H100/H200), M = 9-32 its wgmma variant on H100/H200 (the tiled kernel elsewhere), M = 40 the
     tiled kernel (64-row slices need whole tiles)."""
     import os
     import re
@@ -342,13 +342,14 @@ def test_plans_of_the_partial_tile_test():
     r = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=900)
     n_tests = len(WG_FORMATS) * len(PARTIAL_N)
     assert r.returncode == 0 and re.search(rf"\b{n_tests} passed", r.stdout), r.stdout[-3000:] + r.stderr[-3000:]
-    plans = re.findall(r"^marlin\.gemm plan: m=(\d+) n=(\d+) .* m_blocks=(\d+) kernel=(\w+) ", r.stderr, re.M)
+    plans = re.findall(r"^marlin\.gemm plan: m=(\d+) n=(\d+) .* bits=(\d) .* m_blocks=(\d+) kernel=(\w+) ", r.stderr, re.M)
     assert len(plans) == n_tests * len(PARTIAL_M), (len(plans), r.stderr[-3000:])
     wg = _wgmma_device()
-    for m, n, m_blocks, kernel in plans:
+    for m, n, bits, m_blocks, kernel in plans:
         m = int(m)
-        want = "small_m" if m <= 8 else "small_m_wgmma" if wg and m <= 32 else "tiled"
-        assert kernel == want and int(n) in PARTIAL_N, (m, n, m_blocks, kernel)
+        # 8-bit weights take the wgmma variant from one row on (the planner's rule)
+        want = "small_m_wgmma" if wg and (m <= 32 and (m > 8 or bits == "8")) else "small_m" if m <= 8 else "tiled"
+        assert kernel == want and int(n) in PARTIAL_N, (m, n, bits, m_blocks, kernel)
 
 
 def test_small_batch_partial_tile_refused_for_base_format():

@@ -66,13 +66,14 @@ def test_speedups_and_targets():
         "marlin", "compiled", 16, 2.5, 2.0, True, "fp16")
 
 
-def test_serving_dry_run_and_report(tmp_path):
+@pytest.mark.parametrize("engine", ["slots", "transformers"])
+def test_serving_dry_run_and_report(tmp_path, engine):
     from benchmarks import bench_e2e_serving
 
     out = tmp_path / "serving.json"
-    assert bench_e2e_serving.main(["--dry-run", "--out", str(out)]) == 0
+    assert bench_e2e_serving.main(["--dry-run", "--engine", engine, "--out", str(out)]) == 0
     data = json.loads(out.read_text())
-    assert data["meta"]["kind"] == "serving"
+    assert data["meta"]["kind"] == "serving" and data["meta"]["engine"] == engine
     points = data["points"]
     assert {(p["kernel"], p["rate"]) for p in points} == {(k, r) for k in ("fp16", "marlin") for r in (50.0, None)}
     for p in points:
@@ -167,3 +168,108 @@ def test_cache_kwarg_follows_the_forward_signature():
     assert cache_kwarg(Old()) == "past_key_values" and cache_kwarg(New()) == "cache"
     with pytest.raises(TypeError, match="neither"):
         cache_kwarg(Neither())
+
+
+@pytest.mark.parametrize("kernel", ["fp16", "marlin"])
+@pytest.mark.parametrize("compiled", [False, True])
+def test_slot_server_generates_what_generate_does(kernel, compiled):
+    # The slots engine (benchmarks/serving_engine.py): 6 requests of different lengths through 3
+    # rows, arriving together and later (rows freed and reused, several (B, Lb) buckets, rows of
+    # different lengths in one step): each request's tokens are the model's own greedy generate().
+    # Compiled: decoder layers traced with fullgraph (backend "eager": dynamo's trace, no C++
+    # toolchain), as the benchmark compiles them with inductor.
+    import torch
+
+    from benchmarks.e2e_model import build_model, compile_layers, to_marlin
+    from benchmarks.serving_engine import SlotServer
+
+    model = build_model("tiny", None, torch.device("cpu"))  # fp16: the Marlin layers' compute dtype
+    if kernel == "marlin":
+        to_marlin(model, fuse=True)
+    else:
+        model.float()
+    g = torch.Generator().manual_seed(5)
+    lens = [(5, 4), (9, 7), (3, 6), (12, 5), (7, 9), (20, 3)]
+    reqs = [{"prompt": torch.randint(0, 1000, (p,), generator=g).tolist(), "output_len": o} for p, o in lens]
+    torch._dynamo.reset()
+    undo = compile_layers(model, "eager") if compiled else (lambda: None)
+    try:
+        server = SlotServer(model, slots=3, max_len=32, kv_bucket=8)
+        res = server.serve(reqs, [0.0, 0.0, 0.0, 0.02, 0.02, 0.05], collect_tokens=True)
+    finally:
+        undo()
+        torch._dynamo.reset()
+    for r, q in zip(res, reqs):
+        ref = model.generate(torch.tensor([q["prompt"]]), max_new_tokens=q["output_len"], min_new_tokens=q["output_len"],
+                             do_sample=False, pad_token_id=0)[0, len(q["prompt"]):].tolist()
+        assert r["ids"] == ref and r["tokens"] == q["output_len"] and r["ttft_s"] >= 0 and r["tpot_s"] > 0
+    with pytest.raises(ValueError, match="max_len 32"):
+        server.serve([{"prompt": [1] * 30, "output_len": 4}], [0.0])
+
+
+def test_slot_server_buckets():
+    import torch
+
+    from benchmarks.e2e_model import build_model
+    from benchmarks.serving_engine import SlotServer
+
+    server = SlotServer(build_model("tiny", None, torch.device("cpu")), slots=6, max_len=20, kv_bucket=8)
+    assert server.max_len == 24
+    assert server.buckets() == [(b, lb) for b in (1, 2, 4, 6) for lb in (8, 16, 24)]
+    assert SlotServer(build_model("tiny", None, torch.device("cpu")), slots=4, max_len=8, kv_bucket=8).buckets() == [
+        (1, 8), (2, 8), (4, 8)]
+
+
+def test_dry_run_layer_scope(tmp_path):
+    # --compile-scope layer: each decoder layer traced on its own (one graph per layer and batch
+    # shape, no breaks), the step checked against the eager forward (eager also for the layers)
+    out = tmp_path / "e2e.json"
+    assert bench_e2e.main(["--dry-run", "--kernels", "fp16", "--modes", "compiled", "--compile-scope", "layer",
+                           "--out", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert data["meta"]["compile_scope"] == "layer"
+    for p in data["points"]:
+        assert p["compile_scope"] == "layer" and p["graph_breaks"] == 0 and p["new_graphs"] == 2  # 2 layers
+        assert p["check_rel_err"] <= bench_e2e.CHECK_TOL
+
+
+def test_serving_fused_baseline(tmp_path):
+    # --kernels fp16,fp16_fused,marlin: the stacked FP16 baseline served too (and undone before
+    # Marlin converts the model); Marlin's TPOT speedup over each baseline per rate; the report
+    # draws and tabulates all three
+    from benchmarks import bench_e2e_serving
+
+    out = tmp_path / "serving.json"
+    assert bench_e2e_serving.main(["--dry-run", "--kernels", "marlin,fp16_fused,fp16", "--out", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert [p["kernel"] for p in data["points"]] == ["fp16"] * 2 + ["fp16_fused"] * 2 + ["marlin"] * 2
+    by = {p["kernel"]: p for p in data["points"] if p["rate"] is None}
+    m = by["marlin"]
+    assert m["tpot_speedup"] == pytest.approx(by["fp16"]["tpot_ms_median"] / m["tpot_ms_median"])
+    assert m["tpot_speedup_over_fused"] == pytest.approx(by["fp16_fused"]["tpot_ms_median"] / m["tpot_ms_median"])
+    assert all(p["mean_rows"] > 0 and p["mean_kv_len"] > 0 for p in data["points"])
+    assert report.report(out, tmp_path)[-1] == "wrote serving.md"
+    assert "| fp16_fused |" in (tmp_path / "serving.md").read_text()
+
+
+def test_slot_server_compiles_once_for_all_layers():
+    # compile_layers + SlotCache: the layer number is traced, so the number of compiled graphs does
+    # not grow with the depth (4: layer 0, the layer number made dynamic, then the cache length and
+    # the batch); a per-layer compile would take 4 per layer here
+    import torch
+    from torch._dynamo.utils import counters
+
+    from benchmarks.e2e_model import build_model, compile_layers
+    from benchmarks.serving_engine import SlotServer
+
+    model = build_model("tiny", 4, torch.device("cpu")).float()
+    undo = compile_layers(model, "eager")
+    try:
+        counters.clear()
+        server = SlotServer(model, slots=4, max_len=32, kv_bucket=8, use_graphs=False)
+        with torch.no_grad():
+            for b, lb in server.buckets():
+                server.step_fn(*server._args(b, lb))
+        assert counters["stats"]["unique_graphs"] <= 4 and not counters["graph_break"]
+    finally:
+        undo()

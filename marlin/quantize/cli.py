@@ -86,7 +86,27 @@ def build_parser() -> argparse.ArgumentParser:
         help="sample lengths in tokens, drawn uniformly (default 32:512); one number for fixed-length samples",
     )
     p.add_argument("--seed", type=int, default=0, help="seed of the calibration sampling (default 0)")
+    p.add_argument(
+        "--clip-objective",
+        choices=["hessian", "compensated"],
+        default="hessian",
+        help="how the clip search scores a group's rounding error: with the group's block of the Hessian (default), "
+        "or with what remains after GPTQ's update of the later columns",
+    )
     p.add_argument("--damp", type=float, default=0.01, help="Hessian dampening, fraction of its mean diagonal (0.01)")
+    p.add_argument(
+        "--true-sequential",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="inside a block, quantize q/k/v, then o, then gate/up, then down, each on inputs from the quantized "
+        "layers before it (default on)",
+    )
+    p.add_argument(
+        "--fp-target",
+        action="store_true",
+        help="fit each layer to the full-precision model's outputs rather than to its own weight on the quantized "
+        "model's inputs (one more forward pass per block)",
+    )
     p.add_argument(
         "--sparsity",
         default=None,
@@ -130,7 +150,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         group_size=args.group_size,
         act_order=args.act_order,
         clip=args.clip_search,
+        clip_objective=args.clip_objective,
         damp=args.damp,
+        true_sequential=args.true_sequential,
+        fp_target=args.fp_target,
         nsamples=args.nsamples,
         seqlen_range=args.seqlen_range,
         seed=args.seed,

@@ -20,6 +20,14 @@ features, columns input features) and the calibration inputs X [tokens, K]:
   * Group scales are chosen when the column loop reaches a group's first column, from the
     weights as updated so far (per column: once, before the loop), optionally by the clip search
     of marlin.quantize.clip instead of the plain max-abs.
+  * The clip search's objective (``clip_objective``): "hessian" scores a group's rounding error D
+    with the group's block of the undamped Hessian, D H_gg D^T, as if the other weights stayed
+    fixed; "compensated" scores it with what is left after GPTQ's update of the columns not yet
+    quantized, D (H^-1_gg)^-1 D^T: the inverse of the group's block of the inverse Hessian of
+    the remaining problem, which is U_gg^T U_gg with U's block on the group (U upper triangular,
+    so the later rows add nothing), i.e. the Schur complement of H on the group. Errors the
+    remaining columns can absorb then cost little, and the search spends its choice on those
+    they cannot.
 
   * 2:4 sparsity (SparseGPT, Frantar & Alistarh 2023), pruning and quantization from the same
     Hessian: when the loop reaches the first column of a group of 4 input features, it prunes the
@@ -48,10 +56,20 @@ from . import clip as clip_search
 from .clip import SYM4, WeightFormat
 from .hessian import relative_output_error
 
-__all__ = ["GPTQResult", "gptq_quantize", "rtn_quantize", "QMIN", "QMAX", "SPARSITIES"]
+__all__ = [
+    "GPTQResult",
+    "gptq_quantize",
+    "rtn_quantize",
+    "compensated_hessian",
+    "QMIN",
+    "QMAX",
+    "SPARSITIES",
+    "CLIP_OBJECTIVES",
+]
 
 QMIN, QMAX = SYM4.qmin, SYM4.qmax  # the default format's range (symmetric 4-bit)
 SPARSITIES = ("2:4",)
+CLIP_OBJECTIVES = ("hessian", "compensated")
 
 
 @dataclass
@@ -141,11 +159,11 @@ def _inverse_cholesky_upper(h: torch.Tensor) -> torch.Tensor:
         ) from None
 
 
-def _group_params(w: torch.Tensor, h: torch.Tensor, clip: bool, grid, fmt: WeightFormat):
-    """(scale [N], zero [N] or None) (fp16 values, float32) of the columns w [N, c] of one group."""
-    if clip:
-        return clip_search.search_params(w, h, grid, fmt)
-    return fmt.params(w)
+def compensated_hessian(u: torch.Tensor, cols: slice) -> torch.Tensor:
+    """The Hessian of columns ``cols`` once the columns after them have absorbed their error:
+    (U_gg^T U_gg)^-1 for U the upper Cholesky factor of H^-1 (module doc), which is the Schur
+    complement H_gg - H_gr H_rr^-1 H_rg of the later columns r in H."""
+    return torch.cholesky_inverse(u[cols, cols], upper=True)
 
 
 def _prune_2_of_4(saliency: torch.Tensor) -> torch.Tensor:
@@ -237,6 +255,7 @@ def gptq_quantize(
     act_order: bool = False,
     clip: bool = False,
     clip_grid: tuple = clip_search.DEFAULT_GRID,
+    clip_objective: str = "hessian",
     damp: float = 0.01,
     block_size: int = 128,
     bits: int = 4,
@@ -248,7 +267,7 @@ def gptq_quantize(
     ``group_size``: -1 (one scale per output column of B) or a divisor of K; ``act_order``:
     quantize inputs in order of decreasing diag(H); ``clip``: choose each group's range by the
     Hessian-weighted clip search (marlin.quantize.clip) over ``clip_grid`` instead of the full
-    range; ``damp``: fraction of mean(diag H) added to the diagonal; ``bits`` 4 or 8 and ``sym``
+    range, scored by ``clip_objective`` ("hessian" or "compensated", see the module doc); ``damp``: fraction of mean(diag H) added to the diagonal; ``bits`` 4 or 8 and ``sym``
     (False: 4-bit zero points) the format; ``sparsity`` "2:4": prune jointly (SparseGPT, see the
     module doc). Computes in float32 on h's device.
     """
@@ -257,11 +276,13 @@ def gptq_quantize(
     _check_sparsity(sparsity, weight.shape[1], fmt, act_order, block_size)
     if not 0 <= damp < 1:
         raise ValueError(f"damp = {damp!r}, expected a fraction in [0, 1)")
+    if clip_objective not in CLIP_OBJECTIVES:
+        raise ValueError(f"clip_objective = {clip_objective!r}, expected one of {CLIP_OBJECTIVES}")
     with torch.no_grad(), _one_thread_on_cpu(h.device):
-        return _gptq(weight, h, group_size, act_order, clip, tuple(clip_grid), damp, block_size, fmt, sparsity)
+        return _gptq(weight, h, group_size, act_order, clip, tuple(clip_grid), clip_objective, damp, block_size, fmt, sparsity)
 
 
-def _gptq(weight, h, group_size, act_order, clip, clip_grid, damp, block_size, fmt, sparsity) -> GPTQResult:
+def _gptq(weight, h, group_size, act_order, clip, clip_grid, clip_objective, damp, block_size, fmt, sparsity) -> GPTQResult:
     dev = h.device
     w_orig = weight.detach().to(dev, torch.float32)
     w = w_orig.clone()
@@ -286,7 +307,11 @@ def _gptq(weight, h, group_size, act_order, clip, clip_grid, damp, block_size, f
     def params(cols: slice, w_cols: torch.Tensor):
         if prune:  # provisional mask: the pruned weights must not set the range
             w_cols = w_cols * ~_prune_2_of_4(w_cols.square() / u_diag2[cols])
-        return _group_params(w_cols, h_plain[cols, cols], clip, clip_grid, fmt)
+        if not clip:
+            return fmt.params(w_cols)
+        if clip_objective == "compensated":
+            return clip_search.search_params(w_cols, compensated_hessian(u, cols), clip_grid, fmt)
+        return clip_search.search_params(w_cols, h_plain[cols, cols], clip_grid, fmt)
 
     q_all = torch.zeros(n, k, dtype=torch.float32, device=dev)
     pruned_all = torch.zeros(n, k, dtype=torch.bool, device=dev) if prune else None

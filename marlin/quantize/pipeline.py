@@ -75,7 +75,10 @@ def quantize_checkpoint(
     act_order: bool = False,
     clip: bool = True,
     clip_grid: tuple = DEFAULT_GRID,
+    clip_objective: str = "hessian",
     damp: float = 0.01,
+    true_sequential: bool = True,
+    fp_target: bool = False,
     nsamples: int = 128,
     seqlen_range: tuple = (32, 512),
     seed: int = 0,
@@ -93,7 +96,9 @@ def quantize_checkpoint(
 
     ``calib``: a text file or a directory of .txt files; ``nsamples`` windows of its tokens with
     lengths drawn from ``seqlen_range`` (MIN, MAX) with ``seed`` (MIN == MAX: fixed length).
-    ``clip``: the group-wise clip search; ``act_order``: GPTQ's descending-activation order.
+    ``clip``: the group-wise clip search, scored by ``clip_objective`` ("hessian" or "compensated",
+    marlin.quantize.gptq); ``act_order``: GPTQ's descending-activation order; ``true_sequential``
+    and ``fp_target``: see marlin.quantize.runner.
     ``bits`` 4 or 8 and ``sym`` (False: 4-bit zero points): the weight format. ``sparsity``
     "2:4": prune to 2:4 jointly with the quantization (2:4 Marlin layers; group 128 or -1).
     Layers whose shapes the kernel does not take stay in full precision (listed in the report).
@@ -110,7 +115,10 @@ def quantize_checkpoint(
         act_order=act_order,
         clip=clip,
         clip_grid=tuple(clip_grid),
+        clip_objective=clip_objective,
         damp=damp,
+        true_sequential=true_sequential,
+        fp_target=fp_target,
         bits=bits,
         sym=sym,
         sparsity=sparsity,
@@ -132,7 +140,10 @@ def quantize_checkpoint(
         "act_order": act_order,
         "clip_search": clip,
         "clip_grid": list(config.clip_grid) if clip else None,
+        "clip_objective": clip_objective if clip else None,
         "damp": damp,
+        "true_sequential": true_sequential,
+        "fp_target": fp_target,
         "nsamples": nsamples,
         "seqlen_range": [spec.min_len, spec.max_len],
         "seed": seed,

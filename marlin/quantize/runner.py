@@ -14,12 +14,32 @@ For each block:
   3. put the dequantized weights in the block and run the samples again: these outputs are the
      next block's inputs.
 
+True-sequential (``QuantizeConfig.true_sequential``, on by default): inside a block, the groups of
+layers that share an input are quantized in the order the block calls them (Llama: q/k/v, o, gate/up,
+down), and each group's Hessian comes from a pass with the groups before it already quantized.
+o_proj then learns to correct the error of the quantized q/k/v, down_proj that of gate/up, as the
+blocks do for the blocks before them. One sample's pass finds the groups (layers that read the
+same tensor) and their order; then each group gets its own pass over the samples, which stops as
+soon as every layer of the group has seen its inputs (the q/k/v pass stops at once, the down_proj
+pass near the block's end), so each Hessian is computed once.
+
+Full-precision target (``QuantizeConfig.fp_target``): plain GPTQ fits each layer to
+X_q W^T, its own full-precision weight on the inputs X_q of the quantized model, so the errors of
+earlier layers are carried along, never undone. With fp_target, a second stream of hidden states
+runs through the original blocks and each layer is fit to the full-precision model's output
+X_fp W^T instead. ||X_q Q^T - X_fp W^T||^2 = ||X_q (Q - W')^T||^2 + const for the least-squares
+weight W' = W + D, D^T = (H + lambda I)^-1 X_q^T (X_fp - X_q) W^T * 2/T (ridge-regularised by the
+same dampening as GPTQ), so GPTQ quantizes W' with the usual H: the per-layer form of
+"asymmetric calibration" (GPTAQ, Li et al. 2025). It costs one more block forward per block and
+a second K x K matrix per layer group.
+
 The model is left with the dequantized weights in its Linear layers (a "fake-quantized" model
 that computes what the Marlin layers will compute), and the results say what to store.
 """
 
 from __future__ import annotations
 
+import copy
 import logging
 import time
 from dataclasses import asdict, dataclass, field
@@ -54,12 +74,15 @@ class QuantizeConfig:
     act_order: bool = False
     clip: bool = True
     clip_grid: tuple = DEFAULT_GRID
+    clip_objective: str = "hessian"  # or "compensated" (marlin.quantize.gptq)
     damp: float = 0.01
     method: str = "gptq"  # or "rtn": round to nearest (no calibration needed for the weights)
     kernel_shapes_only: bool = True  # keep layers the Marlin kernel cannot take in full precision
     bits: int = 4  # 4 or 8
     sym: bool = True  # False: 4-bit with zero points
     sparsity: Optional[str] = None  # "2:4": joint pruning (SparseGPT), MarlinLinear24 weights
+    true_sequential: bool = True  # each group of a block on inputs from the quantized groups before it
+    fp_target: bool = False  # fit each layer to the full-precision model's outputs (see the module doc)
 
     def __post_init__(self):
         if self.method not in METHODS:
@@ -215,11 +238,20 @@ def _eligible(name: str, layer: nn.Linear, config: QuantizeConfig) -> Optional[s
 
 
 def _quantize_group(
-    names: Sequence[str], layers: Sequence[nn.Linear], h: torch.Tensor, config: QuantizeConfig, device
+    names: Sequence[str],
+    layers: Sequence[nn.Linear],
+    h: torch.Tensor,
+    config: QuantizeConfig,
+    device,
+    acc: Optional[HessianAccumulator] = None,
 ) -> list[GPTQResult]:
-    """Quantize layers that share the Hessian ``h`` as one stacked matrix; one result per layer."""
+    """Quantize layers that share the Hessian ``h`` as one stacked matrix; one result per layer.
+    ``acc`` with cross terms: quantize toward the full-precision model's outputs (fp_target).
+    The errors in the report are against the layer's own weight on the quantized model's inputs."""
     weights = [layer.weight.detach().to(device, torch.float32) for layer in layers]
     stacked = torch.cat(weights, dim=0)
+    if acc is not None and acc.cross is not None and config.method == "gptq":
+        stacked = _fp_target(stacked, acc, config.damp)
     fmt = dict(bits=config.bits, sym=config.sym, sparsity=config.sparsity)
     if config.method == "rtn":
         joint = rtn_quantize(stacked, config.group_size, **fmt)
@@ -231,6 +263,7 @@ def _quantize_group(
             act_order=config.act_order,
             clip=config.clip,
             clip_grid=config.clip_grid,
+            clip_objective=config.clip_objective,
             damp=config.damp,
             block_size=config.block_size,
             **fmt,
@@ -296,12 +329,15 @@ def quantize_model(
     home, home_dtype = first.device, first.dtype
     calls = _capture_block_inputs(model, prefix, blocks, samples, device)
     hidden = [args[0] for args, _ in calls]
+    # the full-precision model's hidden states, for fp_target (module doc)
+    hidden_fp = list(hidden) if config.fp_target and config.method == "gptq" else None
     all_results: dict = {}
     all_reports: list = []
     bar = tqdm(total=len(blocks), desc=f"marlin-quantize ({config.method})", unit="block", disable=not progress)
     try:
         for index, block in enumerate(blocks):
             block.to(device=device, dtype=torch.float32)
+            block_fp = copy.deepcopy(block) if hidden_fp is not None else None  # before any weight changes
             block_prefix = f"{prefix}.{index}"
             linears = {
                 f"{block_prefix}.{name}": m for name, m in block.named_modules() if isinstance(m, nn.Linear)
@@ -313,10 +349,14 @@ def quantize_model(
                         raise ValueError(f"resume data has layer {name} [{tuple(res.q.shape)}], which block {index} lacks")
                     linears[name].weight.copy_(res.dequantized())
             else:
-                outcome = _quantize_block(index, linears, block, hidden, calls, config, device)
+                reference = None if block_fp is None else (block_fp, hidden_fp)
+                outcome = _quantize_block(index, linears, block, hidden, calls, config, device, reference)
             all_results.update(outcome.results)
             all_reports.extend(outcome.reports)
             hidden = _run_block(block, hidden, calls)  # with the quantized weights
+            if block_fp is not None:
+                hidden_fp = _run_block(block_fp, hidden_fp, calls)
+                del block_fp
             block.to(device=home, dtype=home_dtype)
             if on_block_done is not None and index not in done:
                 on_block_done(outcome)
@@ -327,7 +367,146 @@ def quantize_model(
     return all_results, all_reports
 
 
-def _quantize_block(index, linears: dict, block, hidden, calls, config: QuantizeConfig, device) -> BlockOutcome:
+class _GroupDone(Exception):
+    """Raised by a Hessian hook to end a block's pass once its layers have seen their inputs."""
+
+
+@torch.no_grad()
+def _collect_hessians(
+    block: nn.Module,
+    hidden: list,
+    calls: list,
+    layers: dict,
+    device,
+    calls_per_sample: Optional[dict] = None,
+    reference: Optional[tuple] = None,
+) -> tuple[dict, dict, list]:
+    """Run the block on every sample with hooks on ``layers`` ({name: Linear}).
+
+    Returns ({name: HessianAccumulator}, {name: calls per sample}, [names in order of first call]).
+    With ``calls_per_sample`` (from an earlier full pass), a sample's pass ends as soon as every
+    one of ``layers`` has been called that many times: what the block computes after them
+    cannot change their inputs. ``reference`` (block_fp, hidden_fp): the full-precision block
+    and its own hidden states; each sample runs through it first and the accumulators get the
+    cross terms of the same layers' inputs there (HessianAccumulator's ``cross``).
+    """
+    hessians = {
+        name: HessianAccumulator(layer.in_features, device=device, cross=reference is not None)
+        for name, layer in layers.items()
+    }
+    counts = dict.fromkeys(layers, 0)
+    order: list = []
+    ref_inputs: dict = {name: [] for name in layers}  # the reference's inputs of the current sample, per call
+
+    def stop_when_done():
+        if calls_per_sample is not None and all(counts[n] >= calls_per_sample[n] for n in layers):
+            raise _GroupDone
+
+    def hook(name):
+        def record(_module, inp):
+            hessians[name].add(inp[0], ref_inputs[name].pop(0) if reference is not None else None)
+            counts[name] += 1
+            if name not in order:
+                order.append(name)
+            stop_when_done()
+
+        return record
+
+    def ref_hook(name):
+        def record(_module, inp):
+            ref_inputs[name].append(inp[0].detach())
+            counts[name] += 1
+            stop_when_done()
+
+        return record
+
+    handles = [layer.register_forward_pre_hook(hook(name)) for name, layer in layers.items()]
+    if reference is not None:
+        ref_layers = dict(reference[0].named_modules())
+        prefix = _common_prefix(layers, ref_layers)
+        handles += [ref_layers[name[len(prefix):]].register_forward_pre_hook(ref_hook(name)) for name in layers]
+    try:
+        for i, (h, (args, kwargs)) in enumerate(zip(hidden, calls)):
+            if reference is not None:
+                counts = dict.fromkeys(layers, 0)
+                try:
+                    reference[0](reference[1][i], *args[1:], **kwargs)
+                except _GroupDone:
+                    pass
+            counts = dict.fromkeys(layers, 0)
+            try:
+                block(h, *args[1:], **kwargs)
+            except _GroupDone:
+                pass
+            for name in layers:
+                ref_inputs[name].clear()
+    finally:
+        for handle in handles:
+            handle.remove()
+    per_sample = dict(counts)  # the last sample's calls (every sample runs the same code)
+    return hessians, per_sample, order
+
+
+@torch.no_grad()
+def _probe_groups(block: nn.Module, hidden, call, layers: dict) -> tuple[list, dict]:
+    """([groups of layer names that read the same tensor, in the order the block calls them],
+    {name: calls per sample}) from one pass of one sample, without Hessians.
+
+    The inputs are kept alive until the pass ends, so a tensor's memory is never reused for
+    another one and ``is`` tells the same input from an equal one. Layers the block never calls
+    come last, each in its own group.
+    """
+    inputs: dict = {name: [] for name in layers}
+    order: list = []
+
+    def hook(name):
+        def record(_module, inp):
+            inputs[name].append(inp[0])
+            if name not in order:
+                order.append(name)
+
+        return record
+
+    handles = [layer.register_forward_pre_hook(hook(name)) for name, layer in layers.items()]
+    try:
+        args, kwargs = call
+        block(hidden, *args[1:], **kwargs)
+    finally:
+        for handle in handles:
+            handle.remove()
+    groups: list = []
+    for name in order + [n for n in layers if n not in order]:
+        for group in groups:
+            first = inputs[group[0]]
+            if first and len(first) == len(inputs[name]) and all(a is b for a, b in zip(first, inputs[name])):
+                group.append(name)
+                break
+        else:
+            groups.append([name])
+    return groups, {name: len(seen) for name, seen in inputs.items()}
+
+
+def _common_prefix(names: dict, block_names: dict) -> str:
+    """The prefix ("model.layers.3.") that turns a full layer name into its name in the block."""
+    name = next(iter(names))
+    for local in block_names:
+        if local and name.endswith("." + local):
+            return name[: len(name) - len(local)]
+    raise ValueError(f"layer {name} not found in the reference block")
+
+
+def _fp_target(weight: torch.Tensor, acc: HessianAccumulator, damp: float) -> torch.Tensor:
+    """W' = W + D, D^T = (H + damp * mean(diag H) I)^-1 (C - H) W^T: the weight whose outputs on
+    the quantized model's inputs come closest to the full-precision model's (module doc)."""
+    h = acc.h
+    hd = h + damp * torch.mean(torch.diag(h)).clamp_min(1e-12) * torch.eye(h.shape[0], dtype=h.dtype, device=h.device)
+    delta = acc.cross - h  # 2/T X_q^T (X_fp - X_q)
+    return weight + torch.linalg.solve(hd, delta @ weight.t()).t()
+
+
+def _quantize_block(
+    index, linears: dict, block, hidden, calls, config: QuantizeConfig, device, reference: Optional[tuple] = None
+) -> BlockOutcome:
     outcome = BlockOutcome(index)
     eligible = []
     for name, layer in linears.items():
@@ -339,19 +518,27 @@ def _quantize_block(index, linears: dict, block, hidden, calls, config: Quantize
             log.warning("marlin-quantize: kept %s in full precision: %s", name, why)
     if not eligible:
         return outcome
-    hessians = {name: HessianAccumulator(linears[name].in_features, device=device) for name in eligible}
-    handles = [
-        linears[name].register_forward_pre_hook(lambda _m, inp, acc=hessians[name]: acc.add(inp[0]))
-        for name in eligible
-    ]
-    try:
-        _run_block(block, hidden, calls)
-    finally:
-        for handle in handles:
-            handle.remove()
-    for group in _same_input_groups(eligible, hessians):
+    hessians: dict = {}
+    if config.true_sequential and config.method == "gptq":
+        # one Hessian pass per group, each with the groups before it quantized (module doc)
+        groups, per_sample = _probe_groups(block, hidden[0], calls[0], {n: linears[n] for n in eligible})
+    else:
+        hessians, per_sample, order = _collect_hessians(
+            block, hidden, calls, {n: linears[n] for n in eligible}, device, reference=reference
+        )
+        groups = _same_input_groups(eligible, hessians)
+        # the order the block calls them (a layer never called keeps its place at the end)
+        groups.sort(key=lambda g: min((order.index(n) for n in g if n in order), default=len(order)))
+    for group in groups:
+        if group[0] not in hessians:
+            hessians.update(
+                _collect_hessians(
+                    block, hidden, calls, {n: linears[n] for n in group}, device, per_sample, reference
+                )[0]
+            )
         start = time.perf_counter()
-        results = _quantize_group(group, [linears[n] for n in group], hessians[group[0]].h, config, device)
+        acc = hessians[group[0]]
+        results = _quantize_group(group, [linears[n] for n in group], acc.h, config, device, acc)
         seconds = (time.perf_counter() - start) / len(group)
         for name, res in zip(group, results):
             layer = linears[name]
@@ -369,5 +556,6 @@ def _quantize_block(index, linears: dict, block, hidden, calls, config: Quantize
                     pruned_fraction=res.pruned_fraction,
                 )
             )
-    del hessians
+        for name in group:
+            del hessians[name]
     return outcome

@@ -1,0 +1,289 @@
+"""A minimal continuous-batching server for bench_e2e_serving: the compiled, CUDA-graphed decode
+step of bench_e2e with requests joining and leaving between steps.
+
+What a transformers user gets for serving is its own engine (``generate_batch`` /
+``continuous_batching_context_manager``, measured by bench_e2e_serving --engine transformers).
+This loop exists to measure what the weight GEMMs change when the rest of the step is as lean as
+in a serving engine that compiles and graphs its decode step. It is a benchmark tool, not a
+server, and is kept minimal:
+
+  * slots: up to ``slots`` requests at once, each owning one row of a per-layer KV cache of shape
+    [slots, kv_heads, max_len, head_dim] (SlotCache). A new request takes the lowest free row;
+    a finished one frees its row (no copy).
+  * prefill: one request at a time, eager, straight into its row (TTFT includes waiting for the
+    steps and prefills ahead of it). New arrivals are prefilled before the next decode step, as
+    in vLLM's default scheduling without chunked prefill.
+  * decode: one step for every row below B, the smallest power of two above the highest
+    occupied row, attending to the first Lb cache positions (the longest row rounded up to
+    ``kv_bucket``). Rows that are free compute and are ignored; their position does not move.
+    Each (B, Lb) pair is one CUDA graph, captured before the measured run (``capture_all``). The
+    step writes its tokens and advances positions on the device, so the host only waits for the
+    step to end (one synchronisation per step, when it stamps the tokens, as a streaming server
+    would) and never copies tokens back during the run.
+  * the model's forward is transformers' own (Llama attention through SDPA with an explicit mask
+    of the valid positions of each row); the decoder layers can be compiled (e2e_model.
+    compile_layers), which both kernels get alike.
+
+Every request generates exactly its output length (no EOS), greedy decoding.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable, Optional
+
+import torch
+from transformers import Cache
+
+from .e2e_model import cache_kwarg, eager
+
+__all__ = ["SlotCache", "SlotServer"]
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+class SlotCache(Cache):
+    """KV cache with one row per request slot, for transformers' attention modules: they call
+    ``update(key_states, value_states, layer_idx, ...)`` and attend to what it returns.
+
+    Decode (one new token per row, rows 0..B-1): writes each row's key/value at that row's
+    position (``bind``) and returns the first Lb positions of rows 0..B-1 (Lb = len of the bound
+    range tensor); the caller's mask hides the positions past each row's length. Prefill (one
+    row, ``prefill_row`` set): writes the prompt's keys/values at positions 0..P-1 of that row and
+    returns them as they are (the prompt attends to itself under the caller's causal mask)."""
+
+    def __init__(self, layers: int, slots: int, max_len: int, kv_heads: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device):
+        super().__init__(layers=[])
+        # one tensor for all layers, layer l's rows at l * slots ..: a compiled decoder layer
+        # offsets its rows by its layer number as a traced integer, so every layer runs the same
+        # compiled code (a per-layer list is indexed by a constant: one compile per layer). Writes
+        # index this tensor itself, not a view of it: inductor updates a mutated input in place,
+        # while a write through a view of one became a copy of the whole cache per call.
+        self.slots = slots
+        shape = (layers * slots, kv_heads, max_len, head_dim)
+        self.keys = torch.zeros(shape, dtype=dtype, device=device)
+        self.values = torch.zeros(shape, dtype=dtype, device=device)
+        self.rows = torch.arange(slots, device=device)
+        self.pos: Optional[torch.Tensor] = None
+        self.kv_range: Optional[torch.Tensor] = None
+        self.prefill_row: Optional[int] = None
+
+    def __len__(self) -> int:
+        return self.keys.shape[0] // self.slots
+
+    def bind(self, pos: torch.Tensor, kv_range: torch.Tensor) -> None:
+        self.pos, self.kv_range, self.prefill_row = pos, kv_range, None
+
+    def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
+        base = layer_idx * self.slots
+        if self.prefill_row is not None:
+            n = key_states.shape[2]
+            self.keys[base + self.prefill_row, :, :n] = key_states[0]
+            self.values[base + self.prefill_row, :, :n] = value_states[0]
+            return key_states, value_states
+        b = key_states.shape[0]
+        rows = self.rows[:b] + base
+        self.keys[rows, :, self.pos] = key_states[:, :, 0]
+        self.values[rows, :, self.pos] = value_states[:, :, 0]
+        lb = self.kv_range.shape[0]
+        return self.keys[base:base + b, :, :lb], self.values[base:base + b, :, :lb]
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:  # asked only without position_ids; never here
+        return 0
+
+
+def decode_step(model, ids, pos, kv_range, active, cache: SlotCache, out):
+    """One step for rows 0..B-1 (B = ids.shape[0]): next tokens into ``out`` and ``ids``, positions
+    of the active rows advanced. Everything stays on the device (graph-capturable)."""
+    cache.bind(pos, kv_range)
+    dtype = cache.keys.dtype
+    visible = kv_range[None, :] <= pos[:, None]  # [B, Lb]: a row sees its positions 0..pos
+    mask = torch.zeros(visible.shape, dtype=dtype, device=ids.device).masked_fill(~visible, torch.finfo(dtype).min)
+    logits = model(input_ids=ids, position_ids=pos[:, None], attention_mask=mask[:, None, None, :], use_cache=True,
+                   **{cache_kwarg(model): cache}).logits
+    nxt = logits[:, -1].argmax(-1)
+    out.copy_(nxt)
+    ids[:, 0].copy_(nxt)
+    pos.add_(active)
+
+
+class SlotServer:
+    """Serves requests [{prompt: [ids], output_len}] arriving at given offsets (seconds) on
+    ``model`` (see the module doc). ``step_fn``: decode_step, or a compiled version of it (its
+    layers compiled beforehand: same callable). Returns per request its arrival and token times."""
+
+    def __init__(self, model, slots: int, max_len: int, kv_bucket: int = 128, use_graphs: Optional[bool] = None):
+        cfg = model.config
+        self.model, self.dev = model, next(model.parameters()).device
+        self.slots, self.kv_bucket = slots, kv_bucket
+        self.max_len = -(-max_len // kv_bucket) * kv_bucket
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        dtype = next(p for p in model.parameters() if p.is_floating_point()).dtype
+        self.cache = SlotCache(cfg.num_hidden_layers, slots, self.max_len, cfg.num_key_value_heads, head_dim, dtype,
+                               self.dev)
+        self.ids = torch.zeros(slots, 1, dtype=torch.long, device=self.dev)
+        self.pos = torch.zeros(slots, dtype=torch.long, device=self.dev)
+        self.active = torch.zeros(slots, dtype=torch.long, device=self.dev)
+        self.out = torch.zeros(slots, dtype=torch.long, device=self.dev)
+        self.kv_range = torch.arange(self.max_len, device=self.dev)
+        self.use_graphs = (self.dev.type == "cuda") if use_graphs is None else use_graphs
+        self.graphs: dict = {}
+        self.step_fn: Callable = decode_step
+        self.steps: list[tuple[int, int, int]] = []  # last serve(): (occupied rows, B, Lb) per decode step
+
+    # -- one decode step for a (B, Lb) bucket --------------------------------------------------
+    def _args(self, b: int, lb: int):
+        return (self.model, self.ids[:b], self.pos[:b], self.kv_range[:lb], self.active[:b], self.cache, self.out[:b])
+
+    @torch.no_grad()
+    def _capture(self, b: int, lb: int) -> "torch.cuda.CUDAGraph":
+        # the step advances ids/pos/out, device state the server relies on: saved here and put
+        # back after the warm-up and capture runs (their cache writes land where the next real
+        # step writes anyway)
+        saved = (self.ids.clone(), self.pos.clone(), self.out.clone())
+        s = torch.cuda.Stream(self.dev)
+        s.wait_stream(torch.cuda.current_stream(self.dev))
+        with torch.cuda.stream(s):
+            for _ in range(2):  # compile (if compiled), autotune, workspaces: outside the graph
+                self.step_fn(*self._args(b, lb))
+        torch.cuda.current_stream(self.dev).wait_stream(s)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            self.step_fn(*self._args(b, lb))
+        for buf, old in zip((self.ids, self.pos, self.out), saved):
+            buf.copy_(old)
+        return graph
+
+    def buckets(self) -> list[tuple[int, int]]:
+        bs = [1 << i for i in range(self.slots.bit_length()) if 1 << i < self.slots] + [self.slots]
+        return [(b, lb) for b in bs for lb in range(self.kv_bucket, self.max_len + 1, self.kv_bucket)]
+
+    def capture_all(self, progress=None) -> float:
+        """Capture the graph of every (B, Lb) bucket now (not while a measured run waits); seconds."""
+        t0 = time.perf_counter()
+        if self.use_graphs:
+            for b, lb in self.buckets():
+                if (b, lb) not in self.graphs:
+                    self.graphs[(b, lb)] = self._capture(b, lb)
+                if progress is not None:
+                    progress.update(1)
+        return time.perf_counter() - t0
+
+    def _step(self, b: int, lb: int) -> None:
+        if not self.use_graphs:
+            with torch.no_grad():
+                self.step_fn(*self._args(b, lb))
+            return
+        g = self.graphs.get((b, lb))
+        if g is None:
+            g = self.graphs[(b, lb)] = self._capture(b, lb)
+        g.replay()
+
+    # -- prefill ------------------------------------------------------------------------------
+    @torch.no_grad()
+    def _prefill(self, row: int, prompt: list[int]) -> None:
+        n = len(prompt)
+        ids = torch.tensor([prompt], dtype=torch.long, device=self.dev)
+        dtype = self.cache.keys.dtype
+        causal = torch.full((n, n), torch.finfo(dtype).min, dtype=dtype, device=self.dev).triu(1)
+        self.cache.prefill_row = row
+        try:  # eager even where the layers are compiled: a prompt length or row is not a shape to compile for
+            with eager():
+                logits = self.model(input_ids=ids, position_ids=torch.arange(n, device=self.dev)[None],
+                                    attention_mask=causal[None, None], use_cache=True, logits_to_keep=1,
+                                    **{cache_kwarg(self.model): self.cache}).logits
+        finally:
+            self.cache.prefill_row = None
+        self.ids[row, 0] = logits[0, -1].argmax()
+        self.pos[row] = n
+        self.active[row] = 1
+
+    # -- the serving loop ---------------------------------------------------------------------
+    def serve(self, requests: list[dict], offsets: list[float], timeout_s: float = 600.0,
+              collect_tokens: bool = False) -> list[dict]:
+        """Run the workload; per request {arrival, ttft_s, tpot_s, end, tokens} (seconds from the
+        start) or {error}. A request longer than a row fails (ValueError before the run).
+        ``collect_tokens``: also the generated ids ("ids"; a device-to-host copy per step, for tests)."""
+        for i, r in enumerate(requests):
+            if len(r["prompt"]) + r["output_len"] > self.max_len:
+                raise ValueError(f"request {i}: prompt {len(r['prompt'])} + output {r['output_len']} tokens exceed "
+                                 f"the server's max_len {self.max_len}")
+        order = sorted(range(len(requests)), key=lambda i: offsets[i])
+        nxt = 0
+        rows: list[Optional[dict]] = [None] * self.slots
+        length = [0] * self.slots  # host copy of each row's cache length (stale for free rows)
+        out: list[dict] = [{} for _ in requests]
+        done = 0
+        self.steps = []
+        sync = torch.cuda.synchronize if self.dev.type == "cuda" else (lambda: None)
+        sync()
+        t0 = time.perf_counter()
+        while done < len(requests):
+            now = time.perf_counter() - t0
+            if now > timeout_s:
+                break
+            # admit every request that has arrived, while rows are free (prefill first)
+            while nxt < len(order) and offsets[order[nxt]] <= now and None in rows:
+                i = order[nxt]
+                nxt += 1
+                row = rows.index(None)
+                self._prefill(row, requests[i]["prompt"])
+                sync()
+                t = time.perf_counter() - t0
+                rows[row] = {"i": i, "left": requests[i]["output_len"] - 1, "stamps": [t]}
+                if collect_tokens:
+                    rows[row]["ids"] = [int(self.ids[row, 0])]
+                length[row] = len(requests[i]["prompt"])
+                out[i] = {"arrival": offsets[i]}
+                if rows[row]["left"] == 0:
+                    done += self._finish(row, rows, out)
+                now = time.perf_counter() - t0
+            busy = [r for r in range(self.slots) if rows[r] is not None]
+            if not busy:
+                if nxt < len(order):
+                    time.sleep(max(0.0, min(offsets[order[nxt]] - now, 0.01)))
+                continue
+            b = min(_next_pow2(busy[-1] + 1), self.slots)
+            longest = max(length[:b]) + 1
+            lb = min(-(-longest // self.kv_bucket) * self.kv_bucket, self.max_len)
+            self._step(b, lb)
+            self.steps.append((len(busy), b, lb))
+            sync()
+            t = time.perf_counter() - t0
+            toks = self.out[:b].tolist() if collect_tokens else None
+            for r in busy:
+                if toks is not None:
+                    rows[r]["ids"].append(toks[r])
+                length[r] += 1
+                rows[r]["stamps"].append(t)
+                rows[r]["left"] -= 1
+                if rows[r]["left"] == 0:
+                    done += self._finish(r, rows, out)
+                    length[r] = 0  # a free row does not widen Lb (its stale position stays readable)
+        for i, r in enumerate(requests):
+            if "stamps" not in out[i]:
+                out[i] = {"arrival": offsets[i], "error": "not finished within the time limit"}
+        return [self._record(o) for o in out]
+
+    def _finish(self, row: int, rows: list, out: list) -> int:
+        state = rows[row]
+        out[state["i"]]["stamps"] = state["stamps"]
+        if "ids" in state:
+            out[state["i"]]["ids"] = state["ids"]
+        rows[row] = None
+        self.active[row] = 0
+        return 1  # (the caller zeroes the row's host length)
+
+    @staticmethod
+    def _record(o: dict) -> dict:
+        if "error" in o:
+            return o
+        s = o["stamps"]
+        rec = {"arrival": o["arrival"], "ttft_s": s[0] - o["arrival"], "end": s[-1], "tokens": len(s)}
+        rec["tpot_s"] = (s[-1] - s[0]) / (len(s) - 1) if len(s) > 1 else None
+        if "ids" in o:
+            rec["ids"] = o["ids"]
+        return rec
