@@ -17,6 +17,7 @@ import torch
 import marlin
 from marlin import sparse
 from conftest import fp32_matmul, rel_err, requires_cuda_2_4
+from gemm_2_4_helpers import get_layer, poison_allocator
 
 pytestmark = [requires_cuda_2_4, pytest.mark.gpu]
 
@@ -31,38 +32,6 @@ SHAPES = {
 }
 GROUPS = [128, -1]
 ALLOWED = 1.5
-
-
-class Layer:
-    def __init__(self, k, n, group_size, seed):
-        gen = torch.Generator(device="cuda").manual_seed(seed)
-        w = sparse.prune_2_4(torch.randn(k, n, device="cuda", generator=gen))
-        self.b_q, self.b_meta, self.b_s = sparse.quantize_and_pack_2_4(w, group_size)
-        self.w_exact = sparse.unpack_2_4(self.b_q, self.b_meta, self.b_s)  # fp32, exact
-        self.w_fp16 = self.w_exact.half()
-        self.k, self.n = k, n
-
-
-_layers = {}
-
-
-def get_layer(k, n, g):
-    key = (k, n, g)
-    if key not in _layers:
-        _layers.clear()
-        torch.cuda.empty_cache()
-        _layers[key] = Layer(k, n, g, seed=hash(key) % 2**31)
-    return _layers[key]
-
-
-def poison_allocator(numel):
-    """The allocator's next block of `numel` halves NaN-filled, so that unwritten outputs show up."""
-    torch.cuda.synchronize()
-    torch.cuda.empty_cache()
-    t = torch.full((numel,), float("nan"), dtype=torch.float16, device="cuda")
-    ptr = t.data_ptr()
-    del t
-    return ptr
 
 
 def check(layer, m, b_meta=None):
@@ -87,7 +56,8 @@ def test_shapes(m, shape, g):
 # Every partition the planner can choose, forced (the knobs are read per call,
 # csrc/cuda/sparse/gemm_2_4_cuda.cpp): K parts in clusters or through global memory, both tile
 # widths, 32-, 64- and 128-row block slices (M > 16), the 3-stage instances, and the first
-# kernel's plan.
+# kernel's plan. On sm_90a builds on an H100/H200, M > 8 on the 256-column tile runs the sparse
+# wgmma by default; "mma_sync" keeps the mma.sync kernel there.
 PLANS = {
     "legacy": {"MARLIN_2_4_PLAN": "legacy"},
     "global_3": {"MARLIN_2_4_CLUSTERS": "0", "MARLIN_2_4_PARTS": "3"},
@@ -98,7 +68,10 @@ PLANS = {
     "pdl": {"MARLIN_2_4_PDL": "1"},
     "warp_slices_1": {"MARLIN_2_4_WARP_SLICES": "1"},
     "warp_slices_4": {"MARLIN_2_4_WARP_SLICES": "4"},  # 128-row block slices, 128-column tile
-    "stages_3": {"MARLIN_2_4_STAGES": "3", "MARLIN_2_4_CLUSTERS": "1"},  # 3-stage instances at M <= 16
+    "stages_3": {"MARLIN_2_4_STAGES": "3", "MARLIN_2_4_CLUSTERS": "1", "MARLIN_2_4_WGMMA": "0"},  # 3-stage instances at M <= 16
+    # the mma.sync kernel where the sparse wgmma would run (sm_90a; test_gemm_2_4_wgmma_cuda.py)
+    "mma_sync": {"MARLIN_2_4_WGMMA": "0"},
+    "mma_sync_parts_8_clusters": {"MARLIN_2_4_WGMMA": "0", "MARLIN_2_4_PARTS": "8", "MARLIN_2_4_CLUSTERS": "1"},
 }
 
 

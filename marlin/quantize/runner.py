@@ -18,8 +18,10 @@ True-sequential (``QuantizeConfig.true_sequential``, on by default): inside a bl
 layers that share an input are quantized in the order the block calls them (Llama: q/k/v, o, gate/up,
 down), and each group's Hessian comes from a pass with the groups before it already quantized.
 o_proj then learns to correct the error of the quantized q/k/v, down_proj that of gate/up, as the
-blocks do for the blocks before them. The cost is one partial pass per group after the first; a
-pass stops as soon as every layer of its group has seen its inputs.
+blocks do for the blocks before them. One sample's pass finds the groups (layers that read the
+same tensor) and their order; then each group gets its own pass over the samples, which stops as
+soon as every layer of the group has seen its inputs (the q/k/v pass stops at once, the down_proj
+pass near the block's end), so each Hessian is computed once.
 
 Full-precision target (``QuantizeConfig.fp_target``): plain GPTQ fits each layer to
 X_q W^T, its own full-precision weight on the inputs X_q of the quantized model, so the errors of
@@ -445,6 +447,45 @@ def _collect_hessians(
     return hessians, per_sample, order
 
 
+@torch.no_grad()
+def _probe_groups(block: nn.Module, hidden, call, layers: dict) -> tuple[list, dict]:
+    """([groups of layer names that read the same tensor, in the order the block calls them],
+    {name: calls per sample}) from one pass of one sample, without Hessians.
+
+    The inputs are kept alive until the pass ends, so a tensor's memory is never reused for
+    another one and ``is`` tells the same input from an equal one. Layers the block never calls
+    come last, each in its own group.
+    """
+    inputs: dict = {name: [] for name in layers}
+    order: list = []
+
+    def hook(name):
+        def record(_module, inp):
+            inputs[name].append(inp[0])
+            if name not in order:
+                order.append(name)
+
+        return record
+
+    handles = [layer.register_forward_pre_hook(hook(name)) for name, layer in layers.items()]
+    try:
+        args, kwargs = call
+        block(hidden, *args[1:], **kwargs)
+    finally:
+        for handle in handles:
+            handle.remove()
+    groups: list = []
+    for name in order + [n for n in layers if n not in order]:
+        for group in groups:
+            first = inputs[group[0]]
+            if first and len(first) == len(inputs[name]) and all(a is b for a, b in zip(first, inputs[name])):
+                group.append(name)
+                break
+        else:
+            groups.append([name])
+    return groups, {name: len(seen) for name, seen in inputs.items()}
+
+
 def _common_prefix(names: dict, block_names: dict) -> str:
     """The prefix ("model.layers.3.") that turns a full layer name into its name in the block."""
     name = next(iter(names))
@@ -477,16 +518,19 @@ def _quantize_block(
             log.warning("marlin-quantize: kept %s in full precision: %s", name, why)
     if not eligible:
         return outcome
-    hessians, per_sample, order = _collect_hessians(
-        block, hidden, calls, {n: linears[n] for n in eligible}, device, reference=reference
-    )
-    groups = _same_input_groups(eligible, hessians)
-    # the order the block calls them (a layer never called keeps its place at the end)
-    groups.sort(key=lambda g: min((order.index(n) for n in g if n in order), default=len(order)))
-    sequential = config.true_sequential and config.method == "gptq"
-    for number, group in enumerate(groups):
-        if sequential and number > 0 and all(per_sample[n] > 0 for n in group):
-            # inputs from the groups quantized before this one (their weights are in the block now)
+    hessians: dict = {}
+    if config.true_sequential and config.method == "gptq":
+        # one Hessian pass per group, each with the groups before it quantized (module doc)
+        groups, per_sample = _probe_groups(block, hidden[0], calls[0], {n: linears[n] for n in eligible})
+    else:
+        hessians, per_sample, order = _collect_hessians(
+            block, hidden, calls, {n: linears[n] for n in eligible}, device, reference=reference
+        )
+        groups = _same_input_groups(eligible, hessians)
+        # the order the block calls them (a layer never called keeps its place at the end)
+        groups.sort(key=lambda g: min((order.index(n) for n in g if n in order), default=len(order)))
+    for group in groups:
+        if group[0] not in hessians:
             hessians.update(
                 _collect_hessians(
                     block, hidden, calls, {n: linears[n] for n in group}, device, per_sample, reference
