@@ -1,9 +1,11 @@
 """Shared by the 2:4 op's GPU tests (test_gemm_2_4_cuda.py, test_gemm_2_4_wgmma_cuda.py): a
-random pruned and packed layer with its exact dequantized weights (one cached at a time), and a
-NaN-poisoned allocator block for the next output."""
+random pruned and packed layer with its exact dequantized weights (one cached at a time), the
+repeat and CUDA-graph checks."""
 
 import torch
 
+import marlin
+from conftest import rel_err
 from marlin import sparse
 
 
@@ -38,12 +40,33 @@ def get_layer(k, n, g) -> Layer24:
     return _layers[key]
 
 
-def poison_allocator(numel) -> int:
-    """The allocator's next block of `numel` halves NaN-filled, so that unwritten outputs show up;
-    returns its address (the caller checks that the output landed there)."""
-    torch.cuda.synchronize()
-    torch.cuda.empty_cache()
-    t = torch.full((numel,), float("nan"), dtype=torch.float16, device="cuda")
-    ptr = t.data_ptr()
-    del t
-    return ptr
+def assert_graph_replays(call, expected: torch.Tensor) -> None:
+    """call() (the op on fixed inputs) captured in a CUDA graph after a warm-up on a side stream;
+    three replays into a NaN-filled output each give exactly `expected`."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        call()
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = call()
+    for _ in range(3):
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, expected)
+
+
+def assert_repeats_bit_identical(layer: Layer24, m: int) -> None:
+    """Repeated calls give the same bits, close to the CPU op's; an explicit workspace (the K parts'
+    arrival counters) gives the same bits again and is left zeroed."""
+    a = torch.randn(m, layer.k, device="cuda", dtype=torch.float16)
+    c = marlin.gemm_2_4(a, layer.b_q, layer.b_meta, layer.b_s)
+    for _ in range(3):
+        assert torch.equal(marlin.gemm_2_4(a, layer.b_q, layer.b_meta, layer.b_s), c)
+    cpu = marlin.gemm_2_4(a.cpu(), layer.b_q.cpu(), layer.b_meta.cpu(), layer.b_s.cpu())
+    assert rel_err(c.cpu(), cpu) < 2e-3
+    ws = marlin.make_workspace()
+    assert torch.equal(marlin.gemm_2_4(a, layer.b_q, layer.b_meta, layer.b_s, ws), c)
+    assert int(ws.abs().sum()) == 0

@@ -16,8 +16,8 @@ import torch
 
 import marlin
 from marlin import sparse
-from conftest import fp32_matmul, rel_err, requires_cuda_2_4
-from gemm_2_4_helpers import get_layer, poison_allocator
+from conftest import fp32_matmul, poison_allocator, rel_err, requires_cuda_2_4
+from gemm_2_4_helpers import assert_graph_replays, assert_repeats_bit_identical, get_layer
 
 pytestmark = [requires_cuda_2_4, pytest.mark.gpu]
 
@@ -95,16 +95,7 @@ def test_the_bound_catches_a_wrong_metadata_order():
 def test_repeats_are_bit_identical_and_match_the_cpu_op():
     layer = get_layer(4096, 4096, 128)
     for m in (1, 16, 100):
-        a = torch.randn(m, 4096, device="cuda", dtype=torch.float16)
-        c = marlin.gemm_2_4(a, layer.b_q, layer.b_meta, layer.b_s)
-        for _ in range(3):
-            assert torch.equal(marlin.gemm_2_4(a, layer.b_q, layer.b_meta, layer.b_s), c)
-        cpu = marlin.gemm_2_4(a.cpu(), layer.b_q.cpu(), layer.b_meta.cpu(), layer.b_s.cpu())
-        assert rel_err(c.cpu(), cpu) < 2e-3
-        # an explicit workspace (the K parts' arrival counters) gives the same bits and stays zeroed
-        ws = marlin.make_workspace()
-        assert torch.equal(marlin.gemm_2_4(a, layer.b_q, layer.b_meta, layer.b_s, ws), c)
-        assert int(ws.abs().sum()) == 0
+        assert_repeats_bit_identical(layer, m)
 
 
 def test_strided_activations_and_m_zero():
@@ -124,19 +115,7 @@ def test_cuda_graph_and_two_streams():
     a = torch.randn(8, 4096, device="cuda", dtype=torch.float16)
     expected = marlin.gemm_2_4(a, layer.b_q, layer.b_meta, layer.b_s)
     static_a = a.clone()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        marlin.gemm_2_4(static_a, layer.b_q, layer.b_meta, layer.b_s)
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        static_c = marlin.gemm_2_4(static_a, layer.b_q, layer.b_meta, layer.b_s)
-    for _ in range(3):
-        static_c.fill_(float("nan"))
-        g.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(static_c, expected)
+    assert_graph_replays(lambda: marlin.gemm_2_4(static_a, layer.b_q, layer.b_meta, layer.b_s), expected)
     # two streams at once, no shared workspace
     s1, s2 = torch.cuda.Stream(), torch.cuda.Stream()
     a2 = torch.randn(3, 4096, device="cuda", dtype=torch.float16)

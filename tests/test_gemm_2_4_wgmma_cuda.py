@@ -24,8 +24,8 @@ import pytest
 import torch
 
 import marlin
-from conftest import rel_err, requires_cuda_2_4
-from gemm_2_4_helpers import get_layer, poison_allocator
+from conftest import poison_allocator, rel_err, requires_cuda_2_4
+from gemm_2_4_helpers import assert_graph_replays, assert_repeats_bit_identical, get_layer
 
 
 def _wgmma_device() -> bool:
@@ -187,15 +187,7 @@ def test_n_not_a_multiple_of_256_falls_back(wgmma_on, capfd):
 def test_repeats_are_bit_identical_and_match_the_cpu_op(wgmma_on, capfd):
     layer = get_layer(4096, 4096, 128)
     for m in (16, 40, 100):
-        a = torch.randn(m, 4096, device="cuda", dtype=torch.float16)
-        c = marlin.gemm_2_4(a, layer.b_q, layer.b_meta, layer.b_s)
-        for _ in range(3):
-            assert torch.equal(marlin.gemm_2_4(a, layer.b_q, layer.b_meta, layer.b_s), c)
-        cpu = marlin.gemm_2_4(a.cpu(), layer.b_q.cpu(), layer.b_meta.cpu(), layer.b_s.cpu())
-        assert rel_err(c.cpu(), cpu) < 2e-3
-        ws = marlin.make_workspace()
-        assert torch.equal(marlin.gemm_2_4(a, layer.b_q, layer.b_meta, layer.b_s, ws), c)
-        assert int(ws.abs().sum()) == 0
+        assert_repeats_bit_identical(layer, m)
     lines = plan_lines(capfd)
     assert lines and all("wgmma=2" in line for line in lines), lines
 
@@ -206,16 +198,4 @@ def test_cuda_graph(wgmma_on):
     a = torch.randn(24, 4096, device="cuda", dtype=torch.float16)
     expected = marlin.gemm_2_4(a, layer.b_q, layer.b_meta, layer.b_s)
     static_a = a.clone()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        marlin.gemm_2_4(static_a, layer.b_q, layer.b_meta, layer.b_s)
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static_c = marlin.gemm_2_4(static_a, layer.b_q, layer.b_meta, layer.b_s)
-    for _ in range(3):
-        static_c.fill_(float("nan"))
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(static_c, expected)
+    assert_graph_replays(lambda: marlin.gemm_2_4(static_a, layer.b_q, layer.b_meta, layer.b_s), expected)
