@@ -259,7 +259,7 @@ class DecodeStep:
         self.prefill()  # fills the cache (and lazily allocates it) before any capture
         if mode == "eager":
             return self.eager_call()
-        fn = lambda: compiled(self.model, self.ids, self.pos, self.cache)  # noqa: E731
+        fn = self.step_callable(compiled)
         if self.dev.type != "cuda":
             self.reset(self.prompt_len)
             fn()  # CPU dry runs: traced (compiled once here, not in the timing), no graph
@@ -276,6 +276,10 @@ class DecodeStep:
         with torch.cuda.graph(self.graph):
             self.out = fn()
         return self._replay
+
+    def step_callable(self, compiled: Optional[Callable]) -> Callable[[], torch.Tensor]:
+        """One step through ``compiled`` (decode_forward under torch.compile) on this step's state."""
+        return lambda: compiled(self.model, self.ids, self.pos, self.cache)
 
     def _replay(self) -> torch.Tensor:
         self.graph.replay()

@@ -31,11 +31,16 @@ def plan_env(name: str) -> dict:
     """auto: the planner; legacy: the first kernel's plan; pN: N K parts (clusters by the
     planner's rule); pNg: N parts through global memory; pNc: in clusters wherever they fit;
     t128 / t256: the tile width; s1 / s2 / s4: 32-row warp slices per block (M > 16); st3: the
-    3-stage instances (M <= 16); pdl: programmatic dependent launch; wg: the sparse wgmma
-    instances (sm_90a, M > 8), wgl: their late-refill variant, wg_<plan> / wgl_<plan>: with another
-    plan's knobs (e.g. wg_s1: 64-row block slices above 64 rows)."""
+    3-stage instances (M <= 16); pdl: programmatic dependent launch; mma: the mma.sync kernel
+    where the sparse wgmma would run (sm_90a, M > 8); wg: the sparse wgmma, wgl: its late-refill
+    variant (the default), wge: its early-refill one, wg_<plan> / wgl_<plan> / wge_<plan>: with
+    another plan's knobs (e.g. wg_s1: 64-row block slices above 64 rows)."""
     if name == "auto":
         return {}
+    if name == "mma":
+        return {"MARLIN_2_4_WGMMA": "0"}
+    if name.startswith("wge"):
+        return {**plan_env("wg" + name[3:]), "MARLIN_2_4_WG_LATE": "0"}
     if name.startswith("wgl"):
         return {**plan_env("wg" + name[3:]), "MARLIN_2_4_WG_LATE": "1"}
     if name.startswith("wg"):
@@ -56,7 +61,7 @@ def plan_env(name: str) -> dict:
         if name[-1] in "gc":
             env["MARLIN_2_4_CLUSTERS"] = "0" if name.endswith("g") else "1"
         return env
-    raise ValueError(f"PROBE_PLANS: unknown plan {name!r} (auto, legacy, pdl, t128, t256, s1, s2, s4, st3, pN, pNg, pNc, wg, wgl, wg_<plan>, wgl_<plan>)")
+    raise ValueError(f"PROBE_PLANS: unknown plan {name!r} (auto, legacy, pdl, t128, t256, s1, s2, s4, st3, pN, pNg, pNc, mma, wg, wgl, wge, wg_<plan>, wgl_<plan>, wge_<plan>)")
 
 
 PLANS = os.environ.get("PROBE_PLANS", "auto,legacy").split(",")

@@ -40,6 +40,19 @@ def random_layer(k: int, n: int, group_size: int, device="cpu", seed=None, *, bi
     return parts[0], parts[1], packed[0], packed[1], parts[2], packed[2]
 
 
+def poison_allocator(numel: int, dtype=torch.float16) -> int:
+    """Make the allocator's next block of `numel` elements NaN-filled, so unwritten outputs show up.
+
+    With the cache emptied, the freed NaN block is the best fit for the op's output allocation;
+    returns its address, which the GPU tests compare with the output's to be sure of that."""
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    t = torch.full((numel,), float("nan"), dtype=dtype, device="cuda")
+    ptr = t.data_ptr()
+    del t
+    return ptr
+
+
 def fp32_matmul(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """a @ w in true fp32 (TF32 off for the call), the GPU reference for the kernel."""
     prev = torch.backends.cuda.matmul.allow_tf32

@@ -16,7 +16,8 @@ import torch
 
 import marlin
 from marlin import sparse
-from conftest import fp32_matmul, rel_err, requires_cuda_2_4
+from conftest import fp32_matmul, poison_allocator, rel_err, requires_cuda_2_4
+from gemm_2_4_helpers import assert_graph_replays, assert_repeats_bit_identical, get_layer
 
 pytestmark = [requires_cuda_2_4, pytest.mark.gpu]
 
@@ -31,38 +32,6 @@ SHAPES = {
 }
 GROUPS = [128, -1]
 ALLOWED = 1.5
-
-
-class Layer:
-    def __init__(self, k, n, group_size, seed):
-        gen = torch.Generator(device="cuda").manual_seed(seed)
-        w = sparse.prune_2_4(torch.randn(k, n, device="cuda", generator=gen))
-        self.b_q, self.b_meta, self.b_s = sparse.quantize_and_pack_2_4(w, group_size)
-        self.w_exact = sparse.unpack_2_4(self.b_q, self.b_meta, self.b_s)  # fp32, exact
-        self.w_fp16 = self.w_exact.half()
-        self.k, self.n = k, n
-
-
-_layers = {}
-
-
-def get_layer(k, n, g):
-    key = (k, n, g)
-    if key not in _layers:
-        _layers.clear()
-        torch.cuda.empty_cache()
-        _layers[key] = Layer(k, n, g, seed=hash(key) % 2**31)
-    return _layers[key]
-
-
-def poison_allocator(numel):
-    """The allocator's next block of `numel` halves NaN-filled, so that unwritten outputs show up."""
-    torch.cuda.synchronize()
-    torch.cuda.empty_cache()
-    t = torch.full((numel,), float("nan"), dtype=torch.float16, device="cuda")
-    ptr = t.data_ptr()
-    del t
-    return ptr
 
 
 def check(layer, m, b_meta=None):
@@ -87,7 +56,8 @@ def test_shapes(m, shape, g):
 # Every partition the planner can choose, forced (the knobs are read per call,
 # csrc/cuda/sparse/gemm_2_4_cuda.cpp): K parts in clusters or through global memory, both tile
 # widths, 32-, 64- and 128-row block slices (M > 16), the 3-stage instances, and the first
-# kernel's plan.
+# kernel's plan. On sm_90a builds on an H100/H200, M > 8 on the 256-column tile runs the sparse
+# wgmma by default; "mma_sync" keeps the mma.sync kernel there.
 PLANS = {
     "legacy": {"MARLIN_2_4_PLAN": "legacy"},
     "global_3": {"MARLIN_2_4_CLUSTERS": "0", "MARLIN_2_4_PARTS": "3"},
@@ -98,7 +68,10 @@ PLANS = {
     "pdl": {"MARLIN_2_4_PDL": "1"},
     "warp_slices_1": {"MARLIN_2_4_WARP_SLICES": "1"},
     "warp_slices_4": {"MARLIN_2_4_WARP_SLICES": "4"},  # 128-row block slices, 128-column tile
-    "stages_3": {"MARLIN_2_4_STAGES": "3", "MARLIN_2_4_CLUSTERS": "1"},  # 3-stage instances at M <= 16
+    "stages_3": {"MARLIN_2_4_STAGES": "3", "MARLIN_2_4_CLUSTERS": "1", "MARLIN_2_4_WGMMA": "0"},  # 3-stage instances at M <= 16
+    # the mma.sync kernel where the sparse wgmma would run (sm_90a; test_gemm_2_4_wgmma_cuda.py)
+    "mma_sync": {"MARLIN_2_4_WGMMA": "0"},
+    "mma_sync_parts_8_clusters": {"MARLIN_2_4_WGMMA": "0", "MARLIN_2_4_PARTS": "8", "MARLIN_2_4_CLUSTERS": "1"},
 }
 
 
@@ -122,16 +95,7 @@ def test_the_bound_catches_a_wrong_metadata_order():
 def test_repeats_are_bit_identical_and_match_the_cpu_op():
     layer = get_layer(4096, 4096, 128)
     for m in (1, 16, 100):
-        a = torch.randn(m, 4096, device="cuda", dtype=torch.float16)
-        c = marlin.gemm_2_4(a, layer.b_q, layer.b_meta, layer.b_s)
-        for _ in range(3):
-            assert torch.equal(marlin.gemm_2_4(a, layer.b_q, layer.b_meta, layer.b_s), c)
-        cpu = marlin.gemm_2_4(a.cpu(), layer.b_q.cpu(), layer.b_meta.cpu(), layer.b_s.cpu())
-        assert rel_err(c.cpu(), cpu) < 2e-3
-        # an explicit workspace (the K parts' arrival counters) gives the same bits and stays zeroed
-        ws = marlin.make_workspace()
-        assert torch.equal(marlin.gemm_2_4(a, layer.b_q, layer.b_meta, layer.b_s, ws), c)
-        assert int(ws.abs().sum()) == 0
+        assert_repeats_bit_identical(layer, m)
 
 
 def test_strided_activations_and_m_zero():
@@ -151,19 +115,7 @@ def test_cuda_graph_and_two_streams():
     a = torch.randn(8, 4096, device="cuda", dtype=torch.float16)
     expected = marlin.gemm_2_4(a, layer.b_q, layer.b_meta, layer.b_s)
     static_a = a.clone()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        marlin.gemm_2_4(static_a, layer.b_q, layer.b_meta, layer.b_s)
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        static_c = marlin.gemm_2_4(static_a, layer.b_q, layer.b_meta, layer.b_s)
-    for _ in range(3):
-        static_c.fill_(float("nan"))
-        g.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(static_c, expected)
+    assert_graph_replays(lambda: marlin.gemm_2_4(static_a, layer.b_q, layer.b_meta, layer.b_s), expected)
     # two streams at once, no shared workspace
     s1, s2 = torch.cuda.Stream(), torch.cuda.Stream()
     a2 = torch.randn(3, 4096, device="cuda", dtype=torch.float16)

@@ -1,11 +1,12 @@
-"""torch.ops.marlin.gemm_2_4 on the sparse wgmma instances (sm_90a, MARLIN_2_4_WGMMA=1) against
-the float64 product A @ dequant(B), on the dense suite's M classes (9-128 rows: 16-, 32- and
-64-row warp slices, one or two per block, partial slices) and shapes, with NaN-poisoned outputs;
-every partition forced; repeats bit-identical; a CUDA graph; the fallback where N % 256 != 0.
+"""torch.ops.marlin.gemm_2_4 on the sparse wgmma instances (sm_90a; the default from 9 rows on,
+MARLIN_2_4_WGMMA=0 switches them off) against the float64 product A @ dequant(B), on the dense
+suite's M classes (9-128 rows: 16-, 32- and 64-row warp slices, one or two per block, partial
+slices) and shapes, with NaN-poisoned outputs; both refill variants; every partition forced;
+repeats bit-identical; a CUDA graph; the fallback where N % 256 != 0.
 
-Each call's plan line (MARLIN_LOG_PLAN=1, read per call) must name a wgmma instance (wgmma=1; 2
-for the late-refill variant), so that a build or device without the sparse wgmma fails here
-instead of silently testing the mma.sync kernel. Every
+Each call's plan line (MARLIN_LOG_PLAN=1, read per call) must name the wgmma instance (wgmma=2:
+late refill, the default; 1: early refill, MARLIN_2_4_WG_LATE=0), so that a build or device
+without the sparse wgmma fails here instead of silently testing the mma.sync kernel. Every
 instance first runs in a fresh process (test_instances_run_in_a_fresh_process): if one faults
 there, that test fails and the others are not run in this process, whose CUDA context a fault
 would leave unusable for the rest of the suite. Skipped
@@ -23,8 +24,8 @@ import pytest
 import torch
 
 import marlin
-from marlin import sparse
-from conftest import rel_err, requires_cuda_2_4
+from conftest import poison_allocator, rel_err, requires_cuda_2_4
+from gemm_2_4_helpers import assert_graph_replays, assert_repeats_bit_identical, get_layer
 
 
 def _wgmma_device() -> bool:
@@ -54,38 +55,6 @@ GROUPS = [128, -1]
 ALLOWED = 1.5
 
 
-class Layer:
-    def __init__(self, k, n, group_size, seed):
-        gen = torch.Generator(device="cuda").manual_seed(seed)
-        w = sparse.prune_2_4(torch.randn(k, n, device="cuda", generator=gen))
-        self.b_q, self.b_meta, self.b_s = sparse.quantize_and_pack_2_4(w, group_size)
-        self.w_exact = sparse.unpack_2_4(self.b_q, self.b_meta, self.b_s).double()
-        self.w_fp16 = self.w_exact.half()
-        self.k, self.n = k, n
-
-
-_layers = {}
-
-
-def get_layer(k, n, g):
-    key = (k, n, g)
-    if key not in _layers:
-        _layers.clear()
-        torch.cuda.empty_cache()
-        _layers[key] = Layer(k, n, g, seed=hash(key) % 2**31)
-    return _layers[key]
-
-
-def poison_allocator(numel):
-    """The allocator's next block of `numel` halves NaN-filled, so that unwritten outputs show up."""
-    torch.cuda.synchronize()
-    torch.cuda.empty_cache()
-    t = torch.full((numel,), float("nan"), dtype=torch.float16, device="cuda")
-    ptr = t.data_ptr()
-    del t
-    return ptr
-
-
 # Each instance (16-, 32-, 64-, 128-row block slices, both scale kinds) and partition (one part,
 # parts in clusters, through global memory) once, in a fresh process.
 _FRESH_PROCESS_CODE = """
@@ -96,7 +65,7 @@ for g in (128, -1):
     w = sparse.prune_2_4(torch.randn(1152, 768, device="cuda"))
     b_q, b_meta, b_s = sparse.quantize_and_pack_2_4(w, g)
     for env in ({}, {"MARLIN_2_4_PARTS": "1"}, {"MARLIN_2_4_PARTS": "4", "MARLIN_2_4_CLUSTERS": "1"},
-                {"MARLIN_2_4_PARTS": "4", "MARLIN_2_4_CLUSTERS": "0"}, {"MARLIN_2_4_WG_LATE": "1"}):
+                {"MARLIN_2_4_PARTS": "4", "MARLIN_2_4_CLUSTERS": "0"}, {"MARLIN_2_4_WG_LATE": "0"}):
         os.environ.update(env)
         for m in (9, 16, 17, 33, 64, 65, 128, 130):
             marlin.gemm_2_4(torch.randn(m, 1152, device="cuda", dtype=torch.float16), b_q, b_meta, b_s)
@@ -140,7 +109,7 @@ def plan_lines(capfd):
     return [line for line in capfd.readouterr().err.splitlines() if line.startswith("marlin.gemm_2_4 plan:")]
 
 
-def check(layer, m, capfd, wgmma=1):
+def check(layer, m, capfd, wgmma=2):
     """(error, fp16 matmul's error) against the float64 product; asserts the plan's kernel
     (wgmma = 0: mma.sync, 1: wgmma with early refill, 2: with late refill)."""
     a = torch.randn(m, layer.k, device="cuda", dtype=torch.float16)
@@ -151,7 +120,7 @@ def check(layer, m, capfd, wgmma=1):
     lines = plan_lines(capfd)
     assert len(lines) == 1 and f"wgmma={wgmma}" in lines[0], lines
     assert c.data_ptr() == ptr, "output did not land in the poisoned block; the NaN check would be void"
-    ref = a.double() @ layer.w_exact
+    ref = a.double() @ layer.w64
     base = rel_err(a @ layer.w_fp16, ref)
     return rel_err(c, ref), base, lines[0]
 
@@ -167,14 +136,14 @@ def test_shapes(m, shape, g, wgmma_on, capfd):
 @pytest.mark.parametrize("g", GROUPS)
 @pytest.mark.parametrize("shape", ["70B_o", "1152x768"])
 @pytest.mark.parametrize("m", M_VALUES)
-def test_shapes_late_refill(m, shape, g, wgmma_on, capfd):
-    wgmma_on.setenv("MARLIN_2_4_WG_LATE", "1")
-    err, base, plan = check(get_layer(*SHAPES[shape], g), m, capfd, wgmma=2)
+def test_shapes_early_refill(m, shape, g, wgmma_on, capfd):
+    wgmma_on.setenv("MARLIN_2_4_WG_LATE", "0")
+    err, base, plan = check(get_layer(*SHAPES[shape], g), m, capfd, wgmma=1)
     assert err <= ALLOWED * base + 1e-7, f"M={m} {shape} g={g}: error {err:.3g} vs fp16 matmul {base:.3g} ({plan})"
 
 
 # Every partition under the wgmma instances, forced: K parts through global memory or in
-# clusters, one part, 64- or 128-row block slices above 32 rows.
+# clusters, one part, 64- or 128-row block slices above 32 rows; some with early refill.
 PLANS = {
     "global_3": {"MARLIN_2_4_CLUSTERS": "0", "MARLIN_2_4_PARTS": "3"},
     "global_16": {"MARLIN_2_4_CLUSTERS": "0", "MARLIN_2_4_PARTS": "16"},
@@ -183,9 +152,9 @@ PLANS = {
     "one_part": {"MARLIN_2_4_PARTS": "1"},
     "warp_slices_1": {"MARLIN_2_4_WARP_SLICES": "1"},
     "warp_slices_2": {"MARLIN_2_4_WARP_SLICES": "2"},
-    "late_parts_8_clusters": {"MARLIN_2_4_WG_LATE": "1", "MARLIN_2_4_PARTS": "8", "MARLIN_2_4_CLUSTERS": "1"},
-    "late_global_5": {"MARLIN_2_4_WG_LATE": "1", "MARLIN_2_4_PARTS": "5", "MARLIN_2_4_CLUSTERS": "0"},
-    "late_warp_slices_1": {"MARLIN_2_4_WG_LATE": "1", "MARLIN_2_4_WARP_SLICES": "1"},
+    "early_parts_8_clusters": {"MARLIN_2_4_WG_LATE": "0", "MARLIN_2_4_PARTS": "8", "MARLIN_2_4_CLUSTERS": "1"},
+    "early_global_5": {"MARLIN_2_4_WG_LATE": "0", "MARLIN_2_4_PARTS": "5", "MARLIN_2_4_CLUSTERS": "0"},
+    "early_warp_slices_1": {"MARLIN_2_4_WG_LATE": "0", "MARLIN_2_4_WARP_SLICES": "1"},
 }
 
 
@@ -195,7 +164,7 @@ PLANS = {
 def test_forced_plans(m, plan, g, wgmma_on, capfd):
     for key, value in PLANS[plan].items():
         wgmma_on.setenv(key, value)
-    err, base, line = check(get_layer(4096, 1024, g), m, capfd, wgmma=2 if "MARLIN_2_4_WG_LATE" in PLANS[plan] else 1)
+    err, base, line = check(get_layer(4096, 1024, g), m, capfd, wgmma=1 if "MARLIN_2_4_WG_LATE" in PLANS[plan] else 2)
     assert err <= ALLOWED * base + 1e-7, f"M={m} plan {plan} g={g}: error {err:.3g} vs fp16 matmul {base:.3g} ({line})"
 
 
@@ -205,7 +174,7 @@ def test_slices_follow_m(wgmma_on, capfd):
     expect = {8: None, 9: "slice_rows=16", 16: "slice_rows=16", 17: "slice_rows=32", 33: "slice_rows=64", 64: "slice_rows=64",
               65: "slice_rows=128", 128: "slice_rows=128"}
     for m, rows in expect.items():
-        _, _, line = check(layer, m, capfd, wgmma=1 if rows is not None else 0)
+        _, _, line = check(layer, m, capfd, wgmma=2 if rows is not None else 0)
         if rows is not None:
             assert rows + " " in line, (m, line)
 
@@ -218,17 +187,9 @@ def test_n_not_a_multiple_of_256_falls_back(wgmma_on, capfd):
 def test_repeats_are_bit_identical_and_match_the_cpu_op(wgmma_on, capfd):
     layer = get_layer(4096, 4096, 128)
     for m in (16, 40, 100):
-        a = torch.randn(m, 4096, device="cuda", dtype=torch.float16)
-        c = marlin.gemm_2_4(a, layer.b_q, layer.b_meta, layer.b_s)
-        for _ in range(3):
-            assert torch.equal(marlin.gemm_2_4(a, layer.b_q, layer.b_meta, layer.b_s), c)
-        cpu = marlin.gemm_2_4(a.cpu(), layer.b_q.cpu(), layer.b_meta.cpu(), layer.b_s.cpu())
-        assert rel_err(c.cpu(), cpu) < 2e-3
-        ws = marlin.make_workspace()
-        assert torch.equal(marlin.gemm_2_4(a, layer.b_q, layer.b_meta, layer.b_s, ws), c)
-        assert int(ws.abs().sum()) == 0
+        assert_repeats_bit_identical(layer, m)
     lines = plan_lines(capfd)
-    assert lines and all("wgmma=1" in line for line in lines), lines
+    assert lines and all("wgmma=2" in line for line in lines), lines
 
 
 def test_cuda_graph(wgmma_on):
@@ -237,16 +198,4 @@ def test_cuda_graph(wgmma_on):
     a = torch.randn(24, 4096, device="cuda", dtype=torch.float16)
     expected = marlin.gemm_2_4(a, layer.b_q, layer.b_meta, layer.b_s)
     static_a = a.clone()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        marlin.gemm_2_4(static_a, layer.b_q, layer.b_meta, layer.b_s)
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static_c = marlin.gemm_2_4(static_a, layer.b_q, layer.b_meta, layer.b_s)
-    for _ in range(3):
-        static_c.fill_(float("nan"))
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(static_c, expected)
+    assert_graph_replays(lambda: marlin.gemm_2_4(static_a, layer.b_q, layer.b_meta, layer.b_s), expected)

@@ -17,7 +17,7 @@ import torch
 
 import marlin
 from marlin import packing
-from conftest import fp32_matmul, rel_err, requires_cuda
+from conftest import fp32_matmul, poison_allocator, rel_err, requires_cuda
 
 pytestmark = [requires_cuda, pytest.mark.gpu]
 
@@ -72,19 +72,6 @@ def get_layer(k, n, g):
         torch.cuda.empty_cache()
         _layers[key] = Layer(k, n, g, seed=hash(key) % 2**31)
     return _layers[key]
-
-
-def poison_allocator(numel):
-    """Make the allocator's next block of `numel` halves NaN-filled, so unwritten outputs show up.
-
-    With the cache emptied, the freed NaN block is the best fit for the op's output allocation,
-    which check() verifies by comparing addresses."""
-    torch.cuda.synchronize()
-    torch.cuda.empty_cache()
-    t = torch.full((numel,), float("nan"), dtype=torch.float16, device="cuda")
-    ptr = t.data_ptr()
-    del t
-    return ptr
 
 
 def check(layer, m, **kw):

@@ -20,7 +20,7 @@ import torch
 
 import marlin
 from marlin import packing
-from conftest import rel_err, requires_cuda
+from conftest import poison_allocator, rel_err, requires_cuda
 
 pytestmark = [requires_cuda, pytest.mark.gpu]
 
@@ -102,16 +102,6 @@ def get_layer(k, n, fmt):
         torch.cuda.empty_cache()
         _layers[key] = Layer(k, n, fmt, seed=hash((k, n, fmt_id(fmt))) % 2**31)
     return _layers[key]
-
-
-def poison_allocator(numel, dtype):
-    """The allocator's next block of `numel` elements NaN-filled, so that unwritten outputs show."""
-    torch.cuda.synchronize()
-    torch.cuda.empty_cache()
-    t = torch.full((numel,), float("nan"), dtype=dtype, device="cuda")
-    ptr = t.data_ptr()
-    del t
-    return ptr
 
 
 def run(layer, a, **kw):

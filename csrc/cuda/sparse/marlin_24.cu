@@ -123,15 +123,24 @@ double fill(long long blocks, long long slots, int sms) {
 // The parts of a tile are reduced in a thread-block cluster (sm_90+, at most 8 parts, all
 // clusters resident) from 16 rows on, where that measured faster than the global reduction
 // (70B o M = 16-128: 8 parts 10-17% faster); below 16 rows it measured 0-40% slower.
+// The wgmma instances above 16 rows take up to 8 parts (each at least 4 stages), all reduced in
+// clusters, by the same fill rule: under the limit above their 64- and 128-row slices got 2 parts
+// where they run 1-2 blocks per SM (7B qkv M = 64: 96 blocks on 132 SMs, 70B o M = 128: 64),
+// and through distributed shared memory the parts cost no L2 round trips.
 std::string plan_24(const Args24& args, Plan24* plan) {
   if (args.n % 128 != 0) return "marlin.gemm_2_4: N = " + std::to_string(args.n) + " is not a multiple of 128";
   // rows per warp slice: the smallest of 8, 16, 32 that holds M. One warp slice per block: two
   // (64-row block slices, each stage's weights read once for both) measured 8-10% faster on the
   // ideal layer at M = 64-128 but 20-40% slower on 70B o / gate_up / down (H100, NOTES.md).
-  // The sparse wgmma (sm_90a, MARLIN_2_4_WGMMA=1) from 9 rows on, on the 256-column tile: warp
-  // slices of 16, 32 or 64 rows (the smallest that holds M), two 64-row warp slices per block
-  // above 64 rows (each stage's weights read once for 128 rows).
+  // The sparse wgmma (sm_90a) from 9 rows on, on the 256-column tile: warp slices of 16, 32 or
+  // 64 rows (the smallest that holds M), two 64-row warp slices per block above 64 rows (each
+  // stage's weights read once for 128 rows). H100 (NOTES.md, "the sparse wgmma measured"):
+  // 1.0-1.75x the mma.sync kernel's speed at M = 16-128 on 7B qkv, 70B o, 70B gate_up and the
+  // ideal layer, all but 70B o at 128 rows (then 0.77x, from 2 K parts on 132 SMs: see below).
   const bool wg = args.wgmma && !args.legacy && args.m > 8 && args.n % 256 == 0 && args.force_tile_n != 128 && args.force_ms != 4;
+  // late refill by default: on the H100 it was within 7% of early refill at 16-32 and 128 rows,
+  // and 1.46-1.57x faster at 64 on 70B gate_up and the ideal layer (163 vs 257 us, 1189 vs 1736:
+  // 3 stages, 2 blocks per SM)
   plan->wg = wg ? (args.wg_late ? 2 : 1) : 0;
   if (plan->wg) {
     plan->mb = args.m <= 16 ? 2 : args.m <= 32 ? 4 : 8;
@@ -169,13 +178,15 @@ std::string plan_24(const Args24& args, Plan24* plan) {
   const bool clusters = !args.legacy && args.clusters && args.cluster_mode != 0 && (rows_used >= 16 || args.cluster_mode == 1);
 
   const int max_parts = std::max(1, std::min(16, k_tiles / 2));
+  const bool wg_parts = plan->wg && rows_used > 16 && clusters;  // the wgmma instances' part limit (above)
   int best = 1;
   bool best_cluster = false;
   double best_fill = -1.0;
   for (int parts = 1; parts <= max_parts; parts++) {
     const int forced = args.force_parts > 0 ? std::min(args.force_parts, max_parts) : 0;
-    if (forced > 0 ? parts != forced : (!args.legacy && parts > 1 && static_cast<long long>(parts) * parts * rows_used > 16LL * k_tiles))
-      continue;
+    const bool over = wg_parts ? parts > kMaxClusterParts || 4 * parts > k_tiles
+                               : static_cast<long long>(parts) * parts * rows_used > 16LL * k_tiles;
+    if (forced > 0 ? parts != forced : (!args.legacy && parts > 1 && over)) continue;
     if (tiles * parts > 0x7fffffffLL) break;
     bool cluster = false;
     long long cslots = slots;
@@ -183,7 +194,7 @@ std::string plan_24(const Args24& args, Plan24* plan) {
       const int n_clusters = inst.max_clusters(parts, plan->smem);
       if (n_clusters > 0) cluster = true, cslots = std::min(slots, static_cast<long long>(n_clusters) * parts);
     }
-    if (parts > 1 && !cluster && !locks_ok) continue;
+    if (parts > 1 && !cluster && (!locks_ok || (wg_parts && forced == 0))) continue;
     const double f = fill(tiles * parts, cslots, args.sms);
     if (f > best_fill + 0.02 || forced > 0) best = parts, best_cluster = cluster, best_fill = f;
   }

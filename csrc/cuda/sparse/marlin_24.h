@@ -26,9 +26,9 @@ struct Args24 {
   bool pdl;       // launch with programmatic dependent launch (sm_90+; measured slower here, off by default)
   bool clusters;  // thread-block clusters can be launched (sm_90+)
   // the sparse wgmma instances may run: an sm_90a build on a compute capability 9.0 device, and
-  // MARLIN_2_4_WGMMA=1 (off by default until measured; gemm_2_4_cuda.cpp)
+  // not MARLIN_2_4_WGMMA=0 (gemm_2_4_cuda.cpp)
   bool wgmma = false;
-  bool wg_late = false;  // the wgmma instances with late refill (MARLIN_2_4_WG_LATE=1, for measurement)
+  bool wg_late = true;  // their late-refill variant (MARLIN_2_4_WG_LATE=0: early refill, for measurement)
   // tuning and diagnosis (gemm_2_4_cuda.cpp reads them from the environment): legacy = the first
   // kernel's plan (8-32-row slices, K parts by fill alone, added through global memory);
   // force_parts > 0: that many K parts (at most 16 and k-tiles / 2); force_tile_n > 0: tiles of

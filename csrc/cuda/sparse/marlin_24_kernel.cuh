@@ -26,6 +26,8 @@
 //    its fp32 partial past L1 and the last block of the tile to arrive (last_to_arrive, ptx.cuh:
 //    one acquire-release counter per tile, left at zero) adds the partials in part order. Either
 //    way the result does not depend on the arrival order.
+//  * WG instances (sm_90a, Shape and main_loop_wg below): the same stages, partition and
+//    epilogue, with the sparse wgmma instead of mma.sp in the main loop.
 //  * Programmatic dependent launch (sm_90+, pdl in the launch): nothing is read or written before
 //    grid_dependency_wait(), and the next kernel of the stream may be scheduled once the first
 //    stages are in flight.

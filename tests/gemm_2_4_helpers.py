@@ -1,0 +1,72 @@
+"""Shared by the 2:4 op's GPU tests (test_gemm_2_4_cuda.py, test_gemm_2_4_wgmma_cuda.py): a
+random pruned and packed layer with its exact dequantized weights (one cached at a time), the
+repeat and CUDA-graph checks."""
+
+import torch
+
+import marlin
+from conftest import rel_err
+from marlin import sparse
+
+
+class Layer24:
+    def __init__(self, k, n, group_size, seed):
+        gen = torch.Generator(device="cuda").manual_seed(seed)
+        w = sparse.prune_2_4(torch.randn(k, n, device="cuda", generator=gen))
+        self.b_q, self.b_meta, self.b_s = sparse.quantize_and_pack_2_4(w, group_size)
+        self.w_exact = sparse.unpack_2_4(self.b_q, self.b_meta, self.b_s)  # fp32, exact
+        self.w_fp16 = self.w_exact.half()
+        self.k, self.n = k, n
+        self._w64 = None
+
+    @property
+    def w64(self) -> torch.Tensor:
+        """The exact weights in float64 (for float64 references)."""
+        if self._w64 is None:
+            self._w64 = self.w_exact.double()
+        return self._w64
+
+
+_layers = {}
+
+
+def get_layer(k, n, g) -> Layer24:
+    """The layer (K, N, group size g), seeded by its key; only the last one is kept (GPU memory)."""
+    key = (k, n, g)
+    if key not in _layers:
+        _layers.clear()
+        torch.cuda.empty_cache()
+        _layers[key] = Layer24(k, n, g, seed=hash(key) % 2**31)
+    return _layers[key]
+
+
+def assert_graph_replays(call, expected: torch.Tensor) -> None:
+    """call() (the op on fixed inputs) captured in a CUDA graph after a warm-up on a side stream;
+    three replays into a NaN-filled output each give exactly `expected`."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        call()
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = call()
+    for _ in range(3):
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, expected)
+
+
+def assert_repeats_bit_identical(layer: Layer24, m: int) -> None:
+    """Repeated calls give the same bits, close to the CPU op's; an explicit workspace (the K parts'
+    arrival counters) gives the same bits again and is left zeroed."""
+    a = torch.randn(m, layer.k, device="cuda", dtype=torch.float16)
+    c = marlin.gemm_2_4(a, layer.b_q, layer.b_meta, layer.b_s)
+    for _ in range(3):
+        assert torch.equal(marlin.gemm_2_4(a, layer.b_q, layer.b_meta, layer.b_s), c)
+    cpu = marlin.gemm_2_4(a.cpu(), layer.b_q.cpu(), layer.b_meta.cpu(), layer.b_s.cpu())
+    assert rel_err(c.cpu(), cpu) < 2e-3
+    ws = marlin.make_workspace()
+    assert torch.equal(marlin.gemm_2_4(a, layer.b_q, layer.b_meta, layer.b_s, ws), c)
+    assert int(ws.abs().sum()) == 0
