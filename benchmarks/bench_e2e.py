@@ -54,6 +54,7 @@ from .bench_gemm import dump_results
 from .bench_math import RESULTS_DIR
 from .e2e_model import (MODEL_SPECS, DecodeStep, build_model, compile_decode, compile_layers, decode_forward, fuse_fp16,
                         profile_step, time_generate, to_marlin, weight_bytes)
+from .e2e_slots import SlotStep
 from .provenance import collect_meta, dirty_warning
 from .timing import measure_copy_bandwidth
 
@@ -87,6 +88,14 @@ def parse_args(argv=None):
                         "(layer: loses the fusion across layer boundaries and, with transformers' StaticCache, "
                         "compiles each layer separately: not faster at 32 layers). Both kernels run with the same "
                         "scope")
+    p.add_argument("--compile-mode", default=None,
+                   help="torch.compile mode of the compiled mode, for both kernels alike (e.g. "
+                        "max-autotune-no-cudagraphs; default: torch's default mode; the step is captured in a CUDA "
+                        "graph by the benchmark either way, so modes with their own cudagraphs do not apply)")
+    p.add_argument("--cache", choices=("static", "slots"), default="static",
+                   help="the decode step's KV cache: transformers' StaticCache (static), or the serving engine's "
+                        "(slots: one tensor for all layers; the compiled mode then compiles each decoder layer, 4 "
+                        "compiles per kernel whatever the depth and batch sizes: for 32 layers and many batches)")
     p.add_argument("--profile", action="store_true",
                    help="torch.profiler summary (time by kernel category) of a decode step per kernel, in the "
                         "compiled mode if it runs, else the graph mode's traced step, else eager")
@@ -104,6 +113,11 @@ def parse_args(argv=None):
     if bad:
         p.error(f"unknown kernel/mode {bad}; kernels: {KERNELS}, modes: {MODES}")
     args.kernels = [k for k in KERNELS if k in args.kernels]
+    if args.compile_mode in ("reduce-overhead", "max-autotune"):
+        p.error(f"--compile-mode {args.compile_mode}: uses its own CUDA graphs; the benchmark captures the step itself "
+                "(take default or max-autotune-no-cudagraphs)")
+    if args.cache == "slots" and "generate" in args.modes:
+        p.error("--cache slots: the generate mode runs transformers' generate() with its own cache; drop it")
     if args.dry_run:
         args.model, args.layers, args.batches = "tiny", None, [1, 3]
         args.prompt_len, args.gen_len, args.samples = 8, 4, 1
@@ -141,16 +155,21 @@ def run_kernel(model, kernel: str, args, dev, points: list, notes: list, bar, pr
     for mode in args.modes:
         _reset_dynamo()
         undo_layers = None
-        if mode == "compiled" and args.compile_scope == "layer":
-            undo_layers = compile_layers(model, args.backend)
+        if mode == "compiled" and (args.compile_scope == "layer" or args.cache == "slots"):
+            undo_layers = compile_layers(model, args.backend, args.compile_mode)
             compiled = decode_forward  # eager around the compiled layers; the step is still one CUDA graph
+        elif args.cache == "slots":
+            compiled = None  # graph mode: the eager kernels of the slots step, captured
         else:
-            compiled = None if mode == "eager" else compile_decode(mode, args.backend)  # shared by all batches
+            compiled = None if mode == "eager" else compile_decode(mode, args.backend, args.compile_mode)  # all batches
         for batch in args.batches:
             bar.set_description(f"{kernel} {mode} batch {batch}")
-            step = DecodeStep(model, batch, args.prompt_len, args.gen_len, dev, seed=args.seed)
+            step = (SlotStep if args.cache == "slots" else DecodeStep)(model, batch, args.prompt_len, args.gen_len, dev,
+                                                                       seed=args.seed)
             point = {"model": args.model, "layers": layers, "batch": batch, "kernel": kernel, "mode": mode,
-                     "compile_scope": args.compile_scope if mode == "compiled" else None,
+                     "cache": args.cache,
+                     "compile_scope": (args.compile_scope if args.cache == "static" else "layer") if mode == "compiled"
+                     else None,
                      "prompt_len": args.prompt_len, "gen_len": args.gen_len, "weight_bytes": wbytes}
             fn = None
             if mode == "generate":
@@ -209,8 +228,7 @@ def _profile(step: DecodeStep, mode: str, compiled, point: dict, profiles: list)
     """Kernel times of this point's step (the compiled function, outside the graph), into
     ``profiles``; a failure is recorded there and does not lose the point."""
     kernel, batch = point["kernel"], point["batch"]
-    call = step.eager_call() if compiled is None else (
-        lambda: compiled(step.model, step.ids, step.pos, step.cache))
+    call = step.eager_call() if mode == "eager" else step.step_callable(compiled)
     try:
         prof = profile_step(step, call)
         prof["idle_us_per_step"] = round(point["tpot_ms"] * 1e3 - prof["kernel_us_per_step"], 2)
@@ -297,7 +315,7 @@ def main(argv=None) -> int:
                         expect_tree=args.csrc_tree)
     meta.update(transformers=transformers.__version__, model=args.model, batches=args.batches,
                 modes=args.modes, kernels=args.kernels, backend=args.backend, samples=args.samples,
-                compile_scope=args.compile_scope,
+                compile_scope=args.compile_scope, cache=args.cache, compile_mode=args.compile_mode,
                 profile_mode=args.profile_mode)
     warn = dirty_warning(meta)
     suffix = f"-{args.layers}L" if args.layers else ""

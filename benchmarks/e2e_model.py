@@ -160,15 +160,19 @@ def decode_forward(model, ids, pos, cache):
     return model(input_ids=ids, position_ids=pos, use_cache=True, **{cache_kwarg(model): cache}).logits
 
 
-def compile_decode(mode: str, backend: str = "inductor") -> Callable:
+def compile_decode(mode: str, backend: str = "inductor", compile_mode: Optional[str] = None) -> Callable:
     """decode_forward traced with fullgraph=True: backend "eager" for mode "graph" (the eager
-    kernels), ``backend`` for mode "compiled". One compiled function serves every batch size of a
-    model: dynamo compiles batch 1 as is, and on the next batch size recompiles once with the
-    batch dimension symbolic (its automatic dynamic shapes), which the other sizes then reuse."""
-    return torch.compile(decode_forward, backend="eager" if mode == "graph" else backend, fullgraph=True)
+    kernels), ``backend`` for mode "compiled" (with torch.compile's ``compile_mode``, e.g.
+    "max-autotune-no-cudagraphs"; None: its default). One compiled function serves every batch
+    size of a model: dynamo compiles batch 1 as is, and on the next batch size recompiles once
+    with the batch dimension symbolic (its automatic dynamic shapes), which the other sizes then
+    reuse."""
+    if mode == "graph":
+        return torch.compile(decode_forward, backend="eager", fullgraph=True)
+    return torch.compile(decode_forward, backend=backend, fullgraph=True, mode=compile_mode)
 
 
-def compile_layers(model, backend: str = "inductor") -> Callable[[], None]:
+def compile_layers(model, backend: str = "inductor", compile_mode: Optional[str] = None) -> Callable[[], None]:
     """Compile each decoder layer on its own (torch.compile(fullgraph=True) per layer; embedding,
     rotary tables, mask, final norm and lm_head stay eager), for the "compiled" mode's layer scope.
     Returns a function that undoes it.
@@ -195,7 +199,7 @@ def compile_layers(model, backend: str = "inductor") -> Callable[[], None]:
     old_unspec = dcfg.allow_unspec_int_on_nn_module
     dcfg.allow_unspec_int_on_nn_module = True
     for layer in layers:
-        layer.compile(fullgraph=True, backend=backend)
+        layer.compile(fullgraph=True, backend=backend, mode=compile_mode)
 
     def undo() -> None:
         for layer in layers:
@@ -259,7 +263,7 @@ class DecodeStep:
         self.prefill()  # fills the cache (and lazily allocates it) before any capture
         if mode == "eager":
             return self.eager_call()
-        fn = lambda: compiled(self.model, self.ids, self.pos, self.cache)  # noqa: E731
+        fn = self.step_callable(compiled)
         if self.dev.type != "cuda":
             self.reset(self.prompt_len)
             fn()  # CPU dry runs: traced (compiled once here, not in the timing), no graph
@@ -276,6 +280,10 @@ class DecodeStep:
         with torch.cuda.graph(self.graph):
             self.out = fn()
         return self._replay
+
+    def step_callable(self, compiled: Optional[Callable]) -> Callable[[], torch.Tensor]:
+        """One step through ``compiled`` (decode_forward under torch.compile) on this step's state."""
+        return lambda: compiled(self.model, self.ids, self.pos, self.cache)
 
     def _replay(self) -> torch.Tensor:
         self.graph.replay()

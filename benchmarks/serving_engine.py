@@ -51,8 +51,8 @@ class SlotCache(Cache):
     Decode (one new token per row, rows 0..B-1): writes each row's key/value at that row's
     position (``bind``) and returns the first Lb positions of rows 0..B-1 (Lb = len of the bound
     range tensor); the caller's mask hides the positions past each row's length. Prefill (one
-    row, ``prefill_row`` set): writes the prompt's keys/values at positions 0..P-1 of that row and
-    returns them as they are (the prompt attends to itself under the caller's causal mask)."""
+    rows from ``prefill_row`` on, one per prompt of the batch): writes the prompts' keys/values at
+    positions 0..P-1 of those rows and returns them as they are (the prompt attends to itself under the caller's causal mask)."""
 
     def __init__(self, layers: int, slots: int, max_len: int, kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device):
@@ -79,10 +79,11 @@ class SlotCache(Cache):
 
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
         base = layer_idx * self.slots
-        if self.prefill_row is not None:
+        if self.prefill_row is not None:  # rows prefill_row .. + batch of the prompt(s)
+            first = base + self.prefill_row
             n = key_states.shape[2]
-            self.keys[base + self.prefill_row, :, :n] = key_states[0]
-            self.values[base + self.prefill_row, :, :n] = value_states[0]
+            self.keys[first:first + key_states.shape[0], :, :n] = key_states
+            self.values[first:first + key_states.shape[0], :, :n] = value_states
             return key_states, value_states
         b = key_states.shape[0]
         rows = self.rows[:b] + base
@@ -97,7 +98,8 @@ class SlotCache(Cache):
 
 def decode_step(model, ids, pos, kv_range, active, cache: SlotCache, out):
     """One step for rows 0..B-1 (B = ids.shape[0]): next tokens into ``out`` and ``ids``, positions
-    of the active rows advanced. Everything stays on the device (graph-capturable)."""
+    of the active rows advanced; returns the logits [B, 1, vocab]. Everything stays on the device
+    (graph-capturable)."""
     cache.bind(pos, kv_range)
     dtype = cache.keys.dtype
     visible = kv_range[None, :] <= pos[:, None]  # [B, Lb]: a row sees its positions 0..pos
@@ -108,6 +110,7 @@ def decode_step(model, ids, pos, kv_range, active, cache: SlotCache, out):
     out.copy_(nxt)
     ids[:, 0].copy_(nxt)
     pos.add_(active)
+    return logits
 
 
 class SlotServer:

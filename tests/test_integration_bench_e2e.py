@@ -273,3 +273,31 @@ def test_slot_server_compiles_once_for_all_layers():
         assert counters["stats"]["unique_graphs"] <= 4 and not counters["graph_break"]
     finally:
         undo()
+
+
+def test_slot_step_matches_the_static_cache_step():
+    # bench_e2e --cache slots: same prompts, same first decode step, same logits as the step on
+    # transformers' StaticCache (the cache layout and mask differ, the attention does not), and
+    # consecutive steps keep agreeing (positions advance on the device)
+    import torch
+
+    from benchmarks.e2e_model import DecodeStep, build_model
+    from benchmarks.e2e_slots import SlotStep
+
+    model = build_model("tiny", None, torch.device("cpu")).float()
+    a = DecodeStep(model, 3, 8, 4, torch.device("cpu"), seed=2)
+    b = SlotStep(model, 3, 8, 4, torch.device("cpu"), seed=2)
+    assert torch.equal(a.prompt, b.prompt) and torch.equal(a.ids, b.ids)
+    a.prefill()
+    b.prefill()
+    with torch.no_grad():
+        for i in range(3):
+            a.reset(8 + i)
+            a.pos.fill_(8 + i)  # DecodeStep's rotary position stays at the prompt length unless told
+            ra = a.eager_call()().float()
+            ids = b.ids.clone()
+            rb = b.eager_call()().float()  # advances b's positions and feeds its tokens back
+            a.ids.copy_(b.ids)  # the static-cache step takes the same next tokens
+            assert torch.equal(b.pos, torch.full((3,), 9 + i))
+            assert ((ra - rb).norm() / ra.norm()).item() < 1e-5, i
+            assert not torch.equal(ids, b.ids)  # tokens fed back

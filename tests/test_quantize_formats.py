@@ -160,3 +160,6 @@ def test_cli_asym_resumes_and_writes_zero_points(tiny, tmp_path, capsys, monkeyp
         cli.main([base[0], str(tmp_path / "o"), *base[1:], "--sym"])  # --sym and --asym exclude each other
     assert cli.main([base[0], str(tmp_path / "o8"), *base[1:-1], "--bits", "8", "--asym"]) == 1
     assert "zero points exist for 4 bits only" in capsys.readouterr().err
+    # without --sym/--asym, 8-bit is symmetric (zero points are the default for dense 4-bit only)
+    assert cli.main([base[0], str(tmp_path / "o8"), *base[1:-1], "--bits", "8", "--quiet"]) == 0
+    assert json.loads((tmp_path / "o8" / "config.json").read_text())["quantization_config"]["sym"] is True

@@ -75,9 +75,14 @@ def test_cli_writes_report_and_eval_runs(tiny, tmp_path, capsys):
     assert "14 layers quantized" in printed and "peak host memory" in printed
     report = json.loads((out / REPORT_FILE).read_text())
     assert report["settings"]["seqlen_range"] == [16, 64] and len(report["layers"]) == 14
+    # the defaults: zero points for dense 4-bit, the compensated clip objective, true-sequential, fp target
+    settings = report["settings"]
+    assert settings["sym"] is False and settings["clip_objective"] == "compensated"
+    assert settings["true_sequential"] is True and settings["fp_target"] is True
     assert (out / "quantize_report.md").is_file() and (out / "tokenizer.json").is_file()
     config = json.loads((out / "config.json").read_text())
     assert config["quantization_config"]["checkpoint_format"] == "marlin"
+    assert config["quantization_config"]["sym"] is False
     assert not any(p.name.startswith(".") for p in tmp_path.iterdir())  # no staging or resume leftovers
 
     assert cli.eval_main([str(out), "--text", str(calib), "--context", "64", "--max-tokens", "300", "--json"]) == 0

@@ -89,9 +89,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--clip-objective",
         choices=["hessian", "compensated"],
-        default="hessian",
-        help="how the clip search scores a group's rounding error: with the group's block of the Hessian (default), "
-        "or with what remains after GPTQ's update of the later columns",
+        default="compensated",
+        help="how the clip search scores a group's rounding error: with what remains after GPTQ's update of the "
+        "later columns (default), or with the group's block of the Hessian",
     )
     p.add_argument("--damp", type=float, default=0.01, help="Hessian dampening, fraction of its mean diagonal (0.01)")
     p.add_argument(
@@ -103,9 +103,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--fp-target",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
+        default=True,
         help="fit each layer to the full-precision model's outputs rather than to its own weight on the quantized "
-        "model's inputs (one more forward pass per block)",
+        "model's inputs (default on; a second stream of hidden states through the original blocks)",
     )
     p.add_argument(
         "--sparsity",
@@ -116,9 +117,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--bits", type=int, choices=[4, 8], default=4, help="weight bits: 4 (default) or 8 (symmetric)")
     sym = p.add_mutually_exclusive_group()
-    sym.add_argument("--sym", dest="sym", action="store_true", default=True, help="symmetric weights (default)")
     sym.add_argument(
-        "--asym", dest="sym", action="store_false", help="4-bit weights with a zero point per group (the clip search shrinks min and max)"
+        "--sym", dest="sym", action="store_true", default=None,
+        help="symmetric weights (default for --bits 8 and --sparsity 2:4, which have no zero points)",
+    )
+    sym.add_argument(
+        "--asym", dest="sym", action="store_false",
+        help="4-bit weights with a zero point per group, the clip search shrinking min and max (default for 4-bit "
+        "dense weights)",
     )
     p.add_argument("--overwrite", action="store_true", help="replace OUT if it exists")
     p.add_argument("--no-resume", action="store_true", help="discard the finished blocks of an interrupted run")

@@ -75,16 +75,16 @@ def quantize_checkpoint(
     act_order: bool = False,
     clip: bool = True,
     clip_grid: tuple = DEFAULT_GRID,
-    clip_objective: str = "hessian",
+    clip_objective: str = "compensated",
     damp: float = 0.01,
     true_sequential: bool = True,
-    fp_target: bool = False,
+    fp_target: bool = True,
     nsamples: int = 128,
     seqlen_range: tuple = (32, 512),
     seed: int = 0,
     sparsity: Optional[str] = None,
     bits: int = 4,
-    sym: bool = True,
+    sym: Optional[bool] = None,
     device: Union[str, torch.device] = "cpu",
     gguf_file: Optional[str] = None,
     overwrite: bool = False,
@@ -99,7 +99,8 @@ def quantize_checkpoint(
     ``clip``: the group-wise clip search, scored by ``clip_objective`` ("hessian" or "compensated",
     marlin.quantize.gptq); ``act_order``: GPTQ's descending-activation order; ``true_sequential``
     and ``fp_target``: see marlin.quantize.runner.
-    ``bits`` 4 or 8 and ``sym`` (False: 4-bit zero points): the weight format. ``sparsity``
+    ``bits`` 4 or 8 and ``sym`` (False: 4-bit zero points; None: zero points for dense 4-bit,
+    the format that loses least, symmetric for 8-bit and 2:4, which have no zero points): the weight format. ``sparsity``
     "2:4": prune to 2:4 jointly with the quantization (2:4 Marlin layers; group 128 or -1).
     Layers whose shapes the kernel does not take stay in full precision (listed in the report).
     Raises ValueError for bad input, before anything is loaded or written.
@@ -109,6 +110,8 @@ def quantize_checkpoint(
     source = resolve_source(model, gguf_file)
     check_destination(source.directory, dst, overwrite)
     check_sparsity(sparsity)
+    if sym is None:
+        sym = not (bits == 4 and sparsity is None)
     dev = parse_device(device)
     config = QuantizeConfig(
         group_size=group_size,

@@ -74,7 +74,7 @@ class QuantizeConfig:
     act_order: bool = False
     clip: bool = True
     clip_grid: tuple = DEFAULT_GRID
-    clip_objective: str = "hessian"  # or "compensated" (marlin.quantize.gptq)
+    clip_objective: str = "compensated"  # or "hessian" (marlin.quantize.gptq)
     damp: float = 0.01
     method: str = "gptq"  # or "rtn": round to nearest (no calibration needed for the weights)
     kernel_shapes_only: bool = True  # keep layers the Marlin kernel cannot take in full precision
@@ -82,7 +82,7 @@ class QuantizeConfig:
     sym: bool = True  # False: 4-bit with zero points
     sparsity: Optional[str] = None  # "2:4": joint pruning (SparseGPT), MarlinLinear24 weights
     true_sequential: bool = True  # each group of a block on inputs from the quantized groups before it
-    fp_target: bool = False  # fit each layer to the full-precision model's outputs (see the module doc)
+    fp_target: bool = True  # fit each layer to the full-precision model's outputs (see the module doc)
 
     def __post_init__(self):
         if self.method not in METHODS:
