@@ -62,6 +62,11 @@ def workload(n: int, prompt_median: int, output_median: int, max_len: int, vocab
     return [{"prompt": rng.integers(0, vocab, int(p)).tolist(), "output_len": int(o)} for p, o in zip(p_len, o_len)]
 
 
+def workload_blocks(requests: list[dict], page: int = 256) -> int:
+    """KV-cache blocks (of ``page`` tokens) for every request of the workload at once, plus 8."""
+    return sum(-(-(len(r["prompt"]) + r["output_len"]) // page) for r in requests) + 8
+
+
 def arrivals(n: int, rate: float, seed: int) -> list[float]:
     """Arrival offsets in seconds of a Poisson process at ``rate`` requests/s (all 0 for inf)."""
     if not np.isfinite(rate):
@@ -186,6 +191,10 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--cuda-graph", choices=("auto", "on", "off"), default="auto",
                    help="the continuous batching manager's CUDA graphs (auto: transformers decides)")
+    p.add_argument("--tf-cache", choices=("workload", "auto"), default="workload",
+                   help="transformers engine: KV cache size. workload: blocks for every request of the workload at "
+                        "once and 512 batch tokens (its SDPA path slows down with the cache's size: 51 ms per call "
+                        "with a 4429-block cache on the H100); auto: transformers' own sizing from free GPU memory")
     p.add_argument("--tf-compile-level", type=int, default=0,
                    help="transformers engine: ContinuousBatchingConfig.default_compile_level (0: eager; 1: compiled, "
                         "dynamic shapes; 2-3: max-autotune without cudagraphs)")
@@ -237,7 +246,8 @@ def main(argv=None) -> int:
                 warmup=not (args.dry_run or args.no_warmup), cuda_graph=args.cuda_graph,
                 warmup_requests=args.warmup_requests)
     if args.engine == "transformers":
-        meta.update(tf_compile_level=args.tf_compile_level, q_padding=args.q_padding, kv_padding=args.kv_padding)
+        meta.update(tf_compile_level=args.tf_compile_level, q_padding=args.q_padding, kv_padding=args.kv_padding,
+                    tf_cache=args.tf_cache)
     if args.engine == "slots":
         meta.update(slots=args.slots, kv_bucket=args.kv_bucket, compile=args.compile, backend=args.backend)
     model = build_model(args.model, args.layers, dev, seed=args.seed)
@@ -294,11 +304,14 @@ def main(argv=None) -> int:
         # request's latency. --warmup-requests all: the whole workload at once, which passes
         # through every batch size from all requests down to one, so that the CUDA graphs of the
         # padded sizes the measured rounds meet are captured before they are timed.
+        cb_options = {k: v for k, v in (("default_compile_level", args.tf_compile_level),
+                                        ("q_padding_interval_size", args.q_padding),
+                                        ("kv_padding_interval_size", args.kv_padding)) if v}
+        if args.tf_cache == "workload" and not args.dry_run:
+            cb_options.update(num_blocks=workload_blocks(reqs), max_batch_tokens=512)
+            meta["tf_num_blocks"] = cb_options["num_blocks"]
         kw = dict(warmup=not (args.dry_run or args.no_warmup), timeout_s=args.timeout, small_cache=args.dry_run,
-                  cuda_graph=args.cuda_graph_flag,
-                  cb_options={k: v for k, v in (("default_compile_level", args.tf_compile_level),
-                                                ("q_padding_interval_size", args.q_padding),
-                                                ("kv_padding_interval_size", args.kv_padding)) if v})
+                  cuda_graph=args.cuda_graph_flag, cb_options=cb_options)
         n_warm = len(reqs) if args.warmup_requests == "all" else min(len(reqs), int(args.warmup_requests))
         serve(model, reqs[:n_warm], [0.0] * n_warm, **kw)
         for rate in args.rates:

@@ -301,3 +301,24 @@ def test_slot_step_matches_the_static_cache_step():
             assert torch.equal(b.pos, torch.full((3,), 9 + i))
             assert ((ra - rb).norm() / ra.norm()).item() < 1e-5, i
             assert not torch.equal(ids, b.ids)  # tokens fed back
+
+
+def test_transformers_engine_takes_a_workload_sized_cache():
+    # --tf-cache workload: the manager gets blocks for every request at once (its paged SDPA path
+    # slowed down with the cache's size on the H100); every request still completes
+    import torch
+
+    from benchmarks import bench_e2e_serving as S
+    from benchmarks.e2e_model import build_model
+
+    model = build_model("tiny", None, torch.device("cpu")).float()
+    reqs = S.workload(4, 6, 4, 12, model.config.vocab_size, seed=1)
+    n = S.workload_blocks(reqs)
+    assert n == 4 + 8  # each request fits one 256-token block
+    try:
+        recs = S.serve(model, reqs, [0.0] * 4, warmup=False, timeout_s=60,
+                       cb_options={"num_blocks": n, "max_batch_tokens": 512})
+        assert model._cached_continuous_batching_manager.continuous_batching_config.num_blocks == n
+    finally:
+        model.destroy_cached_continuous_batching_manager()
+    assert all("error" not in r and r["tokens"] == r["output_len"] for r in recs)
