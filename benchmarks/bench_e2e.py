@@ -88,6 +88,10 @@ def parse_args(argv=None):
                         "(layer: loses the fusion across layer boundaries and, with transformers' StaticCache, "
                         "compiles each layer separately: not faster at 32 layers). Both kernels run with the same "
                         "scope")
+    p.add_argument("--compile-mode", default=None,
+                   help="torch.compile mode of the compiled mode, for both kernels alike (e.g. "
+                        "max-autotune-no-cudagraphs; default: torch's default mode; the step is captured in a CUDA "
+                        "graph by the benchmark either way, so modes with their own cudagraphs do not apply)")
     p.add_argument("--cache", choices=("static", "slots"), default="static",
                    help="the decode step's KV cache: transformers' StaticCache (static), or the serving engine's "
                         "(slots: one tensor for all layers; the compiled mode then compiles each decoder layer, 4 "
@@ -109,6 +113,9 @@ def parse_args(argv=None):
     if bad:
         p.error(f"unknown kernel/mode {bad}; kernels: {KERNELS}, modes: {MODES}")
     args.kernels = [k for k in KERNELS if k in args.kernels]
+    if args.compile_mode in ("reduce-overhead", "max-autotune"):
+        p.error(f"--compile-mode {args.compile_mode}: uses its own CUDA graphs; the benchmark captures the step itself "
+                "(take default or max-autotune-no-cudagraphs)")
     if args.cache == "slots" and "generate" in args.modes:
         p.error("--cache slots: the generate mode runs transformers' generate() with its own cache; drop it")
     if args.dry_run:
@@ -149,12 +156,12 @@ def run_kernel(model, kernel: str, args, dev, points: list, notes: list, bar, pr
         _reset_dynamo()
         undo_layers = None
         if mode == "compiled" and (args.compile_scope == "layer" or args.cache == "slots"):
-            undo_layers = compile_layers(model, args.backend)
+            undo_layers = compile_layers(model, args.backend, args.compile_mode)
             compiled = decode_forward  # eager around the compiled layers; the step is still one CUDA graph
         elif args.cache == "slots":
             compiled = None  # graph mode: the eager kernels of the slots step, captured
         else:
-            compiled = None if mode == "eager" else compile_decode(mode, args.backend)  # shared by all batches
+            compiled = None if mode == "eager" else compile_decode(mode, args.backend, args.compile_mode)  # all batches
         for batch in args.batches:
             bar.set_description(f"{kernel} {mode} batch {batch}")
             step = (SlotStep if args.cache == "slots" else DecodeStep)(model, batch, args.prompt_len, args.gen_len, dev,
@@ -308,7 +315,7 @@ def main(argv=None) -> int:
                         expect_tree=args.csrc_tree)
     meta.update(transformers=transformers.__version__, model=args.model, batches=args.batches,
                 modes=args.modes, kernels=args.kernels, backend=args.backend, samples=args.samples,
-                compile_scope=args.compile_scope, cache=args.cache,
+                compile_scope=args.compile_scope, cache=args.cache, compile_mode=args.compile_mode,
                 profile_mode=args.profile_mode)
     warn = dirty_warning(meta)
     suffix = f"-{args.layers}L" if args.layers else ""

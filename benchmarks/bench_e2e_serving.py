@@ -17,8 +17,9 @@ Engines (--engine):
 
   slots         (default) benchmarks/serving_engine.py: a minimal continuous-batching loop on the
                 decode step of bench_e2e (decoder layers compiled with --compile, the step in CUDA
-                graphs, one per power-of-two batch and --kv-bucket cache length, all captured before
-                the measured rates; prefill eager, one request at a time, before the next step).
+                graphs, one per power-of-two batch and --kv-bucket cache length, all captured and
+                launched once before the measured rates; prefill eager, one request at a time, before
+                the next step). An unmeasured round of the whole workload at once comes first.
                 Measures what the GEMMs change when the rest of a serving step is lean.
   transformers  transformers' own continuous batching (model.continuous_batching_context_manager,
                 paged KV cache, its own scheduler), as a transformers user serves: requests are
@@ -193,8 +194,9 @@ def parse_args(argv=None):
                    help="transformers engine: query-token padding of its CUDA graphs (0: its default, 64)")
     p.add_argument("--kv-padding", type=int, default=0,
                    help="transformers engine: KV-token padding of its CUDA graphs (0: its default, 16384)")
-    p.add_argument("--warmup-requests", default="2",
-                   help="requests of the unmeasured first round, all at once: a number or 'all' (the whole workload)")
+    p.add_argument("--warmup-requests", default=None,
+                   help="requests of the unmeasured first round, all at once: a number or 'all' (the whole workload; "
+                        "default for the slots engine), default 2 for the transformers engine")
     p.add_argument("--no-warmup", action="store_true",
                    help="skip the manager's CUDA graph pre-capture (quicker start; the first requests then capture)")
     p.add_argument("--dry-run", action="store_true",
@@ -207,6 +209,8 @@ def parse_args(argv=None):
     args.kernels = [k for k in KERNELS if k in args.kernels]
     args.rates = [float(r) for r in args.rates.split(",") if r.strip()]
     args.cuda_graph_flag = {"auto": None, "on": True, "off": False}[args.cuda_graph]
+    if args.warmup_requests is None:
+        args.warmup_requests = "all" if args.engine == "slots" else "2"
     if args.warmup_requests != "all" and not (args.warmup_requests.isdigit() and int(args.warmup_requests) > 0):
         p.error(f"--warmup-requests: expected a positive number or 'all', got {args.warmup_requests!r}")
     if args.slots < 1 or args.kv_bucket < 1:
@@ -276,7 +280,10 @@ def main(argv=None) -> int:
             server, setup_s, undo = make_server(model, args, reqs, f"{kernel} graphs")
             meta.setdefault("setup_s", {})[kernel] = round(setup_s, 2)
             try:
-                serve_slots(server, reqs[:2], [0.0, 0.0], args.timeout)  # unmeasured: first replays, allocator
+                # unmeasured: prefill shapes, allocator growth, first replays (the first measured rate
+                # of a 2-request warm-up showed stalls of ~1 s on the H100)
+                n_warm = len(reqs) if args.warmup_requests == "all" else min(len(reqs), int(args.warmup_requests))
+                serve_slots(server, reqs[:n_warm], [0.0] * n_warm, args.timeout)
                 for rate in args.rates:
                     recs = serve_slots(server, reqs, arrivals(len(reqs), rate, args.seed), args.timeout)
                     st = server.steps  # what the GEMMs and attention saw: rows per step, padded batch, cache length

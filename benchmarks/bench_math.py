@@ -30,7 +30,10 @@ from . import shapes as S
 REPO = Path(__file__).resolve().parent.parent
 RESULTS_DIR = REPO / "benchmarks" / "results"
 
-KERNELS = ("fp16", "fp16_kn", "marlin_g128", "marlin_gcol", "marlin_direct", "marlin_24_g128", "marlin_24_gcol", "torch_int4")
+# marlin_direct right after marlin_g128: the kernels of a point run back to back in this order
+# (rotated each round), and the two compared with each other then share the GPU's clock and power
+# state (benchmarks/README.md, "Rounds").
+KERNELS = ("fp16", "fp16_kn", "marlin_g128", "marlin_direct", "marlin_gcol", "marlin_24_g128", "marlin_24_gcol", "torch_int4")
 # FP16 is timed in both weight layouts; every speedup is over the faster of the two (fp16_time)
 BASELINES = ("fp16", "fp16_kn")
 QUANT_KERNELS = ("marlin_g128", "marlin_gcol", "marlin_direct", "marlin_24_g128", "marlin_24_gcol", "torch_int4")

@@ -160,15 +160,19 @@ def decode_forward(model, ids, pos, cache):
     return model(input_ids=ids, position_ids=pos, use_cache=True, **{cache_kwarg(model): cache}).logits
 
 
-def compile_decode(mode: str, backend: str = "inductor") -> Callable:
+def compile_decode(mode: str, backend: str = "inductor", compile_mode: Optional[str] = None) -> Callable:
     """decode_forward traced with fullgraph=True: backend "eager" for mode "graph" (the eager
-    kernels), ``backend`` for mode "compiled". One compiled function serves every batch size of a
-    model: dynamo compiles batch 1 as is, and on the next batch size recompiles once with the
-    batch dimension symbolic (its automatic dynamic shapes), which the other sizes then reuse."""
-    return torch.compile(decode_forward, backend="eager" if mode == "graph" else backend, fullgraph=True)
+    kernels), ``backend`` for mode "compiled" (with torch.compile's ``compile_mode``, e.g.
+    "max-autotune-no-cudagraphs"; None: its default). One compiled function serves every batch
+    size of a model: dynamo compiles batch 1 as is, and on the next batch size recompiles once
+    with the batch dimension symbolic (its automatic dynamic shapes), which the other sizes then
+    reuse."""
+    if mode == "graph":
+        return torch.compile(decode_forward, backend="eager", fullgraph=True)
+    return torch.compile(decode_forward, backend=backend, fullgraph=True, mode=compile_mode)
 
 
-def compile_layers(model, backend: str = "inductor") -> Callable[[], None]:
+def compile_layers(model, backend: str = "inductor", compile_mode: Optional[str] = None) -> Callable[[], None]:
     """Compile each decoder layer on its own (torch.compile(fullgraph=True) per layer; embedding,
     rotary tables, mask, final norm and lm_head stay eager), for the "compiled" mode's layer scope.
     Returns a function that undoes it.
@@ -195,7 +199,7 @@ def compile_layers(model, backend: str = "inductor") -> Callable[[], None]:
     old_unspec = dcfg.allow_unspec_int_on_nn_module
     dcfg.allow_unspec_int_on_nn_module = True
     for layer in layers:
-        layer.compile(fullgraph=True, backend=backend)
+        layer.compile(fullgraph=True, backend=backend, mode=compile_mode)
 
     def undo() -> None:
         for layer in layers:

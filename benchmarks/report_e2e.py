@@ -200,7 +200,7 @@ def report_serving(data: dict, stem: str, outdir: Path) -> list[str]:
             ax.grid(True, alpha=0.3)
             ax.legend()
         fig.suptitle(f"Serving {meta.get('model')} ({meta.get('layers')} layers), {meta.get('gpu')}: "
-                     f"{meta.get('num_requests')} requests, {_engine(meta)}")
+                     f"{meta.get('num_requests')} requests\n{_engine(meta)}")
         fig.tight_layout()
         fig.savefig(outdir / f"{stem}.png", dpi=120)
         plt.close(fig)

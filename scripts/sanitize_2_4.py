@@ -16,11 +16,15 @@ from marlin import sparse
 CASES = [  # (M, K, N, group size): 8/16/32/64-row slices, both tiles, K split into parts or not
     (1, 1024, 512, 128),  # K split (fp32 partials + the last block's reduction, or in clusters)
     (13, 512, 384, -1),  # 128-column tile, 16-row slice, per-column scales
-    (70, 4096, 1024, 128),  # two 64-row slices (the last partial)
+    (70, 4096, 1024, 128),  # two 64-row slices (the last partial); sm_90a: two 64-row wgmma slices
     (200, 256, 4096, -1),  # many slices, one K part: C written directly
+    (24, 1024, 512, 128),  # sm_90a: the 32-row wgmma slice, K split
+    (40, 2048, 768, -1),  # sm_90a: the 64-row wgmma slice (3-stage late refill), 3 column tiles
+    (130, 1024, 512, 128),  # sm_90a: 128-row wgmma block slices (MARLIN_2_4_WARP_SLICES=2)
 ]
 # each case under the planner's choice, with the K parts forced through global memory, forced
-# into clusters (sm_90+), with 128-row slices, and under the first kernel's plan
+# into clusters (sm_90+), with 128-row slices, under the first kernel's plan, and (sm_90a, where
+# M > 8 runs the sparse wgmma) its early-refill variant and the mma.sync kernel instead
 # (csrc/cuda/sparse/gemm_2_4_cuda.cpp reads these per call)
 PLANS = [
     {},
@@ -28,6 +32,9 @@ PLANS = [
     {"MARLIN_2_4_CLUSTERS": "1", "MARLIN_2_4_PARTS": "4", "MARLIN_2_4_PDL": "1"},
     {"MARLIN_2_4_WARP_SLICES": "4"},
     {"MARLIN_2_4_PLAN": "legacy"},
+    {"MARLIN_2_4_WG_LATE": "0", "MARLIN_2_4_WGMMA": "1"},
+    {"MARLIN_2_4_WGMMA": "0"},
+    {"MARLIN_2_4_WARP_SLICES": "2"},
 ]
 if os.environ.get("SANITIZE_QUICK") == "1":  # racecheck / synccheck are slow: the planner's plan and clusters
     PLANS = PLANS[:1] + PLANS[2:3]

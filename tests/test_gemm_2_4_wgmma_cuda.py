@@ -1,8 +1,8 @@
-"""torch.ops.marlin.gemm_2_4 on the sparse wgmma instances (sm_90a; the default from 9 rows on,
-MARLIN_2_4_WGMMA=0 switches them off) against the float64 product A @ dequant(B), on the dense
+"""torch.ops.marlin.gemm_2_4 on the sparse wgmma instances (sm_90a; taken wherever they can run
+with MARLIN_2_4_WGMMA=1, as here) against the float64 product A @ dequant(B), on the dense
 suite's M classes (9-128 rows: 16-, 32- and 64-row warp slices, one or two per block, partial
 slices) and shapes, with NaN-poisoned outputs; both refill variants; every partition forced;
-repeats bit-identical; a CUDA graph; the fallback where N % 256 != 0.
+repeats bit-identical; a CUDA graph; the fallback where N % 256 != 0; the planner's rule.
 
 Each call's plan line (MARLIN_LOG_PLAN=1, read per call) must name the wgmma instance (wgmma=2:
 late refill, the default; 1: early refill, MARLIN_2_4_WG_LATE=0), so that a build or device
@@ -55,8 +55,8 @@ GROUPS = [128, -1]
 ALLOWED = 1.5
 
 
-# Each instance (16-, 32-, 64-, 128-row block slices, both scale kinds) and partition (one part,
-# parts in clusters, through global memory) once, in a fresh process.
+# Each instance (16-, 32-, 64-, 128-row block slices, both refills and scale kinds) and partition
+# (one part, parts in clusters, through global memory) once, in a fresh process.
 _FRESH_PROCESS_CODE = """
 import os, torch, marlin
 from marlin import sparse
@@ -65,7 +65,8 @@ for g in (128, -1):
     w = sparse.prune_2_4(torch.randn(1152, 768, device="cuda"))
     b_q, b_meta, b_s = sparse.quantize_and_pack_2_4(w, g)
     for env in ({}, {"MARLIN_2_4_PARTS": "1"}, {"MARLIN_2_4_PARTS": "4", "MARLIN_2_4_CLUSTERS": "1"},
-                {"MARLIN_2_4_PARTS": "4", "MARLIN_2_4_CLUSTERS": "0"}, {"MARLIN_2_4_WG_LATE": "0"}):
+                {"MARLIN_2_4_PARTS": "4", "MARLIN_2_4_CLUSTERS": "0"}, {"MARLIN_2_4_WG_LATE": "0"},
+                {"MARLIN_2_4_WARP_SLICES": "2"}):
         os.environ.update(env)
         for m in (9, 16, 17, 33, 64, 65, 128, 130):
             marlin.gemm_2_4(torch.randn(m, 1152, device="cuda", dtype=torch.float16), b_q, b_meta, b_s)
@@ -169,14 +170,25 @@ def test_forced_plans(m, plan, g, wgmma_on, capfd):
 
 
 def test_slices_follow_m(wgmma_on, capfd):
-    """16-, 32-, 64-row warp slices by M, two per block above 64 rows; mma.sync at M <= 8."""
+    """16-, 32-, 64-row slices by M (64 above 64 rows too); mma.sync at M <= 8."""
     layer = get_layer(1152, 768, 128)
     expect = {8: None, 9: "slice_rows=16", 16: "slice_rows=16", 17: "slice_rows=32", 33: "slice_rows=64", 64: "slice_rows=64",
-              65: "slice_rows=128", 128: "slice_rows=128"}
+              65: "slice_rows=64", 128: "slice_rows=64"}
     for m, rows in expect.items():
         _, _, line = check(layer, m, capfd, wgmma=2 if rows is not None else 0)
         if rows is not None:
             assert rows + " " in line, (m, line)
+
+
+def test_the_planner_rule(wgmma_on, capfd):
+    """Without MARLIN_2_4_WGMMA=1: the wgmma above 16 rows, and at 9-16 rows where N >= 8192; =0 never."""
+    wgmma_on.delenv("MARLIN_2_4_WGMMA")
+    for (k, n), m, expected in [((1152, 768), 12, 0), ((1152, 768), 17, 2), ((1152, 768), 100, 2), ((512, 8192), 12, 2),
+                                ((512, 8192), 8, 0)]:
+        err, base, line = check(get_layer(k, n, 128), m, capfd, wgmma=expected)
+        assert err <= ALLOWED * base + 1e-7, line
+    wgmma_on.setenv("MARLIN_2_4_WGMMA", "0")
+    check(get_layer(512, 8192, 128), 40, capfd, wgmma=0)
 
 
 def test_n_not_a_multiple_of_256_falls_back(wgmma_on, capfd):

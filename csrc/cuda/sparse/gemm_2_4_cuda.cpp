@@ -36,10 +36,11 @@ bool kernel_enabled() {
 // clusters, =1 puts them in clusters wherever they fit; MARLIN_2_4_STAGES=3 takes the 3-stage
 // instances at 8-16 rows on the 256-column tile (4 blocks per SM); MARLIN_2_4_PDL=1 launches with
 // programmatic dependent launch (sm_90+; off by default: 7B qkv M = 1-16 ran 20% slower with it
-// on an H100), MARLIN_PDL=0 (as for gemm) keeps it off; MARLIN_2_4_WGMMA=0 keeps M > 8 off the
-// sparse wgmma instances, which run there by default where the build and device have them
-// (sm_90a; MARLIN_2_4_WARP_SLICES=1 or 2 then picks 64- or 128-row block slices above 32 rows;
-// MARLIN_2_4_WG_LATE=0 takes their early-refill variant); MARLIN_LOG_PLAN=1 prints the plan.
+// on an H100), MARLIN_PDL=0 (as for gemm) keeps it off; the sparse wgmma instances (sm_90a
+// builds on a compute capability 9.0 device) run where plan_24's rule picks them,
+// MARLIN_2_4_WGMMA=0 keeps them off, =1 takes them wherever they can run (M > 8, N % 256 == 0;
+// MARLIN_2_4_WARP_SLICES=2 then picks 128-row block slices above 64 rows; MARLIN_2_4_WG_LATE=0
+// their early-refill variant); MARLIN_LOG_PLAN=1 prints the plan.
 int env_or(const char* name, int fallback) {
   const char* env = std::getenv(name);
   return env != nullptr && *env != '\0' ? std::atoi(env) : fallback;
@@ -90,7 +91,9 @@ at::Tensor gemm_2_4_cuda(const at::Tensor& a, const at::Tensor& b_q, const at::T
   args.max_smem = static_cast<int>(prop->sharedMemPerBlockOptin);
   args.pdl = prop->major >= 9 && env_or("MARLIN_2_4_PDL", 0) == 1 && env_or("MARLIN_PDL", 1) != 0;
   args.clusters = prop->major >= 9;
-  args.wgmma = kBuiltWithSm90a && prop->major == 9 && prop->minor == 0 && env_or("MARLIN_2_4_WGMMA", 1) != 0;
+  const int wgmma_env = env_or("MARLIN_2_4_WGMMA", -1);
+  args.wgmma = kBuiltWithSm90a && prop->major == 9 && prop->minor == 0 && wgmma_env != 0;
+  args.wgmma_force = wgmma_env == 1;
   args.wg_late = env_or("MARLIN_2_4_WG_LATE", 1) != 0;
   args.legacy = env_is("MARLIN_2_4_PLAN", "legacy");
   args.force_parts = env_or("MARLIN_2_4_PARTS", 0);

@@ -123,28 +123,39 @@ double fill(long long blocks, long long slots, int sms) {
 // The parts of a tile are reduced in a thread-block cluster (sm_90+, at most 8 parts, all
 // clusters resident) from 16 rows on, where that measured faster than the global reduction
 // (70B o M = 16-128: 8 parts 10-17% faster); below 16 rows it measured 0-40% slower.
-// The wgmma instances above 16 rows take up to 8 parts (each at least 4 stages), all reduced in
-// clusters, by the same fill rule: under the limit above their 64- and 128-row slices got 2 parts
-// where they run 1-2 blocks per SM (7B qkv M = 64: 96 blocks on 132 SMs, 70B o M = 128: 64),
-// and through distributed shared memory the parts cost no L2 round trips.
+// The wgmma instances above 16 rows take the most parts (at most 8, each at least 4 stages, all
+// reduced in clusters) whose blocks still run in one wave of the resident (cluster) slots. Under
+// the limit above their 64-row slices got 2 parts where they run 2 blocks per SM (7B qkv M = 64:
+// 96 blocks on 132 SMs); the fill rule without it took 7-8 parts on the layers with many tiles,
+// where 1-2 were faster (H100, forced parts: 70B gate_up M = 32 / 64 / 128 7 parts 137 / 209 /
+// 478 us, 2 parts 105 / 156 / 315; 7B qkv M = 32 8 parts 22.2, 4 parts 17.5; 70B o M = 32 / 64
+// 7 parts (one wave) 20.5 / 28.8, 4 parts 29.4 / 41.4, 8 (two waves of clusters) 30.6 / 42.7).
 std::string plan_24(const Args24& args, Plan24* plan) {
   if (args.n % 128 != 0) return "marlin.gemm_2_4: N = " + std::to_string(args.n) + " is not a multiple of 128";
   // rows per warp slice: the smallest of 8, 16, 32 that holds M. One warp slice per block: two
   // (64-row block slices, each stage's weights read once for both) measured 8-10% faster on the
   // ideal layer at M = 64-128 but 20-40% slower on 70B o / gate_up / down (H100, NOTES.md).
-  // The sparse wgmma (sm_90a) from 9 rows on, on the 256-column tile: warp slices of 16, 32 or
-  // 64 rows (the smallest that holds M), two 64-row warp slices per block above 64 rows (each
-  // stage's weights read once for 128 rows). H100 (NOTES.md, "the sparse wgmma measured"):
-  // 1.0-1.75x the mma.sync kernel's speed at M = 16-128 on 7B qkv, 70B o, 70B gate_up and the
-  // ideal layer, all but 70B o at 128 rows (then 0.77x, from 2 K parts on 132 SMs: see below).
-  const bool wg = args.wgmma && !args.legacy && args.m > 8 && args.n % 256 == 0 && args.force_tile_n != 128 && args.force_ms != 4;
+  // The sparse wgmma (sm_90a) on the 256-column tile: warp slices of 16, 32 or 64 rows (the
+  // smallest that holds M), one per block; above 16 rows, and at 9-16 rows where N >= 8192 (32
+  // column tiles or more). H100 probes (NOTES.md, "the sparse wgmma"): faster than the mma.sync
+  // kernel at 17-128 rows on the 8 Llama-2 layers and the ideal one wherever its K parts were
+  // well chosen (the rule below came after), but for 7B down at 32-64 rows (2-10% slower); at
+  // 9-16 rows 2-18% faster on the layers with N >= 8192, 0-6% slower at N = 4096 (7B o, down).
+  // MARLIN_2_4_WGMMA=1 takes it wherever it can run.
+  const bool wg_rule = args.wgmma_force || args.m > 16 || args.n >= 8192;
+  const bool wg = args.wgmma && wg_rule && !args.legacy && args.m > 8 && args.n % 256 == 0 && args.force_tile_n != 128 &&
+                  args.force_ms != 4;
   // late refill by default: on the H100 it was within 7% of early refill at 16-32 and 128 rows,
   // and 1.46-1.57x faster at 64 on 70B gate_up and the ideal layer (163 vs 257 us, 1189 vs 1736:
   // 3 stages, 2 blocks per SM)
   plan->wg = wg ? (args.wg_late ? 2 : 1) : 0;
   if (plan->wg) {
     plan->mb = args.m <= 16 ? 2 : args.m <= 32 ? 4 : 8;
-    plan->ms = plan->mb == 8 && (args.force_ms > 0 ? args.force_ms == 2 : args.m > 64) ? 2 : 1;
+    // 64-row block slices above 64 rows too: two 64-row warp slices per block (each stage's
+    // weights read once for 128 rows, but 1 block per SM) measured 0-20% slower than 64-row
+    // slices at 2 blocks per SM on all 8 layers at M = 128 (H100, the same part rule;
+    // MARLIN_2_4_WARP_SLICES=2 takes them)
+    plan->ms = plan->mb == 8 && args.force_ms == 2 ? 2 : 1;
   } else {
     plan->mb = args.m <= 8 ? 1 : args.m <= 16 ? 2 : 4;
     plan->ms = 1;
@@ -196,7 +207,8 @@ std::string plan_24(const Args24& args, Plan24* plan) {
     }
     if (parts > 1 && !cluster && (!locks_ok || (wg_parts && forced == 0))) continue;
     const double f = fill(tiles * parts, cslots, args.sms);
-    if (f > best_fill + 0.02 || forced > 0) best = parts, best_cluster = cluster, best_fill = f;
+    const bool take = forced > 0 || (wg_parts ? parts == 1 || tiles * parts <= cslots : f > best_fill + 0.02);
+    if (take) best = parts, best_cluster = cluster, best_fill = f;
   }
   if (args.force_parts > 0 && best != std::min(args.force_parts, max_parts))
     return "marlin.gemm_2_4: MARLIN_2_4_PARTS = " + std::to_string(args.force_parts) + " cannot run this shape (" +

@@ -26,8 +26,10 @@ struct Args24 {
   bool pdl;       // launch with programmatic dependent launch (sm_90+; measured slower here, off by default)
   bool clusters;  // thread-block clusters can be launched (sm_90+)
   // the sparse wgmma instances may run: an sm_90a build on a compute capability 9.0 device, and
-  // not MARLIN_2_4_WGMMA=0 (gemm_2_4_cuda.cpp)
+  // not MARLIN_2_4_WGMMA=0 (gemm_2_4_cuda.cpp); wgmma_force (MARLIN_2_4_WGMMA=1): wherever they
+  // can, not only where plan_24's rule picks them
   bool wgmma = false;
+  bool wgmma_force = false;
   bool wg_late = true;  // their late-refill variant (MARLIN_2_4_WG_LATE=0: early refill, for measurement)
   // tuning and diagnosis (gemm_2_4_cuda.cpp reads them from the environment): legacy = the first
   // kernel's plan (8-32-row slices, K parts by fill alone, added through global memory);
