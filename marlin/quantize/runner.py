@@ -2,7 +2,8 @@
 
 The inputs of block i are the outputs of blocks 0..i-1 *after* they were quantized, so every block
 learns to correct the errors of the ones before it, as in GPTQ. Only one block (in float32), its
-Hessians and the calibration activations are on ``device`` at a time; the rest of the model stays
+Hessians and the calibration activations are on ``device`` at a time (with fp_target, below, also
+the block's original copy and the full-precision activations); the rest of the model stays
 where it was loaded (the CPU).
 
 For each block:
