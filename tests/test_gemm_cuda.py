@@ -196,17 +196,17 @@ def test_plain_launches_without_pdl():
     _pytest_subprocess({"MARLIN_PDL": "0"}, "test_every_small_batch_instance or test_chained_calls or test_cuda_graph")
 
 
-def _pytest_subprocess(env_vars, select):
-    """This file's tests selected by `select` (-k), in a subprocess with `env_vars` set (the
-    kernels' knobs are read once per process). Returns (stdout, stderr); stderr carries the
-    C++ side's output (pytest -s)."""
+def _pytest_subprocess(env_vars, select, path="tests/test_gemm_cuda.py"):
+    """The tests of `path` (default: this file) selected by `select` (-k), in a subprocess with
+    `env_vars` set (the kernels' knobs are read once per process). Returns (stdout, stderr); stderr
+    carries the C++ side's output (pytest -s)."""
     import os
     import subprocess
     import sys
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ, **env_vars)
-    cmd = [sys.executable, "-m", "pytest", "tests/test_gemm_cuda.py", "-q", "-s", "-p", "no:cacheprovider", "-k", select]
+    cmd = [sys.executable, "-m", "pytest", path, "-q", "-s", "-p", "no:cacheprovider", "-k", select]
     r = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=1500)
     assert r.returncode == 0 and " passed" in r.stdout and "skipped" not in r.stdout, r.stdout[-3000:] + r.stderr[-3000:]
     return r.stdout, r.stderr

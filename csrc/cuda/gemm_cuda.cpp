@@ -62,6 +62,13 @@ bool tuning_g128_runtime_group() {
   return value;
 }
 
+// MARLIN_PREFILL=0 keeps large batches off the prefill kernel; 1 runs it wherever it can above 64
+// rows (default: the planner's rule, GemmArgs::prefill).
+int tuning_prefill() {
+  static const int value = env_int("MARLIN_PREFILL", -1);
+  return value;
+}
+
 // MARLIN_LOG_PLAN=1 prints each call's plan (kernel, tile, partition) to stderr.
 bool log_plan() {
   static const bool value = env_int("MARLIN_LOG_PLAN", 0) == 1;
@@ -118,6 +125,7 @@ at::Tensor gemm_cuda(const at::Tensor& a, const at::Tensor& b_q, const at::Tenso
   args.clusters = prop->major >= 9;
   args.wg_slice_rows = tuning_wg_slice_rows();
   args.g128_runtime_group = tuning_g128_runtime_group();
+  args.prefill = tuning_prefill();
   TORCH_CHECK(reinterpret_cast<uintptr_t>(args.b_q) % 16 == 0 && reinterpret_cast<uintptr_t>(args.scales) % 16 == 0 &&
                   reinterpret_cast<uintptr_t>(args.zeros) % 16 == 0,
               "marlin.gemm: b_q, b_scales and b_zeros must be 16-byte aligned (got a view with an offset?)");
@@ -136,8 +144,8 @@ at::Tensor gemm_cuda(const at::Tensor& a, const at::Tensor& b_q, const at::Tenso
   at::Tensor locks;
   args.locks = nullptr;
   if (workspace.has_value()) {
-    TORCH_CHECK(workspace->numel() >= plan.grid, "marlin.gemm: workspace.numel() = ", num(workspace->numel()),
-                ", expected at least ", num(plan.grid), " (marlin.ops.workspace_size(device) always suffices)");
+    TORCH_CHECK(workspace->numel() >= plan.locks, "marlin.gemm: workspace.numel() = ", num(workspace->numel()),
+                ", expected at least ", num(plan.locks), " (marlin.ops.workspace_size(device) always suffices)");
     args.locks = workspace->data_ptr<int>();
   } else if (plan.needs_partial) {
     args.locks = stream_locks(a.get_device(), stream, max_locks(args.sms));

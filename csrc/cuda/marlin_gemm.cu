@@ -8,6 +8,7 @@
 
 #include "marlin_gemm.h"
 #include "marlin_instances.cuh"
+#include "prefill/prefill.h"
 #include "smallm_instances.cuh"
 
 namespace marlin {
@@ -371,6 +372,7 @@ std::string finish_plan(const GemmArgs& args, const Instance& inst, GemmPlan* pl
   plan->split_parts = 0;
   plan->cluster_reduce = false;
   if (plan->needs_partial && inst.max_clusters != nullptr) plan_split(args, inst, k_tiles, n_tiles, plan);
+  plan->locks = plan->grid;
   plan->launch = inst.launch;
   return "";
 }
@@ -418,11 +420,55 @@ std::string plan_small_m(const GemmArgs& args, int tile_n, GemmPlan* plan) {
 
 int max_locks(int sms) { return 2 * std::max(sms, 1); }
 
+// The prefill kernel (prefill/prefill_kernel.cuh): sm_90a, fp16 symmetric INT4 in groups of 128 or
+// per column, N a multiple of its 128 columns, K of its 64-row stage. A block owns one 128 x 256
+// tile of C for the whole K (one block per SM), so it pays where its tiles fill whole waves of the
+// device. Measured on an H100 against the wgmma variant, 13 layer shapes at M = 128-4096
+// (benchmarks/NOTES.md, 2026-11-26): 1.02-1.25x faster from 1024 rows where the last wave is at
+// least 85% full; slower below 1024 rows (0.25-1.0x: too few tiles) and at 61-81% full last waves
+// (Llama-2-13B o at M = 1024: 0.86x); slower too on the 135168-deep ideal layer from 2048 rows
+// (0.73x at 4096: each column tile streams all of A, which no longer stays in L2), hence the depth cap.
+constexpr int kPrefillMinRows = 1024;
+constexpr int kPrefillMaxK = 32768;
+constexpr double kPrefillMinWaveFill = 0.85;
+bool prefill_fits(const GemmArgs& a, const Format& f) {
+  if (!a.wgmma || a.prefill == 0 || !f.base() || a.m <= kWgSliceRows) return false;
+  if (a.n % kPrefillTileN != 0 || a.k % kPrefillTileK != 0 || prefill_smem_bytes() > a.max_smem) return false;
+  if (a.prefill == 1) return true;
+  const long long tiles = static_cast<long long>((a.m + kPrefillTileM - 1) / kPrefillTileM) * (a.n / kPrefillTileN);
+  const long long waves = (tiles + a.sms - 1) / a.sms;
+  return a.m >= kPrefillMinRows && a.k <= kPrefillMaxK && tiles >= a.sms &&
+         static_cast<double>(tiles) >= kPrefillMinWaveFill * static_cast<double>(waves * a.sms);
+}
+
+void plan_prefill(const GemmArgs& args, const Format& f, GemmPlan* plan) {
+  plan->small_m = false;
+  plan->wgmma = true;
+  plan->prefill = true;
+  plan->tile = TileConfig{kPrefillTileK, kPrefillTileN};
+  plan->m_blocks = kPrefillTileM / 16;
+  plan->m_slices = (args.m + kPrefillTileM - 1) / kPrefillTileM;
+  plan->blocks_per_sm = 1;
+  plan->grid = plan->m_slices * (args.n / kPrefillTileN);
+  plan->tiles_per_block = args.k / kPrefillTileK;
+  plan->smem_bytes = prefill_smem_bytes();
+  plan->split_parts = 0;
+  plan->cluster_reduce = false;
+  plan->needs_partial = false;
+  plan->partial_floats = 0;
+  plan->locks = 0;
+  plan->launch = f.group_mode == kPerColumn ? &launch_prefill<false> : &launch_prefill<true>;
+}
+
 std::string plan_gemm(const GemmArgs& args, int tile_k, int tile_n, GemmPlan* plan) {
   Format f;
   const std::string bad = format_of(args, &f);
   if (!bad.empty()) return bad;
   const bool forced = tile_k > 0 || tile_n > 0;
+  if (!forced && prefill_fits(args, f)) {
+    plan_prefill(args, f, plan);
+    return "";
+  }
   if (forced && tile_k == 128 && (tile_n == 256 || tile_n == 512)) return plan_small_m(args, tile_n, plan);
   if (!forced) {
     // the small-batch kernel where it pays, else (or where its tile does not fit the device's
@@ -467,7 +513,7 @@ std::string plan_gemm(const GemmArgs& args, int tile_k, int tile_n, GemmPlan* pl
 }
 
 std::string describe_plan(const GemmArgs& args, const GemmPlan& plan) {
-  const char* kernel = !plan.small_m ? "tiled" : plan.wgmma ? "small_m_wgmma" : "small_m";
+  const char* kernel = plan.prefill ? "prefill_wgmma" : !plan.small_m ? "tiled" : plan.wgmma ? "small_m_wgmma" : "small_m";
   return describe(args, plan.tile, plan.m_blocks) + " kernel=" + kernel + " m_slices=" + std::to_string(plan.m_slices) +
          " grid=" + std::to_string(plan.grid) + " blocks_per_sm=" + std::to_string(plan.blocks_per_sm) +
          " tiles_per_block=" + std::to_string(plan.tiles_per_block) + " split_parts=" + std::to_string(plan.split_parts) +

@@ -48,6 +48,9 @@ struct GemmArgs {
   // fp16 group 128 on the wgmma variant's 16-row slices: the run-time-group instance (true) or the
   // group-sum one (false); see g128_as_runtime_group in marlin_gemm.cu
   bool g128_runtime_group = true;
+  // The warp-specialized prefill kernel (prefill/prefill_kernel.cuh; sm_90a, fp16 group 128 or per
+  // column): -1 the planner's rule, 0 never, 1 wherever it can run above 64 rows (probes, tests).
+  int prefill = -1;
 };
 
 // What plan() decided: printed in errors and benchmarks.
@@ -59,6 +62,7 @@ struct GemmPlan {
   TileConfig tile{0, 0};
   bool small_m = false;  // the small-batch kernel (smallm_kernel.cuh) rather than marlin_kernel.cuh
   bool wgmma = false;    // its sm_90a variant (warpgroup mma; slices of up to 128 rows)
+  bool prefill = false;  // the warp-specialized prefill kernel (prefill/prefill_kernel.cuh) instead of either
   int m_blocks = 0;      // rows of M per slice: 16 * m_blocks, or 8 * m_blocks for small_m
   int m_slices = 0;      // slices of M
   int blocks_per_sm = 1;
@@ -69,6 +73,7 @@ struct GemmPlan {
   bool cluster_reduce = false;  // ... one cluster per column, reduced in distributed shared memory
   bool needs_partial = false;  // some column of tiles is split over blocks, reduced through global memory
   std::size_t partial_floats = 0;
+  int locks = 0;  // lock counters the kernel may touch (one per block of a stream-K plan); 0: none
   // The kernel instance the planner chose (its launch function): the launch runs exactly this one,
   // with no second look-up that could pick another (e.g. the group mode of an fp16 group-128 call).
   LaunchFn launch = nullptr;

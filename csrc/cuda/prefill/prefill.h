@@ -1,0 +1,20 @@
+// The prefill kernel's launch entry points (prefill_kernel.cuh), for the planner (marlin_gemm.cu).
+#pragma once
+
+#include <cuda_runtime.h>
+
+namespace marlin {
+
+struct KernelParams;
+
+// What the planner needs of the kernel: its tile and shared memory (prefill_kernel.cuh's PrefillShape).
+constexpr int kPrefillTileN = 128;
+constexpr int kPrefillTileM = 256;
+constexpr int kPrefillTileK = 64;
+int prefill_smem_bytes();
+
+// GROUPED: fp16 weights in groups of 128 along K; else per-column scales. cluster is ignored (1).
+template <bool GROUPED>
+cudaError_t launch_prefill(const KernelParams& p, int grid, int smem, cudaStream_t stream, bool pdl, int cluster);
+
+}  // namespace marlin

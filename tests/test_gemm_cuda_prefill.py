@@ -1,0 +1,101 @@
+"""The prefill kernel (csrc/cuda/prefill; H100/H200 with an sm_90a build): batches above 64 rows,
+fp16 group 128 and per column, against the fp32 reference with test_gemm_cuda.py's bound and
+NaN-poisoned outputs. By default the planner sends a call there only when its 128 x 256 tiles fill
+the device; MARLIN_PREFILL=1 (read once per process, hence the subprocesses) sends every call it
+can run there, and the plan log shows that it did."""
+
+import re
+
+import pytest
+import torch
+
+import marlin
+from marlin import packing
+from conftest import requires_cuda
+from test_gemm_cuda import _pytest_subprocess, _wgmma_device, check, get_layer
+
+pytestmark = [requires_cuda, pytest.mark.gpu]
+
+# (K, N): one 128-column tile; K = 64 x odd (per column only); the 7B and a deep layer
+SHAPES = {"1024x128": (1024, 128), "192x384": (192, 384), "1024x640": (1024, 640), "4096x4096": (4096, 4096),
+          "11008x4096": (11008, 4096)}
+# M: a row past the wgmma variant's 64, a partial and a whole 256-row tile, one row past it, many
+# tiles with a partial last one
+M_VALUES = [65, 255, 256, 257, 1000, 4097]
+GROUPS = [128, -1]
+
+
+def _cases():
+    for (name, (k, n)), g, m in [(s, g, m) for s in SHAPES.items() for g in GROUPS for m in M_VALUES]:
+        if g == 128 and k % 128:
+            continue  # group 128 needs K a multiple of 128
+        yield pytest.param(m, k, n, g, id=f"{name}-g{g}-m{m}")
+
+
+@pytest.mark.parametrize("m,k,n,g", list(_cases()))
+def test_prefill_shapes(m, k, n, g):
+    c, a = check(get_layer(k, n, g), m)
+    layer = get_layer(k, n, g)
+    assert torch.equal(c, marlin.gemm(a, layer.b_q, layer.b_s)), "repeated call differs"
+
+
+def test_prefill_in_cuda_graph():
+    layer = get_layer(4096, 4096, 128)
+    a = torch.randn(1000, 4096, device="cuda", dtype=torch.float16)
+    want = marlin.gemm(a, layer.b_q, layer.b_s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        c = marlin.gemm(a, layer.b_q, layer.b_s)
+    c.fill_(float("nan"))
+    g.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(c, want)
+
+
+def test_small_workspace_is_enough():
+    """The prefill kernel touches no lock counters: a one-element workspace is accepted."""
+    layer = get_layer(4096, 4096, 128)
+    a = torch.randn(4097, 4096, device="cuda", dtype=torch.float16)
+    c = marlin.gemm(a, layer.b_q, layer.b_s, torch.zeros(1, dtype=torch.int32, device="cuda"))
+    assert torch.equal(c, marlin.gemm(a, layer.b_q, layer.b_s))
+
+
+def _prefill_plans(log):
+    return re.findall(r"^marlin\.gemm plan: m=(\d+) n=(\d+) k=(\d+) .* kernel=prefill_wgmma ", log, re.M)
+
+
+def test_forced_prefill_runs_every_case():
+    """MARLIN_PREFILL=1: every case above (and the graph and workspace tests) on the prefill kernel."""
+    if not _wgmma_device():
+        pytest.skip("the prefill kernel runs on compute capability 9.0 with an sm_90a build only")
+    path = "tests/test_gemm_cuda_prefill.py"
+    _, log = _pytest_subprocess({"MARLIN_PREFILL": "1", "MARLIN_LOG_PLAN": "1"}, "not forced and not default", path)
+    plans = _prefill_plans(log)
+    other = re.findall(r"^marlin\.gemm plan: m=(\d+) .* kernel=(?!prefill_wgmma)", log, re.M)
+    assert len(plans) > 50 and not [m for m in other if int(m) > 64], (len(plans), other[:5], log[-2000:])
+
+
+def test_default_rule():
+    """By default: the prefill kernel where its tiles fill the device, else the other kernels; and
+    never with MARLIN_PREFILL=0."""
+    if not _wgmma_device():
+        pytest.skip("the prefill kernel runs on compute capability 9.0 with an sm_90a build only")
+    import os
+    import subprocess
+    import sys
+
+    script = (
+        "import torch, marlin\n"
+        "from marlin import packing\n"
+        "q, s = packing.quantize(torch.randn(4096, 12288, device='cuda'), 128)\n"
+        "b_q, b_s = packing.pack(q, s)\n"
+        "for m in (128, 4096):\n"
+        "    marlin.gemm(torch.randn(m, 4096, device='cuda', dtype=torch.float16), b_q, b_s)\n"
+        "torch.cuda.synchronize()\n"
+    )
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    for knob, want in (("-1", {"4096"} if 16 * 96 >= sms else set()), ("0", set())):
+        env = dict(os.environ, MARLIN_LOG_PLAN="1", MARLIN_PREFILL=knob)
+        r = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stderr[-2000:]
+        assert {m for m, _, _ in _prefill_plans(r.stderr)} == want, (knob, r.stderr[-2000:])
