@@ -423,13 +423,15 @@ int max_locks(int sms) { return 2 * std::max(sms, 1); }
 // The prefill kernel (prefill/prefill_kernel.cuh): sm_90a, fp16 symmetric INT4 in groups of 128 or
 // per column, N a multiple of its 128 columns, K of its 64-row stage. A block owns one 128 x 256
 // tile of C for the whole K (one block per SM), so it pays where its tiles fill whole waves of the
-// device. Measured on an H100 against the wgmma variant, 13 layer shapes at M = 128-4096
-// (benchmarks/NOTES.md, 2026-11-26): 1.02-1.25x faster from 1024 rows where the last wave is at
-// least 85% full; slower below 1024 rows (0.25-1.0x: too few tiles) and at 61-81% full last waves
-// (Llama-2-13B o at M = 1024: 0.86x); slower too on the 135168-deep ideal layer from 2048 rows
-// (0.73x at 4096: each column tile streams all of A, which no longer stays in L2), hence the depth cap.
+// device. Measured on an H100 against the wgmma variant in one process (forced tile vs default,
+// interleaved; benchmarks/NOTES.md, 2026-11-26), 11 layer shapes at M = 1024-4096: 1.02-1.16x
+// faster where the last wave is at least 85% full, up to 128 column tiles; 0.94-1.0x on the wide
+// gate_up layers (172-448 column tiles: 7B, 13B, 70B). Earlier separate runs: slower below 1024
+// rows (0.25-1.0x: too few tiles), and on the 135168-deep ideal layer from 2048 rows (0.73x at
+// 4096: each column tile streams all of A, which no longer stays in L2), hence the depth cap.
 constexpr int kPrefillMinRows = 1024;
 constexpr int kPrefillMaxK = 32768;
+constexpr int kPrefillMaxN = 128 * kPrefillTileN;
 constexpr double kPrefillMinWaveFill = 0.85;
 bool prefill_fits(const GemmArgs& a, const Format& f) {
   if (!a.wgmma || a.prefill == 0 || !f.base() || a.m <= kWgSliceRows) return false;
@@ -437,7 +439,7 @@ bool prefill_fits(const GemmArgs& a, const Format& f) {
   if (a.prefill == 1) return true;
   const long long tiles = static_cast<long long>((a.m + kPrefillTileM - 1) / kPrefillTileM) * (a.n / kPrefillTileN);
   const long long waves = (tiles + a.sms - 1) / a.sms;
-  return a.m >= kPrefillMinRows && a.k <= kPrefillMaxK && tiles >= a.sms &&
+  return a.m >= kPrefillMinRows && a.k <= kPrefillMaxK && a.n <= kPrefillMaxN && tiles >= a.sms &&
          static_cast<double>(tiles) >= kPrefillMinWaveFill * static_cast<double>(waves * a.sms);
 }
 
