@@ -145,7 +145,7 @@ struct Instance {
   int blocks_per_sm;  // what its register budget allows
   int smem_bytes;
   int partial_floats;  // per split column
-  cudaError_t (*launch)(const KernelParams&, int grid, int smem, cudaStream_t, bool pdl, int cluster);
+  LaunchFn launch;
   int (*max_clusters)(int cluster, int smem);  // resident clusters of that size; null: no cluster support
 };
 
@@ -301,12 +301,6 @@ void g128_as_runtime_group(const GemmArgs& a, const GemmPlan& plan, Format* f) {
     f->group_mode = kGroupBlocksRuntime;  // group_shift is 3 (128 rows) already
 }
 
-bool find_planned_instance(const GemmPlan& plan, const Format& f, int args_n, Instance* out) {
-  if (!plan.small_m) return find_instance(plan.m_blocks, plan.tile, f, args_n % plan.tile.tile_n != 0, out);
-  if (!f.base()) return find_smallm_format(plan.m_blocks, plan.tile.tile_n, plan.wgmma, f, out);
-  return find_smallm_instance(plan.m_blocks, plan.tile.tile_n, f.group_mode != kPerColumn, plan.wgmma, out);
-}
-
 std::string describe(const GemmArgs& a, TileConfig tile, int m_blocks) {
   // std::to_string, not ostream: see the note on message formatting in csrc/gemm_checks.h
   return "m=" + std::to_string(a.m) + " n=" + std::to_string(a.n) + " k=" + std::to_string(a.k) +
@@ -377,6 +371,7 @@ std::string finish_plan(const GemmArgs& args, const Instance& inst, GemmPlan* pl
   plan->split_parts = 0;
   plan->cluster_reduce = false;
   if (plan->needs_partial && inst.max_clusters != nullptr) plan_split(args, inst, k_tiles, n_tiles, plan);
+  plan->launch = inst.launch;
   return "";
 }
 
@@ -501,11 +496,9 @@ std::string launch_gemm(const GemmArgs& args, const GemmPlan& plan, cudaStream_t
   const std::string bad = format_of(args, &f);
   if (!bad.empty()) return bad;
   p.group_shift = f.group_shift;
-  g128_as_runtime_group(args, plan, &f);
-
-  Instance inst;
-  if (!find_planned_instance(plan, f, args.n, &inst)) return "marlin.gemm: internal error, planned configuration has no kernel; " + describe(args, plan.tile, plan.m_blocks);
-  const cudaError_t err = inst.launch(p, plan.grid, plan.smem_bytes, stream, args.pdl, plan.cluster_reduce ? plan.split_parts : 1);
+  if (plan.launch == nullptr)
+    return "marlin.gemm: internal error, the plan names no kernel instance; " + describe(args, plan.tile, plan.m_blocks);
+  const cudaError_t err = plan.launch(p, plan.grid, plan.smem_bytes, stream, args.pdl, plan.cluster_reduce ? plan.split_parts : 1);
   if (err != cudaSuccess) {
     return std::string("marlin.gemm: kernel launch failed: ") + cudaGetErrorString(err) + "; " +
            describe(args, plan.tile, plan.m_blocks);

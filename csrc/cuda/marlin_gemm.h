@@ -51,6 +51,10 @@ struct GemmArgs {
 };
 
 // What plan() decided: printed in errors and benchmarks.
+struct KernelParams;  // marlin_kernel.cuh
+// Launches one compiled kernel instance: grid and dynamic shared memory, PDL, cluster size.
+using LaunchFn = cudaError_t (*)(const KernelParams&, int grid, int smem, cudaStream_t, bool pdl, int cluster);
+
 struct GemmPlan {
   TileConfig tile{0, 0};
   bool small_m = false;  // the small-batch kernel (smallm_kernel.cuh) rather than marlin_kernel.cuh
@@ -65,6 +69,9 @@ struct GemmPlan {
   bool cluster_reduce = false;  // ... one cluster per column, reduced in distributed shared memory
   bool needs_partial = false;  // some column of tiles is split over blocks, reduced through global memory
   std::size_t partial_floats = 0;
+  // The kernel instance the planner chose (its launch function): the launch runs exactly this one,
+  // with no second look-up that could pick another (e.g. the group mode of an fp16 group-128 call).
+  LaunchFn launch = nullptr;
 };
 
 // Picks the tile configuration and partition. tile_k/tile_n <= 0 means "choose from the table".

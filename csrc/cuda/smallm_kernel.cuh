@@ -124,10 +124,13 @@ struct SmallMShape {
   static constexpr bool kZeros = W == kU4Zp;
   static constexpr int kZStage = kZeros ? kSStage : 0;
   // Zero points: the dequantization constants of a lane's zero points (u4_zero_pair, two
-  // instructions per 16x16 block) made once per group and kept in registers (2 per block), or,
-  // where that spills (128-row wgmma slices: 0 -> 64 bytes; 16-row mma.sync at its 128-register
-  // bound: 0 -> 36), remade at every k16 step.
-  static constexpr bool kZeroConstPerGroup = kZeros && (WG ? MB <= 8 : MB == 1);
+  // instructions per 16x16 block) made once per group and kept in registers (2 per block) on the
+  // wgmma slices of 16-64 rows, remade at every k16 step elsewhere. Kept per group they spill on
+  // the 128-row wgmma slices (0 -> 64 bytes) and the 16-row mma.sync one (at its 128-register
+  // bound: 0 -> 36), and on the 8-row mma.sync slice they cost 2-7% at M = 1-8 (H100, A/B of
+  // both builds: the group test's early exit splits the unrolled k16 steps, benchmarks/NOTES.md
+  // 2026-11-26), while at 16-64 rows they save 1-4%.
+  static constexpr bool kZeroConstPerGroup = kZeros && WG && MB <= 8;
   static constexpr int kStageInt4 = kAStage + kBStage + kSStage + kZStage;
   static constexpr int kPipeInt4 = STAGES * kStageInt4;
   // accumulators per thread: kJW row blocks of 16 columns of N x MB n8 tiles x 4
