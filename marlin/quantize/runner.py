@@ -60,7 +60,7 @@ from tqdm.auto import tqdm
 from .. import ops
 from ..sparse import SUPPORTED_GROUP_SIZES_2_4, check_shape_2_4
 from .clip import DEFAULT_GRID, WeightFormat
-from .gptq import SPARSITIES, GPTQResult, gptq_quantize, pruned_fraction, rtn_quantize
+from .gptq import SPARSITIES, GPTQResult, gptq_quantize, pruned_fraction, resolve_clip_objective, rtn_quantize
 from .hessian import HessianAccumulator, relative_output_error
 from .replay import ReplayCache
 
@@ -83,7 +83,7 @@ class QuantizeConfig:
     act_order: bool = False
     clip: bool = True
     clip_grid: tuple = DEFAULT_GRID
-    clip_objective: str = "compensated"  # or "hessian" (marlin.quantize.gptq)
+    clip_objective: str = "auto"  # columnwise per column, compensated with groups (marlin.quantize.gptq)
     damp: float = 0.01
     method: str = "gptq"  # or "rtn": round to nearest (no calibration needed for the weights)
     kernel_shapes_only: bool = True  # keep layers the Marlin kernel cannot take in full precision
@@ -99,6 +99,7 @@ class QuantizeConfig:
         if self.group_size != -1 and (not isinstance(self.group_size, int) or self.group_size <= 0 or self.group_size % 16):
             raise ValueError(f"group_size = {self.group_size!r}, expected -1 (per column) or a multiple of 16 (32, 64, 128)")
         WeightFormat(self.bits, self.sym)  # ValueError for formats Marlin does not have
+        resolve_clip_objective(self.clip_objective, self.group_size)  # ValueError for unknown objectives
         if self.sparsity is not None:
             if self.sparsity not in SPARSITIES:
                 raise ValueError(f"sparsity = {self.sparsity!r}, expected None (dense) or one of {SPARSITIES}")
@@ -357,6 +358,7 @@ def quantize_model(
     done: Optional[dict] = None,
     on_block_done: Optional[Callable[[BlockOutcome], None]] = None,
     progress: bool = True,
+    replay_budget_mb: Optional[float] = 4096,
 ) -> tuple[dict, list]:
     """Quantize every eligible Linear in ``model``'s decoder blocks, in place (fake-quantized).
 
@@ -364,6 +366,9 @@ def quantize_model(
     BlockOutcome} of blocks finished by an earlier, interrupted run; they are not quantized
     again, only their stored weights are put in and run. ``on_block_done`` is called
     after each newly quantized block (the checkpoint writer saves it for resuming).
+    ``replay_budget_mb``: at most this much (on ``device``) for the outputs that later passes of a
+    block reuse (marlin.quantize.replay; None: no cap, 0: nothing reused); it changes only the
+    time, never the result.
 
     Returns ({layer name: GPTQResult}, [LayerReport]) over all blocks.
     """
@@ -389,7 +394,7 @@ def quantize_model(
             linears = {
                 f"{block_prefix}.{name}": m for name, m in block.named_modules() if isinstance(m, nn.Linear)
             }
-            cache = ReplayCache()
+            cache = ReplayCache(None if replay_budget_mb is None else int(replay_budget_mb * 2**20))
             if index in done:
                 outcome = done[index]
                 for name, res in outcome.results.items():
