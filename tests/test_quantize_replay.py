@@ -221,8 +221,12 @@ def test_reference_pass_gives_the_cross_terms_of_the_full_precision_inputs(tiny)
     accs = runner._collect_hessians(block, hidden, calls, layers, "cpu", ref_inputs=ref_inputs, cache=ReplayCache())[0]
     for name, local in names.items():
         xq, xf = [], []
-        hq = block.get_submodule(local).register_forward_pre_hook(lambda _m, inp: xq.append(inp[0].reshape(-1, inp[0].shape[-1])))
-        hf = block_fp.get_submodule(local).register_forward_pre_hook(lambda _m, inp: xf.append(inp[0].reshape(-1, inp[0].shape[-1])))
+
+        def rows(store):
+            return lambda _m, inp: store.append(inp[0].reshape(-1, inp[0].shape[-1]))
+
+        hq = block.get_submodule(local).register_forward_pre_hook(rows(xq))
+        hf = block_fp.get_submodule(local).register_forward_pre_hook(rows(xf))
         try:
             runner._run_block(block, hidden, calls)
             runner._run_block(block_fp, hidden, calls)
