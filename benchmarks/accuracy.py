@@ -58,7 +58,7 @@ from marlin import ops  # noqa: E402
 from marlin.convert.staging import replace_file  # noqa: E402
 from marlin.quantize.calib import CalibrationSpec, draw_samples  # noqa: E402
 from marlin.quantize.evaluate import perplexity  # noqa: E402
-from marlin.quantize.gptq import rtn_quantize  # noqa: E402
+from marlin.quantize.gptq import resolve_clip_objective, rtn_quantize  # noqa: E402
 from marlin.quantize.runner import QuantizeConfig, find_blocks, quantize_model  # noqa: E402
 from marlin.sparse import check_shape_2_4  # noqa: E402
 
@@ -297,7 +297,7 @@ def main(argv=None) -> int:
     p.add_argument("--damp", type=float, default=0.01, help="GPTQ's Hessian dampening (fraction of the mean diagonal)")
     p.add_argument("--true-sequential", action=argparse.BooleanOptionalAction, default=True,
                    help="quantize a block's layer groups in call order, each on the quantized earlier ones' outputs")
-    p.add_argument("--clip-objective", choices=["hessian", "compensated"], default="compensated",
+    p.add_argument("--clip-objective", choices=["auto", "hessian", "compensated", "columnwise"], default="auto",
                    help="how the clip search scores a group's error (marlin.quantize.gptq)")
     p.add_argument("--fp-target", action=argparse.BooleanOptionalAction, default=True,
                    help="fit each layer to the full-precision model's outputs (default on, as marlin-quantize)")
@@ -398,6 +398,8 @@ def main(argv=None) -> int:
                 point.update(
                     act_order=args.act_order,
                     **gptq_fields,
+                    # what "auto" chose for this group size; None without the clip search
+                    clip_objective_used=resolve_clip_objective(args.clip_objective, group_size) if clip else None,
                     nsamples=args.nsamples,
                     layers_quantized=len(quantized),
                     layers_kept=len(reports) - len(quantized),

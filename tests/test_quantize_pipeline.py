@@ -75,7 +75,7 @@ def test_cli_writes_report_and_eval_runs(tiny, tmp_path, capsys):
     assert "14 layers quantized" in printed and "peak host memory" in printed
     report = json.loads((out / REPORT_FILE).read_text())
     assert report["settings"]["seqlen_range"] == [16, 64] and len(report["layers"]) == 14
-    # the defaults: zero points for dense 4-bit, the compensated clip objective, true-sequential, fp target
+    # the defaults: zero points for dense 4-bit, the compensated objective ("auto" with groups), true-sequential, fp target
     settings = report["settings"]
     assert settings["sym"] is False and settings["clip_objective"] == "compensated"
     assert settings["true_sequential"] is True and settings["fp_target"] is True

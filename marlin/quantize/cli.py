@@ -88,10 +88,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="seed of the calibration sampling (default 0)")
     p.add_argument(
         "--clip-objective",
-        choices=["hessian", "compensated"],
-        default="compensated",
+        choices=["auto", "compensated", "columnwise", "hessian"],
+        default="auto",
         help="how the clip search scores a group's rounding error: with what remains after GPTQ's update of the "
-        "later columns (default), or with the group's block of the Hessian",
+        "later columns (compensated), also of the group's own later columns (columnwise), or with the group's "
+        "block of the Hessian (hessian); auto (default): columnwise per column, compensated with groups",
     )
     p.add_argument("--damp", type=float, default=0.01, help="Hessian dampening, fraction of its mean diagonal (0.01)")
     p.add_argument(

@@ -123,6 +123,8 @@ def weighted_error(
     d = w - fmt.quantize(w, scale, zero)[1]
     if h is None:
         return (d * d).sum(dim=1)
+    if h.dim() == 1:  # a diagonal weighting, given as its diagonal [c]
+        return (d * d * h).sum(dim=1)
     return ((d @ h) * d).sum(dim=1)
 
 

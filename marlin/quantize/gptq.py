@@ -27,7 +27,16 @@ features, columns input features) and the calibration inputs X [tokens, K]:
     the remaining problem, which is U_gg^T U_gg with U's block on the group (U upper triangular,
     so the later rows add nothing), i.e. the Schur complement of H on the group. Errors the
     remaining columns can absorb then cost little, and the search spends its choice on those
-    they cannot.
+    they cannot. "columnwise" goes one step further and counts the feedback inside the group
+    too: column i's error weighs 1 / U[i, i]^2, the part of it that no later column, in the
+    group or after it, can absorb (GPTQ's own cost of column i, ((w_i - q_i) / U[i, i])^2).
+    Per column (one group of all K columns) "compensated" has no later columns and is the
+    damped H itself, so there "columnwise" is the one that sees GPTQ's correction: on 6 blocks
+    of SmolLM2-135M it lowered the mean layer error by 4% (0.0554 to 0.0531), nearly as much as
+    running the whole column loop once per grid factor and keeping each row's best (tried and
+    dropped: 0.0527, at twice the quantization time); at group 64 the two are within 0.1%.
+    "auto" (QuantizeConfig's default) picks "columnwise" per column and "compensated" with
+    groups.
 
   * 2:4 sparsity (SparseGPT, Frantar & Alistarh 2023), pruning and quantization from the same
     Hessian: when the loop reaches the first column of a group of 4 input features, it prunes the
@@ -65,11 +74,22 @@ __all__ = [
     "QMAX",
     "SPARSITIES",
     "CLIP_OBJECTIVES",
+    "resolve_clip_objective",
 ]
 
 QMIN, QMAX = SYM4.qmin, SYM4.qmax  # the default format's range (symmetric 4-bit)
 SPARSITIES = ("2:4",)
-CLIP_OBJECTIVES = ("hessian", "compensated")
+CLIP_OBJECTIVES = ("hessian", "compensated", "columnwise")
+AUTO_OBJECTIVE = "auto"
+
+
+def resolve_clip_objective(objective: str, group_size: int) -> str:
+    """"auto" -> "columnwise" per column (group_size -1), "compensated" with groups; others as given."""
+    if objective == AUTO_OBJECTIVE:
+        return "columnwise" if group_size == -1 else "compensated"
+    if objective not in CLIP_OBJECTIVES:
+        raise ValueError(f"clip_objective = {objective!r}, expected {AUTO_OBJECTIVE!r} or one of {CLIP_OBJECTIVES}")
+    return objective
 
 
 @dataclass
@@ -267,7 +287,7 @@ def gptq_quantize(
     ``group_size``: -1 (one scale per output column of B) or a divisor of K; ``act_order``:
     quantize inputs in order of decreasing diag(H); ``clip``: choose each group's range by the
     Hessian-weighted clip search (marlin.quantize.clip) over ``clip_grid`` instead of the full
-    range, scored by ``clip_objective`` ("hessian" or "compensated", see the module doc); ``damp``: fraction of mean(diag H) added to the diagonal; ``bits`` 4 or 8 and ``sym``
+    range, scored by ``clip_objective`` ("hessian", "compensated", "columnwise" or "auto", see the module doc); ``damp``: fraction of mean(diag H) added to the diagonal; ``bits`` 4 or 8 and ``sym``
     (False: 4-bit zero points) the format; ``sparsity`` "2:4": prune jointly (SparseGPT, see the
     module doc). Computes in float32 on h's device.
     """
@@ -276,8 +296,7 @@ def gptq_quantize(
     _check_sparsity(sparsity, weight.shape[1], fmt, act_order, block_size)
     if not 0 <= damp < 1:
         raise ValueError(f"damp = {damp!r}, expected a fraction in [0, 1)")
-    if clip_objective not in CLIP_OBJECTIVES:
-        raise ValueError(f"clip_objective = {clip_objective!r}, expected one of {CLIP_OBJECTIVES}")
+    clip_objective = resolve_clip_objective(clip_objective, group_size)
     with torch.no_grad(), _one_thread_on_cpu(h.device):
         return _gptq(weight, h, group_size, act_order, clip, tuple(clip_grid), clip_objective, damp, block_size, fmt, sparsity)
 
@@ -311,6 +330,8 @@ def _gptq(weight, h, group_size, act_order, clip, clip_grid, clip_objective, dam
             return fmt.params(w_cols)
         if clip_objective == "compensated":
             return clip_search.search_params(w_cols, compensated_hessian(u, cols), clip_grid, fmt)
+        if clip_objective == "columnwise":
+            return clip_search.search_params(w_cols, 1.0 / u_diag2[cols], clip_grid, fmt)
         return clip_search.search_params(w_cols, h_plain[cols, cols], clip_grid, fmt)
 
     q_all = torch.zeros(n, k, dtype=torch.float32, device=dev)

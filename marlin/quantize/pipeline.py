@@ -19,6 +19,7 @@ from ..convert.staging import check_destination
 from ..convert.device import parse_device
 from .calib import CalibrationSpec, draw_samples, read_texts
 from .clip import DEFAULT_GRID
+from .gptq import resolve_clip_objective
 from .runner import QuantizeConfig, find_blocks, quantize_model
 from .source import load_model, load_tokenizer, resolve_source
 from .writer import REPORT_FILE, ResumeStore, samples_fingerprint, write_checkpoint
@@ -75,7 +76,7 @@ def quantize_checkpoint(
     act_order: bool = False,
     clip: bool = True,
     clip_grid: tuple = DEFAULT_GRID,
-    clip_objective: str = "compensated",
+    clip_objective: str = "auto",
     damp: float = 0.01,
     true_sequential: bool = True,
     fp_target: bool = True,
@@ -96,8 +97,8 @@ def quantize_checkpoint(
 
     ``calib``: a text file or a directory of .txt files; ``nsamples`` windows of its tokens with
     lengths drawn from ``seqlen_range`` (MIN, MAX) with ``seed`` (MIN == MAX: fixed length).
-    ``clip``: the group-wise clip search, scored by ``clip_objective`` ("hessian" or "compensated",
-    marlin.quantize.gptq); ``act_order``: GPTQ's descending-activation order; ``true_sequential``
+    ``clip``: the group-wise clip search, scored by ``clip_objective`` ("auto": "columnwise" per
+    column, "compensated" with groups; or "hessian"; marlin.quantize.gptq); ``act_order``: GPTQ's descending-activation order; ``true_sequential``
     and ``fp_target``: see marlin.quantize.runner.
     ``bits`` 4 or 8 and ``sym`` (False: 4-bit zero points; None: zero points for dense 4-bit,
     the format that loses least, symmetric for 8-bit and 2:4, which have no zero points): the weight format. ``sparsity``
@@ -143,7 +144,7 @@ def quantize_checkpoint(
         "act_order": act_order,
         "clip_search": clip,
         "clip_grid": list(config.clip_grid) if clip else None,
-        "clip_objective": clip_objective if clip else None,
+        "clip_objective": resolve_clip_objective(clip_objective, group_size) if clip else None,
         "damp": damp,
         "true_sequential": true_sequential,
         "fp_target": fp_target,

@@ -34,12 +34,19 @@ same dampening as GPTQ), so GPTQ quantizes W' with the usual H: the per-layer fo
 "asymmetric calibration" (GPTAQ, Li et al. 2025). It costs one more block forward per block and
 a second K x K matrix per layer group.
 
+Cost: one pass of each sample through the original block records the full-precision inputs of
+every layer (and gives the next block's full-precision hidden states), and the group passes of the
+quantized block reuse what an earlier pass of the same sample computed wherever a module's weights
+and inputs did not change since (marlin.quantize.replay), so each Linear runs about once per
+sample and block. Both give exactly the numbers of running everything again.
+
 The model is left with the dequantized weights in its Linear layers (a "fake-quantized" model
 that computes what the Marlin layers will compute), and the results say what to store.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 import time
@@ -53,8 +60,9 @@ from tqdm.auto import tqdm
 from .. import ops
 from ..sparse import SUPPORTED_GROUP_SIZES_2_4, check_shape_2_4
 from .clip import DEFAULT_GRID, WeightFormat
-from .gptq import SPARSITIES, GPTQResult, gptq_quantize, pruned_fraction, rtn_quantize
+from .gptq import SPARSITIES, GPTQResult, gptq_quantize, pruned_fraction, resolve_clip_objective, rtn_quantize
 from .hessian import HessianAccumulator, relative_output_error
+from .replay import ReplayCache
 
 __all__ = ["QuantizeConfig", "LayerReport", "find_blocks", "quantize_model", "UnsupportedModelError"]
 
@@ -75,7 +83,7 @@ class QuantizeConfig:
     act_order: bool = False
     clip: bool = True
     clip_grid: tuple = DEFAULT_GRID
-    clip_objective: str = "compensated"  # or "hessian" (marlin.quantize.gptq)
+    clip_objective: str = "auto"  # columnwise per column, compensated with groups (marlin.quantize.gptq)
     damp: float = 0.01
     method: str = "gptq"  # or "rtn": round to nearest (no calibration needed for the weights)
     kernel_shapes_only: bool = True  # keep layers the Marlin kernel cannot take in full precision
@@ -91,6 +99,7 @@ class QuantizeConfig:
         if self.group_size != -1 and (not isinstance(self.group_size, int) or self.group_size <= 0 or self.group_size % 16):
             raise ValueError(f"group_size = {self.group_size!r}, expected -1 (per column) or a multiple of 16 (32, 64, 128)")
         WeightFormat(self.bits, self.sym)  # ValueError for formats Marlin does not have
+        resolve_clip_objective(self.clip_objective, self.group_size)  # ValueError for unknown objectives
         if self.sparsity is not None:
             if self.sparsity not in SPARSITIES:
                 raise ValueError(f"sparsity = {self.sparsity!r}, expected None (dense) or one of {SPARSITIES}")
@@ -297,8 +306,46 @@ def _same_input_groups(names: list, hessians: dict) -> list[list[str]]:
 
 
 @torch.no_grad()
-def _run_block(block: nn.Module, hidden: list, calls: list) -> list:
-    return [_block_output(block(h, *args[1:], **kwargs)) for h, (args, kwargs) in zip(hidden, calls)]
+def _run_block(block: nn.Module, hidden: list, calls: list, cache: Optional[ReplayCache] = None) -> list:
+    """The block's outputs for every sample; with ``cache``, reusing the outputs of submodules
+    that an earlier pass of the sample computed with the same weights and inputs (the last pass
+    of a block: each sample's entries are dropped after it)."""
+    if cache is None:
+        return [_block_output(block(h, *args[1:], **kwargs)) for h, (args, kwargs) in zip(hidden, calls)]
+    outputs = []
+    with cache.installed(block):
+        for i, (h, (args, kwargs)) in enumerate(zip(hidden, calls)):
+            cache.begin(i)
+            outputs.append(_block_output(block(h, *args[1:], **kwargs)))
+            cache.drop(i)
+    return outputs
+
+
+@torch.no_grad()
+def _reference_pass(block_fp: nn.Module, hidden_fp: list, calls: list, layers: dict) -> tuple[list, dict]:
+    """Run every sample through the full-precision block once: (its outputs, {name: [per sample:
+    [the inputs of each call of that layer]]}) for the layers named in ``layers`` ({full name:
+    name inside the block}). Layers that read the same tensor share it (no copy)."""
+    modules = dict(block_fp.named_modules())
+    inputs: dict = {name: [] for name in layers}
+
+    def hook(name):
+        def record(_module, inp):
+            inputs[name][-1].append(inp[0].detach())
+
+        return record
+
+    handles = [modules[local].register_forward_pre_hook(hook(name)) for name, local in layers.items()]
+    outputs = []
+    try:
+        for h, (args, kwargs) in zip(hidden_fp, calls):
+            for name in layers:
+                inputs[name].append([])
+            outputs.append(_block_output(block_fp(h, *args[1:], **kwargs)))
+    finally:
+        for handle in handles:
+            handle.remove()
+    return outputs, inputs
 
 
 @torch.no_grad()
@@ -311,6 +358,7 @@ def quantize_model(
     done: Optional[dict] = None,
     on_block_done: Optional[Callable[[BlockOutcome], None]] = None,
     progress: bool = True,
+    replay_budget_mb: Optional[float] = 4096,
 ) -> tuple[dict, list]:
     """Quantize every eligible Linear in ``model``'s decoder blocks, in place (fake-quantized).
 
@@ -318,6 +366,9 @@ def quantize_model(
     BlockOutcome} of blocks finished by an earlier, interrupted run; they are not quantized
     again, only their stored weights are put in and run. ``on_block_done`` is called
     after each newly quantized block (the checkpoint writer saves it for resuming).
+    ``replay_budget_mb``: at most this much (on ``device``) for the outputs that later passes of a
+    block reuse (marlin.quantize.replay; None: no cap, 0: nothing reused); it changes only the
+    time, never the result.
 
     Returns ({layer name: GPTQResult}, [LayerReport]) over all blocks.
     """
@@ -343,21 +394,30 @@ def quantize_model(
             linears = {
                 f"{block_prefix}.{name}": m for name, m in block.named_modules() if isinstance(m, nn.Linear)
             }
+            cache = ReplayCache(None if replay_budget_mb is None else int(replay_budget_mb * 2**20))
             if index in done:
                 outcome = done[index]
                 for name, res in outcome.results.items():
                     if name not in linears or tuple(linears[name].weight.shape) != (res.q.shape[1], res.q.shape[0]):
                         raise ValueError(f"resume data has layer {name} [{tuple(res.q.shape)}], which block {index} lacks")
                     linears[name].weight.copy_(res.dequantized())
+                if block_fp is not None:
+                    hidden_fp = _run_block(block_fp, hidden_fp, calls)
             else:
-                reference = None if block_fp is None else (block_fp, hidden_fp)
-                outcome = _quantize_block(index, linears, block, hidden, calls, config, device, reference)
+                ref_inputs = None
+                if block_fp is not None:
+                    # the full-precision inputs of every layer for the cross terms, and the next
+                    # block's full-precision hidden states, from one pass (module doc)
+                    local = {name: name[len(block_prefix) + 1 :] for name in linears}
+                    hidden_fp, ref_inputs = _reference_pass(block_fp, hidden_fp, calls, local)
+                outcome = _quantize_block(index, linears, block, hidden, calls, config, device, ref_inputs, cache)
+                del ref_inputs  # what the groups left (layers kept in full precision) is not needed
+            if block_fp is not None:
+                del block_fp
             all_results.update(outcome.results)
             all_reports.extend(outcome.reports)
-            hidden = _run_block(block, hidden, calls)  # with the quantized weights
-            if block_fp is not None:
-                hidden_fp = _run_block(block_fp, hidden_fp, calls)
-                del block_fp
+            hidden = _run_block(block, hidden, calls, cache)  # with the quantized weights
+            cache.clear()
             block.to(device=home, dtype=home_dtype)
             if on_block_done is not None and index not in done:
                 on_block_done(outcome)
@@ -380,67 +440,50 @@ def _collect_hessians(
     layers: dict,
     device,
     calls_per_sample: Optional[dict] = None,
-    reference: Optional[tuple] = None,
+    ref_inputs: Optional[dict] = None,
+    cache: Optional[ReplayCache] = None,
 ) -> tuple[dict, dict, list]:
     """Run the block on every sample with hooks on ``layers`` ({name: Linear}).
 
     Returns ({name: HessianAccumulator}, {name: calls per sample}, [names in order of first call]).
     With ``calls_per_sample`` (from an earlier full pass), a sample's pass ends as soon as every
     one of ``layers`` has been called that many times: what the block computes after them
-    cannot change their inputs. ``reference`` (block_fp, hidden_fp): the full-precision block
-    and its own hidden states; each sample runs through it first and the accumulators get the
-    cross terms of the same layers' inputs there (HessianAccumulator's ``cross``).
+    cannot change their inputs. ``ref_inputs`` ({name: [per sample: [per call: input]]}, from
+    _reference_pass): the same layers' inputs in the full-precision block; the accumulators then
+    get the cross terms (HessianAccumulator's ``cross``). ``cache``: reuse what earlier passes of
+    the same samples computed (marlin.quantize.replay); the hooked layers always run.
     """
     hessians = {
-        name: HessianAccumulator(layer.in_features, device=device, cross=reference is not None)
+        name: HessianAccumulator(layer.in_features, device=device, cross=ref_inputs is not None)
         for name, layer in layers.items()
     }
     counts = dict.fromkeys(layers, 0)
     order: list = []
-    ref_inputs: dict = {name: [] for name in layers}  # the reference's inputs of the current sample, per call
-
-    def stop_when_done():
-        if calls_per_sample is not None and all(counts[n] >= calls_per_sample[n] for n in layers):
-            raise _GroupDone
+    sample = 0
 
     def hook(name):
         def record(_module, inp):
-            hessians[name].add(inp[0], ref_inputs[name].pop(0) if reference is not None else None)
+            ref = None if ref_inputs is None else ref_inputs[name][sample][counts[name]]
+            hessians[name].add(inp[0], ref)
             counts[name] += 1
             if name not in order:
                 order.append(name)
-            stop_when_done()
-
-        return record
-
-    def ref_hook(name):
-        def record(_module, inp):
-            ref_inputs[name].append(inp[0].detach())
-            counts[name] += 1
-            stop_when_done()
+            if calls_per_sample is not None and all(counts[n] >= calls_per_sample[n] for n in layers):
+                raise _GroupDone
 
         return record
 
     handles = [layer.register_forward_pre_hook(hook(name)) for name, layer in layers.items()]
-    if reference is not None:
-        ref_layers = dict(reference[0].named_modules())
-        prefix = _common_prefix(layers, ref_layers)
-        handles += [ref_layers[name[len(prefix):]].register_forward_pre_hook(ref_hook(name)) for name in layers]
     try:
-        for i, (h, (args, kwargs)) in enumerate(zip(hidden, calls)):
-            if reference is not None:
+        with cache.installed(block) if cache is not None else contextlib.nullcontext():
+            for sample, (h, (args, kwargs)) in enumerate(zip(hidden, calls)):
                 counts = dict.fromkeys(layers, 0)
+                if cache is not None:
+                    cache.begin(sample)
                 try:
-                    reference[0](reference[1][i], *args[1:], **kwargs)
+                    block(h, *args[1:], **kwargs)
                 except _GroupDone:
                     pass
-            counts = dict.fromkeys(layers, 0)
-            try:
-                block(h, *args[1:], **kwargs)
-            except _GroupDone:
-                pass
-            for name in layers:
-                ref_inputs[name].clear()
     finally:
         for handle in handles:
             handle.remove()
@@ -487,15 +530,6 @@ def _probe_groups(block: nn.Module, hidden, call, layers: dict) -> tuple[list, d
     return groups, {name: len(seen) for name, seen in inputs.items()}
 
 
-def _common_prefix(names: dict, block_names: dict) -> str:
-    """The prefix ("model.layers.3.") that turns a full layer name into its name in the block."""
-    name = next(iter(names))
-    for local in block_names:
-        if local and name.endswith("." + local):
-            return name[: len(name) - len(local)]
-    raise ValueError(f"layer {name} not found in the reference block")
-
-
 def _fp_target(weight: torch.Tensor, acc: HessianAccumulator, damp: float) -> torch.Tensor:
     """W' = W + D, D^T = (H + damp * mean(diag H) I)^-1 (C - H) W^T: the weight whose outputs on
     the quantized model's inputs come closest to the full-precision model's (module doc)."""
@@ -506,7 +540,15 @@ def _fp_target(weight: torch.Tensor, acc: HessianAccumulator, damp: float) -> to
 
 
 def _quantize_block(
-    index, linears: dict, block, hidden, calls, config: QuantizeConfig, device, reference: Optional[tuple] = None
+    index,
+    linears: dict,
+    block,
+    hidden,
+    calls,
+    config: QuantizeConfig,
+    device,
+    ref_inputs: Optional[dict] = None,
+    cache: Optional[ReplayCache] = None,
 ) -> BlockOutcome:
     outcome = BlockOutcome(index)
     eligible = []
@@ -525,7 +567,7 @@ def _quantize_block(
         groups, per_sample = _probe_groups(block, hidden[0], calls[0], {n: linears[n] for n in eligible})
     else:
         hessians, per_sample, order = _collect_hessians(
-            block, hidden, calls, {n: linears[n] for n in eligible}, device, reference=reference
+            block, hidden, calls, {n: linears[n] for n in eligible}, device, ref_inputs=ref_inputs, cache=cache
         )
         groups = _same_input_groups(eligible, hessians)
         # the order the block calls them (a layer never called keeps its place at the end)
@@ -534,7 +576,7 @@ def _quantize_block(
         if group[0] not in hessians:
             hessians.update(
                 _collect_hessians(
-                    block, hidden, calls, {n: linears[n] for n in group}, device, per_sample, reference
+                    block, hidden, calls, {n: linears[n] for n in group}, device, per_sample, ref_inputs, cache
                 )[0]
             )
         start = time.perf_counter()
@@ -559,4 +601,6 @@ def _quantize_block(
             )
         for name in group:
             del hessians[name]
+            if ref_inputs is not None:
+                ref_inputs.pop(name, None)  # this group's full-precision inputs are no longer needed
     return outcome
