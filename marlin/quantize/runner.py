@@ -310,14 +310,14 @@ def _run_block(block: nn.Module, hidden: list, calls: list, cache: Optional[Repl
     """The block's outputs for every sample; with ``cache``, reusing the outputs of submodules
     that an earlier pass of the sample computed with the same weights and inputs (the last pass
     of a block: each sample's entries are dropped after it)."""
-    if cache is None:
-        return [_block_output(block(h, *args[1:], **kwargs)) for h, (args, kwargs) in zip(hidden, calls)]
     outputs = []
-    with cache.installed(block):
+    with cache.installed(block) if cache is not None else contextlib.nullcontext():
         for i, (h, (args, kwargs)) in enumerate(zip(hidden, calls)):
-            cache.begin(i)
+            if cache is not None:
+                cache.begin(i)
             outputs.append(_block_output(block(h, *args[1:], **kwargs)))
-            cache.drop(i)
+            if cache is not None:
+                cache.drop(i)
     return outputs
 
 
