@@ -1,8 +1,9 @@
 """A small-batch and a large-batch gemm for compute-sanitizer (memcheck, racecheck, ...).
 
-    compute-sanitizer --tool memcheck python scripts/sanitize.py [--formats]
+    compute-sanitizer --tool memcheck python scripts/sanitize.py [--formats | --prefill]
 Checks the results too, so a run that is clean but wrong still fails. --formats runs only the
-instances of the other weight formats (bf16, zero points, groups 32/64, 8-bit, partial N tiles).
+instances of the other weight formats (bf16, zero points, groups 32/64, 8-bit, partial N tiles);
+--prefill only the prefill kernel (H100/H200, sm_90a build), one case per instance.
 """
 
 import os
@@ -61,6 +62,19 @@ FORMAT_CASES = [
 ]
 
 
+# (M, K, N, format): the prefill kernel's instances (MARLIN_PREFILL=1 sends every call it can run
+# there): fp16 group 128 with a partial last row tile, fp16 per column (K = 3 stages), bf16 zero
+# points in groups of 32 (two group rows per stage), fp16 zero points in groups of 64, bf16 per
+# column; more stages than the ring's 4 in all but one
+PREFILL_CASES = [
+    (300, 1024, 256, (torch.float16, 4, True, 128)),
+    (257, 192, 384, (torch.float16, 4, True, -1)),
+    (257, 512, 256, (torch.bfloat16, 4, False, 32)),
+    (100, 512, 384, (torch.float16, 4, False, 64)),
+    (70, 640, 128, (torch.bfloat16, 4, True, -1)),
+]
+
+
 def run_format_case(m, k, n, fmt, tile):
     dtype, bits, sym, g = fmt
     w = torch.randn(k, n, device="cuda")
@@ -89,6 +103,12 @@ def main():
     os.environ.setdefault("MARLIN_WG_SLICE", "128")
     torch.manual_seed(0)
     ok = True
+    if "--prefill" in sys.argv[1:]:
+        os.environ["MARLIN_PREFILL"] = "1"  # read at the first call
+        for m, k, n, fmt in PREFILL_CASES:
+            ok &= run_format_case(m, k, n, fmt, None)
+        torch.cuda.synchronize()
+        return 0 if ok else 1
     if "--formats" in sys.argv[1:]:
         for case in FORMAT_CASES:
             ok &= run_format_case(*case)

@@ -1,6 +1,7 @@
 """The prefill kernel (csrc/cuda/prefill; H100/H200 with an sm_90a build): batches above 64 rows,
 fp16 group 128 and per column, against the fp32 reference with test_gemm_cuda.py's bound and
-NaN-poisoned outputs. By default the planner sends a call there only when its 128 x 256 tiles fill
+NaN-poisoned outputs; and the other formats it runs (bf16, groups of 32 and 64, zero points in
+groups) against the float64 reference of test_gemm_cuda_formats.py. By default the planner sends a call there only when its 128 x 256 tiles fill
 the device; MARLIN_PREFILL=1 (read once per process, hence the subprocesses) sends every call it
 can run there, and the plan log shows that it did."""
 
@@ -13,6 +14,7 @@ import marlin
 from marlin import packing
 from conftest import requires_cuda
 from test_gemm_cuda import _pytest_subprocess, _wgmma_device, check, get_layer
+import test_gemm_cuda_formats as formats
 
 pytestmark = [requires_cuda, pytest.mark.gpu]
 
@@ -37,6 +39,39 @@ def test_prefill_shapes(m, k, n, g):
     c, a = check(get_layer(k, n, g), m)
     layer = get_layer(k, n, g)
     assert torch.equal(c, marlin.gemm(a, layer.b_q, layer.b_s)), "repeated call differs"
+
+
+# (dtype, bits, sym, group) as test_gemm_cuda_formats.FORMATS: every format the prefill kernel
+# runs besides fp16 symmetric group 128 / per column (8-bit and per-column zero points do not)
+PREFILL_FORMATS = [
+    (torch.float16, 4, True, 64),
+    (torch.float16, 4, True, 32),
+    (torch.float16, 4, False, 128),
+    (torch.float16, 4, False, 64),
+    (torch.float16, 4, False, 32),
+    (torch.bfloat16, 4, True, 128),
+    (torch.bfloat16, 4, True, 32),
+    (torch.bfloat16, 4, True, -1),
+    (torch.bfloat16, 4, False, 128),
+    (torch.bfloat16, 4, False, 64),
+]
+FORMAT_SHAPES = {"1024x128": (1024, 128), "192x384": (192, 384), "4096x4096": (4096, 4096)}
+
+
+def _format_cases():
+    for fmt in PREFILL_FORMATS:
+        for (name, (k, n)), m in [(s, m) for s in FORMAT_SHAPES.items() for m in (65, 257, 1000, 4097)]:
+            if fmt[3] > 0 and k % fmt[3]:
+                continue
+            yield pytest.param(fmt, m, k, n, id=f"{formats.fmt_id(fmt)}-{name}-m{m}")
+
+
+@pytest.mark.parametrize("fmt,m,k,n", list(_format_cases()))
+def test_prefill_formats(fmt, m, k, n):
+    layer = formats.get_layer(k, n, fmt)
+    formats.check(layer, m)
+    a = torch.randn(m, k, device="cuda", dtype=layer.dtype)
+    assert torch.equal(formats.run(layer, a), formats.run(layer, a)), "repeated call differs"
 
 
 def test_prefill_in_cuda_graph():
@@ -92,11 +127,17 @@ def test_default_rule():
         "b_q, b_s = packing.pack(q, s)\n"
         "for m in (128, 4096):\n"
         "    marlin.gemm(torch.randn(m, 4096, device='cuda', dtype=torch.float16), b_q, b_s)\n"
+        "q, s, z = packing.quantize(torch.randn(4096, 12288, device='cuda'), 64, sym=False, dtype=torch.bfloat16)\n"
+        "b_q, b_s, b_z = packing.pack(q, s, z)\n"
+        "for m in (128, 2048):\n"
+        "    marlin.gemm(torch.randn(m, 4096, device='cuda', dtype=torch.bfloat16), b_q, b_s, b_zeros=b_z)\n"
         "torch.cuda.synchronize()\n"
     )
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    for knob, want in (("-1", {"4096"} if 16 * 96 >= sms else set()), ("0", set())):
+    # 4096 x 12288: 96 column tiles, times 16 (4096 rows) or 8 (2048 rows) row tiles
+    want = [m for m, tiles in (("4096", 16 * 96), ("2048", 8 * 96)) if tiles >= sms]
+    for knob, expect in (("-1", want), ("0", [])):
         env = dict(os.environ, MARLIN_LOG_PLAN="1", MARLIN_PREFILL=knob)
         r = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
         assert r.returncode == 0, r.stderr[-2000:]
-        assert {m for m, _, _ in _prefill_plans(r.stderr)} == want, (knob, r.stderr[-2000:])
+        assert [m for m, _, _ in _prefill_plans(r.stderr)] == expect, (knob, r.stderr[-2000:])

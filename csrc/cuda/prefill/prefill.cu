@@ -1,7 +1,11 @@
-// The prefill kernel's two instances (group 128, per column), their tensor maps and their launch.
+// The prefill kernel's instances (fp16 / bf16; groups, per column, groups with zero points), their
+// tensor maps and their launch.
 #include "prefill.h"
 
 #include <cudaTypedefs.h>  // PFN_cuTensorMapEncodeTiled
+
+#include <algorithm>
+#include <type_traits>
 
 #include "../launch_attr.cuh"
 #include "prefill_kernel.cuh"
@@ -45,26 +49,39 @@ bool encode_2d(CUtensorMap* map, CUtensorMapDataType type, const void* base, lon
 
 }  // namespace
 
-template <bool GROUPED>
+template <bool BF16, bool GROUPED, bool ZP>
 cudaError_t launch_prefill(const KernelParams& p, int grid, int smem, cudaStream_t stream, bool pdl, int /*cluster*/) {
   using S = PrefillShape;
+  using T = std::conditional_t<BF16, nv_bfloat16, half>;
   static SmemAttrCache cache;  // one shared-memory opt-in per instance and device
+  const CUtensorMapDataType type = BF16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
   PrefillParams pp{};
   pp.p = p;
-  // Rows of a past m read as zeros (the box's out-of-bounds fill); the weights and scales are read
-  // in whole boxes (the planner checked that the tile divides N and K).
+  // Rows of a past m read as zeros (the box's out-of-bounds fill); the weights, scales and zero
+  // points are read in whole boxes (the planner checked that the tile divides N and K, and the
+  // format that the group divides K). A stage of 64 rows of K needs one group row (groups of 64
+  // or 128) or two (groups of 32).
+  const int group_log2 = p.group_shift + 4;
+  const int groups = p.k >> group_log2, group_box = std::max(1, S::kTileK >> group_log2);
   const bool ok =
-      encode_2d(&pp.act, CU_TENSOR_MAP_DATA_TYPE_FLOAT16, p.a, p.k, p.m, p.lda_int4 * 16, S::kTileK, S::kTileM,
-                CU_TENSOR_MAP_SWIZZLE_128B) &&
+      encode_2d(&pp.act, type, p.a, p.k, p.m, p.lda_int4 * 16, S::kTileK, S::kTileM, CU_TENSOR_MAP_SWIZZLE_128B) &&
       encode_2d(&pp.wq, CU_TENSOR_MAP_DATA_TYPE_INT32, p.b, 2LL * p.n, p.k / 16, 8LL * p.n, 2 * S::kTileN, 4,
                 CU_TENSOR_MAP_SWIZZLE_NONE) &&
-      (!GROUPED || encode_2d(&pp.sc, CU_TENSOR_MAP_DATA_TYPE_FLOAT16, p.s, p.n, p.k / 128, 2LL * p.n, S::kTileN, 1,
-                             CU_TENSOR_MAP_SWIZZLE_NONE));
+      (!GROUPED ||
+       encode_2d(&pp.sc, type, p.s, p.n, groups, 2LL * p.n, S::kTileN, group_box, CU_TENSOR_MAP_SWIZZLE_NONE)) &&
+      (!ZP || encode_2d(&pp.zp, type, p.z, p.n, groups, 2LL * p.n, S::kTileN, group_box, CU_TENSOR_MAP_SWIZZLE_NONE));
   if (!ok) return cudaErrorInvalidValue;  // reported by the caller as a failed launch, with the shape
-  return launch_kernel(marlin_prefill_kernel<GROUPED>, cache, pp, grid, S::kThreads, smem, stream, pdl, 1);
+  return launch_kernel(marlin_prefill_kernel<T, GROUPED, ZP>, cache, pp, grid, S::kThreads, smem, stream, pdl, 1);
 }
 
-template cudaError_t launch_prefill<true>(const KernelParams&, int, int, cudaStream_t, bool, int);
-template cudaError_t launch_prefill<false>(const KernelParams&, int, int, cudaStream_t, bool, int);
+#define MARLIN_PREFILL_INSTANCE(BF16, GROUPED, ZP) \
+  template cudaError_t launch_prefill<BF16, GROUPED, ZP>(const KernelParams&, int, int, cudaStream_t, bool, int);
+MARLIN_PREFILL_INSTANCE(false, true, false)
+MARLIN_PREFILL_INSTANCE(false, false, false)
+MARLIN_PREFILL_INSTANCE(false, true, true)
+MARLIN_PREFILL_INSTANCE(true, true, false)
+MARLIN_PREFILL_INSTANCE(true, false, false)
+MARLIN_PREFILL_INSTANCE(true, true, true)
+#undef MARLIN_PREFILL_INSTANCE
 
 }  // namespace marlin

@@ -13,8 +13,10 @@ constexpr int kPrefillTileM = 256;
 constexpr int kPrefillTileK = 64;
 int prefill_smem_bytes();
 
-// GROUPED: fp16 weights in groups of 128 along K; else per-column scales. cluster is ignored (1).
-template <bool GROUPED>
+// BF16: bf16 activations, scales and output (else fp16). GROUPED: scales in groups of 32, 64 or
+// 128 along K (p.group_shift); else per column. ZP: 4-bit zero points per group (kU4Zp; GROUPED
+// only). cluster is ignored (1).
+template <bool BF16, bool GROUPED, bool ZP>
 cudaError_t launch_prefill(const KernelParams& p, int grid, int smem, cudaStream_t stream, bool pdl, int cluster);
 
 }  // namespace marlin

@@ -1,13 +1,15 @@
-// The prefill kernel (sm_90a): fp16 x INT4 for large batches (prompt processing), warp-specialized.
+// The prefill kernel (sm_90a): fp16 / bf16 x INT4 for large batches (prompt processing),
+// warp-specialized.
 //
 // It computes the same C^T = B^T A^T as the small-batch kernel, with the weights as the wgmma's A
 // operand, but with the copies taken off the math warps and both operands read from shared memory:
 //  - one producer thread issues, per stage, three bulk tensor copies (TMA) into shared memory: the
 //    activations (256 rows x 64 of K, in the 128-byte swizzle that wgmma reads), the packed
-//    weights of the block's 128 columns, and their group-128 scale row; they land on the stage's
-//    `full` mbarrier;
+//    weights of the block's 128 columns, and the rows of their group scales (and zero points)
+//    that the stage's 64 rows of K need: one for groups of 128 or 64, two for groups of 32; they
+//    land on the stage's `full` mbarrier;
 //  - two consumer warpgroups (64 weight columns each) dequantize their own 64 columns of the stage
-//    into fp16 in shared memory (the 128-byte-swizzled K-major layout, 4 packed words per thread),
+//    into fp16 / bf16 in shared memory (the 128-byte-swizzled K-major layout, 4 packed words per thread),
 //    then issue wgmma m64n256k16 with both operands from shared memory. One warpgroup dequantizes
 //    while the other's wgmma run, so the tensor cores always have the next stage's work queued.
 // A stage's slot goes back to the producer when both consumers' wgmma have read it (`empty`).
@@ -19,8 +21,9 @@
 // A block owns one 128 x 256 tile of C^T (128 weight columns, 256 rows of M) for the whole K: no
 // partial sums, no locks. Rows of M past the end are zero-filled by the tensor copy and never
 // stored. The weights are the published Marlin format (docs/FORMAT.md): a thread reads one lane's
-// 16-byte word of a 16 x 64 tile and dequantizes it as the mma.sync kernels do (dequant_int4x8),
-// then stores each fp16 pair where the swizzled layout wants it. Group 128: weights scaled in fp16
+// 16-byte word of a 16 x 64 tile and dequantizes it as the mma.sync kernels do (dequant_u4 of
+// dequant.cuh, with the zero points of kU4Zp), then stores each pair where the swizzled layout
+// wants it. Groups (32, 64, 128: the run-time group_shift): weights scaled in the element type
 // before the store (as the small-batch kernel's weight-scaled path); per column: the fp32 sums
 // scaled in the epilogue.
 #pragma once
@@ -30,6 +33,7 @@
 
 #include <cstdint>
 
+#include "../dequant.cuh"
 #include "../marlin_kernel.cuh"
 #include "../ptx.cuh"
 #include "../wgmma.cuh"
@@ -47,7 +51,10 @@ struct PrefillShape {
   static constexpr int kActBytes = kTileM * kTileK * 2;     // 32 KB: activations [256 m][64 k]
   static constexpr int kWBytes = kTileN * kTileK * 2;       // 16 KB: dequantized weights [128 n][64 k]
   static constexpr int kPackedBytes = kTileN * kTileK / 2;  // 4 KB: 4 k16 rows x 2 tiles of 512 bytes
-  static constexpr int kScaleBytes = 1024;                  // one group row of 128 scales (256 bytes), padded
+  // the group rows of the stage: scales (up to two rows of 128, 256 bytes each), then zero points
+  static constexpr int kScaleRowBytes = kTileN * 2;
+  static constexpr int kZeroOffset = 512;
+  static constexpr int kScaleBytes = 1024;
   static constexpr int kStageBytes = kActBytes + kWBytes + kPackedBytes + kScaleBytes;
   static constexpr int kBarrierBytes = 2 * kStages * 8;     // full[] and empty[] mbarriers
   static constexpr int kSmemBytes = kStages * kStageBytes + kBarrierBytes + 1024;  // + alignment slack
@@ -56,13 +63,14 @@ struct PrefillShape {
   static_assert(kStages >= 2 && kTileM * 64 * 2 <= kActBytes, "epilogue staging does not fit");
 };
 
-// The kernel's arguments: the common ones and the tensor maps of its three copies (made on the
+// The kernel's arguments: the common ones and the tensor maps of its copies (made on the
 // host per call, prefill.cu). Passed as a __grid_constant__ so that the maps stay in parameter space.
 struct PrefillParams {
   KernelParams p;
-  alignas(64) CUtensorMap act;  // a: fp16 [m, k], box 64 x 256, 128-byte swizzle, rows past m read as 0
-  alignas(64) CUtensorMap wq;   // b_q: int32 [k / 16, 2 n], box 256 x 4 (two 16 x 64 tiles of 4 k16 rows)
-  alignas(64) CUtensorMap sc;   // b_scales: fp16 [groups, n], box 128 x 1 (grouped only)
+  CUtensorMap act;  // a: T [m, k], box 64 x 256, 128-byte swizzle, rows past m read as 0
+  CUtensorMap wq;   // b_q: int32 [k / 16, 2 n], box 256 x 4 (two 16 x 64 tiles of 4 k16 rows)
+  CUtensorMap sc;   // b_scales: T [groups, n], box 128 x max(1, 64 / group) (grouped only)
+  CUtensorMap zp;   // b_zeros: as b_scales (zero points only)
 };
 
 #if MARLIN_HAS_WGMMA
@@ -105,7 +113,8 @@ __device__ __forceinline__ void named_barrier(int id, int count) {
 // Byte offset of the 16-byte chunk `chunk` of row `row` in a 128-byte-swizzled K-major tile.
 __device__ __forceinline__ int sw128(int row, int chunk) { return row * 128 + ((chunk ^ (row & 7)) << 4); }
 
-template <bool GROUPED>
+// T: half or nv_bfloat16; GROUPED: group scales (else per column); ZP: zero points (kU4Zp, grouped).
+template <typename T, bool GROUPED, bool ZP>
 __global__ void __launch_bounds__(PrefillShape::kThreads, 1) marlin_prefill_kernel(const __grid_constant__ PrefillParams pp) {
 #if !MARLIN_HAS_WGMMA
   __trap();  // built for another target than sm_90a: never launched (planner)
@@ -123,6 +132,9 @@ __global__ void __launch_bounds__(PrefillShape::kThreads, 1) marlin_prefill_kern
   const int m0 = (blockIdx.x % m_tiles) * S::kTileM;
   const int n0 = (blockIdx.x / m_tiles) * S::kTileN;
   const int k_tiles = p.k / S::kTileK;
+  static_assert(GROUPED || !ZP, "zero points come in groups here (per-column ones run on the tiled kernel)");
+  // log2 of the group size in rows of K (5, 6, 7); the stage's first group row and its row count
+  const int group_log2 = p.group_shift + 4;
 
   if (tid == 0) {
     for (int s = 0; s < S::kStages; s++) {
@@ -137,15 +149,18 @@ __global__ void __launch_bounds__(PrefillShape::kThreads, 1) marlin_prefill_kern
   if (tid < 128) {
     // ---------------- producer: one thread issues every stage's tensor copies
     if (tid != 0) return;
-    constexpr int kBytes = S::kActBytes + S::kPackedBytes + (GROUPED ? S::kTileN * 2 : 0);
+    const int group_rows = GROUPED ? max(1, S::kTileK >> group_log2) : 0;
+    const int bytes = S::kActBytes + S::kPackedBytes + group_rows * S::kScaleRowBytes * (ZP ? 2 : 1);
     for (int kt = 0; kt < k_tiles; kt++) {
       const int slot = kt % S::kStages;
       if (kt >= S::kStages) mbar_wait(&empty[slot], (kt / S::kStages - 1) & 1);  // both consumers are done with it
       uint8_t* st = smem + slot * S::kStageBytes;
-      mbar_arrive_expect_tx(&full[slot], kBytes);
+      mbar_arrive_expect_tx(&full[slot], bytes);
       tma_load_2d(st, &pp.act, kt * S::kTileK, m0, &full[slot]);
       tma_load_2d(st + S::kActBytes + S::kWBytes, &pp.wq, 2 * n0, 4 * kt, &full[slot]);
-      if constexpr (GROUPED) tma_load_2d(st + S::kActBytes + S::kWBytes + S::kPackedBytes, &pp.sc, n0, kt / 2, &full[slot]);
+      uint8_t* groups = st + S::kActBytes + S::kWBytes + S::kPackedBytes;
+      if constexpr (GROUPED) tma_load_2d(groups, &pp.sc, n0, (kt * S::kTileK) >> group_log2, &full[slot]);
+      if constexpr (ZP) tma_load_2d(groups + S::kZeroOffset, &pp.zp, n0, (kt * S::kTileK) >> group_log2, &full[slot]);
     }
     return;
   }
@@ -155,20 +170,29 @@ __global__ void __launch_bounds__(PrefillShape::kThreads, 1) marlin_prefill_kern
   const int wq = (tid % 128) / 32, lane = tid % 32, g = lane / 4, c = lane % 4;
   // Dequantization of stage kt: warp wq takes k16 row wq of tile cw, lane (g, c) its int4 (4 words
   // j); word j gives the fp16 pairs of rows 16 j + g and + 8, K rows 2c, 2c+1 (lo[0], hi[0]) and
-  // 2c+8, 2c+9 (lo[1], hi[1]), i.e. 16-byte chunks 2 wq and 2 wq + 1 of those rows.
+  // 2c+8, 2c+9 (lo[1], hi[1]), i.e. 16-byte chunks 2 wq and 2 wq + 1 of those rows. Its K rows
+  // 16 wq .. 16 wq + 15 of the stage lie in the stage's group row (16 wq) >> group_log2.
+  const int group_offset = ((16 * wq) >> group_log2) * S::kScaleRowBytes + (cw * 8 + g) * 16;
   auto dequant_stage = [&](uint8_t* st) {
     // one 32-bit word (and one scale pair) at a time, next to the 128 accumulators
     const uint32_t* words = reinterpret_cast<const uint32_t*>(st + S::kActBytes + S::kWBytes + (wq * 64 + cw * 32 + lane) * 16);
-    const uint32_t* scales = reinterpret_cast<const uint32_t*>(st + S::kActBytes + S::kWBytes + S::kPackedBytes + (cw * 8 + g) * 16);
+    const uint8_t* groups = st + S::kActBytes + S::kWBytes + S::kPackedBytes + group_offset;
+    const uint32_t* scales = reinterpret_cast<const uint32_t*>(groups);
+    const uint32_t* zeros = reinterpret_cast<const uint32_t*>(groups + S::kZeroOffset);
     uint8_t* wsm = st + S::kActBytes;
 #pragma unroll
     for (int j = 0; j < 4; j++) {
       uint32_t lo[2], hi[2];
-      dequant_int4x8(words[j], lo, hi);
+      // word j of the scales (zero points): rows 16 j + g (low half) and 16 j + 8 + g (high half)
+      if constexpr (ZP)
+        dequant_u4<T, true>(words[j], lo, hi, u4_zero_pair<T>(zeros[j]));
+      else
+        dequant_u4<T, false>(words[j], lo, hi, U4Zero{0, 0});
       if constexpr (GROUPED) {
-        const uint32_t s2 = scales[j];  // the scales of rows 16 j + g (low half) and 16 j + 8 + g
-        scale_frag(lo, __ushort_as_half(static_cast<unsigned short>(s2 & 0xffff)));
-        scale_frag(hi, __ushort_as_half(static_cast<unsigned short>(s2 >> 16)));
+        const uint32_t s2 = scales[j];  // one 32-bit load, split in registers
+        const T* pair = reinterpret_cast<const T*>(&s2);
+        scale_frag_t<T>(lo, pair[0]);
+        scale_frag_t<T>(hi, pair[1]);
       }
       const int row = cw * 64 + 16 * j + g;
       *reinterpret_cast<uint32_t*>(wsm + sw128(row, 2 * wq) + 4 * c) = lo[0];
@@ -193,7 +217,7 @@ __global__ void __launch_bounds__(PrefillShape::kThreads, 1) marlin_prefill_kern
     wgmma_fence();
 #pragma unroll
     for (int ks = 0; ks < S::kTileK / 16; ks++)
-      wgmma_m64n256k16_ss(acc, smem_desc_sw128(a_addr + 32 * ks), smem_desc_sw128(sa + 32 * ks));
+      wgmma_m64n256k16_ss<kIsBf16<T>>(acc, smem_desc_sw128(a_addr + 32 * ks), smem_desc_sw128(sa + 32 * ks));
     wgmma_commit();
     // Wait for this stage's wgmma before dequantizing the next: the other warpgroup's wgmma keep
     // the tensor cores busy meanwhile. (Keeping one in flight, wait<1>, made ptxas serialize the
@@ -204,7 +228,7 @@ __global__ void __launch_bounds__(PrefillShape::kThreads, 1) marlin_prefill_kern
 #pragma unroll
   for (int i = 0; i < 128; i++) fence_operand(acc[i]);
 
-  // ---------------- epilogue: fp16 through shared memory, then 16-byte stores along N
+  // ---------------- epilogue: T through shared memory, then 16-byte stores along N
   const int n_lo = n0 + 64 * cw + 16 * wq + g;  // this thread's two weight columns: n_lo, n_lo + 8
   float s_lo, s_hi;
   if constexpr (GROUPED) {
@@ -213,11 +237,11 @@ __global__ void __launch_bounds__(PrefillShape::kThreads, 1) marlin_prefill_kern
     // accumulator registers"); with one it does not.
     s_lo = s_hi = __int_as_float(0x3f800000 | (p.m >> 31));
   } else {
-    const half* sc = reinterpret_cast<const half*>(p.s);
-    s_lo = __half2float(sc[n_lo]), s_hi = __half2float(sc[n_lo + 8]);
+    const T* sc = reinterpret_cast<const T*>(p.s);
+    s_lo = Elem<T>::to_float(sc[n_lo]), s_hi = Elem<T>::to_float(sc[n_lo + 8]);
   }
   named_barrier(3, S::kConsumers);  // both consumers are past the ring: its slots 0 and 1 are free
-  uint8_t* stage_c = smem + cw * S::kStageBytes;  // [256 m][64 n] halves, rows of 128 bytes, swizzled
+  uint8_t* stage_c = smem + cw * S::kStageBytes;  // [256 m][64 n] of T, rows of 128 bytes, swizzled
   const int nl = 16 * wq + g;                      // column in the warpgroup's 64
 #pragma unroll
   for (int t8 = 0; t8 < 32; t8++) {
@@ -226,11 +250,11 @@ __global__ void __launch_bounds__(PrefillShape::kThreads, 1) marlin_prefill_kern
       const int m = 8 * t8 + 2 * c + (e & 1);
       const int n = nl + 8 * (e >> 1);
       const float v = acc[4 * t8 + e] * (e >> 1 ? s_hi : s_lo);
-      *reinterpret_cast<half*>(stage_c + sw128(m, n / 8) + (n % 8) * 2) = __float2half_rn(v);
+      *reinterpret_cast<T*>(stage_c + sw128(m, n / 8) + (n % 8) * 2) = Elem<T>::from_float(v);
     }
   }
   named_barrier(1 + cw, 128);
-  half* cout = reinterpret_cast<half*>(p.c);
+  T* cout = reinterpret_cast<T*>(p.c);
   const int t = tid % 128, chunk = t % 8;
 #pragma unroll
   for (int i = 0; i < 16; i++) {
