@@ -22,10 +22,16 @@ for step in $steps; do
       python3 -m pytest tests/test_gemm_cuda.py -q -x -ra -p no:cacheprovider > "$OUT/gputests.log" 2>&1; r=$?
       tail -15 "$OUT/gputests.log"; [ $r -eq 0 ] || rc=1 ;;
     sanitize)
-      for tool in memcheck racecheck synccheck initcheck; do
-        compute-sanitizer --tool $tool --error-exitcode 9 python3 scripts/sanitize.py > "$OUT/sanitize-$tool.log" 2>&1
-        echo "compute-sanitizer $tool: exit $? ($(grep -c 'ERROR SUMMARY: 0 errors\|RACECHECK SUMMARY: 0 hazards' "$OUT/sanitize-$tool.log") clean summaries)"
-        grep -E 'SUMMARY|rel err' "$OUT/sanitize-$tool.log" | head -4
+      # the base cases, the other formats' instances and the prefill kernel's (scripts/sanitize.py)
+      for mode in base formats prefill; do
+        flag=$([ $mode = base ] || echo "--$mode")
+        for tool in memcheck racecheck synccheck initcheck; do
+          log="$OUT/sanitize-$mode-$tool.log"
+          compute-sanitizer --tool $tool --error-exitcode 9 python3 scripts/sanitize.py $flag > "$log" 2>&1; r=$?
+          echo "compute-sanitizer $tool ($mode): exit $r ($(grep -c 'ERROR SUMMARY: 0 errors\|RACECHECK SUMMARY: 0 hazards' "$log") clean summaries)"
+          grep -E 'SUMMARY' "$log" | head -2
+          [ $r -eq 0 ] || rc=1
+        done
       done ;;
     sass)
       python3 scripts/check_sass.py > "$OUT/sass.log" 2>&1; r=$?; tail -8 "$OUT/sass.log"; [ $r -eq 0 ] || rc=1 ;;

@@ -1,7 +1,7 @@
 """The prefill kernel (csrc/cuda/prefill; H100/H200 with an sm_90a build): batches above 64 rows,
 fp16 group 128 and per column, against the fp32 reference with test_gemm_cuda.py's bound and
 NaN-poisoned outputs; and the other formats it runs (bf16, groups of 32 and 64, zero points in
-groups) against the float64 reference of test_gemm_cuda_formats.py. By default the planner sends a call there only when its 128 x 256 tiles fill
+groups, 8-bit) against the float64 reference of test_gemm_cuda_formats.py. By default the planner sends a call there only when its 128 x 256 tiles fill
 the device; MARLIN_PREFILL=1 (read once per process, hence the subprocesses) sends every call it
 can run there, and the plan log shows that it did."""
 
@@ -42,8 +42,11 @@ def test_prefill_shapes(m, k, n, g):
 
 
 # (dtype, bits, sym, group) as test_gemm_cuda_formats.FORMATS: every format the prefill kernel
-# runs besides fp16 symmetric group 128 / per column (8-bit and per-column zero points do not)
+# runs besides fp16 symmetric group 128 / per column (all but per-column zero points)
 PREFILL_FORMATS = [
+    (torch.float16, 8, True, 128),
+    (torch.float16, 8, True, -1),
+    (torch.bfloat16, 8, True, 64),
     (torch.float16, 4, True, 64),
     (torch.float16, 4, True, 32),
     (torch.float16, 4, False, 128),

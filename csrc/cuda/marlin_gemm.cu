@@ -420,9 +420,9 @@ std::string plan_small_m(const GemmArgs& args, int tile_n, GemmPlan* plan) {
 
 int max_locks(int sms) { return 2 * std::max(sms, 1); }
 
-// The prefill kernel (prefill/prefill_kernel.cuh): sm_90a, fp16 or bf16, INT4 in groups of 32, 64
-// or 128 (with or without zero points) or per column (without), N a multiple of its 128 columns, K
-// of its 64-row stage. A block owns one 128 x 256
+// The prefill kernel (prefill/prefill_kernel.cuh): sm_90a, every format but per-column zero points
+// (fp16 or bf16; 4-bit, 4-bit with zero points or 8-bit; groups of 32, 64, 128 or per column), N a
+// multiple of its 128 columns, K of its 64-row stage. A block owns one 128 x 256
 // tile of C for the whole K (one block per SM), so it pays where its tiles fill whole waves of the
 // device. Measured on an H100 against the wgmma variant in one process (forced tile vs default,
 // interleaved; benchmarks/NOTES.md, 2026-11-26), 11 layer shapes at M = 1024-4096: 1.02-1.16x
@@ -434,11 +434,11 @@ constexpr int kPrefillMinRows = 1024;
 constexpr int kPrefillMaxK = 32768;
 constexpr int kPrefillMaxN = 128 * kPrefillTileN;
 constexpr double kPrefillMinWaveFill = 0.85;
-bool prefill_format(const Format& f) { return f.w == kU4 || (f.w == kU4Zp && f.group_mode != kPerColumn); }
+bool prefill_format(const Format& f) { return !(f.w == kU4Zp && f.group_mode == kPerColumn); }
 
 bool prefill_fits(const GemmArgs& a, const Format& f) {
   if (!a.wgmma || a.prefill == 0 || !prefill_format(f) || a.m <= kWgSliceRows) return false;
-  if (a.n % kPrefillTileN != 0 || a.k % kPrefillTileK != 0 || prefill_smem_bytes() > a.max_smem) return false;
+  if (a.n % kPrefillTileN != 0 || a.k % kPrefillTileK != 0 || prefill_smem_bytes(a.bits) > a.max_smem) return false;
   if (a.prefill == 1) return true;
   const long long tiles = static_cast<long long>((a.m + kPrefillTileM - 1) / kPrefillTileM) * (a.n / kPrefillTileN);
   const long long waves = (tiles + a.sms - 1) / a.sms;
@@ -456,21 +456,21 @@ void plan_prefill(const GemmArgs& args, const Format& f, GemmPlan* plan) {
   plan->blocks_per_sm = 1;
   plan->grid = plan->m_slices * (args.n / kPrefillTileN);
   plan->tiles_per_block = args.k / kPrefillTileK;
-  plan->smem_bytes = prefill_smem_bytes();
+  plan->smem_bytes = prefill_smem_bytes(args.bits);
   plan->split_parts = 0;
   plan->cluster_reduce = false;
   plan->needs_partial = false;
   plan->partial_floats = 0;
   plan->locks = 0;
-  const bool grouped = f.group_mode != kPerColumn, zp = f.w == kU4Zp;
-  if (f.bf16)
-    plan->launch = !grouped ? &launch_prefill<true, false, false>
-                   : zp     ? &launch_prefill<true, true, true>
-                            : &launch_prefill<true, true, false>;
-  else
-    plan->launch = !grouped ? &launch_prefill<false, false, false>
-                   : zp     ? &launch_prefill<false, true, true>
-                            : &launch_prefill<false, true, false>;
+  // one instance per element type, weight type and scale kind (the group size is a run-time shift)
+  constexpr LaunchFn kInstances[2][3][2] = {
+      {{&launch_prefill<false, kU4, false>, &launch_prefill<false, kU4, true>},
+       {nullptr, &launch_prefill<false, kU4Zp, true>},
+       {&launch_prefill<false, kU8, false>, &launch_prefill<false, kU8, true>}},
+      {{&launch_prefill<true, kU4, false>, &launch_prefill<true, kU4, true>},
+       {nullptr, &launch_prefill<true, kU4Zp, true>},
+       {&launch_prefill<true, kU8, false>, &launch_prefill<true, kU8, true>}}};
+  plan->launch = kInstances[f.bf16][f.w][f.group_mode != kPerColumn];  // prefill_format excludes the nullptr
 }
 
 std::string plan_gemm(const GemmArgs& args, int tile_k, int tile_n, GemmPlan* plan) {

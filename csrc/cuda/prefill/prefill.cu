@@ -12,11 +12,11 @@
 
 namespace marlin {
 
-static_assert(PrefillShape::kTileN == kPrefillTileN && PrefillShape::kTileM == kPrefillTileM &&
-                  PrefillShape::kTileK == kPrefillTileK,
+static_assert(PrefillShape<>::kTileN == kPrefillTileN && PrefillShape<>::kTileM == kPrefillTileM &&
+                  PrefillShape<>::kTileK == kPrefillTileK,
               "prefill.h and prefill_kernel.cuh disagree on the tile");
 
-int prefill_smem_bytes() { return PrefillShape::kSmemBytes; }
+int prefill_smem_bytes(int bits) { return bits == 8 ? PrefillShape<8>::kSmemBytes : PrefillShape<4>::kSmemBytes; }
 
 namespace {
 
@@ -49,9 +49,9 @@ bool encode_2d(CUtensorMap* map, CUtensorMapDataType type, const void* base, lon
 
 }  // namespace
 
-template <bool BF16, bool GROUPED, bool ZP>
+template <bool BF16, int W, bool GROUPED>
 cudaError_t launch_prefill(const KernelParams& p, int grid, int smem, cudaStream_t stream, bool pdl, int /*cluster*/) {
-  using S = PrefillShape;
+  using S = PrefillShape<W == kU8 ? 8 : 4>;
   using T = std::conditional_t<BF16, nv_bfloat16, half>;
   static SmemAttrCache cache;  // one shared-memory opt-in per instance and device
   const CUtensorMapDataType type = BF16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
@@ -63,25 +63,32 @@ cudaError_t launch_prefill(const KernelParams& p, int grid, int smem, cudaStream
   // or 128) or two (groups of 32).
   const int group_log2 = p.group_shift + 4;
   const int groups = p.k >> group_log2, group_box = std::max(1, S::kTileK >> group_log2);
+  // b_q: int32 [k / 16, n / 64 tiles x kTileWords], boxes of 4 k16 rows x 256 words (two 4-bit
+  // tiles or one 8-bit tile)
+  const long long row_words = p.n / 64 * S::kTileWords;
   const bool ok =
       encode_2d(&pp.act, type, p.a, p.k, p.m, p.lda_int4 * 16, S::kTileK, S::kTileM, CU_TENSOR_MAP_SWIZZLE_128B) &&
-      encode_2d(&pp.wq, CU_TENSOR_MAP_DATA_TYPE_INT32, p.b, 2LL * p.n, p.k / 16, 8LL * p.n, 2 * S::kTileN, 4,
+      encode_2d(&pp.wq, CU_TENSOR_MAP_DATA_TYPE_INT32, p.b, row_words, p.k / 16, 4 * row_words, 256, 4,
                 CU_TENSOR_MAP_SWIZZLE_NONE) &&
       (!GROUPED ||
        encode_2d(&pp.sc, type, p.s, p.n, groups, 2LL * p.n, S::kTileN, group_box, CU_TENSOR_MAP_SWIZZLE_NONE)) &&
-      (!ZP || encode_2d(&pp.zp, type, p.z, p.n, groups, 2LL * p.n, S::kTileN, group_box, CU_TENSOR_MAP_SWIZZLE_NONE));
+      (W != kU4Zp || encode_2d(&pp.zp, type, p.z, p.n, groups, 2LL * p.n, S::kTileN, group_box, CU_TENSOR_MAP_SWIZZLE_NONE));
   if (!ok) return cudaErrorInvalidValue;  // reported by the caller as a failed launch, with the shape
-  return launch_kernel(marlin_prefill_kernel<T, GROUPED, ZP>, cache, pp, grid, S::kThreads, smem, stream, pdl, 1);
+  return launch_kernel(marlin_prefill_kernel<T, W, GROUPED>, cache, pp, grid, S::kThreads, smem, stream, pdl, 1);
 }
 
-#define MARLIN_PREFILL_INSTANCE(BF16, GROUPED, ZP) \
-  template cudaError_t launch_prefill<BF16, GROUPED, ZP>(const KernelParams&, int, int, cudaStream_t, bool, int);
-MARLIN_PREFILL_INSTANCE(false, true, false)
-MARLIN_PREFILL_INSTANCE(false, false, false)
-MARLIN_PREFILL_INSTANCE(false, true, true)
-MARLIN_PREFILL_INSTANCE(true, true, false)
-MARLIN_PREFILL_INSTANCE(true, false, false)
-MARLIN_PREFILL_INSTANCE(true, true, true)
+#define MARLIN_PREFILL_INSTANCE(BF16, W, GROUPED) \
+  template cudaError_t launch_prefill<BF16, W, GROUPED>(const KernelParams&, int, int, cudaStream_t, bool, int);
+MARLIN_PREFILL_INSTANCE(false, kU4, true)
+MARLIN_PREFILL_INSTANCE(false, kU4, false)
+MARLIN_PREFILL_INSTANCE(false, kU4Zp, true)
+MARLIN_PREFILL_INSTANCE(false, kU8, true)
+MARLIN_PREFILL_INSTANCE(false, kU8, false)
+MARLIN_PREFILL_INSTANCE(true, kU4, true)
+MARLIN_PREFILL_INSTANCE(true, kU4, false)
+MARLIN_PREFILL_INSTANCE(true, kU4Zp, true)
+MARLIN_PREFILL_INSTANCE(true, kU8, true)
+MARLIN_PREFILL_INSTANCE(true, kU8, false)
 #undef MARLIN_PREFILL_INSTANCE
 
 }  // namespace marlin

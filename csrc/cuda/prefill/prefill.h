@@ -11,12 +11,12 @@ struct KernelParams;
 constexpr int kPrefillTileN = 128;
 constexpr int kPrefillTileM = 256;
 constexpr int kPrefillTileK = 64;
-int prefill_smem_bytes();
+int prefill_smem_bytes(int bits);  // bits of the packed weights: 4 or 8
 
-// BF16: bf16 activations, scales and output (else fp16). GROUPED: scales in groups of 32, 64 or
-// 128 along K (p.group_shift); else per column. ZP: 4-bit zero points per group (kU4Zp; GROUPED
-// only). cluster is ignored (1).
-template <bool BF16, bool GROUPED, bool ZP>
+// BF16: bf16 activations, scales and output (else fp16). W: the weight type (dequant.cuh's WType:
+// kU4, kU4Zp with zero points per group, GROUPED only, or kU8). GROUPED: scales in groups of 32, 64
+// or 128 along K (p.group_shift); else per column. cluster is ignored (1).
+template <bool BF16, int W, bool GROUPED>
 cudaError_t launch_prefill(const KernelParams& p, int grid, int smem, cudaStream_t stream, bool pdl, int cluster);
 
 }  // namespace marlin

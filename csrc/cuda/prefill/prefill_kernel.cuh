@@ -40,17 +40,20 @@
 
 namespace marlin {
 
+// BITS: 4 or 8 (the packed weights of a stage; 8-bit ones leave room for 3 stages only)
+template <int BITS = 4>
 struct PrefillShape {
   static constexpr int kTileN = 128;   // weight columns per block: 2 consumer warpgroups x wgmma M = 64
   static constexpr int kTileM = 256;   // activation rows per block: the wgmma N
   static constexpr int kTileK = 64;    // K per stage: one 128-byte row of halves (one swizzle atom row)
-  static constexpr int kStages = 4;
+  static constexpr int kStages = BITS == 8 ? 3 : 4;
   static constexpr int kThreads = 384;  // one producer and two consumer warpgroups
   static constexpr int kConsumers = 256;
   // bytes of one stage; every part starts on a 1024-byte boundary (the swizzle atom)
   static constexpr int kActBytes = kTileM * kTileK * 2;     // 32 KB: activations [256 m][64 k]
   static constexpr int kWBytes = kTileN * kTileK * 2;       // 16 KB: dequantized weights [128 n][64 k]
-  static constexpr int kPackedBytes = kTileN * kTileK / 2;  // 4 KB: 4 k16 rows x 2 tiles of 512 bytes
+  static constexpr int kPackedBytes = kTileN * kTileK * BITS / 8;  // 4 k16 rows x 2 tiles of 512 (1024) bytes
+  static constexpr int kTileWords = 16 * 64 * BITS / 32;             // int32 of one packed 16 x 64 tile
   // the group rows of the stage: scales (up to two rows of 128, 256 bytes each), then zero points
   static constexpr int kScaleRowBytes = kTileN * 2;
   static constexpr int kZeroOffset = 512;
@@ -113,13 +116,15 @@ __device__ __forceinline__ void named_barrier(int id, int count) {
 // Byte offset of the 16-byte chunk `chunk` of row `row` in a 128-byte-swizzled K-major tile.
 __device__ __forceinline__ int sw128(int row, int chunk) { return row * 128 + ((chunk ^ (row & 7)) << 4); }
 
-// T: half or nv_bfloat16; GROUPED: group scales (else per column); ZP: zero points (kU4Zp, grouped).
-template <typename T, bool GROUPED, bool ZP>
-__global__ void __launch_bounds__(PrefillShape::kThreads, 1) marlin_prefill_kernel(const __grid_constant__ PrefillParams pp) {
+// T: half or nv_bfloat16; W: the weight type (kU4, kU4Zp: zero points, grouped only; kU8);
+// GROUPED: group scales (else per column).
+template <typename T, int W, bool GROUPED>
+__global__ void __launch_bounds__(PrefillShape<>::kThreads, 1) marlin_prefill_kernel(const __grid_constant__ PrefillParams pp) {
 #if !MARLIN_HAS_WGMMA
   __trap();  // built for another target than sm_90a: never launched (planner)
 #else
-  using S = PrefillShape;
+  using S = PrefillShape<W == kU8 ? 8 : 4>;
+  constexpr bool ZP = W == kU4Zp;
   const KernelParams& p = pp.p;
   extern __shared__ uint8_t smem_raw[];
   uint8_t* smem = smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023);
@@ -157,7 +162,12 @@ __global__ void __launch_bounds__(PrefillShape::kThreads, 1) marlin_prefill_kern
       uint8_t* st = smem + slot * S::kStageBytes;
       mbar_arrive_expect_tx(&full[slot], bytes);
       tma_load_2d(st, &pp.act, kt * S::kTileK, m0, &full[slot]);
-      tma_load_2d(st + S::kActBytes + S::kWBytes, &pp.wq, 2 * n0, 4 * kt, &full[slot]);
+      // the block's two 16 x 64 tiles of 4 k16 rows: one box of [4][256 words] (4-bit), or one per
+      // tile (8-bit: a box row is at most 256 elements)
+      const int wx = 2 * S::kTileWords * (n0 / S::kTileN);
+      tma_load_2d(st + S::kActBytes + S::kWBytes, &pp.wq, wx, 4 * kt, &full[slot]);
+      if constexpr (W == kU8)
+        tma_load_2d(st + S::kActBytes + S::kWBytes + S::kPackedBytes / 2, &pp.wq, wx + S::kTileWords, 4 * kt, &full[slot]);
       uint8_t* groups = st + S::kActBytes + S::kWBytes + S::kPackedBytes;
       if constexpr (GROUPED) tma_load_2d(groups, &pp.sc, n0, (kt * S::kTileK) >> group_log2, &full[slot]);
       if constexpr (ZP) tma_load_2d(groups + S::kZeroOffset, &pp.zp, n0, (kt * S::kTileK) >> group_log2, &full[slot]);
@@ -170,12 +180,14 @@ __global__ void __launch_bounds__(PrefillShape::kThreads, 1) marlin_prefill_kern
   const int wq = (tid % 128) / 32, lane = tid % 32, g = lane / 4, c = lane % 4;
   // Dequantization of stage kt: warp wq takes k16 row wq of tile cw, lane (g, c) its int4 (4 words
   // j); word j gives the fp16 pairs of rows 16 j + g and + 8, K rows 2c, 2c+1 (lo[0], hi[0]) and
-  // 2c+8, 2c+9 (lo[1], hi[1]), i.e. 16-byte chunks 2 wq and 2 wq + 1 of those rows. Its K rows
+  // 2c+8, 2c+9 (lo[1], hi[1]), i.e. 16-byte chunks 2 wq and 2 wq + 1 of those rows. (8-bit: the
+  // lane's two int4, words 2 j for row 16 j + g and 2 j + 1 for row 16 j + 8 + g.) Its K rows
   // 16 wq .. 16 wq + 15 of the stage lie in the stage's group row (16 wq) >> group_log2.
   const int group_offset = ((16 * wq) >> group_log2) * S::kScaleRowBytes + (cw * 8 + g) * 16;
   auto dequant_stage = [&](uint8_t* st) {
     // one 32-bit word (and one scale pair) at a time, next to the 128 accumulators
-    const uint32_t* words = reinterpret_cast<const uint32_t*>(st + S::kActBytes + S::kWBytes + (wq * 64 + cw * 32 + lane) * 16);
+    const int word_int4 = W == kU8 ? cw * 256 + wq * 64 + 2 * lane : wq * 64 + cw * 32 + lane;
+    const uint32_t* words = reinterpret_cast<const uint32_t*>(st + S::kActBytes + S::kWBytes + word_int4 * 16);
     const uint8_t* groups = st + S::kActBytes + S::kWBytes + S::kPackedBytes + group_offset;
     const uint32_t* scales = reinterpret_cast<const uint32_t*>(groups);
     const uint32_t* zeros = reinterpret_cast<const uint32_t*>(groups + S::kZeroOffset);
@@ -184,7 +196,10 @@ __global__ void __launch_bounds__(PrefillShape::kThreads, 1) marlin_prefill_kern
     for (int j = 0; j < 4; j++) {
       uint32_t lo[2], hi[2];
       // word j of the scales (zero points): rows 16 j + g (low half) and 16 j + 8 + g (high half)
-      if constexpr (ZP)
+      if constexpr (W == kU8) {
+        dequant_u8<T>(words[2 * j], lo);
+        dequant_u8<T>(words[2 * j + 1], hi);
+      } else if constexpr (ZP)
         dequant_u4<T, true>(words[j], lo, hi, u4_zero_pair<T>(zeros[j]));
       else
         dequant_u4<T, false>(words[j], lo, hi, U4Zero{0, 0});
