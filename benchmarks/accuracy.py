@@ -177,11 +177,12 @@ def _format(point: dict) -> tuple:
 
 
 # What a GPTQ point that lacks a setting ran with: points written before the setting existed.
-GPTQ_DEFAULTS = {"damp": 0.01, "true_sequential": False, "clip_objective": "hessian", "fp_target": False}
+GPTQ_DEFAULTS = {"damp": 0.01, "true_sequential": False, "clip_objective": "hessian", "fp_target": False, "refit": 0,
+                 "clip_shift": False}
 
 
 def _gptq_settings(point: dict) -> tuple:
-    """(damp, true_sequential, clip_objective, fp_target) of a GPTQ point; () for fp16 and rtn."""
+    """(damp, true_sequential, clip_objective, fp_target, refit, clip_shift) of a GPTQ point; () for fp16 and rtn."""
     if point["method"] not in GPTQ_VARIANTS:
         return ()
     return tuple(point.get(k, GPTQ_DEFAULTS[k]) for k in GPTQ_DEFAULTS)
@@ -221,6 +222,10 @@ def _label(point: dict, main_nsamples, main_gptq: tuple = ()) -> str:
             extra.append(f"{mine['clip_objective']} clip objective")
         if mine["fp_target"] != ref["fp_target"]:
             extra.append("fp target" if mine["fp_target"] else "no fp target")
+        if mine["refit"] != ref["refit"]:
+            extra.append(f"refit {mine['refit']}" if mine["refit"] else "no refit")
+        if mine["clip_shift"] != ref["clip_shift"]:
+            extra.append("clip shift" if mine["clip_shift"] else "no clip shift")
         if mine["damp"] != ref["damp"]:
             extra.append(f"damp {mine['damp']}")
     if point.get("nsamples") not in (None, main_nsamples):
@@ -301,6 +306,10 @@ def main(argv=None) -> int:
                    help="how the clip search scores a group's error (marlin.quantize.gptq)")
     p.add_argument("--fp-target", action=argparse.BooleanOptionalAction, default=True,
                    help="fit each layer to the full-precision model's outputs (default on, as marlin-quantize)")
+    p.add_argument("--refit", type=int, default=0, metavar="ROUNDS",
+                   help="rounds of refitting scales and zero points to GPTQ's codes (marlin.quantize.refit)")
+    p.add_argument("--clip-shift", action="store_true",
+                   help="zero points: the clip search shrinks each end of the range by its own factor")
     p.add_argument("--bits", type=int, choices=[4, 8], default=4, help="weight bits for rtn and gptq (8: symmetric)")
     p.add_argument("--asym", action="store_true", help="4-bit weights with zero points")
     p.add_argument("--sparsity", choices=["2:4"], default=None, help="2:4 joint pruning (rtn: magnitude pruning)")
@@ -328,7 +337,8 @@ def main(argv=None) -> int:
     old = json.loads(args.out.read_text()) if args.out.is_file() else {"points": []}
     fmt = {"bits": args.bits, "sym": not args.asym, "sparsity": args.sparsity}
     gptq_fields = {"damp": args.damp, "true_sequential": args.true_sequential, "clip_objective": args.clip_objective,
-                   "fp_target": args.fp_target}
+                   "fp_target": args.fp_target, "refit": args.refit,
+                   "clip_shift": args.clip_shift}
     prov = dict(git_info(), revision=git_revision())  # once: the code this run executes
     # an exported copy (git archive + REVISION) has no git: the csrc tree hash computed from the files
     prov["csrc_tree"] = prov["csrc_tree"] or prov.get("csrc_worktree_tree")
@@ -390,7 +400,7 @@ def main(argv=None) -> int:
                 config = QuantizeConfig(
                     group_size=group_size, act_order=args.act_order, clip=clip, kernel_shapes_only=not args.any_shape,
                     damp=args.damp, true_sequential=args.true_sequential, clip_objective=args.clip_objective,
-                    fp_target=args.fp_target, **fmt
+                    fp_target=args.fp_target, refit=args.refit, clip_shift=args.clip_shift, **fmt
                 )
                 results, reports = quantize_model(net, samples, config, progress=not args.quiet)
                 net._marlin_quantize_results = (results, reports)

@@ -142,6 +142,25 @@ def test_clip_search_never_worse_than_maxabs_on_its_objective():
     assert torch.equal(best.half().float(), best)  # fp16 values: what the checkpoint stores
 
 
+def test_clip_search_with_separate_ends_never_worse_than_shared():
+    gen = torch.Generator().manual_seed(9)
+    w = torch.randn(200, 64, generator=gen) + 0.3  # off-centre rows: a shifted range pays
+    w[::5, 2] *= 6
+    h = hessian_of(calib_inputs(512, 64, seed=10))
+    fmt = clip_search.WeightFormat(4, False)
+    s_shared, z_shared = clip_search.search_params(w, h, fmt=fmt)
+    shared = clip_search.weighted_error(w, s_shared, h, z_shared, fmt)
+    scale, zero = clip_search.search_params(w, h, fmt=fmt, separate_ends=True)
+    separate = clip_search.weighted_error(w, scale, h, zero, fmt)
+    assert bool((separate <= shared).all())
+    assert float(separate.sum()) < 0.95 * float(shared.sum())
+    for f_hi in (1.0, 0.8, 0.55):  # the per-row minimum over the pairs of the grid
+        for f_lo in (1.0, 0.7, 0.55):
+            s, z = fmt.params(w, f_hi, f_lo)
+            assert bool((separate <= clip_search.weighted_error(w, s, h, z, fmt) + 1e-6).all())
+    assert torch.equal(zero, zero.round()) and zero.min() >= 0 and zero.max() <= 15
+
+
 def test_clip_search_reduces_gptq_error():
     k, n = 256, 128
     x = calib_inputs(2048, k, seed=8)

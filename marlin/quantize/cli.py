@@ -94,6 +94,21 @@ def build_parser() -> argparse.ArgumentParser:
         "later columns (compensated), also of the group's own later columns (columnwise), or with the group's "
         "block of the Hessian (hessian); auto (default): columnwise per column, compensated with groups",
     )
+    p.add_argument(
+        "--clip-shift",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="with zero points, the clip search shrinks each end of the range by its own factor, which also "
+        "shifts the range (the grid's square of candidates; default off)",
+    )
+    p.add_argument(
+        "--refit",
+        type=int,
+        default=0,
+        metavar="ROUNDS",
+        help="refit each group's scale and zero point to GPTQ's codes by least squares on the layer's objective; "
+        "each round after the first re-runs GPTQ with the refit values (default 0: off)",
+    )
     p.add_argument("--damp", type=float, default=0.01, help="Hessian dampening, fraction of its mean diagonal (0.01)")
     p.add_argument(
         "--true-sequential",
@@ -158,6 +173,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         act_order=args.act_order,
         clip=args.clip_search,
         clip_objective=args.clip_objective,
+        clip_shift=args.clip_shift,
+        refit=args.refit,
         damp=args.damp,
         true_sequential=args.true_sequential,
         fp_target=args.fp_target,

@@ -20,7 +20,9 @@ Formats (WeightFormat), as marlin.packing stores them:
   * asymmetric (zero points), 4 bits: u in [0, 15], w = (u - z) * s with the range [min(w, 0),
     max(w, 0)], s = range / 15 and the integer zero point z = round(-min / s); a candidate shrinks
     both ends of the range by the same factor (the range keeps 0 inside, so pruned or dead
-    weights stay exactly 0).
+    weights stay exactly 0); with ``separate_ends`` each end takes its own factor of the grid,
+    which also shifts the range toward the end whose tail costs less to clip (len(grid)^2
+    candidates, all of them kept by the same rule, so never worse than the shared factor).
 Scales are rounded to fp16 before the weights are rounded against them (the checkpoint stores fp16).
 """
 
@@ -70,8 +72,11 @@ class WeightFormat:
     def qmax(self) -> int:
         return (1 << (self.bits - 1)) - 1 if self.sym else self.maxq
 
-    def params(self, w: torch.Tensor, factor: float = 1.0) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-        """(scale [R], zero [R] or None) of rows w [R, c] with the range shrunk by ``factor``.
+    def params(
+        self, w: torch.Tensor, factor: float = 1.0, factor_lo: Optional[float] = None
+    ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """(scale [R], zero [R] or None) of rows w [R, c] with the range shrunk by ``factor``
+        (with zero points, ``factor_lo`` shrinks the lower end instead, if given).
 
         Scales are fp16 values held in float32; a row whose scale is 0 (all zeros) gets scale 1.
         """
@@ -79,7 +84,7 @@ class WeightFormat:
         if self.sym:
             scale = (w.abs().amax(dim=1) * (factor * 2.0 / self.maxq)).to(torch.float16).float()
             return torch.where(scale == 0, torch.ones_like(scale), scale), None
-        lo = w.amin(dim=1).clamp(max=0) * factor
+        lo = w.amin(dim=1).clamp(max=0) * (factor if factor_lo is None else factor_lo)
         hi = w.amax(dim=1).clamp(min=0) * factor
         scale = ((hi - lo) / self.maxq).to(torch.float16).float()
         scale = torch.where(scale == 0, torch.ones_like(scale), scale)
@@ -134,14 +139,24 @@ def _check_grid(grid: Sequence[float]) -> None:
 
 
 def search_params(
-    w: torch.Tensor, h: Optional[torch.Tensor], grid: Sequence[float] = DEFAULT_GRID, fmt: WeightFormat = SYM4
+    w: torch.Tensor,
+    h: Optional[torch.Tensor],
+    grid: Sequence[float] = DEFAULT_GRID,
+    fmt: WeightFormat = SYM4,
+    separate_ends: bool = False,
 ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """(scale [R], zero [R] or None) with the least weighted_error over ``grid``, per row."""
+    """(scale [R], zero [R] or None) with the least weighted_error over ``grid``, per row.
+    ``separate_ends`` (zero points only): each end of the range shrinks by its own factor of the
+    grid (len(grid)^2 candidates), which also shifts the range."""
     _check_grid(grid)
     w = w.float()
     best = best_err = None
-    for factor in sorted(set(grid), reverse=True):  # 1.0 first: ties keep the larger range
-        scale, zero = fmt.params(w, factor)
+    factors = sorted(set(grid), reverse=True)  # 1.0 first: ties keep the larger range
+    pairs = [(f, f) for f in factors]
+    if separate_ends and not fmt.sym:
+        pairs += [(f, g) for f in factors for g in factors if f != g]
+    for factor, factor_lo in pairs:
+        scale, zero = fmt.params(w, factor, factor_lo)
         err = weighted_error(w, scale, h, zero, fmt)
         if best is None:
             best, best_err = (scale, zero), err

@@ -77,6 +77,8 @@ def quantize_checkpoint(
     clip: bool = True,
     clip_grid: tuple = DEFAULT_GRID,
     clip_objective: str = "auto",
+    clip_shift: bool = False,
+    refit: int = 0,
     damp: float = 0.01,
     true_sequential: bool = True,
     fp_target: bool = True,
@@ -98,7 +100,9 @@ def quantize_checkpoint(
     ``calib``: a text file or a directory of .txt files; ``nsamples`` windows of its tokens with
     lengths drawn from ``seqlen_range`` (MIN, MAX) with ``seed`` (MIN == MAX: fixed length).
     ``clip``: the group-wise clip search, scored by ``clip_objective`` ("auto": "columnwise" per
-    column, "compensated" with groups; or "hessian"; marlin.quantize.gptq); ``act_order``: GPTQ's descending-activation order; ``true_sequential``
+    column, "compensated" with groups; or "hessian"; marlin.quantize.gptq), ``clip_shift``: each
+    end of a zero-point range shrinks on its own; ``refit``: rounds of refitting the scales and
+    zero points to GPTQ's codes (marlin.quantize.refit); ``act_order``: GPTQ's descending-activation order; ``true_sequential``
     and ``fp_target``: see marlin.quantize.runner.
     ``bits`` 4 or 8 and ``sym`` (False: 4-bit zero points; None: zero points for dense 4-bit,
     the format that loses least, symmetric for 8-bit and 2:4, which have no zero points): the weight format. ``sparsity``
@@ -120,6 +124,8 @@ def quantize_checkpoint(
         clip=clip,
         clip_grid=tuple(clip_grid),
         clip_objective=clip_objective,
+        clip_shift=clip_shift,
+        refit=refit,
         damp=damp,
         true_sequential=true_sequential,
         fp_target=fp_target,
@@ -145,6 +151,8 @@ def quantize_checkpoint(
         "clip_search": clip,
         "clip_grid": list(config.clip_grid) if clip else None,
         "clip_objective": resolve_clip_objective(clip_objective, group_size) if clip else None,
+        "clip_shift": clip_shift if clip else None,
+        "refit": refit,
         "damp": damp,
         "true_sequential": true_sequential,
         "fp_target": fp_target,

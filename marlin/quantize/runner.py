@@ -92,6 +92,8 @@ class QuantizeConfig:
     sparsity: Optional[str] = None  # "2:4": joint pruning (SparseGPT), MarlinLinear24 weights
     true_sequential: bool = True  # each group of a block on inputs from the quantized groups before it
     fp_target: bool = True  # fit each layer to the full-precision model's outputs (see the module doc)
+    clip_shift: bool = False  # zero points: the clip search shrinks each end of the range on its own
+    refit: int = 0  # rounds of refitting scales and zero points to GPTQ's codes (marlin.quantize.refit)
 
     def __post_init__(self):
         if self.method not in METHODS:
@@ -100,6 +102,8 @@ class QuantizeConfig:
             raise ValueError(f"group_size = {self.group_size!r}, expected -1 (per column) or a multiple of 16 (32, 64, 128)")
         WeightFormat(self.bits, self.sym)  # ValueError for formats Marlin does not have
         resolve_clip_objective(self.clip_objective, self.group_size)  # ValueError for unknown objectives
+        if not isinstance(self.refit, int) or self.refit < 0:
+            raise ValueError(f"refit = {self.refit!r}, expected a number of rounds >= 0")
         if self.sparsity is not None:
             if self.sparsity not in SPARSITIES:
                 raise ValueError(f"sparsity = {self.sparsity!r}, expected None (dense) or one of {SPARSITIES}")
@@ -276,6 +280,8 @@ def _quantize_group(
             clip_objective=config.clip_objective,
             damp=config.damp,
             block_size=config.block_size,
+            refit=config.refit,
+            clip_shift=config.clip_shift,
             **fmt,
         )
     results, n0 = [], 0
