@@ -41,23 +41,9 @@ def test_prefill_shapes(m, k, n, g):
     assert torch.equal(c, marlin.gemm(a, layer.b_q, layer.b_s)), "repeated call differs"
 
 
-# (dtype, bits, sym, group) as test_gemm_cuda_formats.FORMATS: every format the prefill kernel
-# runs besides fp16 symmetric group 128 / per column (all but per-column zero points)
-PREFILL_FORMATS = [
-    (torch.float16, 8, True, 128),
-    (torch.float16, 8, True, -1),
-    (torch.bfloat16, 8, True, 64),
-    (torch.float16, 4, True, 64),
-    (torch.float16, 4, True, 32),
-    (torch.float16, 4, False, 128),
-    (torch.float16, 4, False, 64),
-    (torch.float16, 4, False, 32),
-    (torch.bfloat16, 4, True, 128),
-    (torch.bfloat16, 4, True, 32),
-    (torch.bfloat16, 4, True, -1),
-    (torch.bfloat16, 4, False, 128),
-    (torch.bfloat16, 4, False, 64),
-]
+# every format of test_gemm_cuda_formats.FORMATS that the prefill kernel runs: all but per-column
+# zero points (the tiled kernel's)
+PREFILL_FORMATS = [f for f in formats.FORMATS if f[2] or f[3] > 0]
 FORMAT_SHAPES = {"1024x128": (1024, 128), "192x384": (192, 384), "4096x4096": (4096, 4096)}
 
 
