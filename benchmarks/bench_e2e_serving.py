@@ -18,8 +18,9 @@ Engines (--engine):
   slots         (default) benchmarks/serving_engine.py: a minimal continuous-batching loop on the
                 decode step of bench_e2e (decoder layers compiled with --compile, the step in CUDA
                 graphs, one per power-of-two batch and --kv-bucket cache length, all captured and
-                launched once before the measured rates; prefill eager, one request at a time, before
-                the next step). An unmeasured round of the whole workload at once comes first.
+                launched once before the measured rates; prefill one request at a time before the
+                next step, the prompt padded to a power of two and replayed from a CUDA graph of
+                the eager forward). An unmeasured round of the whole workload at once comes first.
                 Measures what the GEMMs change when the rest of a serving step is lean.
   transformers  transformers' own continuous batching (model.continuous_batching_context_manager,
                 paged KV cache, its own scheduler), as a transformers user serves: requests are
@@ -95,7 +96,7 @@ def make_server(model, args, reqs: list[dict], bar_desc: str):
     max_len = max(len(r["prompt"]) + r["output_len"] for r in reqs)
     server = SlotServer(model, slots=args.slots, max_len=max_len, kv_bucket=args.kv_bucket)
     undo = compile_layers(model, args.backend) if args.compile == "layer" else (lambda: None)
-    n = len(server.buckets()) if server.use_graphs else 0
+    n = server.graph_count()
     with tqdm(total=n, desc=bar_desc, unit="graph", disable=n == 0) as bar:
         server.capture_all(progress=bar)
     return server, time.perf_counter() - t0, undo
@@ -279,6 +280,9 @@ def main(argv=None) -> int:
         if args.engine == "slots":
             server, setup_s, undo = make_server(model, args, reqs, f"{kernel} graphs")
             meta.setdefault("setup_s", {})[kernel] = round(setup_s, 2)
+            meta.setdefault("prefill", {})[kernel] = (
+                "eager" if not server.use_graphs else server.prefill_graph_error or
+                f"CUDA graphs of {server.prefill_lens[0]}..{server.prefill_lens[-1]} tokens")
             try:
                 # unmeasured: prefill shapes, allocator growth, first replays (the first measured rate
                 # of a 2-request warm-up showed stalls of ~1 s on the H100)

@@ -174,7 +174,9 @@ def _engine(meta: dict) -> str:
     if meta.get("engine", "transformers") == "transformers":  # results from before --engine were transformers'
         return "continuous batching (transformers)"
     compiled = "compiled layers" if meta.get("compile") == "layer" else "eager kernels"
-    return f"continuous batching (slots engine: {meta.get('slots')} rows, {compiled}, CUDA graphs)"
+    prefill = sorted(set((meta.get("prefill") or {}).values()))  # per kernel; results before it: eager
+    prefill = "; prefill: " + " / ".join(prefill) if prefill else "; prefill eager"
+    return f"continuous batching (slots engine: {meta.get('slots')} rows, {compiled}, CUDA graphs{prefill})"
 
 
 def report_serving(data: dict, stem: str, outdir: Path) -> list[str]:

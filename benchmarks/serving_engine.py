@@ -10,9 +10,16 @@ server, and is kept minimal:
   * slots: up to ``slots`` requests at once, each owning one row of a per-layer KV cache of shape
     [slots, kv_heads, max_len, head_dim] (SlotCache). A new request takes the lowest free row;
     a finished one frees its row (no copy).
-  * prefill: one request at a time, eager, straight into its row (TTFT includes waiting for the
-    steps and prefills ahead of it). New arrivals are prefilled before the next decode step, as
-    in vLLM's default scheduling without chunked prefill.
+  * prefill: one request at a time, straight into its row (TTFT includes waiting for the steps
+    and prefills ahead of it). New arrivals are prefilled before the next decode step, as in
+    vLLM's default scheduling without chunked prefill. The prompt is padded at its end to the
+    next prefill length (powers of two from 16, and the row length), and each length is one CUDA
+    graph of the eager forward (``prefill_lens``, captured by ``capture_all``), as serving
+    engines graph their prefills too: an eager prefill of a 7B model spends ~35 ms launching
+    kernels, against a few ms of GPU work, and stalls every running request that long. The
+    padding is invisible: it comes after the prompt under the causal mask, so no prompt token
+    sees it, and its keys and values land in cache positions that each decode step overwrites
+    before its mask lets it see them.
   * decode: one step for every row below B, the smallest power of two above the highest
     occupied row, attending to the first Lb cache positions (the longest row rounded up to
     ``kv_bucket``). Rows that are free compute and are ignored; their position does not move.
@@ -69,7 +76,7 @@ class SlotCache(Cache):
         self.rows = torch.arange(slots, device=device)
         self.pos: Optional[torch.Tensor] = None
         self.kv_range: Optional[torch.Tensor] = None
-        self.prefill_row: Optional[int] = None
+        self.prefill_row = None  # first row of a prefill: an int, or a one-element long tensor
 
     def __len__(self) -> int:
         return self.keys.shape[0] // self.slots
@@ -79,13 +86,13 @@ class SlotCache(Cache):
 
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
         base = layer_idx * self.slots
-        if self.prefill_row is not None:  # rows prefill_row .. + batch of the prompt(s)
-            first = base + self.prefill_row
-            n = key_states.shape[2]
-            self.keys[first:first + key_states.shape[0], :, :n] = key_states
-            self.values[first:first + key_states.shape[0], :, :n] = value_states
-            return key_states, value_states
         b = key_states.shape[0]
+        if self.prefill_row is not None:  # rows prefill_row .. + batch of the prompt(s)
+            rows = self.rows[:b] + (base + self.prefill_row)  # an int, or a device tensor in a graph
+            n = key_states.shape[2]
+            self.keys[rows, :, :n] = key_states
+            self.values[rows, :, :n] = value_states
+            return key_states, value_states
         rows = self.rows[:b] + base
         self.keys[rows, :, self.pos] = key_states[:, :, 0]
         self.values[rows, :, self.pos] = value_states[:, :, 0]
@@ -132,8 +139,17 @@ class SlotServer:
         self.active = torch.zeros(slots, dtype=torch.long, device=self.dev)
         self.out = torch.zeros(slots, dtype=torch.long, device=self.dev)
         self.kv_range = torch.arange(self.max_len, device=self.dev)
+        # prefill inputs, static for its graphs: the padded prompt, its row and last position
+        self.prefill_lens = sorted({min(1 << i, self.max_len) for i in range(4, self.max_len.bit_length() + 1)})
+        self.prompt_ids = torch.zeros(1, self.max_len, dtype=torch.long, device=self.dev)
+        self.prompt_row = torch.zeros(1, dtype=torch.long, device=self.dev)
+        self.prompt_last = torch.zeros(1, dtype=torch.long, device=self.dev)
+        self.causal = {p: torch.full((p, p), torch.finfo(dtype).min, dtype=dtype, device=self.dev).triu(1)[None, None]
+                       for p in self.prefill_lens}
         self.use_graphs = (self.dev.type == "cuda") if use_graphs is None else use_graphs
         self.graphs: dict = {}
+        self.prefill_graphs: dict = {}
+        self.prefill_graph_error: Optional[str] = None  # why prefills run eager on CUDA, if they do
         self.step_fn: Callable = decode_step
         self.steps: list[tuple[int, int, int]] = []  # last serve(): (occupied rows, B, Lb) per decode step
 
@@ -143,20 +159,25 @@ class SlotServer:
 
     @torch.no_grad()
     def _capture(self, b: int, lb: int) -> "torch.cuda.CUDAGraph":
-        # the step advances ids/pos/out, device state the server relies on: saved here and put
-        # back after the warm-up and capture runs (their cache writes land where the next real
-        # step writes anyway)
-        saved = (self.ids.clone(), self.pos.clone(), self.out.clone())
+        return self._capture_fn(lambda: self.step_fn(*self._args(b, lb)))
+
+    @torch.no_grad()
+    def _capture_fn(self, fn: Callable[[], object]) -> "torch.cuda.CUDAGraph":
+        # a step or prefill changes ids/pos/active/out, device state the server relies on: saved
+        # here and put back after the warm-up and capture runs (their cache writes land where the
+        # next real step or prefill of that row writes anyway)
+        state = (self.ids, self.pos, self.active, self.out)
+        saved = tuple(t.clone() for t in state)
         s = torch.cuda.Stream(self.dev)
         s.wait_stream(torch.cuda.current_stream(self.dev))
         with torch.cuda.stream(s):
             for _ in range(2):  # compile (if compiled), autotune, workspaces: outside the graph
-                self.step_fn(*self._args(b, lb))
+                fn()
         torch.cuda.current_stream(self.dev).wait_stream(s)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            self.step_fn(*self._args(b, lb))
-        for buf, old in zip((self.ids, self.pos, self.out), saved):
+            fn()
+        for buf, old in zip(state, saved):
             buf.copy_(old)
         return graph
 
@@ -168,17 +189,33 @@ class SlotServer:
         """Capture the graph of every (B, Lb) bucket now (not while a measured run waits); seconds."""
         t0 = time.perf_counter()
         if self.use_graphs:
-            saved = (self.ids.clone(), self.pos.clone(), self.out.clone())
+            state = (self.ids, self.pos, self.active, self.out)
+            saved = tuple(t.clone() for t in state)
             for b, lb in self.buckets():
                 if (b, lb) not in self.graphs:
                     self.graphs[(b, lb)] = self._capture(b, lb)
                     self.graphs[(b, lb)].replay()  # a graph's first launch costs more than the next ones
                 if progress is not None:
                     progress.update(1)
-            for buf, old in zip((self.ids, self.pos, self.out), saved):
+            for p in self.prefill_lens:
+                if p not in self.prefill_graphs and self.prefill_graph_error is None:
+                    try:
+                        self.prefill_graphs[p] = self._capture_fn(lambda p=p: self._prefill_step(p))
+                        self.prefill_graphs[p].replay()
+                    except RuntimeError as e:  # e.g. a transformers version whose forward syncs
+                        self.prefill_graph_error = f"prefill of {p} tokens not capturable, prefills run eager: {e}"
+                        self.prefill_graphs.clear()
+                        print(f"warning: {self.prefill_graph_error}", flush=True)
+                if progress is not None:
+                    progress.update(1)
+            for buf, old in zip(state, saved):
                 buf.copy_(old)
             torch.cuda.synchronize(self.dev)
         return time.perf_counter() - t0
+
+    def graph_count(self) -> int:
+        """How many graphs capture_all captures (decode buckets and prefill lengths)."""
+        return len(self.buckets()) + len(self.prefill_lens) if self.use_graphs else 0
 
     def _step(self, b: int, lb: int) -> None:
         if not self.use_graphs:
@@ -191,23 +228,35 @@ class SlotServer:
         g.replay()
 
     # -- prefill ------------------------------------------------------------------------------
-    @torch.no_grad()
-    def _prefill(self, row: int, prompt: list[int]) -> None:
-        n = len(prompt)
-        ids = torch.tensor([prompt], dtype=torch.long, device=self.dev)
-        dtype = self.cache.keys.dtype
-        causal = torch.full((n, n), torch.finfo(dtype).min, dtype=dtype, device=self.dev).triu(1)
-        self.cache.prefill_row = row
-        try:  # eager even where the layers are compiled: a prompt length or row is not a shape to compile for
+    def _prefill_step(self, p: int) -> None:
+        """The prompt in prompt_ids[:, :p] (padded; its last token at prompt_last) into row
+        prompt_row: cache written, first token into ids, the row's position and activity set.
+        Device state only (graph-capturable); eager even where the layers are compiled (a prompt
+        length is not a shape to compile for)."""
+        self.cache.prefill_row = self.prompt_row
+        try:
             with eager():
-                logits = self.model(input_ids=ids, position_ids=torch.arange(n, device=self.dev)[None],
-                                    attention_mask=causal[None, None], use_cache=True, logits_to_keep=1,
+                logits = self.model(input_ids=self.prompt_ids[:, :p], position_ids=self.kv_range[None, :p],
+                                    attention_mask=self.causal[p], use_cache=True, logits_to_keep=self.prompt_last,
                                     **{cache_kwarg(self.model): self.cache}).logits
         finally:
             self.cache.prefill_row = None
-        self.ids[row, 0] = logits[0, -1].argmax()
-        self.pos[row] = n
-        self.active[row] = 1
+        self.ids.index_copy_(0, self.prompt_row, logits[:, -1].argmax(-1)[:, None])
+        self.pos.index_copy_(0, self.prompt_row, self.prompt_last + 1)
+        self.active.index_fill_(0, self.prompt_row, 1)
+
+    @torch.no_grad()
+    def _prefill(self, row: int, prompt: list[int]) -> None:
+        n = len(prompt)
+        p = next(p for p in self.prefill_lens if p >= n)  # serve() checked n < max_len
+        self.prompt_ids[0, :n].copy_(torch.tensor(prompt, dtype=torch.long))
+        self.prompt_row.fill_(row)
+        self.prompt_last.fill_(n - 1)
+        g = self.prefill_graphs.get(p) if self.use_graphs else None
+        if g is not None:
+            g.replay()
+        else:
+            self._prefill_step(p)
 
     # -- the serving loop ---------------------------------------------------------------------
     def serve(self, requests: list[dict], offsets: list[float], timeout_s: float = 600.0,

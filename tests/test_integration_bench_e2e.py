@@ -216,8 +216,10 @@ def test_slot_server_buckets():
     server = SlotServer(build_model("tiny", None, torch.device("cpu")), slots=6, max_len=20, kv_bucket=8)
     assert server.max_len == 24
     assert server.buckets() == [(b, lb) for b in (1, 2, 4, 6) for lb in (8, 16, 24)]
-    assert SlotServer(build_model("tiny", None, torch.device("cpu")), slots=4, max_len=8, kv_bucket=8).buckets() == [
-        (1, 8), (2, 8), (4, 8)]
+    assert server.prefill_lens == [16, 24]  # prompts padded to powers of two from 16, capped at the row length
+    assert server.graph_count() == 0  # CPU: no graphs
+    small = SlotServer(build_model("tiny", None, torch.device("cpu")), slots=4, max_len=8, kv_bucket=8)
+    assert small.buckets() == [(1, 8), (2, 8), (4, 8)] and small.prefill_lens == [8]
 
 
 def test_dry_run_layer_scope(tmp_path):
