@@ -111,6 +111,12 @@ def git_revision() -> str:
         return "unknown"
 
 
+def transformers_version() -> str:
+    import transformers
+
+    return transformers.__version__
+
+
 def csrc_tree_of(rev: str):
     """``git rev-parse REV:csrc``, or None where git does not know REV."""
     if not rev:
@@ -388,7 +394,9 @@ def main(argv=None) -> int:
             point = {"method": method, "group_size": group_size}
             if method != "fp16":
                 point.update(fmt_fields)
-            point.update(git_revision=prov["revision"], csrc_tree=prov["csrc_tree"])
+            # each point says which code and libraries made it (a file gathers runs of several days)
+            point.update(git_revision=prov["revision"], csrc_tree=prov["csrc_tree"], torch=torch.__version__,
+                         transformers=transformers_version())
             t0 = time.perf_counter()
             if method == "rtn":
                 done, kept = apply_rtn(net, group_size, fmt, args.any_shape)
