@@ -248,7 +248,7 @@ class SlotServer:
     @torch.no_grad()
     def _prefill(self, row: int, prompt: list[int]) -> None:
         n = len(prompt)
-        p = next(p for p in self.prefill_lens if p >= n)  # serve() checked n < max_len
+        p = next(p for p in self.prefill_lens if p >= n)  # n <= max_len, the last length (serve() checked)
         self.prompt_ids[0, :n].copy_(torch.tensor(prompt, dtype=torch.long))
         self.prompt_row.fill_(row)
         self.prompt_last.fill_(n - 1)
