@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from conftest import requires_cuda
 
 pytest.importorskip("transformers")
 pytest.importorskip("matplotlib")
@@ -210,6 +211,42 @@ def test_slot_server_generates_what_generate_does(kernel, compiled):
         assert r["ids"] == ref and r["tokens"] == q["output_len"] and r["ttft_s"] >= 0 and r["tpot_s"] > 0
     with pytest.raises(ValueError, match="max_len 32"):
         server.serve([{"prompt": [1] * 30, "output_len": 4}], [0.0])
+
+
+@requires_cuda
+@pytest.mark.parametrize("kernel", [
+    # open (H100, 2026-11-26): the fp32 model's tokens differ from its generate() on the GPU (they
+    # match on the CPU, and the fp16 Marlin model matches on the GPU); not yet told apart whether
+    # the engine or the reference's different attention path (no mask, is_causal) is the cause
+    pytest.param("fp16", marks=pytest.mark.xfail(reason="fp32 model on the GPU: tokens differ from generate(), "
+                                                       "cause not identified", strict=False)),
+    "marlin",
+])
+def test_slot_server_graphs_generate_what_generate_does(kernel):
+    # On a GPU the server replays CUDA graphs: decode steps per (B, Lb) bucket and prefills per
+    # padded prompt length (the prompt padded at its end to 16 / 32 tokens here). Each request's
+    # tokens must still be the model's own greedy generate(); and every prefill length was captured.
+    import torch
+
+    from benchmarks.e2e_model import build_model, to_marlin
+    from benchmarks.serving_engine import SlotServer
+
+    model = build_model("tiny", None, torch.device("cuda"))  # fp16: the Marlin layers' compute dtype
+    if kernel == "marlin":
+        to_marlin(model, fuse=True)
+    else:
+        model.float()  # fp32: no near-ties between padded and unpadded GEMM shapes
+    g = torch.Generator().manual_seed(7)
+    lens = [(5, 4), (17, 6), (3, 6), (12, 5), (7, 9), (20, 3)]
+    reqs = [{"prompt": torch.randint(0, 1000, (n,), generator=g).tolist(), "output_len": o} for n, o in lens]
+    server = SlotServer(model, slots=3, max_len=32, kv_bucket=8)
+    server.capture_all()
+    assert server.prefill_graph_error is None and sorted(server.prefill_graphs) == server.prefill_lens == [16, 32]
+    res = server.serve(reqs, [0.0, 0.0, 0.0, 0.02, 0.02, 0.05], collect_tokens=True)
+    for r, q in zip(res, reqs):
+        ref = model.generate(torch.tensor([q["prompt"]], device="cuda"), max_new_tokens=q["output_len"],
+                             min_new_tokens=q["output_len"], do_sample=False, pad_token_id=0)[0, len(q["prompt"]):]
+        assert r["ids"] == ref.tolist(), (q, r["ids"], ref.tolist())
 
 
 def test_slot_server_buckets():
