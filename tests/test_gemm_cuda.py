@@ -1,7 +1,7 @@
 """The CUDA kernel against an fp32 reference of A @ dequant(B), on every shape class.
 
 Skipped without a GPU; CI compiles the kernel but cannot run it. Run on the GPU machine with
-`bash scripts/run_tests.sh` (see README).
+`bash scripts/test.sh` (see README).
 
 The accuracy bound: the kernel's normwise relative error must be within 1.5x of fp16
 torch.matmul's own error on the same (fp16-rounded) dequantized weights, both measured against

@@ -28,6 +28,15 @@ def tiny_llama(heads=4, kv_heads=2):
     return model
 
 
+def test_public_entry_points():
+    # README and docs/PARALLEL.md call these by these names
+    from marlin.parallel.loader import load_sharded
+
+    assert marlin.parallel.load_sharded is load_sharded
+    assert marlin.tensor_parallel is marlin.parallel.tensor_parallel
+    assert issubclass(marlin.parallel.ShardError, ValueError)
+
+
 def test_follows_the_models_tp_plan():
     model = tiny_llama()
     plan = model_tp_plan(model)

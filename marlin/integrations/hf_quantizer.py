@@ -320,8 +320,9 @@ def gptq_config(model_dir: Union[str, Path], **from_pretrained_kwargs) -> "Pretr
 
         AutoModelForCausalLM.from_pretrained(d, config=gptq_config(d), device_map="cuda")
 
-    The GPTQ config is validated first (4-bit, symmetric, group 128 or per column; see
-    marlin-convert): an unsupported checkpoint raises ConversionError (a ValueError) here.
+    The GPTQ config is validated first, as marlin-convert validates it (4-bit symmetric or with
+    zero points, 8-bit symmetric; group 32, 64, 128 or per column; act-order): an unsupported
+    checkpoint raises ConversionError (a ValueError) here.
     """
     from transformers import AutoConfig
 

@@ -13,7 +13,8 @@ See docs/PARALLEL.md.
 """
 
 from .layers import ColumnParallelLinear, RowParallelLinear
+from .loader import load_sharded
 from .model import TPReport, tensor_parallel
 from .shard import ShardError
 
-__all__ = ["ColumnParallelLinear", "RowParallelLinear", "ShardError", "TPReport", "tensor_parallel"]
+__all__ = ["ColumnParallelLinear", "RowParallelLinear", "ShardError", "TPReport", "load_sharded", "tensor_parallel"]
