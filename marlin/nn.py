@@ -293,7 +293,9 @@ class MarlinLinear(QuantizedLinearBase):
                 f"(width {self.b_q.shape[1]})"
             )
         has_zeros = (prefix + "b_zeros") in state_dict
-        if has_zeros != self.zero_points:
+        # only where the state dict holds this layer (a partial load, e.g. load_sharded's of the
+        # layers it did not shard itself, leaves the others as they are)
+        if (prefix + "b_q") in state_dict and has_zeros != self.zero_points:
             error_msgs.append(
                 f"{prefix}b_zeros: the checkpoint {'has' if has_zeros else 'has no'} zero points, but this layer was "
                 f"built with zero_points={self.zero_points}"

@@ -263,6 +263,14 @@ def test_state_dict_format_mismatch_errors():
     state8 = MarlinLinear.from_linear(nn.Linear(128, 192).half(), 64, bits=8).state_dict()
     with pytest.raises(RuntimeError, match=r"b_q: width 768 \(8-bit weights\), but this layer was built with bits=4"):
         MarlinLinear(128, 192, group_size=64).load_state_dict(state8)
+    sym_state = MarlinLinear.from_linear(nn.Linear(128, 192).half(), 64).state_dict()
+    with pytest.raises(RuntimeError, match="the checkpoint has no zero points, but this layer was built with zero_points=True"):
+        MarlinLinear(128, 192, group_size=64, zero_points=True).load_state_dict(sym_state)
+    # a partial load that does not hold the layer (load_sharded's state of the layers it did not
+    # shard itself) checks nothing of it
+    parent = nn.Sequential(MarlinLinear(128, 192, group_size=64, zero_points=True), nn.Linear(4, 4))
+    missing, unexpected = parent.load_state_dict({"1.weight": torch.zeros(4, 4), "1.bias": torch.zeros(4)}, strict=False)
+    assert "0.b_q" in missing and not unexpected
 
 
 def test_version_1_state_dict_loads():

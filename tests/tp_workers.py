@@ -205,8 +205,9 @@ def load_scenario(rank: int, world_size: int, arg) -> None:
     assert err_prompt < MODEL_TOL and err_step < MODEL_TOL, (err_prompt, err_step)
 
 
-def write_tiny_gptq(directory, act_order: bool) -> None:
-    """A tiny Llama GPTQ checkpoint (gptq_writer), two shards with an index, bias-free projections."""
+def write_tiny_gptq(directory, act_order: bool, bits: int = 4, sym: bool = True, group_size: int = 128) -> None:
+    """A tiny Llama GPTQ checkpoint (gptq_writer), two shards with an index, bias-free projections;
+    4- or 8-bit, symmetric or (4 bits) with zero points, in groups of ``group_size``."""
     import transformers
     from gptq_writer import random_layer, write_gptq_checkpoint
 
@@ -220,26 +221,30 @@ def write_tiny_gptq(directory, act_order: bool) -> None:
     for name, module in base.named_modules():
         if isinstance(module, nn.Linear) and name != "lm_head":
             seed += 1
-            layers[name] = random_layer(module.in_features, module.out_features, 128, seed=seed, act_order=act_order, bias=False)
+            layers[name] = random_layer(module.in_features, module.out_features, group_size, seed=seed, act_order=act_order,
+                                        bias=False, bits=bits, sym=sym)
     for name, t in base.state_dict().items():
         if name.rpartition(".")[0] not in layers:
             others[name] = t
     write_gptq_checkpoint(
-        directory, layers, others, desc_act=act_order, num_shards=2, model_config=config.to_dict()
+        directory, layers, others, desc_act=act_order, num_shards=2, model_config=config.to_dict(), bits=bits, sym=sym,
+        group_size=group_size,
     )
 
 
 def load_gptq_scenario(rank: int, world_size: int, arg) -> None:
     """load_sharded of a GPTQ checkpoint (each rank converts its slices) equals the unsharded model
-    converted by marlin-convert and loaded by load_quantized."""
+    converted by marlin-convert and loaded by load_quantized. arg: (directory, act_order[, bits, sym,
+    group_size])."""
     from pathlib import Path
 
     from marlin.convert import convert_gptq_checkpoint
     from marlin.parallel.loader import load_sharded
 
     directory, act_order = Path(arg[0]), arg[1]
+    bits, sym, group_size = arg[2:] if len(arg) > 2 else (4, True, 128)
     if rank == 0:
-        write_tiny_gptq(directory / "gptq", act_order)
+        write_tiny_gptq(directory / "gptq", act_order, bits, sym, group_size)
         convert_gptq_checkpoint(directory / "gptq", directory / "marlin")
     dist.barrier()
     full = marlin.load_quantized(directory / "marlin", device=DEVICE)
@@ -247,9 +252,13 @@ def load_gptq_scenario(rank: int, world_size: int, arg) -> None:
     sharded = load_sharded(directory / "gptq", device=DEVICE, plan=LLAMA_PLAN)
     down = sharded.model.layers[0].mlp.down_proj
     assert isinstance(down, RowParallelLinear) and (down.gather_index is not None) == (act_order and world_size > 1)
-    up = sharded.model.layers[0].mlp.up_proj
-    part = 2 * 512 // world_size
-    assert torch.equal(up.local.b_q, full.model.layers[0].mlp.up_proj.b_q[:, rank * part : (rank + 1) * part])
+    up, full_up = sharded.model.layers[0].mlp.up_proj, full.model.layers[0].mlp.up_proj
+    assert (up.local.bits, up.local.b_zeros is not None) == (bits, not sym) == (full_up.bits, full_up.b_zeros is not None)
+    part = bits // 2 * 512 // world_size  # int32 words per column: 2 (4 bits) or 4 (8 bits)
+    assert torch.equal(up.local.b_q, full_up.b_q[:, rank * part : (rank + 1) * part])
+    if not sym:  # zero points shard like the scales: columns of 64
+        cols = slice(rank * 512 // world_size, (rank + 1) * 512 // world_size)
+        assert torch.equal(up.local.b_zeros, full_up.b_zeros[:, cols]) and torch.equal(up.local.b_scales, full_up.b_scales[:, cols])
     if not act_order:  # a plain row slice, converted by this rank alone
         k_part = 512 // world_size
         assert torch.equal(down.local.b_q, full.model.layers[0].mlp.down_proj.b_q[rank * k_part // 16 : (rank + 1) * k_part // 16])
@@ -271,6 +280,9 @@ def all_models_scenario(rank: int, world_size: int, directory: str) -> None:
         llama_scenario(rank, world_size, act_order)
         load_scenario(rank, world_size, (str(Path(directory) / f"marlin-{act_order}"), act_order))
         load_gptq_scenario(rank, world_size, (str(Path(directory) / f"gptq-{act_order}"), act_order))
+    # the other GPTQ formats load_sharded converts per rank: zero points in groups of 64, 8 bits with act-order
+    load_gptq_scenario(rank, world_size, (str(Path(directory) / "gptq-zp"), False, 4, False, 64))
+    load_gptq_scenario(rank, world_size, (str(Path(directory) / "gptq-u8"), True, 8, True, 128))
 
 
 def failing_scenario(rank: int, world_size: int, arg) -> None:
