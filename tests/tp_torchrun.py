@@ -37,6 +37,9 @@ def main() -> int:
     dist.broadcast_object_list(shared, src=0)  # one checkpoint directory for all ranks (one host)
     cases = CASES + [("load", (str(Path(shared[0]) / f"ckpt-{a}"), a)) for a in (False, True)]
     cases += [("load_gptq", (str(Path(shared[0]) / f"gptq-{a}"), a)) for a in (False, True)]
+    # zero points in groups of 64, 8 bits with act-order (as tests/test_parallel_dist.py)
+    cases += [("load_gptq", (str(Path(shared[0]) / "gptq-zp"), False, 4, False, 64)),
+              ("load_gptq", (str(Path(shared[0]) / "gptq-u8"), True, 8, True, 128))]
     for scenario, arg in cases:
         tp_workers.SCENARIOS[scenario](rank, world, arg)
         dist.barrier()
