@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch import nn
 
 import marlin
 from marlin.parallel import ColumnParallelLinear, RowParallelLinear, ShardError
@@ -119,3 +120,23 @@ def test_head_counts_of_older_attention_modules_are_localized():
     root.attn = attn
     marlin.tensor_parallel(root, {"attn.q_proj": "colwise"}, rank=0, world_size=2)
     assert (attn.num_heads, attn.num_key_value_heads, attn.hidden_size) == (2, 1, 128)
+
+
+def test_load_sharded_refuses_awq_checkpoints_clearly(tmp_path):
+    # an AWQ checkpoint is not read as a GPTQ one (whose qweight is [K / 8, N], not [K, N / 8]): a
+    # clear refusal that names the method and the way through marlin-convert
+    transformers = pytest.importorskip("transformers")
+    from awq_writer import random_awq_layer, write_awq_checkpoint
+
+    from marlin.convert.errors import ConversionError
+    from marlin.parallel import load_sharded
+
+    config = transformers.LlamaConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=1, num_attention_heads=4,
+                                      num_key_value_heads=2, vocab_size=1000)
+    base = transformers.LlamaForCausalLM(config).half()
+    layers = {name: random_awq_layer(m.in_features, m.out_features, 128, seed=i, bias=False)
+              for i, (name, m) in enumerate(base.named_modules()) if isinstance(m, nn.Linear) and name != "lm_head"}
+    others = {name: t for name, t in base.state_dict().items() if name.rpartition(".")[0] not in layers}
+    write_awq_checkpoint(tmp_path, layers, others, model_config=config.to_dict())
+    with pytest.raises(ConversionError, match="checkpoint of method AWQ, which load_sharded does not convert per rank.*marlin-convert"):
+        load_sharded(tmp_path, device="cpu")

@@ -149,7 +149,15 @@ def _checkpoint_kind(model_dir: Path) -> Optional[GPTQConfig]:
     if fmt == MARLIN_FORMAT:
         return None
     if quant is not None or (model_dir / QUANTIZE_CONFIG_FILE).is_file():
-        return _read_quant_configs(model_dir).parsed  # validates: GPTQ, 4-bit, symmetric, ...
+        parsed = _read_quant_configs(model_dir).parsed  # validates the config of each method
+        if not isinstance(parsed, GPTQConfig):  # AWQ, compressed-tensors: their own tensor layouts
+            method = {"AWQConfig": "AWQ", "CompressedTensorsConfig": "compressed-tensors"}.get(type(parsed).__name__,
+                                                                                              type(parsed).__name__)
+            raise ConversionError(
+                f"load_sharded: {model_dir} is a checkpoint of method {method}, which load_sharded does not convert "
+                "per rank (GPTQ checkpoints only); convert it once with marlin-convert and load the Marlin checkpoint"
+            )
+        return parsed
     raise ConversionError(
         f"{config_path}: no quantization_config (and no {QUANTIZE_CONFIG_FILE}); expected a Marlin checkpoint "
         "(marlin-convert) or a GPTQ one"
