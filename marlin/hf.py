@@ -246,7 +246,7 @@ def load_quantized(
     if fmt != MARLIN_FORMAT:
         raise ConversionError(
             f"{config_path}: quantization_config.checkpoint_format = {fmt!r}, expected {MARLIN_FORMAT!r}; "
-            "convert a GPTQ checkpoint first: marlin-convert SRC DST"
+            "convert a GPTQ, AWQ or compressed-tensors checkpoint first: marlin-convert SRC DST"
         )
 
     config = transformers.AutoConfig.from_pretrained(model_dir, trust_remote_code=trust_remote_code)

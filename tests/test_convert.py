@@ -369,7 +369,7 @@ BROKEN = {
     "group size 48 in config": (set_key("group_size", 48), ["group_size = 48 is not supported", "(32, 64, 128, -1)"]),
     "already marlin": (set_key("checkpoint_format", "marlin"), ["already converted"]),
     "unknown format": (set_key("checkpoint_format", "awq"), ["checkpoint_format = 'awq' is not supported"]),
-    "not gptq": (set_key("quant_method", "bitsandbytes"), ["quant_method = 'bitsandbytes'", "expected 'gptq' or 'awq'"]),
+    "not gptq": (set_key("quant_method", "bitsandbytes"), ["quant_method = 'bitsandbytes'", "expected 'gptq', 'awq' or 'compressed-tensors'"]),
     "qweight int64": (lambda src: rewrite_tensor(src, f"{Q}.qweight", lambda t: t.long()), [f"{Q}.qweight: dtype torch.int64"]),
     "scales fp32": (lambda src: rewrite_tensor(src, f"{Q}.scales", lambda t: t.float()), [f"{Q}.scales: dtype torch.float32", "torch.float16 or torch.bfloat16"]),
     "scales wrong shape": (lambda src: rewrite_tensor(src, f"{Q}.scales", lambda t: t[:1].contiguous()), [f"{Q}.scales: shape [1, 384], expected [2, 384]"]),

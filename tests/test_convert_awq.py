@@ -65,7 +65,7 @@ def test_convert_awq_matches_awq_formula(tmp_path, group_size, style):
         (lambda c: c["quantization_config"].update(zero_point=False), "zero_point = False"),
         (lambda c: c["quantization_config"].update(group_size=48), "group_size = 48 is not supported"),
         (lambda c: c["quantization_config"].pop("bits"), "lacks bits"),
-        (lambda c: c["quantization_config"].update(quant_method="bitsandbytes"), "expected 'gptq' or 'awq'"),
+        (lambda c: c["quantization_config"].update(quant_method="bitsandbytes"), "expected 'gptq', 'awq' or 'compressed-tensors'"),
     ],
 )
 def test_awq_config_errors(tmp_path, edit, needle):

@@ -130,6 +130,11 @@ def test_gptq_config_refuses_unsupported(checkpoints, tmp_path):
     edit_json(bad / "config.json", lambda c: c["quantization_config"].update(bits=3))
     with pytest.raises(ConversionError, match="bits = 3 is not supported"):
         hf_quantizer.gptq_config(bad)
+    # an AWQ checkpoint: told to convert, not told that 'awq' was expected
+    edit_json(bad / "config.json", lambda c: c["quantization_config"].update(bits=4, quant_method="awq", zero_point=True,
+                                                                          version="gemm"))
+    with pytest.raises(ConversionError, match="quant_method = 'awq': not a GPTQ checkpoint.*convert it with marlin-convert"):
+        hf_quantizer.gptq_config(bad)
 
 
 def test_bad_checkpoints_are_refused(checkpoints, tmp_path):
