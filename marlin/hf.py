@@ -256,17 +256,7 @@ def load_quantized(
 
     with SafetensorsDir(model_dir) as ckpt:
         layers = _marlin_layers(ckpt)
-        layer_dtypes = {spec["dtype"] for spec in layers.values()}
-        if len(layer_dtypes) != 1:
-            raise ConversionError(f"{model_dir}: the Marlin layers mix scale dtypes {sorted(map(str, layer_dtypes))}")
-        (layer_dtype,) = layer_dtypes
-        if dtype is None:
-            dtype = layer_dtype
-        elif dtype != layer_dtype:
-            raise ValueError(
-                f"load_quantized: dtype = {dtype}, but the checkpoint's Marlin layers compute in {layer_dtype} "
-                "(their scales' dtype); pass that dtype or None"
-            )
+        dtype = _layers_dtype(layers, dtype, model_dir, "load_quantized")
         with _parameters_on_meta():
             model = transformers.AutoModelForCausalLM.from_config(
                 config, trust_remote_code=trust_remote_code, **_dtype_kwargs(dtype)
@@ -281,6 +271,21 @@ def load_quantized(
 
     _assign_checkpoint(model, state, model_dir, device, "load_quantized")
     return model
+
+
+def _layers_dtype(layers: dict, dtype: Optional[torch.dtype], model_dir: Path, where: str) -> torch.dtype:
+    """The dtype a model with these quantized layers is built in: the one their scales have (all
+    the same), which an explicit ``dtype`` must equal (the layers compute in it; no silent cast)."""
+    layer_dtypes = {spec.get("dtype", torch.float16) for spec in layers.values()}
+    if len(layer_dtypes) != 1:
+        raise ConversionError(f"{model_dir}: the quantized layers mix scale dtypes {sorted(map(str, layer_dtypes))}")
+    (layer_dtype,) = layer_dtypes
+    if dtype is not None and dtype != layer_dtype:
+        raise ValueError(
+            f"{where}: dtype = {dtype}, but the checkpoint's quantized layers compute in {layer_dtype} "
+            "(their scales' dtype); pass that dtype or None"
+        )
+    return layer_dtype
 
 
 def _assign_checkpoint(model: nn.Module, state: dict, model_dir: Path, device: torch.device, where: str) -> None:

@@ -533,7 +533,7 @@ def test_load_quantized_formats(tmp_path, bits, sym, dtype, group_size):
         err = rel_err(model(ids).logits, ref(ids).logits)
     assert err < (MODEL_TOL if dtype == torch.float16 else 5e-2)
     other = torch.float16 if dtype == torch.bfloat16 else torch.bfloat16
-    with pytest.raises(ValueError, match=f"dtype = {other}, but the checkpoint's Marlin layers compute in {dtype}"):
+    with pytest.raises(ValueError, match=f"dtype = {other}, but the checkpoint's quantized layers compute in {dtype}"):
         load_quantized(dst, device="cpu", dtype=other)
 
 

@@ -36,6 +36,7 @@ def main() -> int:
     shared = [tempfile.mkdtemp(prefix="tp-ckpt-") if rank == 0 else None]
     dist.broadcast_object_list(shared, src=0)  # one checkpoint directory for all ranks (one host)
     cases = CASES + [("load", (str(Path(shared[0]) / f"ckpt-{a}"), a)) for a in (False, True)]
+    cases += [("load", (str(Path(shared[0]) / "ckpt-bf16"), False, torch.bfloat16))]
     cases += [("load_gptq", (str(Path(shared[0]) / f"gptq-{a}"), a)) for a in (False, True)]
     # zero points in groups of 64, 8 bits with act-order (as tests/test_parallel_dist.py)
     cases += [("load_gptq", (str(Path(shared[0]) / "gptq-zp"), False, 4, False, 64)),

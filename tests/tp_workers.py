@@ -108,9 +108,9 @@ def layers_scenario(rank: int, world_size: int, group_size: int) -> None:
         assert rel_err(split(h_full), down(h_full)) < TOL, f"row-parallel on the full input, act-order {what}"
 
 
-def tiny_llama(world_size: int, act_order: bool):
-    """The same random tiny Llama with Marlin layers on every rank (seeded); with act-order, o_proj
-    of layer 0 gets an aligned permutation and every other layer a straddling one."""
+def tiny_llama(world_size: int, act_order: bool, dtype: torch.dtype = torch.float16):
+    """The same random tiny Llama with Marlin layers on every rank (seeded), in ``dtype``; with
+    act-order, o_proj of layer 0 gets an aligned permutation and every other layer a straddling one."""
     import transformers
 
     config = transformers.LlamaConfig(
@@ -123,7 +123,7 @@ def tiny_llama(world_size: int, act_order: bool):
         max_position_embeddings=256,
     )
     torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(config).half().eval()
+    model = transformers.LlamaForCausalLM(config).to(dtype).eval()
     marlin.replace_linear(model, group_size=128)
     model.to(DEVICE)
     if act_order:
@@ -181,16 +181,19 @@ def save_marlin_checkpoint(model, directory) -> None:
 
 
 def load_scenario(rank: int, world_size: int, arg) -> None:
-    """load_sharded reads each rank's slices of a checkpoint; logits equal the unsharded model's."""
+    """load_sharded reads each rank's slices of a checkpoint; logits equal the unsharded model's.
+    arg: (directory, act_order[, dtype]); the model loads in the checkpoint's dtype."""
     from marlin.parallel.loader import load_sharded
 
-    directory, act_order = arg
-    model = tiny_llama(world_size, act_order)
+    directory, act_order = arg[:2]
+    dtype = arg[2] if len(arg) > 2 else torch.float16
+    model = tiny_llama(world_size, act_order, dtype)
     if rank == 0:
         save_marlin_checkpoint(model, directory)
     dist.barrier()
     ref_prompt, ref_step = prompt_and_step(model)
     sharded = load_sharded(directory, device=DEVICE, plan=LLAMA_PLAN)
+    assert sharded.dtype == dtype and sharded.model.layers[0].mlp.up_proj.local.dtype == dtype
     up = sharded.model.layers[0].mlp.up_proj
     assert isinstance(up, ColumnParallelLinear) and tuple(up.local.b_q.shape) == (256 // 16, 2 * 512 // world_size)
     full_up = model.model.layers[0].mlp.up_proj
@@ -202,7 +205,8 @@ def load_scenario(rank: int, world_size: int, arg) -> None:
     assert len(sharded.tp_report.sharded) == 15, sharded.tp_report
     prompt, step = prompt_and_step(sharded)
     err_prompt, err_step = rel_err(prompt, ref_prompt), rel_err(step, ref_step)
-    assert err_prompt < MODEL_TOL and err_step < MODEL_TOL, (err_prompt, err_step)
+    tol = MODEL_TOL if dtype == torch.float16 else 4 * MODEL_TOL  # bf16: 3 fewer mantissa bits, same sums
+    assert err_prompt < tol and err_step < tol, (err_prompt, err_step)
 
 
 def write_tiny_gptq(directory, act_order: bool, bits: int = 4, sym: bool = True, group_size: int = 128) -> None:
@@ -280,6 +284,8 @@ def all_models_scenario(rank: int, world_size: int, directory: str) -> None:
         llama_scenario(rank, world_size, act_order)
         load_scenario(rank, world_size, (str(Path(directory) / f"marlin-{act_order}"), act_order))
         load_gptq_scenario(rank, world_size, (str(Path(directory) / f"gptq-{act_order}"), act_order))
+    # a bf16 Marlin checkpoint loads in bf16
+    load_scenario(rank, world_size, (str(Path(directory) / "marlin-bf16"), False, torch.bfloat16))
     # the other GPTQ formats load_sharded converts per rank: zero points in groups of 64, 8 bits with act-order
     load_gptq_scenario(rank, world_size, (str(Path(directory) / "gptq-zp"), False, 4, False, 64))
     load_gptq_scenario(rank, world_size, (str(Path(directory) / "gptq-u8"), True, 8, True, 128))

@@ -55,7 +55,7 @@ class GPTQSource:
             # the MarlinLinear format the layer converts to (gptq_to_marlin with sym = cfg.sym)
             self.specs[prefix] = dict(
                 k=k, n=n, group_size=cfg.group_size, bias="bias" in infos, act_order=perm is not None, bits=cfg.bits,
-                zero_points=not cfg.sym,
+                zero_points=not cfg.sym, dtype=infos["scales"].dtype,
             )
 
     def names(self, prefix: str) -> list:

@@ -31,7 +31,8 @@ from ..convert.checkpoint import SafetensorsDir, read_json
 from ..convert.converter import MARLIN_FORMAT, QUANTIZE_CONFIG_FILE, _read_quant_configs
 from ..convert.errors import ConversionError
 from ..convert.gptq import GPTQConfig
-from ..hf import _assign_checkpoint, _dtype_kwargs, _install_marlin_layers, _marlin_layers, _parameters_on_meta
+from ..hf import (_assign_checkpoint, _dtype_kwargs, _install_marlin_layers, _layers_dtype, _marlin_layers,
+                  _parameters_on_meta)
 from .._layer_common import new_workspace
 from ..nn import MarlinLinear
 from .comm import rank_and_size
@@ -167,7 +168,7 @@ def _checkpoint_kind(model_dir: Path) -> Optional[GPTQConfig]:
 def load_sharded(
     model_dir: Union[str, Path],
     device: Optional[Union[str, torch.device]] = None,
-    dtype: torch.dtype = torch.float16,
+    dtype: Optional[torch.dtype] = None,
     *,
     plan: Optional[dict] = None,
     group=None,
@@ -176,7 +177,8 @@ def load_sharded(
     """This rank's part of a Marlin (or GPTQ) checkpoint directory as a transformers causal LM, in eval mode.
 
     ``device``: this rank's device (None: the current CUDA device if CUDA is available, else the
-    CPU). ``plan``: {module name pattern: style} as for marlin.tensor_parallel (None: the model's
+    CPU). ``dtype``: the model's dtype, which must be the one its quantized layers compute in (their
+    scales' dtype, float16 or bfloat16); None takes it from the checkpoint. ``plan``: {module name pattern: style} as for marlin.tensor_parallel (None: the model's
     tp_plan). The rank and world size come from ``group`` (default process group). Raises
     ConversionError when the directory is not a Marlin checkpoint or does not match its config,
     ShardError naming the layer when a shard would break the kernel's shape rules. The report of
@@ -184,8 +186,8 @@ def load_sharded(
     """
     import transformers
 
-    if dtype != torch.float16:
-        raise ValueError(f"load_sharded: dtype = {dtype}, expected torch.float16")
+    if dtype is not None and dtype not in (torch.float16, torch.bfloat16):
+        raise ValueError(f"load_sharded: dtype = {dtype}, expected torch.float16, torch.bfloat16 or None")
     model_dir = Path(model_dir)
     if device is None:
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
@@ -203,6 +205,7 @@ def load_sharded(
         reader = _SliceReader(ckpt, device)
         gptq = None if gptq_cfg is None else GPTQSource(reader, gptq_cfg)
         layers = _marlin_layers(ckpt) if gptq is None else gptq.specs
+        dtype = _layers_dtype(layers, dtype, model_dir, "load_sharded")
         sparse_layers = [prefix for prefix, spec in layers.items() if spec.get("sparsity")]
         if sparse_layers:
             raise ShardError(
