@@ -97,6 +97,19 @@ def _parse_quant_config(qc: Any, where: str, awq_file: bool) -> SourceConfig:
     return GPTQConfig.from_dict(qc, where)
 
 
+def direct_gptq_config(cfg: SourceConfig, where: str) -> GPTQConfig:
+    """``cfg`` where it is GPTQ's: the paths that read a checkpoint without a converted copy
+    (gptq_config's from_pretrained, load_sharded) repack GPTQ layers only. Other methods have
+    their own tensor layouts and are refused by name, with the way through marlin-convert."""
+    if isinstance(cfg, GPTQConfig):
+        return cfg
+    method = "awq" if isinstance(cfg, AWQConfig) else "compressed-tensors"
+    raise ConversionError(
+        f"{where}: quant_method = {method!r}: not a GPTQ checkpoint, which is all that loads without conversion; "
+        "convert it with marlin-convert and load the Marlin checkpoint"
+    )
+
+
 def _anchor(cfg: SourceConfig) -> str:
     """The tensor suffix that marks a quantized layer in the source format."""
     return "weight_packed" if isinstance(cfg, CompressedTensorsConfig) else "qweight"

@@ -89,13 +89,6 @@ class GPTQConfig:
         method = config.get("quant_method", "gptq")
         if method == "marlin":
             raise ConversionError(f"{source}: quant_method = 'marlin': this checkpoint is already converted")
-        if isinstance(method, str) and method.lower() in ("awq", "compressed-tensors"):
-            # reached only where GPTQ alone is read (gptq_config's direct load): marlin-convert
-            # sends these methods to their own readers
-            raise ConversionError(
-                f"{source}: quant_method = {method!r}: not a GPTQ checkpoint, which is all that loads without "
-                "conversion; convert it with marlin-convert and load the Marlin checkpoint"
-            )
         if not isinstance(method, str) or method.lower() != "gptq":
             raise ConversionError(
                 f"{source}: quant_method = {method!r}, expected 'gptq', 'awq' or 'compressed-tensors' (the methods "

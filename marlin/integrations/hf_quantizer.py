@@ -48,6 +48,7 @@ from transformers.quantizers.auto import (
 from transformers.utils.quantization_config import QuantizationConfigMixin
 
 from ..convert.checkpoint import SafetensorsDir, read_json
+from ..convert.converter import _parse_quant_config, direct_gptq_config
 from ..convert.errors import ConversionError
 from ..convert.gptq import GPTQ_FORMATS, GPTQConfig, check_layer_tensors
 from ..nn import MarlinLinear
@@ -332,7 +333,8 @@ def gptq_config(model_dir: Union[str, Path], **from_pretrained_kwargs) -> "Pretr
     if quant is None:
         raise ConversionError(f"{model_dir}: config.json has no quantization_config; expected a GPTQ checkpoint")
     quant = quant.to_dict() if hasattr(quant, "to_dict") else dict(quant)
-    cfg = GPTQConfig.from_dict(quant, f"{model_dir}/config.json (quantization_config)")
+    where = f"{model_dir}/config.json (quantization_config)"
+    cfg = direct_gptq_config(_parse_quant_config(quant, where, awq_file=False), where)
     fields = {k: v for k, v in quant.items() if k not in ("quant_method", "checkpoint_format", "format")}
     fields.update(bits=cfg.bits, group_size=cfg.group_size, sym=cfg.sym, desc_act=cfg.desc_act)
     config.quantization_config = MarlinConfig(checkpoint_format=cfg.checkpoint_format, **fields).to_dict()

@@ -28,7 +28,7 @@ from safetensors import safe_open
 from torch import nn
 
 from ..convert.checkpoint import SafetensorsDir, read_json
-from ..convert.converter import MARLIN_FORMAT, QUANTIZE_CONFIG_FILE, _read_quant_configs
+from ..convert.converter import MARLIN_FORMAT, QUANTIZE_CONFIG_FILE, _read_quant_configs, direct_gptq_config
 from ..convert.errors import ConversionError
 from ..convert.gptq import GPTQConfig
 from ..hf import (_assign_checkpoint, _dtype_kwargs, _install_marlin_layers, _layers_dtype, _marlin_layers,
@@ -150,15 +150,8 @@ def _checkpoint_kind(model_dir: Path) -> Optional[GPTQConfig]:
     if fmt == MARLIN_FORMAT:
         return None
     if quant is not None or (model_dir / QUANTIZE_CONFIG_FILE).is_file():
-        parsed = _read_quant_configs(model_dir).parsed  # validates the config of each method
-        if not isinstance(parsed, GPTQConfig):  # AWQ, compressed-tensors: their own tensor layouts
-            method = {"AWQConfig": "AWQ", "CompressedTensorsConfig": "compressed-tensors"}.get(type(parsed).__name__,
-                                                                                              type(parsed).__name__)
-            raise ConversionError(
-                f"load_sharded: {model_dir} is a checkpoint of method {method}, which load_sharded does not convert "
-                "per rank (GPTQ checkpoints only); convert it once with marlin-convert and load the Marlin checkpoint"
-            )
-        return parsed
+        # validates the config of each method; GPTQ's is the one converted per rank
+        return direct_gptq_config(_read_quant_configs(model_dir).parsed, f"load_sharded: {model_dir}")
     raise ConversionError(
         f"{config_path}: no quantization_config (and no {QUANTIZE_CONFIG_FILE}); expected a Marlin checkpoint "
         "(marlin-convert) or a GPTQ one"
