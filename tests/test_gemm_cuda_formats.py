@@ -231,6 +231,33 @@ def test_default_plans_use_both_kernels():
     assert kernels == {"small_m", "tiled"} | ({"small_m_wgmma"} if _wgmma_device() else set()), kernels
 
 
+@pytest.mark.parametrize("zp_sums", ["1", "0"])
+def test_zero_point_group_sums_plans(zp_sums):
+    """fp16 zero points in groups of 128 at 1-8 rows run the raw group-sum instance (plan log
+    zp_sums=1; the zero point applied to each group's sums), and with MARLIN_ZP_SUMS=0 the
+    run-time-group instance that dequantizes every weight: both pass test_formats and the partial
+    last tile test, in a subprocess that reads the plans, so that neither path goes untested."""
+    import os
+    import re
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, MARLIN_LOG_PLAN="1", MARLIN_ZP_SUMS=zp_sums)
+    cmd = [sys.executable, "-m", "pytest", __file__, "-q", "-s", "-p", "no:cacheprovider", "-k",
+           "(test_formats or test_small_batch_partial_last_tile) and fp16-u4-zero-g128"]
+    r = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0 and " passed" in r.stdout, r.stdout[-3000:] + r.stderr[-3000:]
+    plans = re.findall(r"^marlin\.gemm plan: m=(\d+) .* kernel=(\w+) .*$", r.stderr, re.M)
+    lines = [l for l in r.stderr.splitlines() if l.startswith("marlin.gemm plan:")]
+    assert lines and len(plans) == len(lines)
+    small = [l for l in lines if " m_blocks=1 kernel=small_m " in l]
+    assert small, "no call ran the 8-row mma.sync slice"
+    for line in lines:
+        sums = " zp_sums=1" in line
+        assert sums == (zp_sums == "1" and line in small), line
+
+
 def _wgmma_device():
     """A compute capability 9.0 device, and a build that has the sm_90a kernels (setup.py builds
     them unless TORCH_CUDA_ARCH_LIST leaves out 9.0a)."""

@@ -62,6 +62,13 @@ bool tuning_g128_runtime_group() {
   return value;
 }
 
+// MARLIN_ZP_SUMS=0 keeps fp16 zero points in groups of 128 at <= 8 rows (mma.sync) on the
+// run-time-group instance instead of the raw group-sum one.
+bool tuning_zp_sums() {
+  static const bool value = env_int("MARLIN_ZP_SUMS", 1) != 0;
+  return value;
+}
+
 // MARLIN_PREFILL=0 keeps large batches off the prefill kernel; 1 runs it wherever it can above 64
 // rows (default: the planner's rule, GemmArgs::prefill).
 int tuning_prefill() {
@@ -125,6 +132,7 @@ at::Tensor gemm_cuda(const at::Tensor& a, const at::Tensor& b_q, const at::Tenso
   args.clusters = prop->major >= 9;
   args.wg_slice_rows = tuning_wg_slice_rows();
   args.g128_runtime_group = tuning_g128_runtime_group();
+  args.zp_sums = tuning_zp_sums();
   args.prefill = tuning_prefill();
   TORCH_CHECK(reinterpret_cast<uintptr_t>(args.b_q) % 16 == 0 && reinterpret_cast<uintptr_t>(args.scales) % 16 == 0 &&
                   reinterpret_cast<uintptr_t>(args.zeros) % 16 == 0,

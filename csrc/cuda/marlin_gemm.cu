@@ -78,6 +78,7 @@ struct Format {
   int w = kU4;                     // WType
   int group_mode = kPerColumn;     // kGroupBlocks128 (fp16 kU4 only), kGroupBlocksRuntime or kPerColumn
   int group_shift = 0;             // log2 of the group size in k16 blocks (run-time groups)
+  bool zp_dequant = false;         // zero points: never the raw group-sum instance (GemmArgs::zp_sums off)
   // fp16 symmetric INT4 in groups of 128 or per column: the format every kernel and instance
   // runs; the others run on the tiled kernel and on the small-batch kernel with the 256-column
   // tile only (all but per-column zero points): mma.sync with 8 or 16 rows, wgmma with 16-128
@@ -92,6 +93,7 @@ std::string format_of(const GemmArgs& a, Format* f) {
     return "marlin.gemm: zero points (b_zeros) are supported with 4-bit weights only, got bits = 8";
   f->bf16 = a.bf16;
   f->w = a.bits == 8 ? kU8 : a.zeros != nullptr ? kU4Zp : kU4;
+  f->zp_dequant = !a.zp_sums;
   if (a.groups == 1) {
     f->group_mode = kPerColumn;
     f->group_shift = 0;
@@ -220,8 +222,15 @@ Instance make_smallm_instance() {
                   &launch_smallm<MB, NW, G, WG, ET, W, RG>, &smallm_max_clusters<MB, NW, G, WG, ET, W, RG>};
 }
 
+// fp16 zero points in groups of 128 on the 8-row mma.sync slice run the raw group-sum instance
+// (SmallMShape::kZpSums), where the zero point costs one FFMA per group sum instead of a
+// dequantization of every weight with a per-column constant at every k16 step.
+bool zp_group_sums(const Format& f, int mb, bool wg) {
+  return f.w == kU4Zp && !f.bf16 && f.group_mode != kPerColumn && f.group_shift == 3 && mb == 1 && !wg && !f.zp_dequant;
+}
+
 // The other formats' small-batch instances (smallm_instances.cuh, MARLIN_INSTANTIATE_SMALLM_FORMATS_WG):
-// 256 columns; grouped ones take the group size at run time.
+// 256 columns; grouped ones take the group size at run time, but for zp_group_sums.
 template <int MB, bool WG, typename ET>
 bool find_smallm_format_mb(const Format& f, Instance* out) {
   const bool grouped = f.group_mode != kPerColumn;
@@ -231,6 +240,12 @@ bool find_smallm_format_mb(const Format& f, Instance* out) {
     else return false;  // fp16 per column is the base format
   } else if (f.w == kU4Zp) {
     if (!grouped) return false;  // per-column zero points: tiled kernel only
+    if constexpr (MB == 1 && !WG && std::is_same<ET, half>::value) {
+      if (zp_group_sums(f, MB, WG)) {
+        *out = make_smallm_instance<1, 4, true, false, half, kU4Zp, false>();
+        return true;
+      }
+    }
     *out = make_smallm_instance<MB, 4, true, WG, ET, kU4Zp, true>();
   } else {
     *out = grouped ? make_smallm_instance<MB, 4, true, WG, ET, kU8, true>()
@@ -401,6 +416,7 @@ std::string plan_small_m(const GemmArgs& args, int tile_n, GemmPlan* plan) {
   if (!f.base() && !plan->wgmma && plan->m_blocks > 2) plan->m_blocks = 2;  // their mma.sync slices: 8 or 16 rows
   plan->m_slices = (args.m + 8 * plan->m_blocks - 1) / (8 * plan->m_blocks);
   g128_as_runtime_group(args, *plan, &f);
+  plan->zp_sums = zp_group_sums(f, plan->m_blocks, plan->wgmma);
   Instance inst;
   const bool found = f.base() ? find_smallm_instance(plan->m_blocks, tile_n, grouped, plan->wgmma, &inst)
                               : find_smallm_format(plan->m_blocks, tile_n, plan->wgmma, f, &inst);
@@ -530,7 +546,8 @@ std::string describe_plan(const GemmArgs& args, const GemmPlan& plan) {
   return describe(args, plan.tile, plan.m_blocks) + " kernel=" + kernel + " m_slices=" + std::to_string(plan.m_slices) +
          " grid=" + std::to_string(plan.grid) + " blocks_per_sm=" + std::to_string(plan.blocks_per_sm) +
          " tiles_per_block=" + std::to_string(plan.tiles_per_block) + " split_parts=" + std::to_string(plan.split_parts) +
-         " clusters=" + (plan.cluster_reduce ? "1" : "0") + " global_reduction=" + (plan.needs_partial ? "1" : "0");
+         " clusters=" + (plan.cluster_reduce ? "1" : "0") + " global_reduction=" + (plan.needs_partial ? "1" : "0") +
+         (plan.zp_sums ? " zp_sums=1" : "");
 }
 
 std::string launch_gemm(const GemmArgs& args, const GemmPlan& plan, cudaStream_t stream) {

@@ -48,6 +48,9 @@ struct GemmArgs {
   // fp16 group 128 on the wgmma variant's 16-row slices: the run-time-group instance (true) or the
   // group-sum one (false); see g128_as_runtime_group in marlin_gemm.cu
   bool g128_runtime_group = true;
+  // fp16 zero points in groups of 128 on the 8-row mma.sync slice: the raw group-sum instance
+  // (true) or the run-time-group one that dequantizes every weight (false; probes, tests)
+  bool zp_sums = true;
   // The warp-specialized prefill kernel (prefill/prefill_kernel.cuh; sm_90a, fp16 group 128 or per
   // column): -1 the planner's rule, 0 never, 1 wherever it can run above 64 rows (probes, tests).
   int prefill = -1;
@@ -63,6 +66,7 @@ struct GemmPlan {
   bool small_m = false;  // the small-batch kernel (smallm_kernel.cuh) rather than marlin_kernel.cuh
   bool wgmma = false;    // its sm_90a variant (warpgroup mma; slices of up to 128 rows)
   bool prefill = false;  // the warp-specialized prefill kernel (prefill/prefill_kernel.cuh) instead of either
+  bool zp_sums = false;  // small_m: zero points applied to raw group sums (SmallMShape::kZpSums)
   int m_blocks = 0;      // rows of M per slice: 16 * m_blocks, or 8 * m_blocks for small_m
   int m_slices = 0;      // slices of M
   int blocks_per_sm = 1;

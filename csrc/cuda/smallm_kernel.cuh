@@ -74,7 +74,13 @@ struct SmallMShape {
   // weights, shared by MB mma), which keeps MB == 2 within 128 registers (two blocks per SM).
   // WG: group sums at MB == 2 only. Reading them needs a full wgmma drain at every group's end,
   // which cost more than the 4 HMUL2 it saves at MB == 4 (H200: 70B gate_up M=32 134 vs 98 us).
-  static constexpr bool kGroupSums = kBase && GROUPED && (WG ? MB == 2 : MB == 1);
+  // fp16 INT4 with zero points in groups of 128 on the 8-row mma.sync slice (kZpSums) takes the
+  // base format's raw path too: (u - z) s summed over a group is s (sum u a - z sum a), so the
+  // correction mma sums the activations (the -1 matrix instead of -8) and the group's end adds z
+  // times that sum per column before the scale. The zero point then costs one FFMA per sum and
+  // group instead of a full dequantization with a per-column constant at every k16 step.
+  static constexpr bool kZpSums = std::is_same<ET, half>::value && W == kU4Zp && GROUPED && !RG && !WG && MB == 1;
+  static constexpr bool kGroupSums = (kBase && GROUPED && (WG ? MB == 2 : MB == 1)) || kZpSums;
   static constexpr bool kScaleWeights = GROUPED && !kGroupSums;
   // Where scales act on fp32 sums, the weights enter the mma as raw subnormals (see
   // unpack_int4x8_subnormal): 5 instructions per 8 weights instead of 9. The sums are then
@@ -85,7 +91,12 @@ struct SmallMShape {
   // per stage, when they have landed (kPrescale).
   // WG from MB == 4 per column: plain dequantization, scales on the fp32 result (measured: the
   // raw path's correction wgmma and prescale made per column 30% slower than group 128 there).
-  static constexpr bool kRaw = kBase && !kScaleWeights && !(WG && MB >= 4);
+  static constexpr bool kRaw = (kBase && !kScaleWeights && !(WG && MB >= 4)) || kZpSums;
+  // The correction matrix of the raw path, as fp16 subnormal pairs for K rows 0..7 and 8..15
+  // (whose activations are / 16): -8 * 2^-24 and -128 * 2^-24 (symmetric: the +8 offset), or
+  // -2^-24 and -16 * 2^-24 (kZpSums: the activations' sum, scaled by each column's z later).
+  static constexpr uint32_t kCorrLo = kZpSums ? 0x80018001u : 0x80088008u;
+  static constexpr uint32_t kCorrHi = kZpSums ? 0x80108010u : 0x80808080u;
   static constexpr bool kPrescale = WG && kRaw;
   // Stages loaded ahead of the one computed. Each stage's last step refills a slot of the ring.
   // mma.sync: before the stage barrier, the slot of the previous stage (every warp has read it
@@ -161,7 +172,7 @@ struct SmallMShape {
   // their bound: there the checks made the 16-row mma.sync (128 registers) and the 64- and
   // 128-row wgmma instances (255) spill 8-32 more bytes inside the main loop.
   static constexpr bool kPartialN = !kBase && (MB == 1 || (WG && MB <= 4));
-  static_assert(kBase || !GROUPED || RG, "other formats take their group size at run time");
+  static_assert(kBase || kZpSums || !GROUPED || RG, "other formats take their group size at run time");
   static_assert(!kZeros || GROUPED, "per-column zero points run on the tiled kernel");
   static_assert(kSStage <= kThreads, "one copy per thread loads a stage's scales (and zero points)");
 };
@@ -268,7 +279,7 @@ __global__ void __launch_bounds__(kThreads, kSmallMMinBlocksPerSm<MB, WG>) marli
   constexpr int JW = S::kJW;
   float tot[JW][MB][4];                        // the column's result so far
   float grp[S::kGroupSums ? JW : 1][MB][4];    // this group's mma sums (kGroupSums only)
-  float corr[MB][4];                           // kRaw: -8 * 2^-24 * (sum of the activations)
+  float corr[MB][4];                           // kRaw: -8 (kZpSums: -1) * 2^-24 * (sum of the activations)
   uint32_t act[2][MB][2];                      // activation B fragments, double buffered
   uint32_t afrag[2][JW][4];                    // WG: dequantized A fragments, double buffered
   alignas(16) uint32_t wq[2][JW * S::kBLane];  // packed weights (8 nibbles / 2 x 4 bytes per block), double buffered
@@ -349,8 +360,13 @@ __global__ void __launch_bounds__(kThreads, kSmallMMinBlocksPerSm<MB, WG>) marli
       f_s = p.s + (static_cast<long long>(w.kt) * (S::kTK >> p.group_shift) + tid / S::kSRow) * (p.n / 8) +
             w.nt * S::kSRow + s_col;
     }
-    else if constexpr (GROUPED)
-      f_s = p.s + static_cast<long long>(w.kt) * (p.n / 8) + w.nt * S::kSRow + tid;
+    else if constexpr (GROUPED) {  // thread tid < kSRow copies the tile's scale row
+      int s_col = tid;
+      if constexpr (S::kPartialN) {
+        if ((w.nt * NW + s_col / 8) * 64 >= p.n) s_col %= 8;
+      }
+      f_s = p.s + static_cast<long long>(w.kt) * (p.n / 8) + w.nt * S::kSRow + s_col;
+    }
   };
 
   auto fetch_stage = [&](int stage) {
@@ -374,7 +390,10 @@ __global__ void __launch_bounds__(kThreads, kSmallMMinBlocksPerSm<MB, WG>) marli
           if constexpr (S::kZeros) cp_async16(sh + S::kAStage + S::kBStage + S::kSStage + tid, p.z + (f_s - p.s));
         }
       } else if constexpr (GROUPED) {
-        if (tid < S::kSRow) cp_async16(sh + S::kAStage + S::kBStage + tid, f_s);
+        if (tid < S::kSRow) {
+          cp_async16(sh + S::kAStage + S::kBStage + tid, f_s);
+          if constexpr (S::kZeros) cp_async16(sh + S::kAStage + S::kBStage + S::kSStage + tid, p.z + (f_s - p.s));
+        }
       }
       f_i++;
       if (--f_left == 0) {
@@ -515,8 +534,7 @@ __global__ void __launch_bounds__(kThreads, kSmallMMinBlocksPerSm<MB, WG>) marli
       desc_lo += (stage * S::kStageInt4 * 16 + (kb / 4) * (S::kRows * 128) + (kb % 4) * 32) >> 4;
       const uint64_t desc = (desc_base & ~0xFFFFFFFFull) | desc_lo;
       const bool restart = S::kGroupSums && u == 0;  // compile-time once unrolled
-      constexpr uint32_t kLo = 0x80088008u, kHi = 0x80808080u;  // the -8 matrix, see compute()
-      uint32_t minus8[4] = {kLo, kLo, kHi, kHi};
+      uint32_t minus8[4] = {S::kCorrLo, S::kCorrLo, S::kCorrHi, S::kCorrHi};  // see compute()
       constexpr int N = 8 * MB;
 #pragma unroll
       for (int j = 0; j < JW; j++)
@@ -566,9 +584,8 @@ __global__ void __launch_bounds__(kThreads, kSmallMMinBlocksPerSm<MB, WG>) marli
     }
     if constexpr (S::kRaw) {
       // -8 * 2^-24 on K rows 0..7 and -128 * 2^-24 on rows 8..15 (whose activations are / 16):
-      // both exact fp16 subnormals, the same for every row of N.
-      constexpr uint32_t kLo = 0x80088008u, kHi = 0x80808080u;
-      const uint32_t minus8[4] = {kLo, kLo, kHi, kHi};
+      // both exact fp16 subnormals, the same for every row of N (kZpSums: -1 and -16 times 2^-24).
+      const uint32_t minus8[4] = {S::kCorrLo, S::kCorrLo, S::kCorrHi, S::kCorrHi};
 #pragma unroll
       for (int b = 0; b < MB; b++) {
         if (S::kGroupSums && first)
@@ -603,6 +620,7 @@ __global__ void __launch_bounds__(kThreads, kSmallMMinBlocksPerSm<MB, WG>) marli
       }
     } else if constexpr (GROUPED) {
       read_blocks(smem + stage * S::kStageInt4 + s_sh_rd, s_cur);
+      if constexpr (S::kZeros) read_blocks(smem + stage * S::kStageInt4 + s_sh_rd + S::kSStage, z_cur);
     }
   };
 
@@ -634,12 +652,24 @@ __global__ void __launch_bounds__(kThreads, kSmallMMinBlocksPerSm<MB, WG>) marli
 #pragma unroll
       for (int j = 0; j < JW; j++) {
         const float s_lo = __half2float(sc[2 * j]) * k2p24, s_hi = __half2float(sc[2 * j + 1]) * k2p24;
+        if constexpr (S::kZpSums) {  // corr is -2^-24 sum a: each column's z times it
+          const half* zc = reinterpret_cast<const half*>(z_cur);
+          const float z_lo = __half2float(zc[2 * j]), z_hi = __half2float(zc[2 * j + 1]);
 #pragma unroll
-        for (int b = 0; b < MB; b++) {
-          tot[j][b][0] = fmaf(s_lo, grp[j][b][0] + corr[b][0], tot[j][b][0]);
-          tot[j][b][1] = fmaf(s_lo, grp[j][b][1] + corr[b][1], tot[j][b][1]);
-          tot[j][b][2] = fmaf(s_hi, grp[j][b][2] + corr[b][2], tot[j][b][2]);
-          tot[j][b][3] = fmaf(s_hi, grp[j][b][3] + corr[b][3], tot[j][b][3]);
+          for (int b = 0; b < MB; b++) {
+            tot[j][b][0] = fmaf(s_lo, fmaf(z_lo, corr[b][0], grp[j][b][0]), tot[j][b][0]);
+            tot[j][b][1] = fmaf(s_lo, fmaf(z_lo, corr[b][1], grp[j][b][1]), tot[j][b][1]);
+            tot[j][b][2] = fmaf(s_hi, fmaf(z_hi, corr[b][2], grp[j][b][2]), tot[j][b][2]);
+            tot[j][b][3] = fmaf(s_hi, fmaf(z_hi, corr[b][3], grp[j][b][3]), tot[j][b][3]);
+          }
+        } else {
+#pragma unroll
+          for (int b = 0; b < MB; b++) {
+            tot[j][b][0] = fmaf(s_lo, grp[j][b][0] + corr[b][0], tot[j][b][0]);
+            tot[j][b][1] = fmaf(s_lo, grp[j][b][1] + corr[b][1], tot[j][b][1]);
+            tot[j][b][2] = fmaf(s_hi, grp[j][b][2] + corr[b][2], tot[j][b][2]);
+            tot[j][b][3] = fmaf(s_hi, grp[j][b][3] + corr[b][3], tot[j][b][3]);
+          }
         }
       }
     }
