@@ -1,5 +1,5 @@
-// The prefill kernel's instances (fp16 / bf16; groups, per column, groups with zero points), their
-// tensor maps and their launch.
+// The prefill kernel's instances (fp16 / bf16; 4-bit in groups, per column or in groups with zero
+// points; 8-bit in groups or per column), their tensor maps and their launch.
 #include "prefill.h"
 
 #include <cudaTypedefs.h>  // PFN_cuTensorMapEncodeTiled

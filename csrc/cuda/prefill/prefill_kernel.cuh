@@ -1,4 +1,4 @@
-// The prefill kernel (sm_90a): fp16 / bf16 x INT4 for large batches (prompt processing),
+// The prefill kernel (sm_90a): fp16 / bf16 x INT4 or INT8 for large batches (prompt processing),
 // warp-specialized.
 //
 // It computes the same C^T = B^T A^T as the small-batch kernel, with the weights as the wgmma's A
@@ -71,7 +71,8 @@ struct PrefillShape {
 struct PrefillParams {
   KernelParams p;
   CUtensorMap act;  // a: T [m, k], box 64 x 256, 128-byte swizzle, rows past m read as 0
-  CUtensorMap wq;   // b_q: int32 [k / 16, 2 n], box 256 x 4 (two 16 x 64 tiles of 4 k16 rows)
+  CUtensorMap wq;   // b_q: int32 [k / 16, 2 n] (8-bit: 4 n), box 256 x 4: two 4-bit (one 8-bit) 16 x 64
+                    // tiles of 4 k16 rows
   CUtensorMap sc;   // b_scales: T [groups, n], box 128 x max(1, 64 / group) (grouped only)
   CUtensorMap zp;   // b_zeros: as b_scales (zero points only)
 };
