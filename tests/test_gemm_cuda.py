@@ -401,3 +401,57 @@ def test_workspace_too_small_is_an_error():
     a = torch.randn(4, 4096, device="cuda", dtype=torch.float16)
     with pytest.raises(RuntimeError, match="workspace.numel\\(\\) = 1, expected at least"):
         marlin.gemm(a, layer.b_q, layer.b_s, torch.zeros(1, dtype=torch.int32, device="cuda"))
+
+
+_SMALL_LAYER_PLANS = r"""
+import torch, marlin
+from marlin import packing
+
+torch.manual_seed(0)
+# layers under 80 KB of weights per SM at 9-64 rows: the default call, then the same call forced
+# onto the small-batch kernel's 256-column tile; each checked against the fp64 reference
+for k, n in [(3072, 3072), (4096, 1024), (4096, 4096), (8960, 1536), (1536, 8960), (2048, 4096)]:
+    q, s = packing.quantize(torch.randn(k, n, device="cuda"), 128)
+    b_q, b_s = packing.pack(q, s)
+    ref_w = packing.dequantize(q, s).double()
+    for m in (9, 16, 40, 64):
+        a = torch.randn(m, k, device="cuda", dtype=torch.float16)
+        ref = a.double() @ ref_w
+        for tiles in ({}, {"tile_k": 128, "tile_n": 256}):
+            c = marlin.gemm(a, b_q, b_s, **tiles)
+            err = ((c.double() - ref).norm() / ref.norm()).item()
+            assert err < 2e-3, (m, k, n, tiles, err)
+print("done")
+"""
+
+
+def test_small_layers_take_the_small_batch_kernel_where_its_columns_reduce_in_clusters():
+    """Layers under 80 KB of weights per SM at 9-64 rows (wgmma devices): the default plan is the
+    small-batch kernel exactly where that kernel's own plan ends no column through global memory
+    (clusters, or no split), else the tiled kernel; MARLIN_SMALL_LAYER_CLUSTERS=0 keeps them all
+    on the tiled kernel. Read from the plan log of a subprocess that also forces each call onto
+    the small-batch tile."""
+    import os
+    import subprocess
+    import sys
+
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the rule is for the wgmma variant (compute capability 9.0)")
+    for knob in ("1", "0"):
+        env = dict(os.environ, MARLIN_LOG_PLAN="1", MARLIN_SMALL_LAYER_CLUSTERS=knob)
+        r = subprocess.run([sys.executable, "-c", _SMALL_LAYER_PLANS], env=env, capture_output=True, text=True,
+                           timeout=600)
+        assert r.returncode == 0 and "done" in r.stdout, r.stdout[-3000:] + r.stderr[-3000:]
+        lines = [l for l in r.stderr.splitlines() if l.startswith("marlin.gemm plan:")]
+        assert len(lines) == 6 * 4 * 2, len(lines)
+        kinds = set()
+        for default, forced in zip(lines[0::2], lines[1::2]):
+            assert " kernel=small_m_wgmma " in forced, forced
+            clean = " global_reduction=0" in forced
+            small = " kernel=small_m_wgmma " in default
+            assert small == (clean and knob == "1"), (default, forced)
+            assert small or " kernel=tiled " in default, default
+            kinds.add(small)
+        # both outcomes occur on these shapes (3072 x 3072 reduces in clusters; 8960 x 1536 does not
+        # split its columns in parts), so neither branch of the rule goes untested
+        assert kinds == ({True, False} if knob == "1" else {False}), kinds

@@ -69,6 +69,13 @@ bool tuning_zp_sums() {
   return value;
 }
 
+// MARLIN_SMALL_LAYER_CLUSTERS=0 keeps layers under 80 KB of weights per SM at 9-64 rows (wgmma)
+// on the tiled kernel, even where the small-batch kernel's plan reduces its columns in clusters.
+bool tuning_small_layer_clusters() {
+  static const bool value = env_int("MARLIN_SMALL_LAYER_CLUSTERS", 1) != 0;
+  return value;
+}
+
 // MARLIN_PREFILL=0 keeps large batches off the prefill kernel; 1 runs it wherever it can above 64
 // rows (default: the planner's rule, GemmArgs::prefill).
 int tuning_prefill() {
@@ -133,6 +140,7 @@ at::Tensor gemm_cuda(const at::Tensor& a, const at::Tensor& b_q, const at::Tenso
   args.wg_slice_rows = tuning_wg_slice_rows();
   args.g128_runtime_group = tuning_g128_runtime_group();
   args.zp_sums = tuning_zp_sums();
+  args.small_layer_clusters = tuning_small_layer_clusters();
   args.prefill = tuning_prefill();
   TORCH_CHECK(reinterpret_cast<uintptr_t>(args.b_q) % 16 == 0 && reinterpret_cast<uintptr_t>(args.scales) % 16 == 0 &&
                   reinterpret_cast<uintptr_t>(args.zeros) % 16 == 0,

@@ -489,6 +489,25 @@ void plan_prefill(const GemmArgs& args, const Format& f, GemmPlan* plan) {
   plan->launch = kInstances[f.bf16][f.w][f.group_mode != kPerColumn];  // prefill_format excludes the nullptr
 }
 
+// Layers under kWgBytesPerSm of weights per SM at 9-64 rows (wgmma) take the tiled kernel by
+// default, but the small-batch kernel where its plan ends no column through global memory: every
+// split column reduced inside one thread-block cluster (all clusters resident at once), or no
+// column split at all. Whether that holds is what separated the two kernels in an H100 sweep of
+// 16 such layers at M = 12-64 (benchmarks/NOTES.md, 2026-11-27): with cluster-reduced columns
+// the small-batch kernel took 7-47% less time (3072 x 3072, 2048 x 3072, 4096 x 1024, 4096 x 2048,
+// 1536 x 8960); where its 8 parts per column did not fit as clusters (16 columns of 4096 x 4096,
+// 2048 x 4096, 1024 x 4096) or stream-K left long chains (8960 x 1536) the tiled kernel won by up
+// to 1.7x.
+bool small_layer_small_m(const GemmArgs& args, const Format& f, GemmPlan* plan) {
+  if (!args.wgmma || args.m <= kSmallMAlways || args.m > kWgSliceRows || weight_bytes_per_sm(args) >= kWgBytesPerSm)
+    return false;
+  if (args.k % 128 != 0 || !f.small_batch() || (f.base() && args.n % 256 != 0)) return false;
+  GemmPlan trial;
+  if (!plan_small_m(args, 256, &trial).empty() || trial.needs_partial) return false;
+  *plan = trial;
+  return true;
+}
+
 std::string plan_gemm(const GemmArgs& args, int tile_k, int tile_n, GemmPlan* plan) {
   Format f;
   const std::string bad = format_of(args, &f);
@@ -505,6 +524,7 @@ std::string plan_gemm(const GemmArgs& args, int tile_k, int tile_n, GemmPlan* pl
     const int small_tile = small_m_tile(args, f);
     if (small_tile > 0 && plan_small_m(args, small_tile, plan).empty()) return "";
     if (small_tile == 512 && plan_small_m(args, 256, plan).empty()) return "";
+    if (small_tile == 0 && args.small_layer_clusters && small_layer_small_m(args, f, plan)) return "";
   }
 
   plan->small_m = false;

@@ -51,6 +51,9 @@ struct GemmArgs {
   // fp16 zero points in groups of 128 on the 8-row mma.sync slice: the raw group-sum instance
   // (true) or the run-time-group one that dequantizes every weight (false; probes, tests)
   bool zp_sums = true;
+  // layers under 80 KB of weights per SM at 9-64 rows (wgmma): the small-batch kernel where its
+  // split columns reduce in clusters (true), or always the tiled kernel (false; probes, tests)
+  bool small_layer_clusters = true;
   // The warp-specialized prefill kernel (prefill/prefill_kernel.cuh; sm_90a, fp16 group 128 or per
   // column): -1 the planner's rule, 0 never, 1 wherever it can run above 64 rows (probes, tests).
   int prefill = -1;
