@@ -184,12 +184,11 @@ def _format(point: dict) -> tuple:
 
 # What a GPTQ point that lacks a setting ran with: points written before the setting existed.
 GPTQ_DEFAULTS = {"damp": 0.01, "true_sequential": False, "clip_objective": "hessian", "fp_target": False, "refit": 0,
-                 "clip_shift": False, "tune_steps": 0}
+                 "clip_shift": False}
 
 
 def _gptq_settings(point: dict) -> tuple:
-    """(damp, true_sequential, clip_objective, fp_target, refit, clip_shift, tune_steps) of a GPTQ point; () for fp16
-    and rtn."""
+    """(damp, true_sequential, clip_objective, fp_target, refit, clip_shift) of a GPTQ point; () for fp16 and rtn."""
     if point["method"] not in GPTQ_VARIANTS:
         return ()
     return tuple(point.get(k, GPTQ_DEFAULTS[k]) for k in GPTQ_DEFAULTS)
@@ -233,8 +232,6 @@ def _label(point: dict, main_nsamples, main_gptq: tuple = ()) -> str:
             extra.append(f"refit {mine['refit']}" if mine["refit"] else "no refit")
         if mine["clip_shift"] != ref["clip_shift"]:
             extra.append("clip shift" if mine["clip_shift"] else "no clip shift")
-        if mine["tune_steps"] != ref["tune_steps"]:
-            extra.append(f"scale tuning {mine['tune_steps']} steps" if mine["tune_steps"] else "no scale tuning")
         if mine["damp"] != ref["damp"]:
             extra.append(f"damp {mine['damp']}")
     if point.get("nsamples") not in (None, main_nsamples):
@@ -319,9 +316,6 @@ def main(argv=None) -> int:
                    help="rounds of refitting scales and zero points to GPTQ's codes (marlin.quantize.refit)")
     p.add_argument("--clip-shift", action="store_true",
                    help="zero points: the clip search shrinks each end of the range by its own factor")
-    p.add_argument("--tune-steps", type=int, default=0, metavar="STEPS",
-                   help="Adam steps per block tuning the scales against the full-precision block outputs "
-                   "(marlin.quantize.scale_tune; 0: off)")
     p.add_argument("--bits", type=int, choices=[4, 8], default=4, help="weight bits for rtn and gptq (8: symmetric)")
     p.add_argument("--asym", action="store_true", help="4-bit weights with zero points")
     p.add_argument("--sparsity", choices=["2:4"], default=None, help="2:4 joint pruning (rtn: magnitude pruning)")
@@ -350,7 +344,7 @@ def main(argv=None) -> int:
     fmt = {"bits": args.bits, "sym": not args.asym, "sparsity": args.sparsity}
     gptq_fields = {"damp": args.damp, "true_sequential": args.true_sequential, "clip_objective": args.clip_objective,
                    "fp_target": args.fp_target, "refit": args.refit,
-                   "clip_shift": args.clip_shift, "tune_steps": args.tune_steps}
+                   "clip_shift": args.clip_shift}
     prov = dict(git_info(), revision=git_revision())  # once: the code this run executes
     # an exported copy (git archive + REVISION) has no git: the csrc tree hash computed from the files
     prov["csrc_tree"] = prov["csrc_tree"] or prov.get("csrc_worktree_tree")
@@ -414,7 +408,7 @@ def main(argv=None) -> int:
                 config = QuantizeConfig(
                     group_size=group_size, act_order=args.act_order, clip=clip, kernel_shapes_only=not args.any_shape,
                     damp=args.damp, true_sequential=args.true_sequential, clip_objective=args.clip_objective,
-                    fp_target=args.fp_target, refit=args.refit, clip_shift=args.clip_shift, tune_steps=args.tune_steps, **fmt
+                    fp_target=args.fp_target, refit=args.refit, clip_shift=args.clip_shift, **fmt
                 )
                 results, reports = quantize_model(net, samples, config, progress=not args.quiet)
                 net._marlin_quantize_results = (results, reports)

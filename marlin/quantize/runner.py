@@ -63,7 +63,6 @@ from .clip import DEFAULT_GRID, WeightFormat
 from .gptq import SPARSITIES, GPTQResult, gptq_quantize, pruned_fraction, resolve_clip_objective, rtn_quantize
 from .hessian import HessianAccumulator, InputBatch, relative_output_error
 from .replay import ReplayCache
-from .scale_tune import ScaleTuning, tune_block_scales
 
 __all__ = ["QuantizeConfig", "LayerReport", "find_blocks", "quantize_model", "UnsupportedModelError"]
 
@@ -95,11 +94,6 @@ class QuantizeConfig:
     fp_target: bool = True  # fit each layer to the full-precision model's outputs (see the module doc)
     clip_shift: bool = False  # zero points: the clip search shrinks each end of the range on its own
     refit: int = 0  # rounds of refitting scales and zero points to GPTQ's codes (marlin.quantize.refit)
-    # after each block: Adam steps tuning its scales against the full-precision block's outputs
-    # (marlin.quantize.scale_tune; 0: off), with the learning rate and samples per step
-    tune_steps: int = 0
-    tune_lr: float = 1e-2
-    tune_batch: int = 8
 
     def __post_init__(self):
         if self.method not in METHODS:
@@ -110,9 +104,6 @@ class QuantizeConfig:
         resolve_clip_objective(self.clip_objective, self.group_size)  # ValueError for unknown objectives
         if not isinstance(self.refit, int) or self.refit < 0:
             raise ValueError(f"refit = {self.refit!r}, expected a number of rounds >= 0")
-        self.scale_tuning  # ValueError for bad tuning settings
-        if self.tune_steps and not (self.fp_target and self.method == "gptq"):
-            raise ValueError("tune_steps > 0 needs method 'gptq' with fp_target (the full-precision block outputs are its target)")
         if self.sparsity is not None:
             if self.sparsity not in SPARSITIES:
                 raise ValueError(f"sparsity = {self.sparsity!r}, expected None (dense) or one of {SPARSITIES}")
@@ -127,10 +118,6 @@ class QuantizeConfig:
                 )
             if self.act_order:
                 raise ValueError("sparsity 2:4 with act_order: the 2:4 format keeps the input order (no permutation)")
-
-    @property
-    def scale_tuning(self) -> ScaleTuning:
-        return ScaleTuning(steps=self.tune_steps, batch=self.tune_batch, lr=self.tune_lr)
 
     @property
     def block_size(self) -> int:
@@ -163,7 +150,6 @@ class BlockOutcome:
     index: int
     results: dict = field(default_factory=dict)  # full layer name -> GPTQResult
     reports: list = field(default_factory=list)  # LayerReport
-    tuning: Optional[tuple] = None  # (output mse before, after) of the scale tuning, if it ran
 
 
 def find_blocks(model: nn.Module) -> tuple[str, nn.ModuleList]:
@@ -432,8 +418,6 @@ def quantize_model(
                     hidden_fp, ref_inputs = _reference_pass(block_fp, hidden_fp, calls, local)
                 outcome = _quantize_block(index, linears, block, hidden, calls, config, device, ref_inputs, cache)
                 del ref_inputs  # what the groups left (layers kept in full precision) is not needed
-                if config.tune_steps and outcome.results:
-                    _tune_scales(block, block_prefix, outcome, linears, hidden, calls, hidden_fp, config)
             if block_fp is not None:
                 del block_fp
             all_results.update(outcome.results)
@@ -555,20 +539,6 @@ def _probe_groups(block: nn.Module, hidden, call, layers: dict) -> tuple[list, d
         else:
             groups.append([name])
     return groups, {name: len(seen) for name, seen in inputs.items()}
-
-
-def _tune_scales(block, block_prefix: str, outcome: BlockOutcome, linears: dict, hidden, calls, targets, config) -> None:
-    """Tune the block's scales against the full-precision outputs (marlin.quantize.scale_tune),
-    then put the weights with the new scales into the block."""
-    start = time.perf_counter()
-    local = {name: name[len(block_prefix) + 1 :] for name in outcome.results}
-    scales, before, after = tune_block_scales(block, outcome.results, local, hidden, calls, targets, config.scale_tuning)
-    for name, res in outcome.results.items():
-        res.scales = scales[name]
-        linears[name].weight.copy_(res.dequantized())
-    log.info("marlin-quantize: block %d scale tuning: output mse %.4g -> %.4g (%.1f s)", outcome.index, before, after,
-             time.perf_counter() - start)
-    outcome.tuning = (before, after)
 
 
 def _fp_target(weight: torch.Tensor, acc: HessianAccumulator, damp: float) -> torch.Tensor:
