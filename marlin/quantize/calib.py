@@ -26,7 +26,7 @@ TEXT_SUFFIXES = (".txt", ".md")
 class CalibrationSpec:
     """How many windows and of which lengths (min == max: fixed length)."""
 
-    nsamples: int = 128
+    nsamples: int = 256
     min_len: int = 32
     max_len: int = 512
     seed: int = 0

@@ -82,7 +82,7 @@ def quantize_checkpoint(
     damp: float = 0.01,
     true_sequential: bool = True,
     fp_target: bool = True,
-    nsamples: int = 128,
+    nsamples: int = 256,
     seqlen_range: tuple = (32, 512),
     seed: int = 0,
     sparsity: Optional[str] = None,

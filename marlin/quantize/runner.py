@@ -61,7 +61,7 @@ from .. import ops
 from ..sparse import SUPPORTED_GROUP_SIZES_2_4, check_shape_2_4
 from .clip import DEFAULT_GRID, WeightFormat
 from .gptq import SPARSITIES, GPTQResult, gptq_quantize, pruned_fraction, resolve_clip_objective, rtn_quantize
-from .hessian import HessianAccumulator, relative_output_error
+from .hessian import HessianAccumulator, InputBatch, relative_output_error
 from .replay import ReplayCache
 
 __all__ = ["QuantizeConfig", "LayerReport", "find_blocks", "quantize_model", "UnsupportedModelError"]
@@ -463,6 +463,9 @@ def _collect_hessians(
         name: HessianAccumulator(layer.in_features, device=device, cross=ref_inputs is not None)
         for name, layer in layers.items()
     }
+    # the hooks only hand their inputs over; the products are formed for many samples at once,
+    # once per tensor that several layers read (marlin.quantize.hessian)
+    batch = InputBatch(hessians)
     counts = dict.fromkeys(layers, 0)
     order: list = []
     sample = 0
@@ -470,7 +473,7 @@ def _collect_hessians(
     def hook(name):
         def record(_module, inp):
             ref = None if ref_inputs is None else ref_inputs[name][sample][counts[name]]
-            hessians[name].add(inp[0], ref)
+            batch.record(name, inp[0], ref)
             counts[name] += 1
             if name not in order:
                 order.append(name)
@@ -490,9 +493,11 @@ def _collect_hessians(
                     block(h, *args[1:], **kwargs)
                 except _GroupDone:
                     pass
+                batch.end_call()
     finally:
         for handle in handles:
             handle.remove()
+    batch.flush()
     per_sample = dict(counts)  # the last sample's calls (every sample runs the same code)
     return hessians, per_sample, order
 
