@@ -282,15 +282,18 @@ def _wgmma_device():
 
 
 def test_default_plan_splits_columns_in_equal_parts():
-    """By default 7B down at M = 1 (16 columns of 86 tiles) runs as 16 x 8 equal parts on an
-    H100/H200 (132 SMs), not as stream-K stripes of 11 tiles that end columns mid-stripe."""
+    """By default 7B down at M = 1 (16 columns of 86 tiles) runs as equal parts on an H100/H200
+    (132 SMs), not as stream-K stripes of 11 tiles that end columns mid-stripe: 16 x 8 parts, or
+    fewer parts per column reduced in clusters where 16 clusters of 8 do not fit the GPCs."""
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     if sms < 32:
         pytest.skip("fewer than 2 blocks per column")
     _, log = _pytest_subprocess({"MARLIN_LOG_PLAN": "1"}, "test_llama_shapes and 7B_down and 128")
     lines = [ln for ln in log.splitlines() if ln.startswith("marlin.gemm plan: m=1 n=4096 k=11008 groups=86 ")]
     assert lines, log[-2000:]
-    assert all(f" split_parts={min(8, sms // 16)} " in ln for ln in lines), lines
+    planned = min(8, sms // 16)
+    for parts, clusters in _plans("\n".join(lines)):
+        assert parts == planned or (clusters and 2 <= parts < planned), lines
 
 
 _FIRST_CALLS_IN_CAPTURE = r"""
@@ -455,3 +458,64 @@ def test_small_layers_take_the_small_batch_kernel_where_its_columns_reduce_in_cl
         # both outcomes occur on these shapes (3072 x 3072 reduces in clusters; 8960 x 1536 does not
         # split its columns in parts), so neither branch of the rule goes untested
         assert kinds == ({True, False} if knob == "1" else {False}), kinds
+
+
+_CLUSTER_FIT_PLANS = r"""
+import torch, marlin
+from marlin import packing
+
+torch.manual_seed(0)
+# 16-20 columns of the small-batch kernel's 256-column tile, planned in 6-8 parts each: more than
+# the GPCs hold as clusters. Default call, then forced onto that tile, each against fp64.
+for k, n in [(4096, 4096), (1024, 4096), (4096, 5120)]:
+    q, s = packing.quantize(torch.randn(k, n, device="cuda"), 128)
+    b_q, b_s = packing.pack(q, s)
+    ref_w = packing.dequantize(q, s).double()
+    for m in (1, 8, 16, 40, 64, 128):
+        a = torch.randn(m, k, device="cuda", dtype=torch.float16)
+        ref = a.double() @ ref_w
+        for tiles in ({}, {"tile_k": 128, "tile_n": 256}):
+            c = marlin.gemm(a, b_q, b_s, **tiles)
+            err = ((c.double() - ref).norm() / ref.norm()).item()
+            assert err < 2e-3, (m, k, n, tiles, err)
+print("done")
+"""
+
+
+def test_split_parts_fall_back_to_what_fits_as_clusters():
+    """Where a column's planned split parts do not all fit as resident clusters, the planner takes
+    fewer parts that do, above 16 rows per slice and at 8 rows where 6-8 parts were planned
+    (MARLIN_CLUSTER_FIT=0 keeps the planned parts, reduced through global memory). Read from the
+    plan log of a subprocess whose calls are checked against the fp64 reference with the knob on
+    and off."""
+    import os
+    import subprocess
+    import sys
+
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("thread-block clusters need compute capability 9.0+")
+    plans = {}
+    for knob in ("1", "0"):
+        env = dict(os.environ, MARLIN_LOG_PLAN="1", MARLIN_CLUSTER_FIT=knob)
+        r = subprocess.run([sys.executable, "-c", _CLUSTER_FIT_PLANS], env=env, capture_output=True, text=True,
+                           timeout=600)
+        assert r.returncode == 0 and "done" in r.stdout, r.stdout[-3000:] + r.stderr[-3000:]
+        lines = [l for l in r.stderr.splitlines() if l.startswith("marlin.gemm plan:")]
+        assert len(lines) == 3 * 6 * 2, len(lines)
+        plans[knob] = lines[1::2]  # the forced small-batch calls
+    fell_back = 0
+    for on, off in zip(plans["1"], plans["0"]):
+        m_on, m_off = re.search(r"m_blocks=(\d+) kernel=(\S+)", on), re.search(r"m_blocks=(\d+) kernel=(\S+)", off)
+        rows = 8 * int(m_on[1])
+        p_on, c_on = _plans(on)[0]
+        p_off, c_off = _plans(off)[0]
+        if c_off or p_off < 2:  # the planned parts fit (or none): nothing to fall back from
+            assert (p_on, c_on) == (p_off, c_off), (on, off)
+        elif rows > 16 or (rows <= 8 and p_off >= 6):
+            assert c_on and 2 <= p_on < p_off and " global_reduction=0" in on, (on, off)
+            fell_back += 1
+        else:  # 16-row slices keep the planned parts
+            assert (p_on, c_on) == (p_off, c_off), (on, off)
+    # on an H100 / H200 (132 SMs) 16 columns of 8 parts do not fit: the rule is exercised
+    if torch.cuda.get_device_properties(0).multi_processor_count == 132:
+        assert fell_back >= 6, fell_back

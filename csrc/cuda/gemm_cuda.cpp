@@ -17,76 +17,48 @@ namespace marlin {
 namespace {
 
 // Run-time knobs for tuning, tests and debugging (README, "Run-time knobs"); not part of the API.
-// Each is read once per process, at its first use.
+// Each is read once per process, at the first call.
 int env_int(const char* name, int unset) {
   const char* env = std::getenv(name);
   return env ? std::atoi(env) : unset;
 }
 
-// MARLIN_BLOCKS_PER_SM=1 caps resident blocks per multiprocessor (0: as many as fit).
-int tuning_blocks_per_sm() {
-  static const int value = env_int("MARLIN_BLOCKS_PER_SM", 0);
-  return value;
-}
+struct Knobs {
+  int blocks_per_sm;          // MARLIN_BLOCKS_PER_SM=1 caps resident blocks per multiprocessor (0: as many as fit)
+  bool wgmma;                 // MARLIN_WGMMA=0 keeps the sm_90a (wgmma) kernels off, so that the mma.sync
+                              // kernels can be measured and tested on Hopper too
+  bool pdl;                   // MARLIN_PDL=0 launches without programmatic dependent launch (sm_90+)
+  int split_mode;             // MARLIN_SPLIT=0 stream-K stripes only; 1 the planner's choice; 2 and 3
+                              // force split parts (GemmArgs::split_mode)
+  int wg_slice_rows;          // MARLIN_WG_SLICE=64 or 128 forces the wgmma variant's slices above 64 rows
+  bool g128_runtime_group;    // MARLIN_G128_RG=0 keeps fp16 group 128 at 9-16 rows (wgmma) on the
+                              // group-sum instance
+  bool zp_sums;               // MARLIN_ZP_SUMS=0 keeps fp16 zero points in groups of 128 at <= 8 rows on
+                              // the run-time-group instance instead of the raw group-sum one
+  bool small_layer_clusters;  // MARLIN_SMALL_LAYER_CLUSTERS=0 keeps layers under 80 KB of weights per SM
+                              // at 9-64 rows (wgmma) on the tiled kernel
+  bool cluster_fit;           // MARLIN_CLUSTER_FIT=0 keeps split columns that do not fit as resident
+                              // clusters on a global reduction instead of fewer parts that do
+  int max_split_parts;        // MARLIN_SPLIT_PARTS=N caps the split parts per column (0: the planner's)
+  int prefill;                // MARLIN_PREFILL=0 keeps large batches off the prefill kernel; 1 runs it
+                              // wherever it can above 64 rows (default -1: the planner's rule)
+  bool log_plan;              // MARLIN_LOG_PLAN=1 prints each call's plan (kernel, tile, partition) to stderr
+};
 
-// MARLIN_WGMMA=0 keeps the sm_90a (wgmma) kernels off, so that the mma.sync kernels can be
-// measured and tested on Hopper too.
-bool tuning_wgmma_allowed() {
-  static const bool value = env_int("MARLIN_WGMMA", 1) != 0;
-  return value;
-}
-
-// MARLIN_PDL=0 launches without programmatic dependent launch (sm_90+), which is on by default.
-bool tuning_pdl_allowed() {
-  static const bool value = env_int("MARLIN_PDL", 1) != 0;
-  return value;
-}
-
-// MARLIN_SPLIT=0 keeps the small-batch kernel on stream-K stripes; 1 (default) the planner's
-// choice; 2 and 3 force split parts (see GemmArgs::split_mode).
-int tuning_split_mode() {
-  static const int value = env_int("MARLIN_SPLIT", 1);
-  return value;
-}
-
-// MARLIN_WG_SLICE=64 or 128 forces the wgmma variant's slices above 64 rows (default: the
-// planner's choice).
-int tuning_wg_slice_rows() {
-  static const int value = env_int("MARLIN_WG_SLICE", 0);
-  return value;
-}
-
-// MARLIN_G128_RG=0 keeps fp16 group 128 at 9-16 rows (wgmma) on the group-sum instance.
-bool tuning_g128_runtime_group() {
-  static const bool value = env_int("MARLIN_G128_RG", 1) != 0;
-  return value;
-}
-
-// MARLIN_ZP_SUMS=0 keeps fp16 zero points in groups of 128 at <= 8 rows (mma.sync) on the
-// run-time-group instance instead of the raw group-sum one.
-bool tuning_zp_sums() {
-  static const bool value = env_int("MARLIN_ZP_SUMS", 1) != 0;
-  return value;
-}
-
-// MARLIN_SMALL_LAYER_CLUSTERS=0 keeps layers under 80 KB of weights per SM at 9-64 rows (wgmma)
-// on the tiled kernel, even where the small-batch kernel's plan reduces its columns in clusters.
-bool tuning_small_layer_clusters() {
-  static const bool value = env_int("MARLIN_SMALL_LAYER_CLUSTERS", 1) != 0;
-  return value;
-}
-
-// MARLIN_PREFILL=0 keeps large batches off the prefill kernel; 1 runs it wherever it can above 64
-// rows (default: the planner's rule, GemmArgs::prefill).
-int tuning_prefill() {
-  static const int value = env_int("MARLIN_PREFILL", -1);
-  return value;
-}
-
-// MARLIN_LOG_PLAN=1 prints each call's plan (kernel, tile, partition) to stderr.
-bool log_plan() {
-  static const bool value = env_int("MARLIN_LOG_PLAN", 0) == 1;
-  return value;
+const Knobs& knobs() {
+  static const Knobs k{env_int("MARLIN_BLOCKS_PER_SM", 0),
+                       env_int("MARLIN_WGMMA", 1) != 0,
+                       env_int("MARLIN_PDL", 1) != 0,
+                       env_int("MARLIN_SPLIT", 1),
+                       env_int("MARLIN_WG_SLICE", 0),
+                       env_int("MARLIN_G128_RG", 1) != 0,
+                       env_int("MARLIN_ZP_SUMS", 1) != 0,
+                       env_int("MARLIN_SMALL_LAYER_CLUSTERS", 1) != 0,
+                       env_int("MARLIN_CLUSTER_FIT", 1) != 0,
+                       env_int("MARLIN_SPLIT_PARTS", 0),
+                       env_int("MARLIN_PREFILL", -1),
+                       env_int("MARLIN_LOG_PLAN", 0) == 1};
+  return k;
 }
 
 at::Tensor gemm_cuda(const at::Tensor& a, const at::Tensor& b_q, const at::Tensor& b_scales,
@@ -131,17 +103,19 @@ at::Tensor gemm_cuda(const at::Tensor& a, const at::Tensor& b_q, const at::Tenso
   args.sms = prop->multiProcessorCount;
   args.max_smem = static_cast<int>(prop->sharedMemPerBlockOptin);
   args.max_smem_per_sm = static_cast<int>(prop->sharedMemPerMultiprocessor);
-  args.blocks_per_sm = tuning_blocks_per_sm();
+  args.blocks_per_sm = knobs().blocks_per_sm;
   // sm_90a code runs on compute capability 9.0 only (H100, H200), and only if it was built
-  args.wgmma = kBuiltWithSm90a && prop->major == 9 && prop->minor == 0 && tuning_wgmma_allowed();
-  args.pdl = prop->major >= 9 && tuning_pdl_allowed();
-  args.split_mode = tuning_split_mode();
+  args.wgmma = kBuiltWithSm90a && prop->major == 9 && prop->minor == 0 && knobs().wgmma;
+  args.pdl = prop->major >= 9 && knobs().pdl;
+  args.split_mode = knobs().split_mode;
   args.clusters = prop->major >= 9;
-  args.wg_slice_rows = tuning_wg_slice_rows();
-  args.g128_runtime_group = tuning_g128_runtime_group();
-  args.zp_sums = tuning_zp_sums();
-  args.small_layer_clusters = tuning_small_layer_clusters();
-  args.prefill = tuning_prefill();
+  args.cluster_fit = knobs().cluster_fit;
+  args.max_split_parts = knobs().max_split_parts;
+  args.wg_slice_rows = knobs().wg_slice_rows;
+  args.g128_runtime_group = knobs().g128_runtime_group;
+  args.zp_sums = knobs().zp_sums;
+  args.small_layer_clusters = knobs().small_layer_clusters;
+  args.prefill = knobs().prefill;
   TORCH_CHECK(reinterpret_cast<uintptr_t>(args.b_q) % 16 == 0 && reinterpret_cast<uintptr_t>(args.scales) % 16 == 0 &&
                   reinterpret_cast<uintptr_t>(args.zeros) % 16 == 0,
               "marlin.gemm: b_q, b_scales and b_zeros must be 16-byte aligned (got a view with an offset?)");
@@ -149,7 +123,7 @@ at::Tensor gemm_cuda(const at::Tensor& a, const at::Tensor& b_q, const at::Tenso
   GemmPlan plan;
   const std::string why = plan_gemm(args, tile_k.value_or(0), tile_n.value_or(0), &plan);
   TORCH_CHECK(why.empty(), why);
-  if (log_plan()) std::fprintf(stderr, "marlin.gemm plan: %s\n", describe_plan(args, plan).c_str());
+  if (knobs().log_plan) std::fprintf(stderr, "marlin.gemm plan: %s\n", describe_plan(args, plan).c_str());
 
   // The locks count the blocks of a column reduced through global memory (plan.needs_partial);
   // plans whose columns are reduced in clusters or owned by one block never touch them. Without

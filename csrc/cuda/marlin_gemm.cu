@@ -339,17 +339,39 @@ void plan_split(const GemmArgs& args, const Instance& inst, int k_tiles, int n_t
   if (args.split_mode <= 0) return;
   const long long columns = static_cast<long long>(plan->m_slices) * n_tiles;
   const long long slots = static_cast<long long>(args.sms) * plan->blocks_per_sm;
-  const int parts = split_parts(columns, slots, k_tiles);
+  int parts = split_parts(columns, slots, k_tiles);
+  if (args.max_split_parts > 0) parts = std::min(parts, args.max_split_parts);
   if (parts < 2) return;
-  const int longest = (k_tiles + parts - 1) / parts;
   const long long tile_bytes = static_cast<long long>(plan->tile.tile_k) * plan->tile.tile_n / 2;
-  if (args.split_mode == 1 && (longest - plan->tiles_per_block) * tile_bytes > kSplitExtraBytes) return;
+  // whether parts of this many tiles stream too much more than the stripes would
+  auto too_long = [&](int p) {
+    return args.split_mode == 1 && ((k_tiles + p - 1) / p - plan->tiles_per_block) * tile_bytes > kSplitExtraBytes;
+  };
+  if (too_long(parts)) return;
   // A cluster's blocks are placed GPC by GPC, filling SMs up to the occupancy limit; with one
   // block per SM planned, ask for more shared memory than two blocks could share so that the
   // blocks spread over the SMs as stream-K's do.
   int smem = plan->smem_bytes;
   if (plan->blocks_per_sm == 1) smem = std::min(args.max_smem, std::max(smem, args.max_smem_per_sm / 2 + 1024));
-  const bool clusters = args.clusters && args.split_mode != 3 && inst.max_clusters(parts, smem) >= columns;
+  const bool can_cluster = args.clusters && args.split_mode != 3;
+  bool clusters = can_cluster && inst.max_clusters(parts, smem) >= columns;
+  // Clusters are placed whole inside one GPC, so on an H100 16 columns of 8 parts do not all fit
+  // (4096 x 4096) while 16 of 6 do. Fewer, longer parts reduced in clusters then beat the planned
+  // ones that end through global memory, where the slices have more than 16 rows (H100 probe,
+  // benchmarks/NOTES.md 2026-11-27 "split parts that fit as clusters": 7B o at 64 rows 16.3 ->
+  // 12.9 us, 7B down 26.9 -> 22.1, none slower), and at 8 rows where the columns are few enough
+  // for 6-8 parts each at one block per SM (N = 4096 / 5120 layers, 2-15% faster). Not at 16 rows
+  // (7B down and 4096 x 4096 4-10% slower) nor with more columns (70B down and 1024 x 8192 at 8
+  // rows, two blocks per SM or 4 -> 3 parts: 8-10% slower).
+  const int rows = 8 * plan->m_blocks;
+  const bool fewer_parts = args.cluster_fit && (rows > 16 || (rows <= 8 && parts >= 6 && plan->blocks_per_sm == 1));
+  for (int p = parts - 1; can_cluster && fewer_parts && !clusters && p >= 2 && !too_long(p); --p) {
+    if (inst.max_clusters(p, smem) >= columns) {
+      parts = p;
+      clusters = true;
+    }
+  }
+  const int longest = (k_tiles + parts - 1) / parts;
   plan->split_parts = parts;
   plan->cluster_reduce = clusters;
   if (clusters) plan->smem_bytes = smem;

@@ -42,6 +42,10 @@ struct GemmArgs {
   // probes: 2 split parts wherever possible, in clusters where they fit; 3 the same, never in clusters.
   int split_mode = 0;
   bool clusters = false;  // thread-block clusters can be launched (sm_90+)
+  // Where a column's split parts do not all fit as resident clusters: fewer parts per column
+  // that do (true), or the planned parts reduced through global memory (false; probes, tests).
+  bool cluster_fit = true;
+  int max_split_parts = 0;  // cap on split parts per column (probes); <= 0: none
   // Rows per slice of the wgmma variant above 64 rows: 0 the planner's choice; 64 or 128 forced
   // (probes, tests).
   int wg_slice_rows = 0;

@@ -534,14 +534,14 @@ __global__ void __launch_bounds__(kThreads, kSmallMMinBlocksPerSm<MB, WG>) marli
       desc_lo += (stage * S::kStageInt4 * 16 + (kb / 4) * (S::kRows * 128) + (kb % 4) * 32) >> 4;
       const uint64_t desc = (desc_base & ~0xFFFFFFFFull) | desc_lo;
       const bool restart = S::kGroupSums && u == 0;  // compile-time once unrolled
-      uint32_t minus8[4] = {S::kCorrLo, S::kCorrLo, S::kCorrHi, S::kCorrHi};  // see compute()
+      uint32_t corr_frag[4] = {S::kCorrLo, S::kCorrLo, S::kCorrHi, S::kCorrHi};  // see compute()
       constexpr int N = 8 * MB;
 #pragma unroll
       for (int j = 0; j < JW; j++)
 #pragma unroll
         for (int r = 0; r < 4; r++) fence_operand(afrag[buf][j][r]);
 #pragma unroll
-      for (int r = 0; r < 4; r++) fence_operand(minus8[r]);
+      for (int r = 0; r < 4; r++) fence_operand(corr_frag[r]);
       wgmma_fence();
 #pragma unroll
       for (int j = 0; j < JW; j++) {
@@ -556,9 +556,9 @@ __global__ void __launch_bounds__(kThreads, kSmallMMinBlocksPerSm<MB, WG>) marli
       }
       if constexpr (S::kRaw) {
         if (restart)
-          wgmma_m64k16_rs<N, false>(reinterpret_cast<float(&)[4 * MB]>(corr), minus8, desc);
+          wgmma_m64k16_rs<N, false>(reinterpret_cast<float(&)[4 * MB]>(corr), corr_frag, desc);
         else
-          wgmma_m64k16_rs<N, true>(reinterpret_cast<float(&)[4 * MB]>(corr), minus8, desc);
+          wgmma_m64k16_rs<N, true>(reinterpret_cast<float(&)[4 * MB]>(corr), corr_frag, desc);
       }
       wgmma_commit();
       wgmma_wait<1>();
@@ -585,13 +585,13 @@ __global__ void __launch_bounds__(kThreads, kSmallMMinBlocksPerSm<MB, WG>) marli
     if constexpr (S::kRaw) {
       // -8 * 2^-24 on K rows 0..7 and -128 * 2^-24 on rows 8..15 (whose activations are / 16):
       // both exact fp16 subnormals, the same for every row of N (kZpSums: -1 and -16 times 2^-24).
-      const uint32_t minus8[4] = {S::kCorrLo, S::kCorrLo, S::kCorrHi, S::kCorrHi};
+      const uint32_t corr_frag[4] = {S::kCorrLo, S::kCorrLo, S::kCorrHi, S::kCorrHi};
 #pragma unroll
       for (int b = 0; b < MB; b++) {
         if (S::kGroupSums && first)
-          mma_16816_first(minus8, act[buf][b], corr[b]);
+          mma_16816_first(corr_frag, act[buf][b], corr[b]);
         else
-          mma_16816(minus8, act[buf][b], corr[b]);
+          mma_16816(corr_frag, act[buf][b], corr[b]);
       }
     }
   };
