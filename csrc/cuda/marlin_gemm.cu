@@ -357,15 +357,21 @@ void plan_split(const GemmArgs& args, const Instance& inst, int k_tiles, int n_t
   bool clusters = can_cluster && inst.max_clusters(parts, smem) >= columns;
   // Clusters are placed whole inside one GPC, so on an H100 16 columns of 8 parts do not all fit
   // (4096 x 4096) while 16 of 6 do. Fewer, longer parts reduced in clusters then beat the planned
-  // ones that end through global memory, where the slices have more than 16 rows (H100 probe,
-  // benchmarks/NOTES.md 2026-11-27 "split parts that fit as clusters": 7B o at 64 rows 16.3 ->
-  // 12.9 us, 7B down 26.9 -> 22.1, none slower), and at 8 rows where the columns are few enough
-  // for 6-8 parts each at one block per SM (N = 4096 / 5120 layers, 2-15% faster). Not at 16 rows
-  // (7B down and 4096 x 4096 4-10% slower) nor with more columns (70B down and 1024 x 8192 at 8
-  // rows, two blocks per SM or 4 -> 3 parts: 8-10% slower).
+  // ones that end through global memory where the slices have more than 16 rows (H100,
+  // benchmarks/NOTES.md 2026-11-27 "split parts that fit as clusters": 7B o at 64 rows 16.0 ->
+  // 12.5 us, 7B down 26.0 -> 21.6, every format), and at 8 rows where the columns are few enough
+  // for 6-8 parts each at one block per SM and the parts grow by at most 40% (7B down, 86 tiles
+  // in 8 -> 6 parts: 2-9% faster; 7B o, 32 tiles in parts of 4 -> 6: 7-10% slower). Not at 16
+  // rows (7B down and 4096 x 4096 4-10% slower) nor with more columns (70B down and 1024 x 8192
+  // at 8 rows, two blocks per SM or 4 -> 3 parts: 8-10% slower).
   const int rows = 8 * plan->m_blocks;
-  const bool fewer_parts = args.cluster_fit && (rows > 16 || (rows <= 8 && parts >= 6 && plan->blocks_per_sm == 1));
-  for (int p = parts - 1; can_cluster && fewer_parts && !clusters && p >= 2 && !too_long(p); --p) {
+  const int planned_longest = (k_tiles + parts - 1) / parts;
+  auto fewer_parts_pay = [&](int p) {
+    if (!args.cluster_fit) return false;
+    if (rows > 16) return true;
+    return rows <= 8 && parts >= 6 && plan->blocks_per_sm == 1 && 5 * ((k_tiles + p - 1) / p) <= 7 * planned_longest;
+  };
+  for (int p = parts - 1; can_cluster && !clusters && p >= 2 && !too_long(p) && fewer_parts_pay(p); --p) {
     if (inst.max_clusters(p, smem) >= columns) {
       parts = p;
       clusters = true;
