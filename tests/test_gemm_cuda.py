@@ -511,13 +511,13 @@ def test_split_parts_fall_back_to_what_fits_as_clusters():
         p_off, c_off = _plans(off)[0]
         if c_off or p_off < 2:  # the planned parts fit (or none): nothing to fall back from
             assert (p_on, c_on) == (p_off, c_off), (on, off)
-        elif rows > 16:
-            assert c_on and 2 <= p_on < p_off and " global_reduction=0" in on, (on, off)
-            fell_back += 1
-        elif rows <= 8 and (p_on, c_on) != (p_off, c_off):
-            assert c_on and 2 <= p_on < p_off and " global_reduction=0" in on, (on, off)
-        else:  # 16-row slices keep the planned parts
+        elif rows == 16 or (p_on, c_on) == (p_off, c_off):
+            # 16-row slices keep the planned parts; elsewhere fewer parts may stream too much more
+            # than stream-K stripes would (4096 x 5120 at 128 rows: 40 columns, 2 parts too long)
             assert (p_on, c_on) == (p_off, c_off), (on, off)
+        else:
+            assert c_on and 2 <= p_on < p_off and " global_reduction=0" in on, (on, off)
+            fell_back += rows > 16
     # on an H100 / H200 (132 SMs) 16 columns of 8 parts do not fit: the rule is exercised
     if torch.cuda.get_device_properties(0).multi_processor_count == 132:
         assert fell_back >= 6, fell_back
