@@ -27,10 +27,14 @@ CASES = [  # (M, K, N, group size, forced tile): both kernels, split columns, se
     (70, 1152, 1536, 128, None),
     (70, 1152, 2048, 128, (128, 512)),
     (200, 1152, 1536, -1, None),
-    # 128-row slices whose columns (32 x 4 parts) have no room as clusters: global reduction
+    # 64-row slices whose columns (32 x 4 parts) have no room as clusters on 132 SMs: 3 parts per
+    # column in clusters instead (plan_split's fewer parts); and 40 columns x 3 parts, where 2 parts
+    # would stream too long: global reduction (wgmma on H100/H200)
     (130, 4096, 4096, 128, None),
-    # columns split in equal parts (16 columns x 8 parts), reduced through global memory: the
-    # small-batch kernel at 3 rows, and a 32-row slice (wgmma on H100/H200) with per-column scales
+    (128, 4096, 5120, 128, None),
+    # columns split in equal parts (16 columns x 8 parts): reduced through global memory by the
+    # small-batch kernel at 3 rows; a 32-row slice (wgmma on H100/H200) with per-column scales
+    # takes 6 parts per column in clusters instead
     (3, 4096, 4096, 128, None),
     (20, 8192, 4096, -1, (128, 256)),
     # on H100/H200: 48 columns x 2 parts in thread-block clusters, reduced through distributed
