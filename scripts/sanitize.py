@@ -27,9 +27,9 @@ CASES = [  # (M, K, N, group size, forced tile): both kernels, split columns, se
     (70, 1152, 1536, 128, None),
     (70, 1152, 2048, 128, (128, 512)),
     (200, 1152, 1536, -1, None),
-    # 64-row slices whose columns (32 x 4 parts) have no room as clusters on 132 SMs: 3 parts per
-    # column in clusters instead (plan_split's fewer parts); and 40 columns x 3 parts, where 2 parts
-    # would stream too long: global reduction (wgmma on H100/H200)
+    # 128-row slices (MARLIN_WG_SLICE=128 below) whose planned parts have no room as clusters on
+    # 132 SMs, so plan_split takes fewer parts per column in clusters: 32 columns x 3 parts (4
+    # planned), 20 columns x 5 parts (6 planned)
     (130, 4096, 4096, 128, None),
     (128, 4096, 5120, 128, None),
     # columns split in equal parts (16 columns x 8 parts): reduced through global memory by the

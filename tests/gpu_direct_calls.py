@@ -8,8 +8,9 @@ import torch
 
 from marlin import packing
 
-# K = 4096, N = 256 at M = 33: the tiled kernel with one k-tile per block, so every column is
-# split over 64 blocks and reduced through the lock counters (the log must say global_reduction=1).
+# K = 4096, N = 256 at M = 33: the tiled kernel with one k-tile per block (MARLIN_SMALL_LAYER_CLUSTERS=0,
+# set by the test, keeps this small layer off the small-batch kernel on H100/H200), so every column
+# is split over 64 blocks and reduced through the lock counters (the log must say global_reduction=1).
 K, N, M = 4096, 256, 33
 
 
