@@ -406,19 +406,21 @@ def test_workspace_too_small_is_an_error():
         marlin.gemm(a, layer.b_q, layer.b_s, torch.zeros(1, dtype=torch.int32, device="cuda"))
 
 
-_SMALL_LAYER_PLANS = r"""
+_DEFAULT_AND_FORCED = r"""
+import json, sys
 import torch, marlin
 from marlin import packing
 
 torch.manual_seed(0)
-# layers under 80 KB of weights per SM at 9-64 rows: the default call, then the same call forced
-# onto the small-batch kernel's 256-column tile; each checked against the fp64 reference
-for k, n in [(3072, 3072), (4096, 1024), (4096, 4096), (8960, 1536), (1536, 8960), (2048, 4096)]:
-    q, s = packing.quantize(torch.randn(k, n, device="cuda"), 128)
+shapes, ms, dev = json.loads(sys.argv[1]), json.loads(sys.argv[2]), sys.argv[3]
+# each (K, N) at each M: the default call, then the same call forced onto the small-batch
+# kernel's 256-column tile; each checked against the fp64 reference
+for k, n in shapes:
+    q, s = packing.quantize(torch.randn(k, n, device=dev), 128)
     b_q, b_s = packing.pack(q, s)
     ref_w = packing.dequantize(q, s).double()
-    for m in (9, 16, 40, 64):
-        a = torch.randn(m, k, device="cuda", dtype=torch.float16)
+    for m in ms:
+        a = torch.randn(m, k, device=dev, dtype=torch.float16)
         ref = a.double() @ ref_w
         for tiles in ({}, {"tile_k": 128, "tile_n": 256}):
             c = marlin.gemm(a, b_q, b_s, **tiles)
@@ -428,27 +430,38 @@ print("done")
 """
 
 
+def _default_and_forced_plans(shapes, ms, env_vars, device="cuda"):
+    """Runs _DEFAULT_AND_FORCED in a subprocess with env_vars and the plan log (the knobs are read
+    once per process); returns the plan lines of the default calls and of the forced ones."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, MARLIN_LOG_PLAN="1", **env_vars)
+    r = subprocess.run([sys.executable, "-c", _DEFAULT_AND_FORCED, json.dumps(shapes), json.dumps(ms), device],
+                       env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0 and "done" in r.stdout, r.stdout[-3000:] + r.stderr[-3000:]
+    lines = [l for l in r.stderr.splitlines() if l.startswith("marlin.gemm plan:")]
+    if device == "cuda":
+        assert len(lines) == len(shapes) * len(ms) * 2, len(lines)
+    return lines[0::2], lines[1::2]
+
+
 def test_small_layers_take_the_small_batch_kernel_where_its_columns_reduce_in_clusters():
     """Layers under 80 KB of weights per SM at 9-64 rows (wgmma devices): the default plan is the
     small-batch kernel exactly where that kernel's own plan ends no column through global memory
     (clusters, or no split), else the tiled kernel; MARLIN_SMALL_LAYER_CLUSTERS=0 keeps them all
     on the tiled kernel. Read from the plan log of a subprocess that also forces each call onto
     the small-batch tile."""
-    import os
-    import subprocess
-    import sys
-
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the rule is for the wgmma variant (compute capability 9.0)")
+    # layers under 80 KB of weights per SM at 9-64 rows
+    shapes = [(3072, 3072), (4096, 1024), (4096, 4096), (8960, 1536), (1536, 8960), (2048, 4096)]
     for knob in ("1", "0"):
-        env = dict(os.environ, MARLIN_LOG_PLAN="1", MARLIN_SMALL_LAYER_CLUSTERS=knob)
-        r = subprocess.run([sys.executable, "-c", _SMALL_LAYER_PLANS], env=env, capture_output=True, text=True,
-                           timeout=600)
-        assert r.returncode == 0 and "done" in r.stdout, r.stdout[-3000:] + r.stderr[-3000:]
-        lines = [l for l in r.stderr.splitlines() if l.startswith("marlin.gemm plan:")]
-        assert len(lines) == 6 * 4 * 2, len(lines)
+        defaults, forced_plans = _default_and_forced_plans(shapes, [9, 16, 40, 64], {"MARLIN_SMALL_LAYER_CLUSTERS": knob})
         kinds = set()
-        for default, forced in zip(lines[0::2], lines[1::2]):
+        for default, forced in zip(defaults, forced_plans):
             assert " kernel=small_m_wgmma " in forced, forced
             clean = " global_reduction=0" in forced
             small = " kernel=small_m_wgmma " in default
@@ -460,53 +473,21 @@ def test_small_layers_take_the_small_batch_kernel_where_its_columns_reduce_in_cl
         assert kinds == ({True, False} if knob == "1" else {False}), kinds
 
 
-_CLUSTER_FIT_PLANS = r"""
-import torch, marlin
-from marlin import packing
-
-torch.manual_seed(0)
-# 16-20 columns of the small-batch kernel's 256-column tile, planned in 6-8 parts each: more than
-# the GPCs hold as clusters. Default call, then forced onto that tile, each against fp64.
-for k, n in [(4096, 4096), (1024, 4096), (4096, 5120)]:
-    q, s = packing.quantize(torch.randn(k, n, device="cuda"), 128)
-    b_q, b_s = packing.pack(q, s)
-    ref_w = packing.dequantize(q, s).double()
-    for m in (1, 8, 16, 40, 64, 128):
-        a = torch.randn(m, k, device="cuda", dtype=torch.float16)
-        ref = a.double() @ ref_w
-        for tiles in ({}, {"tile_k": 128, "tile_n": 256}):
-            c = marlin.gemm(a, b_q, b_s, **tiles)
-            err = ((c.double() - ref).norm() / ref.norm()).item()
-            assert err < 2e-3, (m, k, n, tiles, err)
-print("done")
-"""
-
-
 def test_split_parts_fall_back_to_what_fits_as_clusters():
     """Where a column's planned split parts do not all fit as resident clusters, the planner takes
     fewer parts that do above 16 rows per slice (at 8 rows only where the parts grow little;
     never at 16 rows). MARLIN_CLUSTER_FIT=0 keeps the planned parts, reduced through global
     memory. Read from the plan log of a subprocess whose calls are checked against the fp64
     reference with the knob on and off."""
-    import os
-    import subprocess
-    import sys
-
     if torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("thread-block clusters need compute capability 9.0+")
-    plans = {}
-    for knob in ("1", "0"):
-        env = dict(os.environ, MARLIN_LOG_PLAN="1", MARLIN_CLUSTER_FIT=knob)
-        r = subprocess.run([sys.executable, "-c", _CLUSTER_FIT_PLANS], env=env, capture_output=True, text=True,
-                           timeout=600)
-        assert r.returncode == 0 and "done" in r.stdout, r.stdout[-3000:] + r.stderr[-3000:]
-        lines = [l for l in r.stderr.splitlines() if l.startswith("marlin.gemm plan:")]
-        assert len(lines) == 3 * 6 * 2, len(lines)
-        plans[knob] = lines[1::2]  # the forced small-batch calls
+    # 16-20 columns of the small-batch kernel's 256-column tile, planned in 6-8 parts each: more
+    # than the GPCs hold as clusters
+    shapes, ms = [(4096, 4096), (1024, 4096), (4096, 5120)], [1, 8, 16, 40, 64, 128]
+    plans = {knob: _default_and_forced_plans(shapes, ms, {"MARLIN_CLUSTER_FIT": knob})[1] for knob in ("1", "0")}
     fell_back = 0
     for on, off in zip(plans["1"], plans["0"]):
-        m_on, m_off = re.search(r"m_blocks=(\d+) kernel=(\S+)", on), re.search(r"m_blocks=(\d+) kernel=(\S+)", off)
-        rows = 8 * int(m_on[1])
+        rows = 8 * int(re.search(r"m_blocks=(\d+) kernel=", on)[1])
         p_on, c_on = _plans(on)[0]
         p_off, c_off = _plans(off)[0]
         if c_off or p_off < 2:  # the planned parts fit (or none): nothing to fall back from
