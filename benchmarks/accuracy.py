@@ -194,18 +194,24 @@ def _gptq_settings(point: dict) -> tuple:
     return tuple(point.get(k, GPTQ_DEFAULTS[k]) for k in GPTQ_DEFAULTS)
 
 
+def _seed(point: dict):
+    """The calibration seed of a GPTQ point (0 for points written before it was recorded: every run
+    until then used the default); None for fp16 and rtn, which draw no samples."""
+    return point.get("seed", 0) if point["method"] in GPTQ_VARIANTS else None
+
+
 def _key(point: dict) -> tuple:
-    """Points differ by method, group size, weight format and, for GPTQ, act-order, sample count
-    and the GPTQ settings."""
+    """Points differ by method, group size, weight format and, for GPTQ, act-order, sample count,
+    calibration seed and the GPTQ settings."""
     return (point["method"], point["group_size"], point.get("act_order", False), point.get("nsamples"), _format(point),
-            _gptq_settings(point))
+            _gptq_settings(point), _seed(point))
 
 
 def merge_point(points: list, point: dict) -> list:
     return [p for p in points if _key(p) != _key(point)] + [point]
 
 
-def _label(point: dict, main_nsamples, main_gptq: tuple = ()) -> str:
+def _label(point: dict, main_nsamples, main_gptq: tuple = (), main_seed: int = 0) -> str:
     extra = []
     bits, sym, sparsity, any_shape = _format(point)
     if sparsity:
@@ -236,6 +242,8 @@ def _label(point: dict, main_nsamples, main_gptq: tuple = ()) -> str:
             extra.append(f"damp {mine['damp']}")
     if point.get("nsamples") not in (None, main_nsamples):
         extra.append(f"{point['nsamples']} samples")
+    if _seed(point) not in (None, main_seed):
+        extra.append(f"seed {_seed(point)}")
     return point["method"] + (f" ({', '.join(extra)})" if extra else "")
 
 
@@ -245,6 +253,8 @@ def markdown_table(doc: dict) -> str:
     points = doc["points"]
     main_nsamples = doc.get("meta", {}).get("nsamples")
     main_gptq = tuple(doc.get("meta", {}).get("gptq_settings", {}).get(k, v) for k, v in GPTQ_DEFAULTS.items())
+    main_seed = doc.get("meta", {}).get("seed", 0)
+    label_of = lambda p: _label(p, main_nsamples, main_gptq, main_seed)  # noqa: E731
     fp = next((p["ppl"] for p in points if p["method"] == "fp16"), None)
     groups = sorted({p["group_size"] for p in points if p["group_size"] is not None}, key=lambda g: (g == -1, g))
     header = "| method | " + " | ".join(f"g{g}" if g != -1 else "per column" for g in groups) + " |"
@@ -254,14 +264,14 @@ def markdown_table(doc: dict) -> str:
     labels = []
     for method in METHODS[1:]:
         for p in points:
-            label = _label(p, main_nsamples, main_gptq)
+            label = label_of(p)
             if p["method"] == method and label not in labels:
                 labels.append(label)
     labels.sort(key=lambda lab: (" (" in lab, METHODS.index(lab.split(" ")[0])))
     for label in labels:
         cells = []
         for g in groups:
-            p = next((p for p in points if _label(p, main_nsamples, main_gptq) == label and p["group_size"] == g), None)
+            p = next((p for p in points if label_of(p) == label and p["group_size"] == g), None)
             if p is None:
                 cells.append("")
             elif fp is not None:
@@ -415,6 +425,7 @@ def main(argv=None) -> int:
                 quantized = [r for r in reports if r.status == "quantized"]
                 point.update(
                     act_order=args.act_order,
+                    seed=args.seed,
                     **gptq_fields,
                     # what "auto" chose for this group size; None without the clip search
                     clip_objective_used=resolve_clip_objective(args.clip_objective, group_size) if clip else None,

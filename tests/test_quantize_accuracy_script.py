@@ -25,6 +25,22 @@ def test_points_merge_per_method_group_size_and_settings():
     assert len(merged) == 4
 
 
+def test_points_of_another_calibration_seed_are_kept_and_labelled():
+    """A second seed's run adds its points beside the first's (it used to replace them); points
+    written before the seed was recorded count as seed 0, the default of every run until then."""
+    old = {"method": "gptq_variant", "group_size": -1, "ppl": 36.0, "act_order": True, "nsamples": 256}
+    seed0 = dict(old, seed=0, ppl=35.8)
+    seed1 = dict(old, seed=1, ppl=36.1)
+    points = A.merge_point(A.merge_point([old], seed1), seed0)
+    assert sorted(p["ppl"] for p in points) == [35.8, 36.1]  # seed 0 replaced the unrecorded point
+    rtn = {"method": "rtn", "group_size": -1, "ppl": 60.0}
+    assert len(A.merge_point(A.merge_point(points, rtn), dict(rtn, seed=3))) == 3  # rtn draws no samples
+    doc = {"meta": {"nsamples": 256, "seed": 0}, "points": [{"method": "fp16", "group_size": None, "ppl": 33.0}] + points}
+    table = A.markdown_table(doc)
+    assert "| gptq_variant (act-order) | 35.800 (+8.5%) |" in table
+    assert "| gptq_variant (act-order, seed 1) | 36.100 (+9.4%) |" in table
+
+
 def test_markdown_table_gives_the_increase_over_fp16():
     doc = {
         "points": [
