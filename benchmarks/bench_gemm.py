@@ -25,6 +25,9 @@ table and the check of the issue's speed targets.  What is timed and why (benchm
     marlin_bf16_gcol (bf16 activations and scales), marlin_zp_g128 (4-bit with zero points),
     marlin_g64, marlin_g32, marlin_u8_g128, marlin_u8_gcol (8-bit weights); compare each with
     marlin_g128 for the cost of the format.
+  * marlin_g128_gauss, on request: group 128 with the codes of a quantized Gaussian matrix instead
+    of uniform random words (the other kernels' weights), to check that the speed does not depend
+    on the values.
   * Weights rotate through ``copies`` identical-size tensors with copies * bytes >= 4 x L2, so that
     no call finds its weights in L2 (in a model, each layer's weights are read once per token).
   * Calls shorter than 2 ms are captured in a CUDA graph (launch overhead excluded, as in a

@@ -54,7 +54,11 @@ FORMAT_KERNELS = {
     "marlin_u8_g128": (torch.float16, 8, False, 128),
     "marlin_u8_gcol": (torch.float16, 8, False, -1),
 }
-ALL_KERNELS = KERNELS + tuple(FORMAT_KERNELS)
+# fp16 group 128 with the codes of a quantized Gaussian matrix (mostly near the middle of the
+# range) instead of uniform random words, packed on the device: checks that the kernel's speed does
+# not depend on the weight values, which the other kernels' random words assume (on request).
+VALUE_KERNELS = {"marlin_g128_gauss": 128}
+ALL_KERNELS = KERNELS + tuple(FORMAT_KERNELS) + tuple(VALUE_KERNELS)
 FORMAT_CHECK_TOL = 8e-3  # bf16 rounds each dequantized weight to 8 bits (2^-9 relative, as bf16 matmul)
 
 L2_FACTOR = 4  # weights rotate through at least this many times the L2 size
@@ -111,6 +115,8 @@ def weight_bytes(kernel: str, k: int, n: int) -> int:
         return 2 * k * n
     if kernel in MARLIN_GROUP:
         return k * n // 2 + 2 * n * scale_rows(kernel, k)  # int4 codes + fp16 scales
+    if kernel in VALUE_KERNELS:
+        return k * n // 2 + 2 * n * (k // VALUE_KERNELS[kernel])
     if kernel in MARLIN_24_GROUP:
         # kept int4 values (K/2 per column) + 2-bit positions + fp16 scales: 3 bits per weight
         return k * n // 4 + k * n // 8 + 2 * n * scale_rows(kernel, k)
@@ -311,7 +317,7 @@ def format_table(points: list[dict], copy_bw_gbps: Optional[float] = None) -> st
     quant = [k for k in kernels_present if k not in BASELINES]
     short = {"marlin_g128": "g128", "marlin_gcol": "gcol", "marlin_direct": "direct", "marlin_24_g128": "24g128",
              "marlin_24_gcol": "24gcol", "torch_int4": "int4"}
-    short.update({k: k[len("marlin_"):] for k in FORMAT_KERNELS})
+    short.update({k: k[len("marlin_"):] for k in (*FORMAT_KERNELS, *VALUE_KERNELS)})
     head = f"{'M':>6} | {'fp16 us':>9}"
     for k in quant:
         head += f" | {short[k] + ' us':>9} {'x':>5} {'GB/s':>6} {'%BW':>4}"

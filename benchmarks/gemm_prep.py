@@ -35,6 +35,7 @@ from .bench_math import (
     INT4_SANITY_TOL,
     MARLIN_24_GROUP,
     MARLIN_GROUP,
+    VALUE_KERNELS,
     copies_needed,
     weight_bytes,
 )
@@ -148,9 +149,10 @@ def _random_like_clones(base: torch.Tensor, copies: int) -> list[torch.Tensor]:
 def prepare(kernel: str, k: int, n: int, dev: torch.device, l2_bytes: int, min_copies: int = 1) -> Prepared:
     """Random weights for one kernel and shape, cloned so that copies * bytes >= 4 x L2.
 
-    The contents are random (never zeros), not quantized from a real matrix: the speed of these
-    kernels does not depend on the values, and packing.pack runs on the CPU (too slow for the
-    ideal layer).  marlin's output is still checked against the spec (packing.unpack)."""
+    The contents are random words (never zeros), not quantized from a real matrix: the speed of
+    these kernels should not depend on the values (marlin_g128_gauss, with the codes of a quantized
+    Gaussian packed by packing.pack, is there to check it).  marlin's output is still checked
+    against the spec (packing.unpack)."""
     nbytes = weight_bytes(kernel, k, n)
     copies = copies_needed(nbytes, l2_bytes, minimum=min_copies)
 
@@ -188,6 +190,26 @@ def prepare(kernel: str, k: int, n: int, dev: torch.device, l2_bytes: int, min_c
 
         def make_fn(a):
             return lambda i: marlin_ops.gemm(a, bqs[i % copies], bss[i % copies], call_ws)
+
+        return Prepared(kernel, copies, nbytes, make_fn, checks=checks, tensors=[bqs, bss, workspace])
+
+    if kernel in VALUE_KERNELS:
+        from marlin import ops as marlin_ops
+        from marlin import packing
+
+        # a Gaussian weight quantized to 4 bits has codes of std ~2.7 levels around the middle
+        # (max |w| of a group ~2.6 std = 7 levels); packed by the spec's own pack, on the device
+        groups = k // VALUE_KERNELS[kernel]
+        q = (torch.randn(k, n, device=dev) * 2.7).round_().clamp_(-8, 7).to(torch.int8)
+        b_s = torch.empty(groups, n, dtype=torch.float16, device=dev).uniform_(0.001, 0.01)
+        b_q, b_s = packing.pack(q, b_s)
+        del q
+        workspace = marlin_ops.make_workspace(dev) if dev.type == "cuda" else None
+        checks = check_marlin(b_q, b_s, k, n, dev, workspace)
+        bqs, bss = _random_like_clones(b_q, copies), _random_like_clones(b_s, copies)
+
+        def make_fn(a):
+            return lambda i: marlin_ops.gemm(a, bqs[i % copies], bss[i % copies], workspace)
 
         return Prepared(kernel, copies, nbytes, make_fn, checks=checks, tensors=[bqs, bss, workspace])
 

@@ -432,3 +432,25 @@ def test_format_kernels_byte_counts_and_checked_prep(monkeypatch):
     monkeypatch.setattr(marlin.ops, "gemm", lambda *a, **kw: real(*a, **kw) * 1.02)
     with pytest.raises(GP.CorrectnessError, match="marlin_zp_g128.*WRONG"):
         GP.prepare("marlin_zp_g128", 256, 128, torch.device("cpu"), l2_bytes=0)
+
+
+def test_gaussian_code_kernel_packs_quantized_gaussian_codes(monkeypatch):
+    """marlin_g128_gauss (opt-in): group-128 weights whose codes are those of a quantized Gaussian
+    (mostly near the middle of the range), packed by packing.pack and checked like marlin_g128;
+    same bytes as marlin_g128, so their times compare directly."""
+    from marlin import packing
+
+    k, n = 512, 256
+    assert BM.weight_bytes("marlin_g128_gauss", k, n) == BM.weight_bytes("marlin_g128", k, n)
+    assert "marlin_g128_gauss" in BM.ALL_KERNELS and "marlin_g128_gauss" not in BM.KERNELS  # on request only
+    torch.manual_seed(0)
+    prep = GP.prepare("marlin_g128_gauss", k, n, torch.device("cpu"), l2_bytes=0)
+    assert prep.checks and all(c["ok"] for c in prep.checks), prep.checks
+    b_q, b_s = prep.tensors[0][0], prep.tensors[1][0]
+    q, _ = packing.unpack(b_q, b_s)
+    codes = q.float()
+    assert codes.abs().mean() < 3.0 and 1.5 < codes.std() < 3.5  # not uniform over -8..7 (std 4.6)
+    real = marlin.ops.gemm
+    monkeypatch.setattr(marlin.ops, "gemm", lambda *a, **kw: real(*a, **kw) * 1.02)
+    with pytest.raises(GP.CorrectnessError, match="WRONG"):
+        GP.prepare("marlin_g128_gauss", k, n, torch.device("cpu"), l2_bytes=0)
