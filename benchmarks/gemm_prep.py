@@ -200,7 +200,7 @@ def prepare(kernel: str, k: int, n: int, dev: torch.device, l2_bytes: int, min_c
         # a Gaussian weight quantized to 4 bits has codes of std ~2.7 levels around the middle
         # (max |w| of a group ~2.6 std = 7 levels); packed by the spec's own pack, on the device
         groups = k // VALUE_KERNELS[kernel]
-        q = (torch.randn(k, n, device=dev) * 2.7).round_().clamp_(-8, 7).to(torch.int8)
+        q = (torch.randn(k, n, device=dev, dtype=torch.float16) * 2.7).round_().clamp_(-8, 7).to(torch.int8)
         b_s = torch.empty(groups, n, dtype=torch.float16, device=dev).uniform_(0.001, 0.01)
         b_q, b_s = packing.pack(q, b_s)
         del q
