@@ -100,7 +100,7 @@ def sanitize_gpu_name(name: str) -> str:
 def scale_rows(kernel: str, k: int) -> int:
     if kernel in ("marlin_gcol", "marlin_24_gcol"):
         return 1
-    if kernel in ("marlin_g128", "marlin_direct", "marlin_24_g128", "torch_int4"):
+    if kernel in ("marlin_g128", "marlin_direct", "marlin_g128_gauss", "marlin_24_g128", "torch_int4"):
         return k // 128
     return 0
 
@@ -113,10 +113,8 @@ def weight_bytes(kernel: str, k: int, n: int) -> int:
         return k * n * bits // 8 + 2 * n * groups * (2 if zeros else 1)  # codes + scales (+ zero points)
     if kernel in BASELINES:
         return 2 * k * n
-    if kernel in MARLIN_GROUP:
+    if kernel in MARLIN_GROUP or kernel in VALUE_KERNELS:
         return k * n // 2 + 2 * n * scale_rows(kernel, k)  # int4 codes + fp16 scales
-    if kernel in VALUE_KERNELS:
-        return k * n // 2 + 2 * n * (k // VALUE_KERNELS[kernel])
     if kernel in MARLIN_24_GROUP:
         # kept int4 values (K/2 per column) + 2-bit positions + fp16 scales: 3 bits per weight
         return k * n // 4 + k * n // 8 + 2 * n * scale_rows(kernel, k)

@@ -175,12 +175,21 @@ def prepare(kernel: str, k: int, n: int, dev: torch.device, l2_bytes: int, min_c
 
         return Prepared(kernel, copies, nbytes, make_fn, tensors=ws)
 
-    if kernel in MARLIN_GROUP:
+    if kernel in MARLIN_GROUP or kernel in VALUE_KERNELS:
         from marlin import ops as marlin_ops
+        from marlin import packing
 
-        groups = 1 if MARLIN_GROUP[kernel] == -1 else k // MARLIN_GROUP[kernel]
-        b_q = torch.randint(-(2**31), 2**31, (k // 16, 2 * n), dtype=torch.int32, device=dev)
+        group = MARLIN_GROUP.get(kernel) or VALUE_KERNELS[kernel]
+        groups = 1 if group == -1 else k // group
         b_s = torch.empty(groups, n, dtype=torch.float16, device=dev).uniform_(0.001, 0.01)
+        if kernel in VALUE_KERNELS:
+            # a Gaussian weight quantized to 4 bits has codes of std ~2.7 levels around the middle
+            # (max |w| of a group ~2.6 std = 7 levels); packed by the spec's own pack, on the device
+            q = (torch.randn(k, n, device=dev, dtype=torch.float16) * 2.7).round_().clamp_(-8, 7).to(torch.int8)
+            b_q, b_s = packing.pack(q, b_s)
+            del q
+        else:
+            b_q = torch.randint(-(2**31), 2**31, (k // 16, 2 * n), dtype=torch.int32, device=dev)
         workspace = marlin_ops.make_workspace(dev) if dev.type == "cuda" else None
         checks = check_marlin(b_q, b_s, k, n, dev, workspace)
         bqs, bss = _random_like_clones(b_q, copies), _random_like_clones(b_s, copies)
@@ -190,26 +199,6 @@ def prepare(kernel: str, k: int, n: int, dev: torch.device, l2_bytes: int, min_c
 
         def make_fn(a):
             return lambda i: marlin_ops.gemm(a, bqs[i % copies], bss[i % copies], call_ws)
-
-        return Prepared(kernel, copies, nbytes, make_fn, checks=checks, tensors=[bqs, bss, workspace])
-
-    if kernel in VALUE_KERNELS:
-        from marlin import ops as marlin_ops
-        from marlin import packing
-
-        # a Gaussian weight quantized to 4 bits has codes of std ~2.7 levels around the middle
-        # (max |w| of a group ~2.6 std = 7 levels); packed by the spec's own pack, on the device
-        groups = k // VALUE_KERNELS[kernel]
-        q = (torch.randn(k, n, device=dev, dtype=torch.float16) * 2.7).round_().clamp_(-8, 7).to(torch.int8)
-        b_s = torch.empty(groups, n, dtype=torch.float16, device=dev).uniform_(0.001, 0.01)
-        b_q, b_s = packing.pack(q, b_s)
-        del q
-        workspace = marlin_ops.make_workspace(dev) if dev.type == "cuda" else None
-        checks = check_marlin(b_q, b_s, k, n, dev, workspace)
-        bqs, bss = _random_like_clones(b_q, copies), _random_like_clones(b_s, copies)
-
-        def make_fn(a):
-            return lambda i: marlin_ops.gemm(a, bqs[i % copies], bss[i % copies], workspace)
 
         return Prepared(kernel, copies, nbytes, make_fn, checks=checks, tensors=[bqs, bss, workspace])
 
