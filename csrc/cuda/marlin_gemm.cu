@@ -536,6 +536,22 @@ bool small_layer_small_m(const GemmArgs& args, const Format& f, GemmPlan* plan) 
   return true;
 }
 
+// Above 64 rows wg_slice_rows picks 64-row slices for shallow layers, counting the parts that
+// plan_split first plans. Where those 64-row columns then end through global memory but 128-row
+// ones reduce in clusters (fewer parts that fit), the 128-row plan is taken: H100 probe
+// (benchmarks/NOTES.md 2026-11-27 "split parts that fit as clusters", 128-row slices) 7B down at
+// M = 96 / 128 29.1 / 30.3 us against 32.4 / 32.7, while the layers whose 64-row columns already
+// reduce in clusters (1024-4096 x 4096) were as fast or faster on 64 rows.
+void slices_of_128_where_they_reduce_in_clusters(const GemmArgs& args, GemmPlan* plan) {
+  if (!plan->small_m || !plan->wgmma || args.m <= kWgSliceRows || args.wg_slice_rows != 0 || plan->m_blocks != 8 ||
+      plan->tile.tile_n != 256 || !plan->needs_partial || !args.cluster_fit)
+    return;
+  GemmArgs rows128 = args;
+  rows128.wg_slice_rows = 128;
+  GemmPlan trial;
+  if (plan_small_m(rows128, 256, &trial).empty() && !trial.needs_partial) *plan = trial;
+}
+
 std::string plan_gemm(const GemmArgs& args, int tile_k, int tile_n, GemmPlan* plan) {
   Format f;
   const std::string bad = format_of(args, &f);
@@ -550,7 +566,10 @@ std::string plan_gemm(const GemmArgs& args, int tile_k, int tile_n, GemmPlan* pl
     // the small-batch kernel where it pays, else (or where its tile does not fit the device's
     // shared memory, e.g. the 512-column tile on sm_80/sm_86) the tiled kernel
     const int small_tile = small_m_tile(args, f);
-    if (small_tile > 0 && plan_small_m(args, small_tile, plan).empty()) return "";
+    if (small_tile > 0 && plan_small_m(args, small_tile, plan).empty()) {
+      slices_of_128_where_they_reduce_in_clusters(args, plan);
+      return "";
+    }
     if (small_tile == 512 && plan_small_m(args, 256, plan).empty()) return "";
     if (small_tile == 0 && args.small_layer_clusters && small_layer_small_m(args, f, plan)) return "";
   }
