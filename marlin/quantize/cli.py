@@ -77,8 +77,8 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"choose each group's scale among shrink factors {DEFAULT_GRID[0]}..{DEFAULT_GRID[-1]} of its range by "
         "Hessian-weighted error (default on)",
     )
-    p.add_argument("--nsamples", type=int, default=256, help="calibration samples (default 256; 128 was the default "
-                   "before 2026-11-27: half the time and activation memory, a little less accurate)")
+    p.add_argument("--nsamples", type=int, default=256, help="calibration samples (default 256; 128 takes half the time "
+                   "and activation memory and is a little less accurate)")
     p.add_argument(
         "--seqlen-range",
         type=_seqlen,
