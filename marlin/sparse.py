@@ -50,6 +50,7 @@ __all__ = [
     "K_MULTIPLE_2_4",
     "N_MULTIPLE_2_4",
     "SUPPORTED_GROUP_SIZES_2_4",
+    "DTYPES_2_4",
     "mask_2_4",
     "prune_2_4",
     "violations_2_4",
@@ -70,6 +71,7 @@ __all__ = [
 K_MULTIPLE_2_4 = 128
 N_MULTIPLE_2_4 = 128
 SUPPORTED_GROUP_SIZES_2_4 = (128, -1)
+DTYPES_2_4 = (torch.float16,)  # activations, scales and output
 STRIP_K = 32  # rows of the original K per packed row of b_q and b_meta
 
 # The nibble of each valid (i0, i1) pair, and the pairs that a nibble may hold.

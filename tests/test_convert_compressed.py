@@ -140,3 +140,97 @@ def test_pack_quantized_tensor_errors(tmp_path):
     with pytest.raises(ConversionError, match=r"weight_shape \[384, 128\] does not match"):
         convert_gptq_checkpoint(src, tmp_path / "dst", quiet=True)
     assert not (tmp_path / "dst").exists()
+
+
+SPARSE_LAYERS = [  # (prefix, K, N, pruned 2:4): the first converts 2:4-sparse, the others stay dense
+    ("model.layers.0.mlp.up_proj", 256, 384, True),
+    ("model.layers.0.mlp.down_proj", 384, 192, True),  # N = 192: the 2:4 kernel takes multiples of 128
+    ("model.layers.0.self_attn.o_proj", 256, 256, False),  # not pruned
+]
+
+
+def write_2_4(tmp_path, group_size=128, dtype=torch.float16, sparsity_format="dense"):
+    """A checkpoint as llm-compressor writes a 2:4-pruned W4A16 model: pack-quantized, the pruned
+    weights stored as zeros, sparsity_config 2:4 "dense"."""
+    from marlin import sparse
+
+    tensors, refs = {}, {}
+    for i, (prefix, k, n, pruned) in enumerate(SPARSE_LAYERS):
+        g = torch.Generator().manual_seed(10 + i)
+        w = torch.randn(n, k, generator=g) * 0.05
+        if pruned:
+            w = sparse.prune_2_4(w.t()).t().contiguous()
+        args = QuantizationArgs(num_bits=4, type="int", symmetric=True, strategy="channel" if group_size == -1 else "group",
+                                group_size=None if group_size == -1 else group_size)
+        gs = k if group_size == -1 else group_size
+        blocks = w.reshape(n, k // gs, gs)
+        scale, zp = calculate_qparams(blocks.amin(-1), blocks.amax(-1), args)
+        state = {"weight": w.to(dtype), "weight_scale": scale.to(dtype), "weight_zero_point": zp.to(torch.int8)}
+        packed = dict(PackedQuantizationCompressor.compress(state, QuantizationScheme(targets=["Linear"], weights=args)))
+        from compressed_tensors.compressors.pack_quantized import unpack_from_int32
+
+        q = unpack_from_int32(packed["weight_packed"], 4, torch.Size([n, k])).float()
+        refs[prefix] = (scale.to(dtype).float().repeat_interleave(k // scale.shape[1], 1) * q).t().contiguous()
+        tensors.update({f"{prefix}.{s}": t.contiguous() for s, t in packed.items()})
+    src = tmp_path / "src"
+    src.mkdir()
+    save_file(tensors, str(src / "model.safetensors"))
+    weights = {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "channel" if group_size == -1 else "group"}
+    if group_size != -1:
+        weights["group_size"] = group_size
+    qc = {
+        "quant_method": "compressed-tensors",
+        "format": "pack-quantized",
+        "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": None}},
+        "ignore": ["lm_head"],
+        "sparsity_config": {"format": sparsity_format, "sparsity_structure": "2:4", "targets": ["Linear"],
+                            "ignore": ["lm_head"], "global_sparsity": 0.3},
+    }
+    (src / "config.json").write_text(json.dumps({"model_type": "llama", "quantization_config": qc}))
+    return src, refs
+
+
+@pytest.mark.parametrize("group_size", [128, -1])
+def test_convert_2_4_sparse_pack_quantized(tmp_path, group_size):
+    """The 2:4-pruned layer becomes a MarlinLinear24 layer, exactly; the others stay dense, each with
+    its reason in the report; --verify runs both ops."""
+    from marlin import sparse
+    from marlin.sparse_nn import MarlinLinear24
+
+    src, refs = write_2_4(tmp_path, group_size)
+    dst = tmp_path / "dst"
+    report = convert_gptq_checkpoint(src, dst, verify=True, quiet=True)
+    up, down, o = (p for p, *_ in SPARSE_LAYERS)
+    assert report.sparse_layers == [up]
+    why = dict(report.kept_dense)
+    assert "multiple of 128" in why[down] and "not 2:4 sparse" in why[o] and len(why) == 2
+    assert "2:4-sparse layers: 1; dense: 2" in report.summary()
+    out = load_file(str(dst / "model.safetensors"))
+    assert torch.equal(sparse.unpack_2_4(out[f"{up}.b_q"], out[f"{up}.b_meta"], out[f"{up}.b_scales"]), refs[up])
+    layer = MarlinLinear24(256, 384, bias=False, group_size=group_size)
+    layer.load_state_dict({s: out[f"{up}.{s}"] for s in ("b_q", "b_meta", "b_scales")})
+    x = torch.randn(3, 256).half()
+    ref = x.double() @ refs[up].double()
+    assert float((layer(x).double() - ref).norm() / ref.norm()) < 1e-3
+    for prefix in (down, o):
+        assert f"{prefix}.b_meta" not in out
+        assert torch.equal(packing.dequantize(*packing.unpack(out[f"{prefix}.b_q"], out[f"{prefix}.b_scales"])), refs[prefix])
+    qc = json.loads((dst / "config.json").read_text())["quantization_config"]
+    assert qc["quant_method"] == "marlin" and qc["sparsity"] == "2:4"
+
+
+def test_convert_2_4_sparse_limits(tmp_path):
+    # bf16 scales: the 2:4 kernel's dtypes decide; every layer dense, with the reason
+    from marlin import sparse
+
+    src, _ = write_2_4(tmp_path, 128, torch.bfloat16)
+    report = convert_gptq_checkpoint(src, tmp_path / "dst", quiet=True)
+    if torch.bfloat16 not in sparse.DTYPES_2_4:
+        assert report.sparse_layers == [] and "torch.bfloat16 scales" in dict(report.kept_dense)[SPARSE_LAYERS[0][0]]
+    # compressed sparse storage is refused before anything is written
+    other = tmp_path / "other"
+    other.mkdir()
+    src, _ = write_2_4(other, 128, sparsity_format="sparse-24-bitmask")
+    with pytest.raises(ConversionError, match=r"sparsity_config: format = 'sparse-24-bitmask' is not supported"):
+        convert_gptq_checkpoint(src, other / "dst", quiet=True)
+    assert not (other / "dst").exists()

@@ -18,12 +18,13 @@ def build_parser() -> argparse.ArgumentParser:
         prog="marlin-convert",
         description=(
             "Convert a GPTQ checkpoint directory (AutoGPTQ, Optimum/transformers, GPTQModel; 4-bit symmetric "
-            "or asymmetric, 8-bit symmetric, group size 32, 64, 128 or -1, with or without act-order) or an "
-            "AutoAWQ 'gemm' checkpoint (4-bit with zero points), safetensors only, into the Marlin format "
+            "or asymmetric, 8-bit symmetric, group size 32, 64, 128 or -1, with or without act-order), an "
+            "AutoAWQ 'gemm' checkpoint (4-bit with zero points) or a compressed-tensors 'pack-quantized' one "
+            "(llm-compressor; 2:4-pruned layers become 2:4-sparse), safetensors only, into the Marlin format "
             "read by marlin.load_quantized. SRC is never modified; DST is written completely or not at all."
         ),
     )
-    parser.add_argument("src", metavar="SRC", help="GPTQ or AWQ model directory (config.json, *.safetensors, tokenizer, ...)")
+    parser.add_argument("src", metavar="SRC", help="GPTQ, AWQ or compressed-tensors model directory (config.json, *.safetensors, tokenizer, ...)")
     parser.add_argument("dst", metavar="DST", help="output directory; must not exist (see --overwrite)")
     parser.add_argument("--overwrite", action="store_true", help="replace DST if it exists")
     parser.add_argument(

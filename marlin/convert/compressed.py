@@ -17,16 +17,23 @@ and W[n, k] = scale[n, g(k)] * (q[n, k] - zp[n, g(k)]) with signed q and zp (zp 
 symmetric). In Marlin's terms u = q + 2^(bits-1) and z = zp + 2^(bits-1): 4-bit symmetric and
 8-bit symmetric layers become Marlin's symmetric formats, 4-bit asymmetric ones the 4-bit format
 with zero points, all exact with the same scales.
+
+2:4-sparse checkpoints (llm-compressor's 2:4 pruning, ``sparsity_config`` with
+``sparsity_structure: "2:4"`` and the weights stored ``"dense"``, i.e. with the pruned zeros in
+place): every layer whose integer codes have at most two non-zeros in each group of 4 inputs, and
+that the 2:4 kernel takes (4-bit symmetric, group 128 or channel, no activation ordering, K and N
+multiples of 128), becomes a MarlinLinear24 layer (b_q, b_meta, b_scales; marlin/sparse.py),
+exact with the same scales; the others convert as dense layers, and the report says why.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Mapping
+from dataclasses import dataclass, replace
+from typing import Any, Mapping, Optional
 
 import torch
 
-from .. import ops, packing
+from .. import ops, packing, sparse
 from .errors import ConversionError
 from .tensor_checks import check_layer_names, shape_str as _shape_str, tensor_expecter
 from .gptq import MarlinTensors, act_order_permutation
@@ -51,6 +58,7 @@ class CompressedTensorsConfig:
     bits: int
     group_size: int  # -1 for the "channel" strategy
     sym: bool
+    sparsity: Optional[str] = None  # "2:4": sparsity_config says the weights were pruned 2:4
 
     @classmethod
     def from_dict(cls, config: Any, source: str) -> "CompressedTensorsConfig":
@@ -65,7 +73,23 @@ class CompressedTensorsConfig:
                 f"{source}: the config groups quantize differently ({sorted(map(str, parsed))}); one scheme per "
                 "checkpoint converts"
             )
-        return parsed.pop()
+        return replace(parsed.pop(), sparsity=cls._parse_sparsity(config.get("sparsity_config"), source))
+
+    @staticmethod
+    def _parse_sparsity(sc: Any, source: str) -> Optional[str]:
+        """ "2:4" for a sparsity_config of 2:4 structure stored dense; None without one or for other
+        structures (their weights convert as they are); ConversionError for compressed sparse storage."""
+        if sc is None:
+            return None
+        where = f"{source}: sparsity_config"
+        if not isinstance(sc, dict):
+            raise ConversionError(f"{where} is a {type(sc).__name__}, expected a JSON object")
+        fmt = sc.get("format", "dense")
+        if fmt != "dense":
+            raise ConversionError(
+                f"{where}: format = {fmt!r} is not supported; only 'dense' (pruned zeros stored in place) converts"
+            )
+        return "2:4" if sc.get("sparsity_structure") == "2:4" else None
 
     @classmethod
     def _parse_group(cls, name: str, group: Any, top_format: Any, source: str) -> "CompressedTensorsConfig":
@@ -168,17 +192,42 @@ def ct_to_marlin(prefix: str, tensors: Mapping[str, torch.Tensor], cfg: Compress
     if "weight_g_idx" in tensors:
         perm = act_order_permutation(prefix, tensors["weight_g_idx"].cpu(), scales.shape[0])
     b = q.t()  # B [K, N]
+    why_dense = None
+    if cfg.sparsity == "2:4":
+        why_dense = _why_not_2_4(b, scales, cfg, perm)
+        if why_dense is None:
+            b_q, b_meta, b_scales = sparse.pack_2_4(b.to(torch.int8).contiguous(), scales)
+            return MarlinTensors(b_q=b_q, b_scales=b_scales, perm=None, bits=4, b_meta=b_meta)
     if perm is not None:
         b = b.index_select(0, perm.to(torch.int64))
     if cfg.sym:
         b_q, b_scales = packing.pack(b.to(torch.int8).contiguous(), scales, bits=cfg.bits)
-        return MarlinTensors(b_q=b_q, b_scales=b_scales, perm=perm, bits=cfg.bits)
+        return MarlinTensors(b_q=b_q, b_scales=b_scales, perm=perm, bits=cfg.bits, why_dense=why_dense)
     bias = 1 << (cfg.bits - 1)
     z = (zp.t() + bias).contiguous()  # [G, N], unsigned
     if int(z.min()) < 0 or int(z.max()) > 15:
         raise ConversionError(f"{prefix}.weight_zero_point: values outside [-8, 7]")
     b_q, b_scales, b_zeros = packing.pack((b + bias).to(torch.int8).contiguous(), scales, z.to(scales.dtype), bits=4)
-    return MarlinTensors(b_q=b_q, b_scales=b_scales, perm=perm, b_zeros=b_zeros, bits=4)
+    return MarlinTensors(b_q=b_q, b_scales=b_scales, perm=perm, b_zeros=b_zeros, bits=4, why_dense=why_dense)
+
+
+def _why_not_2_4(b: torch.Tensor, scales: torch.Tensor, cfg: CompressedTensorsConfig, perm) -> Optional[str]:
+    """None if the layer (codes B [K, N] in input order, its scales) converts to the 2:4 format,
+    else why not."""
+    if not cfg.sym or cfg.bits != 4:
+        return f"the 2:4 format holds 4-bit symmetric weights (this checkpoint: {cfg.bits}-bit, symmetric={cfg.sym})"
+    if scales.dtype not in sparse.DTYPES_2_4:
+        return f"{scales.dtype} scales: the 2:4 kernel computes in {', '.join(map(str, sparse.DTYPES_2_4))}"
+    if perm is not None:
+        return "activation ordering (weight_g_idx): the 2:4 format keeps the input order"
+    shape = sparse.check_shape_2_4(b.shape[0], b.shape[1], cfg.group_size)
+    if shape is not None:
+        return f"the 2:4 kernel does not take it: {shape}"
+    nnz = (b != 0).reshape(b.shape[0] // 4, 4, b.shape[1]).sum(dim=1)
+    bad = int((nnz > 2).any(dim=0).sum())
+    if bad:
+        return f"not 2:4 sparse: {bad} of its {b.shape[1]} output columns have more than two non-zeros in a group of 4 inputs"
+    return None
 
 
 def dequantize_ct(tensors: Mapping[str, torch.Tensor], cfg: CompressedTensorsConfig) -> torch.Tensor:

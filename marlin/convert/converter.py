@@ -49,6 +49,8 @@ class ConversionReport:
     dst: Path
     layers: list = field(default_factory=list)  # prefixes of the converted layers
     act_order_layers: list = field(default_factory=list)  # those stored with a perm
+    sparse_layers: list = field(default_factory=list)  # those stored 2:4-sparse (MarlinLinear24)
+    kept_dense: list = field(default_factory=list)  # (prefix, why) of a 2:4 checkpoint's dense layers
     copied_tensors: int = 0  # non-quantized tensors copied unchanged
     shards: list = field(default_factory=list)
     copied_files: list = field(default_factory=list)
@@ -62,6 +64,9 @@ class ConversionReport:
             f"and copied {self.copied_tensors} other tensors from {self.src} into {self.dst} "
             f"({len(self.shards)} shard{'s' if len(self.shards) != 1 else ''})"
         ]
+        if self.sparse_layers or self.kept_dense:
+            lines.append(f"2:4-sparse layers: {len(self.sparse_layers)}; dense: {len(self.kept_dense)}")
+            lines += [f"  dense {prefix}: {why}" for prefix, why in self.kept_dense]
         if self.copied_files:
             lines.append(f"copied files: {', '.join(self.copied_files)}")
         for name, why in self.skipped_files:
@@ -168,6 +173,8 @@ def _marlin_quant_config(qc: dict, cfg: SourceConfig) -> dict:
             "desc_act": False,
             "source_quant_method": "compressed-tensors",
         }
+        if cfg.sparsity is not None:
+            out["sparsity"] = cfg.sparsity
     # quant_method "marlin" routes transformers' from_pretrained to marlin's quantizer
     # (marlin.integrations.hf_quantizer); "gptq" would send it to the GPTQ kernels.
     out["quant_method"] = MARLIN_FORMAT
@@ -208,7 +215,7 @@ def _plan_layers(ckpt: SafetensorsDir, cfg: SourceConfig) -> tuple[dict, list]:
         check_layer_tensors(prefix, shapes, dtypes, cfg.group_size, cfg.bits)
         if "g_idx" not in infos and cfg.desc_act:
             raise ConversionError(f"layer {prefix}: {prefix}.g_idx is missing, but desc_act = true needs it")
-    outputs = {f"{p}.{s}" for p in layers for s in ("b_q", "b_scales", "b_zeros", "perm")}
+    outputs = {f"{p}.{s}" for p in layers for s in ("b_q", "b_scales", "b_zeros", "perm", "b_meta")}
     clash = sorted(outputs & set(passthrough))
     if clash:
         raise ConversionError(f"{ckpt.directory}: tensor {clash[0]} would clash with a converted layer's output name")
@@ -252,7 +259,9 @@ def convert_gptq_checkpoint(
     quant_config.json; safetensors weights, one file or shards with their index). AWQ: the "gemm"
     layout, 4 bits with zero points, any supported group size. compressed-tensors (llm-compressor):
     "pack-quantized" W4A16 / W8A16, group or channel strategy, symmetric or (4 bits) asymmetric,
-    with or without activation ordering (weight_g_idx). GPTQ: bits 4 (sym true or false) or 8 (sym true),
+    with or without activation ordering (weight_g_idx); with a 2:4 ``sparsity_config`` (stored
+    dense) its 2:4 layers become MarlinLinear24 layers (``<prefix>.b_q``, ``.b_meta``,
+    ``.b_scales``; marlin.convert.compressed says which qualify). GPTQ: bits 4 (sym true or false) or 8 (sym true),
     group_size 32, 64, 128 or -1, desc_act false or true, checkpoint_format "gptq" or "gptq_v2",
     scales in fp16 or bf16 (the converted layers compute in that dtype).
 
@@ -354,6 +363,10 @@ def _convert_layer(
         out[f"{prefix}.bias"] = gptq["bias"]
     if converted.perm is not None:
         report.act_order_layers.append(prefix)
+    if converted.b_meta is not None:
+        report.sparse_layers.append(prefix)
+    elif converted.why_dense is not None:
+        report.kept_dense.append((prefix, converted.why_dense))
     report.layers.append(prefix)
     if dev is not None:
         if isinstance(cfg, AWQConfig):

@@ -141,17 +141,22 @@ class GPTQConfig:
 @dataclass
 class MarlinTensors:
     """One converted layer: the MarlinLinear buffers (``perm`` None when no permutation is needed,
-    ``b_zeros`` None for symmetric weights) and the op's ``bits``."""
+    ``b_zeros`` None for symmetric weights) and the op's ``bits``; or, with ``b_meta``, a 2:4-sparse
+    layer's MarlinLinear24 buffers (b_q, b_meta, b_scales: marlin.sparse's format)."""
 
     b_q: torch.Tensor
     b_scales: torch.Tensor
     perm: Optional[torch.Tensor]
     b_zeros: Optional[torch.Tensor] = None
     bits: int = 4
+    b_meta: Optional[torch.Tensor] = None
+    why_dense: Optional[str] = None  # a layer of a 2:4 checkpoint kept dense: why
 
     def tensors(self, prefix: str) -> dict:
-        """The MarlinLinear state_dict entries of this layer (bias aside)."""
+        """The MarlinLinear (MarlinLinear24) state_dict entries of this layer (bias aside)."""
         out = {f"{prefix}.b_q": self.b_q, f"{prefix}.b_scales": self.b_scales}
+        if self.b_meta is not None:
+            out[f"{prefix}.b_meta"] = self.b_meta
         if self.b_zeros is not None:
             out[f"{prefix}.b_zeros"] = self.b_zeros
         if self.perm is not None:

@@ -1,7 +1,8 @@
 """Numerical check of one converted layer against its source format's formula.
 
 On random inputs x (in the layer's dtype: fp16, or bf16 for bf16 scales), compare what the Marlin
-op computes from the converted tensors, gemm(x[:, perm], b_q, b_scales, b_zeros), with x @ W in
+op computes from the converted tensors, gemm(x[:, perm], b_q, b_scales, b_zeros) (gemm_2_4 for a
+2:4-sparse layer), with x @ W in
 float32, where W = scales[g] * (q - zero) is dequantized from the source tensors as stored (GPTQ or
 AWQ), so a wrong zero, scale, nibble order, group or permutation shows up as an O(1) error.
 
@@ -68,6 +69,11 @@ def verify_layer(
     x = torch.randn(VERIFY_ROWS, k, generator=gen).to(marlin.b_scales.dtype)
     ref = x.float() @ w
     x_in = x if marlin.perm is None else x.index_select(1, marlin.perm.to(torch.int64))
+    if marlin.b_meta is not None:  # a 2:4-sparse layer
+        out = ops.gemm_2_4(
+            x_in.to(device), marlin.b_q.to(device), marlin.b_meta.to(device), marlin.b_scales.to(device), workspace
+        ).float().cpu()
+        return normwise_relative_error(out, ref)
     zeros = None if marlin.b_zeros is None else marlin.b_zeros.to(device)
     out = ops.gemm(
         x_in.to(device), marlin.b_q.to(device), marlin.b_scales.to(device), workspace, b_zeros=zeros, bits=marlin.bits
