@@ -7,6 +7,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+import marlin
 from marlin import packing
 from marlin.convert import ConversionError, convert_gptq_checkpoint
 from marlin.nn import MarlinLinear
@@ -234,3 +235,61 @@ def test_convert_2_4_sparse_limits(tmp_path):
     with pytest.raises(ConversionError, match=r"sparsity_config: format = 'sparse-24-bitmask' is not supported"):
         convert_gptq_checkpoint(src, other / "dst", quiet=True)
     assert not (other / "dst").exists()
+
+
+def test_2_4_llama_converts_and_loads(tmp_path):
+    """A tiny Llama pruned 2:4 and saved as llm-compressor does (pack-quantized, channel, sparse 2:4
+    dense): marlin-convert makes every Linear a 2:4 layer; load_quantized and from_pretrained give
+    the same logits, close to the model with the checkpoint's dequantized weights."""
+    transformers = pytest.importorskip("transformers")
+    from marlin import sparse
+    from marlin.sparse_nn import MarlinLinear24
+
+    from conftest import rel_err, tiny_llama_config
+
+    config = tiny_llama_config()
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).eval()
+    args = QuantizationArgs(num_bits=4, type="int", symmetric=True, strategy="channel")
+    scheme = QuantizationScheme(targets=["Linear"], weights=args)
+    tensors = {}
+    from compressed_tensors.compressors.pack_quantized import unpack_from_int32
+
+    with torch.no_grad():
+        for name, module in model.named_modules():
+            if isinstance(module, torch.nn.Linear) and name != "lm_head":
+                w = sparse.prune_2_4(module.weight.t()).t().contiguous()
+                scale, zp = calculate_qparams(w.amin(-1, keepdim=True), w.amax(-1, keepdim=True), args)
+                state = {"weight": w.half(), "weight_scale": scale.half(), "weight_zero_point": zp.to(torch.int8)}
+                packed = dict(PackedQuantizationCompressor.compress(state, scheme))
+                tensors.update({f"{name}.{s}": t.contiguous() for s, t in packed.items()})
+                q = unpack_from_int32(packed["weight_packed"], 4, w.shape).float()
+                module.weight.copy_(scale.half().float() * q)  # the reference: the checkpoint's weights
+    for name, t in model.state_dict().items():
+        if name.rsplit(".", 1)[0] + ".weight_packed" not in tensors:
+            tensors[name] = t.half().contiguous()
+    src = tmp_path / "src"
+    src.mkdir()
+    save_file(tensors, str(src / "model.safetensors"))
+    qc = {
+        "quant_method": "compressed-tensors",
+        "format": "pack-quantized",
+        "config_groups": {"group_0": {"targets": ["Linear"], "weights": {"num_bits": 4, "type": "int", "symmetric": True,
+                                                                          "strategy": "channel"}}},
+        "ignore": ["lm_head"],
+        "sparsity_config": {"format": "dense", "sparsity_structure": "2:4", "targets": ["Linear"], "ignore": ["lm_head"]},
+    }
+    (src / "config.json").write_text(json.dumps(dict(json.loads(config.to_json_string()), quantization_config=qc)))
+
+    dst = tmp_path / "dst"
+    report = convert_gptq_checkpoint(src, dst, verify=True, quiet=True)
+    assert len(report.sparse_layers) == 14 and report.kept_dense == []
+    x = torch.randint(0, 1000, (2, 9), generator=torch.Generator().manual_seed(0))
+    loaded = marlin.load_quantized(dst, device="cpu")
+    via_hf = transformers.AutoModelForCausalLM.from_pretrained(dst)
+    for m in (loaded, via_hf):
+        assert sum(isinstance(mod, MarlinLinear24) for mod in m.modules()) == 14
+    with torch.no_grad():
+        logits = loaded(x).logits
+        assert torch.equal(logits, via_hf(x).logits)
+        assert rel_err(logits, model(x).logits) < 5e-3
