@@ -21,8 +21,8 @@ with zero points, all exact with the same scales.
 2:4-sparse checkpoints (llm-compressor's 2:4 pruning, ``sparsity_config`` with
 ``sparsity_structure: "2:4"`` and the weights stored ``"dense"``, i.e. with the pruned zeros in
 place): every layer whose integer codes have at most two non-zeros in each group of 4 inputs, and
-that the 2:4 kernel takes (4-bit symmetric, group 128 or channel, no activation ordering, K and N
-multiples of 128), becomes a MarlinLinear24 layer (b_q, b_meta, b_scales; marlin/sparse.py),
+that the 2:4 kernel takes (4-bit symmetric, scales of a dtype it computes in, group 128 or channel,
+no activation ordering, K and N multiples of 128), becomes a MarlinLinear24 layer (b_q, b_meta, b_scales; marlin/sparse.py),
 exact with the same scales; the others convert as dense layers, and the report says why.
 """
 
@@ -223,8 +223,7 @@ def _why_not_2_4(b: torch.Tensor, scales: torch.Tensor, cfg: CompressedTensorsCo
     shape = sparse.check_shape_2_4(b.shape[0], b.shape[1], cfg.group_size)
     if shape is not None:
         return f"the 2:4 kernel does not take it: {shape}"
-    nnz = (b != 0).reshape(b.shape[0] // 4, 4, b.shape[1]).sum(dim=1)
-    bad = int((nnz > 2).any(dim=0).sum())
+    bad = sparse.violations_2_4(b.float()).numel()
     if bad:
         return f"not 2:4 sparse: {bad} of its {b.shape[1]} output columns have more than two non-zeros in a group of 4 inputs"
     return None
