@@ -228,6 +228,16 @@ def test_convert_2_4_sparse_limits(tmp_path):
     report = convert_gptq_checkpoint(src, tmp_path / "dst", quiet=True)
     if torch.bfloat16 not in sparse.DTYPES_2_4:
         assert report.sparse_layers == [] and "torch.bfloat16 scales" in dict(report.kept_dense)[SPARSE_LAYERS[0][0]]
+    # a sparsity_config of another structure: the layers convert as they are, all dense, no reasons
+    unstructured = tmp_path / "unstructured"
+    unstructured.mkdir()
+    src, refs = write_2_4(unstructured, 128)
+    config = json.loads((src / "config.json").read_text())
+    config["quantization_config"]["sparsity_config"]["sparsity_structure"] = "unstructured"
+    (src / "config.json").write_text(json.dumps(config))
+    report = convert_gptq_checkpoint(src, unstructured / "dst", quiet=True)
+    assert report.sparse_layers == [] and report.kept_dense == [] and sorted(report.layers) == sorted(refs)
+    assert "sparsity" not in json.loads((unstructured / "dst" / "config.json").read_text())["quantization_config"]
     # compressed sparse storage is refused before anything is written
     other = tmp_path / "other"
     other.mkdir()
