@@ -24,6 +24,13 @@ def ct_layer(k, n, bits, sym, group_size, dtype, seed):
     """One Linear [N, K] quantized and packed by compressed-tensors; returns (tensors, B [K, N] exact)."""
     g = torch.Generator().manual_seed(seed)
     w = (torch.randn(n, k, generator=g) * 0.05 + (0 if sym else 0.02)).to(dtype)
+    return ct_pack(w, bits, sym, group_size, dtype)
+
+
+def ct_pack(w, bits, sym, group_size, dtype):
+    """The weight w [N, K] quantized and packed by compressed-tensors (scales in ``dtype``); returns
+    (tensors, B [K, N] exact)."""
+    n, k = w.shape
     strategy = "channel" if group_size == -1 else "group"
     args = QuantizationArgs(
         num_bits=bits, type="int", symmetric=sym, strategy=strategy, group_size=None if group_size == -1 else group_size
@@ -161,17 +168,7 @@ def write_2_4(tmp_path, group_size=128, dtype=torch.float16, sparsity_format="de
         w = torch.randn(n, k, generator=g) * 0.05
         if pruned:
             w = sparse.prune_2_4(w.t()).t().contiguous()
-        args = QuantizationArgs(num_bits=4, type="int", symmetric=True, strategy="channel" if group_size == -1 else "group",
-                                group_size=None if group_size == -1 else group_size)
-        gs = k if group_size == -1 else group_size
-        blocks = w.reshape(n, k // gs, gs)
-        scale, zp = calculate_qparams(blocks.amin(-1), blocks.amax(-1), args)
-        state = {"weight": w.to(dtype), "weight_scale": scale.to(dtype), "weight_zero_point": zp.to(torch.int8)}
-        packed = dict(PackedQuantizationCompressor.compress(state, QuantizationScheme(targets=["Linear"], weights=args)))
-        from compressed_tensors.compressors.pack_quantized import unpack_from_int32
-
-        q = unpack_from_int32(packed["weight_packed"], 4, torch.Size([n, k])).float()
-        refs[prefix] = (scale.to(dtype).float().repeat_interleave(k // scale.shape[1], 1) * q).t().contiguous()
+        packed, refs[prefix] = ct_pack(w.to(dtype), 4, True, group_size, dtype)
         tensors.update({f"{prefix}.{s}": t.contiguous() for s, t in packed.items()})
     src = tmp_path / "src"
     src.mkdir()
@@ -260,21 +257,14 @@ def test_2_4_llama_converts_and_loads(tmp_path):
     config = tiny_llama_config()
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(config).eval()
-    args = QuantizationArgs(num_bits=4, type="int", symmetric=True, strategy="channel")
-    scheme = QuantizationScheme(targets=["Linear"], weights=args)
     tensors = {}
-    from compressed_tensors.compressors.pack_quantized import unpack_from_int32
-
     with torch.no_grad():
         for name, module in model.named_modules():
             if isinstance(module, torch.nn.Linear) and name != "lm_head":
                 w = sparse.prune_2_4(module.weight.t()).t().contiguous()
-                scale, zp = calculate_qparams(w.amin(-1, keepdim=True), w.amax(-1, keepdim=True), args)
-                state = {"weight": w.half(), "weight_scale": scale.half(), "weight_zero_point": zp.to(torch.int8)}
-                packed = dict(PackedQuantizationCompressor.compress(state, scheme))
+                packed, b = ct_pack(w.half(), 4, True, -1, torch.float16)
                 tensors.update({f"{name}.{s}": t.contiguous() for s, t in packed.items()})
-                q = unpack_from_int32(packed["weight_packed"], 4, w.shape).float()
-                module.weight.copy_(scale.half().float() * q)  # the reference: the checkpoint's weights
+                module.weight.copy_(b.t())  # the reference: the checkpoint's weights
     for name, t in model.state_dict().items():
         if name.rsplit(".", 1)[0] + ".weight_packed" not in tensors:
             tensors[name] = t.half().contiguous()
