@@ -40,6 +40,7 @@ struct Knobs {
   bool cluster_fit;           // MARLIN_CLUSTER_FIT=0 keeps split columns that do not fit as resident
                               // clusters on a global reduction instead of fewer parts that do
   int max_split_parts;        // MARLIN_SPLIT_PARTS=N caps the split parts per column (0: the planner's)
+  int wg_tile_n;              // MARLIN_WG_TILE_N=128: the wgmma variant's fp16 group 128 on 128-column tiles (probe)
   int prefill;                // MARLIN_PREFILL=0 keeps large batches off the prefill kernel; 1 runs it
                               // wherever it can above 64 rows (default -1: the planner's rule)
   bool log_plan;              // MARLIN_LOG_PLAN=1 prints each call's plan (kernel, tile, partition) to stderr
@@ -56,6 +57,7 @@ const Knobs& knobs() {
                        env_int("MARLIN_SMALL_LAYER_CLUSTERS", 1) != 0,
                        env_int("MARLIN_CLUSTER_FIT", 1) != 0,
                        env_int("MARLIN_SPLIT_PARTS", 0),
+                       env_int("MARLIN_WG_TILE_N", 0),
                        env_int("MARLIN_PREFILL", -1),
                        env_int("MARLIN_LOG_PLAN", 0) == 1};
   return k;
@@ -112,6 +114,7 @@ at::Tensor gemm_cuda(const at::Tensor& a, const at::Tensor& b_q, const at::Tenso
   args.cluster_fit = knobs().cluster_fit;
   args.max_split_parts = knobs().max_split_parts;
   args.wg_slice_rows = knobs().wg_slice_rows;
+  args.wg_tile_n = knobs().wg_tile_n;
   args.g128_runtime_group = knobs().g128_runtime_group;
   args.zp_sums = knobs().zp_sums;
   args.small_layer_clusters = knobs().small_layer_clusters;

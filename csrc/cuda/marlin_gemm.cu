@@ -301,6 +301,12 @@ bool find_smallm_instance(int mb, int tile_n, bool grouped, bool wg, Instance* o
   MARLIN_TRY(8, 4, true)
   MARLIN_TRY(8, 8, true)
   MARLIN_TRY(16, 4, true)
+  if (grouped && wg && tile_n == 128) {  // the 128-column tile: fp16 group 128 only
+    if (mb == 2) return *out = make_smallm_instance<2, 2, true, true>(), true;
+    if (mb == 4) return *out = make_smallm_instance<4, 2, true, true>(), true;
+    if (mb == 8) return *out = make_smallm_instance<8, 2, true, true>(), true;
+    if (mb == 16) return *out = make_smallm_instance<16, 2, true, true>(), true;
+  }
 #undef MARLIN_TRY
   return false;
 }
@@ -432,18 +438,22 @@ std::string plan_small_m(const GemmArgs& args, int tile_n, GemmPlan* plan) {
            "not at all; " + describe(args, TileConfig{128, tile_n}, 0) +
            " (leave tile_k / tile_n unset to let the planner choose)";
   plan->small_m = true;
+  // probe (MARLIN_WG_TILE_N=128): the wgmma variant's 256-column tile as 128 columns, fp16 group 128
+  const bool narrow = args.wg_tile_n == 128 && tile_n == 256 && f.base() && grouped && args.wgmma &&
+                      (args.m > 8 || f.w == kU8);
+  if (narrow) tile_n = 128;
   // 8-bit weights run the wgmma variant from one row on: its 16-row slice, at M = 1 on an H100,
   // took 21.6 instead of 24.5 us on 7B qkv and 160 instead of 170 us on 70B gate_up (7B down and
   // 70B o within 2%), where the 8-row mma.sync slice's two 8-bit fragments per block cost more.
   plan->wgmma = args.wgmma && (args.m > 8 || f.w == kU8);
   // rows per slice / 8: above 64 rows (wgmma) 64 or 128, the latter with the 256-column tile only
-  const bool wide = plan->wgmma && args.m > kWgSliceRows && tile_n == 256;
+  const bool wide = plan->wgmma && args.m > kWgSliceRows && (tile_n == 256 || tile_n == 128);
   plan->m_blocks = args.m <= 8 ? (plan->wgmma ? 2 : 1) : args.m <= 16 ? 2 : (args.m <= 32 || !plan->wgmma) ? 4 : wide ? wg_slice_rows(args) / 8 : 8;
   plan->m_slices = (args.m + 8 * plan->m_blocks - 1) / (8 * plan->m_blocks);
   plan->tile = TileConfig{128, tile_n};
   if (!f.base() && !plan->wgmma && plan->m_blocks > 2) plan->m_blocks = 2;  // their mma.sync slices: 8 or 16 rows
   plan->m_slices = (args.m + 8 * plan->m_blocks - 1) / (8 * plan->m_blocks);
-  g128_as_runtime_group(args, *plan, &f);
+  if (!narrow) g128_as_runtime_group(args, *plan, &f);
   plan->zp_sums = zp_group_sums(f, plan->m_blocks, plan->wgmma);
   Instance inst;
   const bool found = f.base() ? find_smallm_instance(plan->m_blocks, tile_n, grouped, plan->wgmma, &inst)

@@ -49,6 +49,8 @@ struct GemmArgs {
   // Rows per slice of the wgmma variant above 64 rows: 0 the planner's choice; 64 or 128 forced
   // (probes, tests).
   int wg_slice_rows = 0;
+  // probes: 128 runs the wgmma variant's fp16 group-128 calls on a 128-column tile (0: 256 / 512)
+  int wg_tile_n = 0;
   // fp16 group 128 on the wgmma variant's 16-row slices: the run-time-group instance (true) or the
   // group-sum one (false); see g128_as_runtime_group in marlin_gemm.cu
   bool g128_runtime_group = true;

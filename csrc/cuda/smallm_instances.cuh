@@ -18,6 +18,7 @@ namespace marlin {
 // still fits the 227 KB an H100 / H200 block may opt into.
 template <int MB, int NW, bool WG, int W = kU4>
 constexpr int kSmallMStages = !WG ? ((NW == 8 && MB <= 2) ? 3 : 4)
+                              : NW == 2 && MB == 16 ? 3  // its K-warp reduction buffer takes 64 KB
                               : W == kU8 ? (MB >= 8 ? 3 : MB == 4 ? 4 : 5)
                                          : (MB >= 8 ? 4 : 5);
 

@@ -80,7 +80,8 @@ struct SmallMShape {
   // times that sum per column before the scale. The zero point then costs one FFMA per sum and
   // group instead of a full dequantization with a per-column constant at every k16 step.
   static constexpr bool kZpSums = std::is_same<ET, half>::value && W == kU4Zp && GROUPED && !RG && !WG && MB == 1;
-  static constexpr bool kGroupSums = (kBase && GROUPED && (WG ? MB == 2 : MB == 1)) || kZpSums;
+  // (Not on the 128-column wgmma tile: its warps hold half a chunk each, which needs scaled weights.)
+  static constexpr bool kGroupSums = (kBase && GROUPED && (WG ? MB == 2 && NW != 2 : MB == 1)) || kZpSums;
   static constexpr bool kScaleWeights = GROUPED && !kGroupSums;
   // Where scales act on fp32 sums, the weights enter the mma as raw subnormals (see
   // unpack_int4x8_subnormal): 5 instructions per 8 weights instead of 9. The sums are then
@@ -113,7 +114,10 @@ struct SmallMShape {
   // single stage in flight, issued and waited for in the same step: late refill there too.
   static constexpr bool kLateRefill = WG && (MB == 16 || kGroupSums || STAGES == 3);
   static constexpr int kAhead = WG && !kLateRefill ? STAGES - 2 : STAGES - 1;
-  static constexpr int kJW = WG && MB == 16 ? 2 : 4;  // 16-column blocks of its chunk per warp
+  // 16-column blocks of its chunk per warp: half a chunk at MB == 16 (accumulators) and on the
+  // 128-column wgmma tile (NW == 2: the eight warps are 2 chunks x 2 halves x 2 K halves, so that
+  // each warpgroup still covers one K half)
+  static constexpr int kJW = WG && (MB == 16 || NW == 2) ? 2 : 4;
   static constexpr int kJSplit = 4 / kJW;             // warps per 64-column chunk
   static constexpr int kKW = kWarps / NW / kJSplit;   // warps along K: 1 or 2
   static constexpr int kTK = 8;            // k16 blocks per stage: 128 rows of K, one scale group
@@ -147,7 +151,7 @@ struct SmallMShape {
   // accumulators per thread: kJW row blocks of 16 columns of N x MB n8 tiles x 4
   static constexpr int kAccFloats = kJW * MB * 4;
   // end-of-column reduction of the K warps: the upper KW - 1 warp rows store theirs
-  static constexpr int kRedInt4 = (kKW - 1) * NW * 32 * (kAccFloats / 4);
+  static constexpr int kRedInt4 = (kKW - 1) * NW * kJSplit * 32 * (kAccFloats / 4);
   // WG: + 1 KB to align the dynamic shared memory to the 1024-byte swizzle atom
   static constexpr int kSmemBytes = (kPipeInt4 + kRedInt4) * 16 + (WG ? 1024 : 0);
   // fp32 values of one block's partial tile (rows of the slice x columns of the tile)
@@ -155,7 +159,7 @@ struct SmallMShape {
 
   static_assert(WG ? (MB == 2 || MB == 4 || MB == 8 || MB == 16) : (MB == 1 || MB == 2 || MB == 4),
                 "MB must be 1, 2 or 4 (2, 4, 8 or 16 with WG)");
-  static_assert(kKW >= 1 && kWarps == NW * kJSplit * kKW, "MB == 16 needs the 256-column tile");
+  static_assert(kKW >= 1 && kWarps == NW * kJSplit * kKW, "MB == 16 needs the 128- or 256-column tile");
   static_assert(kAhead >= 1, "the pipeline needs a stage in flight");
   static_assert(!WG || kStageInt4 % 64 == 0, "WG stages must keep the 1024-byte alignment");
   static_assert(kWarps % NW == 0 && kTK % kKW == 0, "warps must split the tile evenly");
@@ -165,6 +169,7 @@ struct SmallMShape {
   static_assert(kBStage % kThreads == 0, "B stage must split evenly over threads");
   static_assert(kThreads % (NW * kChunkInt4) == 0, "a round of B copies must cover whole k16 rows");
   static_assert(kBase || NW == 4, "other formats: instances with the 256-column tile only");
+  static_assert(NW != 2 || (WG && kBase && GROUPED), "the 128-column tile: wgmma, fp16 group 128 only");
   // N a multiple of 64 only (the other formats; 8-row mma.sync slices, 16- and 32-row wgmma
   // ones): the last tile of N may hold fewer than NW chunks of 64 columns. Their copies re-read
   // chunk 0 of the tile (in bounds, no branch in the copy loop) and their results are not stored.
@@ -716,7 +721,7 @@ __global__ void __launch_bounds__(kThreads, kSmallMMinBlocksPerSm<MB, WG>) marli
         for (int e = 0; e < 4; e++) corr[b][e] = 0.f;
     }
     if constexpr (KW == 2) {
-      float4* red = reinterpret_cast<float4*>(smem + S::kPipeInt4) + wn * (S::kAccFloats / 4) * 32 + lane;
+      float4* red = reinterpret_cast<float4*>(smem + S::kPipeInt4) + (wn + NW * jh) * (S::kAccFloats / 4) * 32 + lane;
       if (wk == 1) {
 #pragma unroll
         for (int j = 0; j < JW; j++)

@@ -7,4 +7,5 @@ namespace marlin {
 MARLIN_DEFINE_SMALLM_LAUNCH
 MARLIN_INSTANTIATE_SMALLM_ONE(16, 4, true, true)
 MARLIN_INSTANTIATE_SMALLM_ONE(16, 4, false, true)
+MARLIN_INSTANTIATE_SMALLM_ONE(16, 2, true, true)  // the 128-column tile (fp16 group 128)
 }  // namespace marlin

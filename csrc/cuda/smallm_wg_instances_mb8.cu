@@ -6,4 +6,5 @@
 namespace marlin {
 MARLIN_DEFINE_SMALLM_LAUNCH
 MARLIN_INSTANTIATE_SMALLM(8, true)
+MARLIN_INSTANTIATE_SMALLM_ONE(8, 2, true, true)  // the 128-column tile (fp16 group 128)
 }  // namespace marlin
