@@ -253,7 +253,7 @@ def test_wgmma_slices_above_64_rows(rows):
     found = re.findall(r"^marlin\.gemm plan: m=(\d+) .* tile_k=128 tile_n=(\d+) m_blocks=(\d+) kernel=small_m_wgmma ", log, re.M)
     large = [(int(tile), int(mb)) for m, tile, mb in found if int(m) > 64]
     assert len(large) > 20, log[-2000:]
-    want = {256: 16 if rows == "128" else 8, 512: 8}
+    want = {128: 16 if rows == "128" else 8, 256: 16 if rows == "128" else 8, 512: 8}
     assert all(mb == want[tile] for tile, mb in large), sorted(set(large))
 
 
@@ -456,13 +456,16 @@ def test_small_layers_take_the_small_batch_kernel_where_its_columns_reduce_in_cl
     small-batch kernel exactly where that kernel's own plan ends no column through global memory
     (clusters, or no split), else the tiled kernel; MARLIN_SMALL_LAYER_CLUSTERS=0 keeps them all
     on the tiled kernel. Read from the plan log of a subprocess that also forces each call onto
-    the small-batch tile."""
+    the small-batch tile (its 256 columns: MARLIN_WG_TILE_N=256 keeps the default on them too; the
+    128-column tile has its own test)."""
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the rule is for the wgmma variant (compute capability 9.0)")
     # layers under 80 KB of weights per SM at 9-64 rows
     shapes = [(3072, 3072), (4096, 1024), (4096, 4096), (8960, 1536), (1536, 8960), (2048, 4096)]
     for knob in ("1", "0"):
-        defaults, forced_plans = _default_and_forced_plans(shapes, [9, 16, 40, 64], {"MARLIN_SMALL_LAYER_CLUSTERS": knob})
+        defaults, forced_plans = _default_and_forced_plans(
+            shapes, [9, 16, 40, 64], {"MARLIN_SMALL_LAYER_CLUSTERS": knob, "MARLIN_WG_TILE_N": "256"}
+        )
         kinds = set()
         for default, forced in zip(defaults, forced_plans):
             assert " kernel=small_m_wgmma " in forced, forced
@@ -474,6 +477,37 @@ def test_small_layers_take_the_small_batch_kernel_where_its_columns_reduce_in_cl
         # both outcomes occur on these shapes (3072 x 3072 reduces in clusters; 8960 x 1536 does not
         # split its columns in parts), so neither branch of the rule goes untested
         assert kinds == ({True, False} if knob == "1" else {False}), kinds
+
+
+def test_small_layers_take_the_128_column_tile():
+    """fp16 group 128 at 17-128 rows on an H100/H200: the 128-column tile of the wgmma variant where
+    the layer is small (under 80 KB of weights per SM) or the 256-column plan ends columns through
+    global memory, and only where the 128-column plan then ends none there; never at 16 rows or
+    fewer; MARLIN_WG_TILE_N=256 keeps the 256-column tile. Every call checked against fp64 (also
+    with the 128-column tile forced wherever it can run, in 64- and 128-row slices)."""
+    if not _wgmma_device():
+        pytest.skip("the wgmma variant runs on compute capability 9.0 only")
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    shapes, ms = [(4096, 4096), (2048, 4096), (11008, 4096), (4096, 12288)], [13, 16, 32, 64, 100, 128]
+    default, _ = _default_and_forced_plans(shapes, ms, {})
+    wide, _ = _default_and_forced_plans(shapes, ms, {"MARLIN_WG_TILE_N": "256"})
+    narrow_seen = 0
+    for d, w in zip(default, wide):
+        m, n, k = (int(re.search(key + r"=(\d+) ", d)[1]) for key in ("m", "n", "k"))
+        narrow = " tile_n=128 " in d
+        assert " tile_n=128 " not in w, w
+        if narrow:
+            assert m > 16 and " kernel=small_m_wgmma " in d and " global_reduction=0" in d, d
+        if m <= 16 or (k * n // 2 // sms >= 80 * 1024 and " global_reduction=0" in w):
+            assert d == w, (d, w)
+        narrow_seen += narrow
+    if sms == 132:  # 4096 x 4096 and 2048 x 4096 at 32-128 rows (H100 probe: 10-21% faster)
+        assert narrow_seen >= 8, narrow_seen
+    for slice_rows in ("0", "128"):
+        forced, _ = _default_and_forced_plans(shapes, ms, {"MARLIN_WG_TILE_N": "128", "MARLIN_WG_SLICE": slice_rows})
+        assert sum(" tile_n=128 " in f for f in forced) >= 16, forced
+        if slice_rows == "128":
+            assert any(" tile_n=128 m_blocks=16 " in f for f in forced), forced
 
 
 def test_split_parts_fall_back_to_what_fits_as_clusters():

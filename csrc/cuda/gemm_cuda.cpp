@@ -40,7 +40,8 @@ struct Knobs {
   bool cluster_fit;           // MARLIN_CLUSTER_FIT=0 keeps split columns that do not fit as resident
                               // clusters on a global reduction instead of fewer parts that do
   int max_split_parts;        // MARLIN_SPLIT_PARTS=N caps the split parts per column (0: the planner's)
-  int wg_tile_n;              // MARLIN_WG_TILE_N=128: the wgmma variant's fp16 group 128 on 128-column tiles (probe)
+  int wg_tile_n;              // MARLIN_WG_TILE_N=128 or 256 forces the wgmma variant's fp16 group-128 tile
+                              // (128 wherever it can run; 256: never the 128-column one)
   int prefill;                // MARLIN_PREFILL=0 keeps large batches off the prefill kernel; 1 runs it
                               // wherever it can above 64 rows (default -1: the planner's rule)
   bool log_plan;              // MARLIN_LOG_PLAN=1 prints each call's plan (kernel, tile, partition) to stderr

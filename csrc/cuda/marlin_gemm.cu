@@ -281,7 +281,8 @@ bool find_smallm_format(int mb, int tile_n, bool wg, const Format& f, Instance* 
 }
 
 // The small-batch instances: MB n8 tiles of the batch (1, 2, 4 with mma.sync; 2, 4, 8 with
-// wgmma) x 256 or 512 columns x scales; and MB = 16 with wgmma, 256 columns only.
+// wgmma) x 256 or 512 columns x scales; MB = 16 with wgmma, 256 columns only; and with wgmma at
+// MB = 2-16 the 128-column tile, group 128 only.
 bool find_smallm_instance(int mb, int tile_n, bool grouped, bool wg, Instance* out) {
 #define MARLIN_TRY(MB, NW, WG)                                                                                \
   if (mb == MB && tile_n == 64 * NW && wg == WG) {                                                           \
@@ -438,7 +439,8 @@ std::string plan_small_m(const GemmArgs& args, int tile_n, GemmPlan* plan) {
            "not at all; " + describe(args, TileConfig{128, tile_n}, 0) +
            " (leave tile_k / tile_n unset to let the planner choose)";
   plan->small_m = true;
-  // probe (MARLIN_WG_TILE_N=128): the wgmma variant's 256-column tile as 128 columns, fp16 group 128
+  // GemmArgs::wg_tile_n == 128 (narrow_tile_where_it_pays, or forced by MARLIN_WG_TILE_N=128): the
+  // wgmma variant's 256-column tile as 128 columns, fp16 group 128 only
   const bool narrow = args.wg_tile_n == 128 && tile_n == 256 && f.base() && grouped && args.wgmma &&
                       (args.m > 8 || f.w == kU8);
   if (narrow) tile_n = 128;
@@ -527,6 +529,31 @@ void plan_prefill(const GemmArgs& args, const Format& f, GemmPlan* plan) {
   plan->launch = kInstances[f.bf16][f.w][f.group_mode != kPerColumn];  // prefill_format excludes the nullptr
 }
 
+// The 128-column tile of the wgmma variant (fp16 group 128; 17-128 rows): twice the columns of
+// the 256-column plan, so half the parts per column, each streaming twice as deep. Taken where the
+// layer is small (under kWgBytesPerSm of weights per SM: its 256-column columns are few and short,
+// so their many parts' reduction and pipeline fill weigh most) or where the 256-column plan ends
+// columns through global memory, and only if the 128-column plan then ends none there. H100 probe
+// (benchmarks/NOTES.md 2026-11-27, "a 128-column tile"), us, 256 -> 128 columns: 4096 x 4096 at
+// M = 32 / 64 / 128 10.0 / 12.2 / 16.4 -> 9.0 / 10.9 / 13.6 (FP16 14.3 at 128), 2048 x 4096 12-21%
+// faster, 8192 x 8192 at M = 32 / 64 (a global reduction before) 6% / 12% faster. Slower, and left
+// out by the rule: the larger layers whose 256-column columns already reduce in clusters
+// (11008 x 4096 +1-3%, 4096 x 12288 +4-16%), 16 rows (8192 x 8192 +7%) and 8192 x 8192 above 64
+// rows, where the 128-column plan falls back to stream-K stripes. MARLIN_WG_TILE_N=256 keeps the
+// 256-column tile everywhere, =128 takes the 128-column one wherever it can run (probes).
+void narrow_tile_where_it_pays(const GemmArgs& args, GemmPlan* plan) {
+  if (args.wg_tile_n != 0 || !plan->small_m || !plan->wgmma || plan->tile.tile_n != 256 || plan->m_blocks < 4 ||
+      args.m > 2 * kWgSliceRows || args.groups <= 1)
+    return;
+  Format f;
+  if (!format_of(args, &f).empty() || !f.base()) return;
+  if (weight_bytes_per_sm(args) >= kWgBytesPerSm && !plan->needs_partial) return;
+  GemmArgs narrow = args;
+  narrow.wg_tile_n = 128;
+  GemmPlan trial;
+  if (plan_small_m(narrow, 256, &trial).empty() && !trial.needs_partial) *plan = trial;
+}
+
 // Layers under kWgBytesPerSm of weights per SM at 9-64 rows (wgmma) take the tiled kernel by
 // default, but the small-batch kernel where its plan ends no column through global memory: every
 // split column reduced inside one thread-block cluster (all clusters resident at once), or no
@@ -541,7 +568,9 @@ bool small_layer_small_m(const GemmArgs& args, const Format& f, GemmPlan* plan) 
     return false;
   if (args.k % 128 != 0 || !f.small_batch() || (f.base() && args.n % 256 != 0)) return false;
   GemmPlan trial;
-  if (!plan_small_m(args, 256, &trial).empty() || trial.needs_partial) return false;
+  if (!plan_small_m(args, 256, &trial).empty()) return false;
+  narrow_tile_where_it_pays(args, &trial);
+  if (trial.needs_partial) return false;
   *plan = trial;
   return true;
 }
@@ -578,6 +607,7 @@ std::string plan_gemm(const GemmArgs& args, int tile_k, int tile_n, GemmPlan* pl
     const int small_tile = small_m_tile(args, f);
     if (small_tile > 0 && plan_small_m(args, small_tile, plan).empty()) {
       slices_of_128_where_they_reduce_in_clusters(args, plan);
+      narrow_tile_where_it_pays(args, plan);
       return "";
     }
     if (small_tile == 512 && plan_small_m(args, 256, plan).empty()) return "";

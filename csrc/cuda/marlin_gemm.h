@@ -49,7 +49,8 @@ struct GemmArgs {
   // Rows per slice of the wgmma variant above 64 rows: 0 the planner's choice; 64 or 128 forced
   // (probes, tests).
   int wg_slice_rows = 0;
-  // probes: 128 runs the wgmma variant's fp16 group-128 calls on a 128-column tile (0: 256 / 512)
+  // The wgmma variant's tile for fp16 group 128: 0 the planner's choice (narrow_tile_where_it_pays
+  // in marlin_gemm.cu); 128 the 128-column tile wherever it can run, 256 never (probes, tests)
   int wg_tile_n = 0;
   // fp16 group 128 on the wgmma variant's 16-row slices: the run-time-group instance (true) or the
   // group-sum one (false); see g128_as_runtime_group in marlin_gemm.cu

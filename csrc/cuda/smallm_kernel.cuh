@@ -14,8 +14,10 @@
 //    arithmetic), and one more mma per k16 step removes the +8 offset. For larger slices with
 //    group scales, the weights are dequantized with the magic-number trick and scaled in fp16
 //    (fewer registers: two blocks per SM at 16 rows).
-//  * Tiles of 256 or 512 columns (NW warps x 64): each 16-byte activation chunk read from L2 feeds
-//    2-4x more weights than the 128-column tile.
+//  * Tiles of 256 or 512 columns (NW chunks x 64): each 16-byte activation chunk read from L2 feeds
+//    2-4x more weights than the tiled kernel's 128-column tile. The wgmma variant also has a
+//    128-column tile for fp16 group 128 (NW == 2), for layers whose 256-column columns are too
+//    few to fill the device without many short parts per column.
 //  * The pipeline runs over the block's whole stripe: the loads of the next column are already
 //    in flight while a column is reduced and written (no refill at column boundaries). The
 //    stage loop stays unrolled (static shared-memory offsets); after a column's epilogue it
