@@ -350,9 +350,10 @@ void plan_split(const GemmArgs& args, const Instance& inst, int k_tiles, int n_t
   if (args.max_split_parts > 0) parts = std::min(parts, args.max_split_parts);
   if (parts < 2) return;
   const long long tile_bytes = static_cast<long long>(plan->tile.tile_k) * plan->tile.tile_n / 2;
+  auto longest_of = [&](int p) { return (k_tiles + p - 1) / p; };  // k-tiles of a column's longest part
   // whether parts of this many tiles stream too much more than the stripes would
   auto too_long = [&](int p) {
-    return args.split_mode == 1 && ((k_tiles + p - 1) / p - plan->tiles_per_block) * tile_bytes > kSplitExtraBytes;
+    return args.split_mode == 1 && (longest_of(p) - plan->tiles_per_block) * tile_bytes > kSplitExtraBytes;
   };
   if (too_long(parts)) return;
   // A cluster's blocks are placed GPC by GPC, filling SMs up to the occupancy limit; with one
@@ -372,11 +373,11 @@ void plan_split(const GemmArgs& args, const Instance& inst, int k_tiles, int n_t
   // rows (7B down and 4096 x 4096 4-10% slower) nor with more columns (70B down and 1024 x 8192
   // at 8 rows, two blocks per SM or 4 -> 3 parts: 8-10% slower).
   const int rows = 8 * plan->m_blocks;
-  const int planned_longest = (k_tiles + parts - 1) / parts;
+  const int planned_longest = longest_of(parts);
   auto fewer_parts_pay = [&](int p) {
     if (!args.cluster_fit) return false;
     if (rows > 16) return true;
-    return rows <= 8 && parts >= 6 && plan->blocks_per_sm == 1 && 5 * ((k_tiles + p - 1) / p) <= 7 * planned_longest;
+    return rows <= 8 && parts >= 6 && plan->blocks_per_sm == 1 && 5 * longest_of(p) <= 7 * planned_longest;
   };
   for (int p = parts - 1; can_cluster && !clusters && p >= 2 && !too_long(p) && fewer_parts_pay(p); --p) {
     if (inst.max_clusters(p, smem) >= columns) {
@@ -384,7 +385,7 @@ void plan_split(const GemmArgs& args, const Instance& inst, int k_tiles, int n_t
       clusters = true;
     }
   }
-  const int longest = (k_tiles + parts - 1) / parts;
+  const int longest = longest_of(parts);
   plan->split_parts = parts;
   plan->cluster_reduce = clusters;
   if (clusters) plan->smem_bytes = smem;
