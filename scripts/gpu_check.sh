@@ -22,8 +22,9 @@ for step in $steps; do
       python3 -m pytest tests/test_gemm_cuda.py -q -x -ra -p no:cacheprovider > "$OUT/gputests.log" 2>&1; r=$?
       tail -15 "$OUT/gputests.log"; [ $r -eq 0 ] || rc=1 ;;
     sanitize)
-      # the base cases, the other formats' instances and the prefill kernel's (scripts/sanitize.py)
-      for mode in base formats prefill; do
+      # the base cases, the other formats' instances, the prefill kernel's and the 128-column tile's
+      # (scripts/sanitize.py)
+      for mode in base formats prefill narrow; do
         flag=$([ $mode = base ] || echo "--$mode")
         for tool in memcheck racecheck synccheck initcheck; do
           log="$OUT/sanitize-$mode-$tool.log"

@@ -1,9 +1,10 @@
 """A small-batch and a large-batch gemm for compute-sanitizer (memcheck, racecheck, ...).
 
-    compute-sanitizer --tool memcheck python scripts/sanitize.py [--formats | --prefill]
+    compute-sanitizer --tool memcheck python scripts/sanitize.py [--formats | --prefill | --narrow]
 Checks the results too, so a run that is clean but wrong still fails. --formats runs only the
 instances of the other weight formats (bf16, zero points, groups 32/64, 8-bit, partial N tiles);
---prefill only the prefill kernel (H100/H200, sm_90a build), one case per instance.
+--prefill only the prefill kernel (H100/H200, sm_90a build), one case per instance; --narrow only
+the wgmma variant's 128-column tile (H100/H200).
 """
 
 import os
@@ -41,6 +42,20 @@ CASES = [  # (M, K, N, group size, forced tile): both kernels, split columns, se
     # shared memory; at 1 row (mma.sync) and at 16 rows (wgmma, per-column scales)
     (1, 4096, 12288, 128, None),
     (16, 4096, 12288, -1, None),
+    # on H100/H200: 16 rows (wgmma) of 7B down, 16 columns x 8 parts reduced through global memory
+    # (at 16 rows the planner keeps the planned parts where they do not fit as clusters)
+    (16, 11008, 4096, 128, None),
+]
+
+# --narrow (H100/H200, MARLIN_WG_TILE_N=128): the wgmma variant's 128-column tile (fp16 group 128)
+# at 16 rows (scaled weights), in 32- and 64-row slices, and in 128-row slices (MARLIN_WG_SLICE=128
+# below; three stages) with a partial second slice; split columns in clusters (4096 x 4096) and
+# through global memory (16 rows of 7B down; 4096 x 12288 in stream-K stripes)
+NARROW_CASES = [
+    (16, 11008, 4096, 128, None),
+    (40, 4096, 4096, 128, None),
+    (64, 2048, 4096, 128, None),
+    (200, 4096, 12288, 128, None),
 ]
 
 
@@ -111,6 +126,8 @@ def main():
     os.environ.setdefault("MARLIN_LOG_PLAN", "1")  # each call's plan (partition) goes to the log
     # above 64 rows the planner picks 64-row slices on layers this small; 128-row ones are checked here
     os.environ.setdefault("MARLIN_WG_SLICE", "128")
+    # the default cases keep the 256-column tile their comments describe; --narrow takes the 128-column one
+    os.environ.setdefault("MARLIN_WG_TILE_N", "128" if "--narrow" in sys.argv[1:] else "256")
     torch.manual_seed(0)
     ok = True
     if "--prefill" in sys.argv[1:]:
@@ -124,7 +141,7 @@ def main():
             ok &= run_format_case(*case)
         torch.cuda.synchronize()
         return 0 if ok else 1
-    for m, k, n, g, tile in CASES:
+    for m, k, n, g, tile in NARROW_CASES if "--narrow" in sys.argv[1:] else CASES:
         q, s = packing.quantize(torch.randn(k, n, device="cuda"), g)
         b_q, b_s = packing.pack(q, s)
         a = torch.randn(m, k, device="cuda", dtype=torch.float16)
