@@ -442,14 +442,13 @@ std::string plan_small_m(const GemmArgs& args, int tile_n, GemmPlan* plan) {
   plan->small_m = true;
   // GemmArgs::wg_tile_n == 128 (narrow_tile_where_it_pays, or forced by MARLIN_WG_TILE_N=128): the
   // wgmma variant's 256-column tile as 128 columns, fp16 group 128 only
-  const bool narrow = args.wg_tile_n == 128 && tile_n == 256 && f.base() && grouped && args.wgmma &&
-                      (args.m > 8 || f.w == kU8);
+  const bool narrow = args.wg_tile_n == 128 && tile_n == 256 && f.base() && grouped && args.wgmma && args.m > 8;
   if (narrow) tile_n = 128;
   // 8-bit weights run the wgmma variant from one row on: its 16-row slice, at M = 1 on an H100,
   // took 21.6 instead of 24.5 us on 7B qkv and 160 instead of 170 us on 70B gate_up (7B down and
   // 70B o within 2%), where the 8-row mma.sync slice's two 8-bit fragments per block cost more.
   plan->wgmma = args.wgmma && (args.m > 8 || f.w == kU8);
-  // rows per slice / 8: above 64 rows (wgmma) 64 or 128, the latter with the 256-column tile only
+  // rows per slice / 8: above 64 rows (wgmma) 64 or 128, the latter with the 128- or 256-column tile
   const bool wide = plan->wgmma && args.m > kWgSliceRows && (tile_n == 256 || tile_n == 128);
   plan->m_blocks = args.m <= 8 ? (plan->wgmma ? 2 : 1) : args.m <= 16 ? 2 : (args.m <= 32 || !plan->wgmma) ? 4 : wide ? wg_slice_rows(args) / 8 : 8;
   plan->m_slices = (args.m + 8 * plan->m_blocks - 1) / (8 * plan->m_blocks);
