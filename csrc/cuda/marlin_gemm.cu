@@ -529,6 +529,13 @@ void plan_prefill(const GemmArgs& args, const Format& f, GemmPlan* plan) {
   plan->launch = kInstances[f.bf16][f.w][f.group_mode != kPerColumn];  // prefill_format excludes the nullptr
 }
 
+// Replans the small-batch call with `variant` (the same call, one planner knob set) and takes
+// that plan if it plans and ends no column through global memory.
+void take_if_no_global_reduction(const GemmArgs& variant, GemmPlan* plan) {
+  GemmPlan trial;
+  if (plan_small_m(variant, 256, &trial).empty() && !trial.needs_partial) *plan = trial;
+}
+
 // The 128-column tile of the wgmma variant (fp16 group 128; 17-128 rows): twice the columns of
 // the 256-column plan, so half the parts per column, each streaming twice as deep. Taken where the
 // layer is small (under kWgBytesPerSm of weights per SM: its 256-column columns are few and short,
@@ -550,8 +557,7 @@ void narrow_tile_where_it_pays(const GemmArgs& args, GemmPlan* plan) {
   if (weight_bytes_per_sm(args) >= kWgBytesPerSm && !plan->needs_partial) return;
   GemmArgs narrow = args;
   narrow.wg_tile_n = 128;
-  GemmPlan trial;
-  if (plan_small_m(narrow, 256, &trial).empty() && !trial.needs_partial) *plan = trial;
+  take_if_no_global_reduction(narrow, plan);
 }
 
 // Layers under kWgBytesPerSm of weights per SM at 9-64 rows (wgmma) take the tiled kernel by
@@ -587,8 +593,7 @@ void slices_of_128_where_they_reduce_in_clusters(const GemmArgs& args, GemmPlan*
     return;
   GemmArgs rows128 = args;
   rows128.wg_slice_rows = 128;
-  GemmPlan trial;
-  if (plan_small_m(rows128, 256, &trial).empty() && !trial.needs_partial) *plan = trial;
+  take_if_no_global_reduction(rows128, plan);
 }
 
 std::string plan_gemm(const GemmArgs& args, int tile_k, int tile_n, GemmPlan* plan) {
