@@ -479,6 +479,12 @@ def test_small_layers_take_the_small_batch_kernel_where_its_columns_reduce_in_cl
         assert kinds == ({True, False} if knob == "1" else {False}), kinds
 
 
+def _narrow_wgmma(plan):
+    """The plan line names the wgmma variant on its 128-column tile (the tiled kernel's own tile is
+    128 columns wide too, so tile_n alone does not say it)."""
+    return " tile_n=128 " in plan and " kernel=small_m_wgmma " in plan
+
+
 def test_small_layers_take_the_128_column_tile():
     """fp16 group 128 at 17-128 rows on an H100/H200: the 128-column tile of the wgmma variant where
     the layer is small (under 80 KB of weights per SM) or the 256-column plan ends columns through
@@ -494,8 +500,8 @@ def test_small_layers_take_the_128_column_tile():
     narrow_seen = 0
     for d, w in zip(default, wide):
         m, n, k = (int(re.search(key + r"=(\d+) ", d)[1]) for key in ("m", "n", "k"))
-        narrow = " tile_n=128 " in d
-        assert " tile_n=128 " not in w, w
+        narrow = _narrow_wgmma(d)
+        assert not _narrow_wgmma(w), w
         if narrow:
             assert m > 16 and " kernel=small_m_wgmma " in d and " global_reduction=0" in d, d
         if m <= 16 or (k * n // 2 // sms >= 80 * 1024 and " global_reduction=0" in w):
@@ -505,7 +511,7 @@ def test_small_layers_take_the_128_column_tile():
         assert narrow_seen >= 8, narrow_seen
     for slice_rows in ("0", "128"):
         forced, _ = _default_and_forced_plans(shapes, ms, {"MARLIN_WG_TILE_N": "128", "MARLIN_WG_SLICE": slice_rows})
-        assert sum(" tile_n=128 " in f for f in forced) >= 16, forced
+        assert sum(_narrow_wgmma(f) for f in forced) >= 16, forced
         if slice_rows == "128":
             assert any(" tile_n=128 m_blocks=16 " in f for f in forced), forced
 
