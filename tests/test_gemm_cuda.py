@@ -489,12 +489,14 @@ def test_small_layers_take_the_128_column_tile():
     """fp16 group 128 at 17-128 rows on an H100/H200: the 128-column tile of the wgmma variant where
     the layer is small (under 80 KB of weights per SM) or the 256-column plan ends columns through
     global memory, and only where the 128-column plan then ends none there; never at 16 rows or
-    fewer; MARLIN_WG_TILE_N=256 keeps the 256-column tile. Every call checked against fp64 (also
-    with the 128-column tile forced wherever it can run, in 64- and 128-row slices)."""
+    fewer, nor deeper than K = 16384; MARLIN_WG_TILE_N=256 keeps the 256-column tile. Every call
+    checked against fp64 (also with the 128-column tile forced wherever it can run, in 64- and
+    128-row slices)."""
     if not _wgmma_device():
         pytest.skip("the wgmma variant runs on compute capability 9.0 only")
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    shapes, ms = [(4096, 4096), (2048, 4096), (11008, 4096), (4096, 12288)], [13, 16, 32, 64, 100, 128]
+    shapes = [(4096, 4096), (2048, 4096), (11008, 4096), (4096, 12288), (28672, 8192)]
+    ms = [13, 16, 32, 64, 100, 128]
     default, _ = _default_and_forced_plans(shapes, ms, {})
     wide, _ = _default_and_forced_plans(shapes, ms, {"MARLIN_WG_TILE_N": "256"})
     narrow_seen = 0
@@ -504,7 +506,7 @@ def test_small_layers_take_the_128_column_tile():
         assert not _narrow_wgmma(w), w
         if narrow:
             assert m > 16 and " kernel=small_m_wgmma " in d and " global_reduction=0" in d, d
-        if m <= 16 or (k * n // 2 // sms >= 80 * 1024 and " global_reduction=0" in w):
+        if m <= 16 or k > 16384 or (k * n // 2 // sms >= 80 * 1024 and " global_reduction=0" in w):
             assert d == w, (d, w)
         narrow_seen += narrow
     if sms == 132:  # 4096 x 4096 and 2048 x 4096 at 32-128 rows (H100 probe: 10-21% faster)

@@ -545,12 +545,16 @@ void take_if_no_global_reduction(const GemmArgs& variant, GemmPlan* plan) {
 // M = 32 / 64 / 128 10.0 / 12.2 / 16.4 -> 9.0 / 10.9 / 13.6 (FP16 14.3 at 128), 2048 x 4096 12-21%
 // faster, 8192 x 8192 at M = 32 / 64 (a global reduction before) 6% / 12% faster. Slower, and left
 // out by the rule: the larger layers whose 256-column columns already reduce in clusters
-// (11008 x 4096 +1-3%, 4096 x 12288 +4-16%), 16 rows (8192 x 8192 +7%) and 8192 x 8192 above 64
-// rows, where the 128-column plan falls back to stream-K stripes. MARLIN_WG_TILE_N=256 keeps the
+// (11008 x 4096 +1-3%, 4096 x 12288 +4-16%), 16 rows (8192 x 8192 +7%), 8192 x 8192 above 64
+// rows, where the 128-column plan falls back to stream-K stripes, and layers deeper than
+// kNarrowMaxK: 28672 x 8192 at M = 32 / 64 / 128 took 55.4 / 77.3 / 115.9 us on the 128-column
+// tile (clusters) against 50.9 / 74.0 / 114.1 on the 256-column one (global reduction); likely
+// because twice the column tiles each stream the whole depth of A. MARLIN_WG_TILE_N=256 keeps the
 // 256-column tile everywhere, =128 takes the 128-column one wherever it can run (probes).
+constexpr int kNarrowMaxK = 16384;
 void narrow_tile_where_it_pays(const GemmArgs& args, GemmPlan* plan) {
   if (args.wg_tile_n != 0 || !plan->small_m || !plan->wgmma || plan->tile.tile_n != 256 || plan->m_blocks < 4 ||
-      args.m > 2 * kWgSliceRows || args.groups <= 1)
+      args.m > 2 * kWgSliceRows || args.groups <= 1 || args.k > kNarrowMaxK)
     return;
   Format f;
   if (!format_of(args, &f).empty() || !f.base()) return;
