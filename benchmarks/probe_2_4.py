@@ -31,7 +31,7 @@ def plan_env(name: str) -> dict:
     """auto: the planner; legacy: the first kernel's plan; pN: N K parts (clusters by the
     planner's rule); pNg: N parts through global memory; pNc: in clusters wherever they fit;
     t128 / t256: the tile width; s1 / s2 / s4: 32-row warp slices per block (M > 16); st3: the
-    3-stage instances (M <= 16); pdl: programmatic dependent launch; mma: the mma.sync kernel
+    3-stage instances (M <= 16); kw2: two K warpgroups per block (the late-refill wgmma); pdl: programmatic dependent launch; mma: the mma.sync kernel
     where the sparse wgmma would run (sm_90a, M > 8); wg: the sparse wgmma, wgl: its late-refill
     variant (the default), wge: its early-refill one, wg_<plan> / wgl_<plan> / wge_<plan>: with
     another plan's knobs (e.g. wg_s1: 64-row block slices above 64 rows)."""
@@ -52,6 +52,8 @@ def plan_env(name: str) -> dict:
         return {"MARLIN_2_4_PDL": "1"}
     if name == "st3":
         return {"MARLIN_2_4_STAGES": "3"}
+    if name.startswith("kw"):
+        return {"MARLIN_2_4_KW": name[2:]}
     if name.startswith("s"):
         return {"MARLIN_2_4_WARP_SLICES": name[1:]}
     if name.startswith("t"):
@@ -61,7 +63,7 @@ def plan_env(name: str) -> dict:
         if name[-1] in "gc":
             env["MARLIN_2_4_CLUSTERS"] = "0" if name.endswith("g") else "1"
         return env
-    raise ValueError(f"PROBE_PLANS: unknown plan {name!r} (auto, legacy, pdl, t128, t256, s1, s2, s4, st3, pN, pNg, pNc, mma, wg, wgl, wge, wg_<plan>, wgl_<plan>, wge_<plan>)")
+    raise ValueError(f"PROBE_PLANS: unknown plan {name!r} (auto, legacy, pdl, t128, t256, s1, s2, s4, st3, kw2, pN, pNg, pNc, mma, wg, wgl, wge, wg_<plan>, wgl_<plan>, wge_<plan>)")
 
 
 PLANS = os.environ.get("PROBE_PLANS", "auto,legacy").split(",")
@@ -76,6 +78,7 @@ _KNOBS = (
     "MARLIN_2_4_STAGES",
     "MARLIN_2_4_WGMMA",
     "MARLIN_2_4_WG_LATE",
+    "MARLIN_2_4_KW",
     "MARLIN_LOG_PLAN",
 )
 

@@ -24,7 +24,8 @@ CASES = [  # (M, K, N, group size): 8/16/32/64-row slices, both tiles, K split i
 ]
 # each case under the planner's choice, with the K parts forced through global memory, forced
 # into clusters (sm_90+), with 128-row slices, under the first kernel's plan, and (sm_90a, where
-# M > 8 runs the sparse wgmma) its early-refill variant and the mma.sync kernel instead
+# M > 8 runs the sparse wgmma) its early-refill variant, the mma.sync kernel instead, and two K
+# warpgroups per block (with K parts in clusters or through global memory)
 # (csrc/cuda/sparse/gemm_2_4_cuda.cpp reads these per call)
 PLANS = [
     {},
@@ -35,6 +36,8 @@ PLANS = [
     {"MARLIN_2_4_WG_LATE": "0", "MARLIN_2_4_WGMMA": "1"},
     {"MARLIN_2_4_WGMMA": "0"},
     {"MARLIN_2_4_WARP_SLICES": "2"},
+    {"MARLIN_2_4_KW": "2", "MARLIN_2_4_WGMMA": "1"},
+    {"MARLIN_2_4_KW": "2", "MARLIN_2_4_WGMMA": "1", "MARLIN_2_4_CLUSTERS": "0", "MARLIN_2_4_PARTS": "3"},
 ]
 if os.environ.get("SANITIZE_QUICK") == "1":  # racecheck / synccheck are slow: the planner's plan and clusters
     PLANS = PLANS[:1] + PLANS[2:3]

@@ -66,7 +66,8 @@ for g in (128, -1):
     b_q, b_meta, b_s = sparse.quantize_and_pack_2_4(w, g)
     for env in ({}, {"MARLIN_2_4_PARTS": "1"}, {"MARLIN_2_4_PARTS": "4", "MARLIN_2_4_CLUSTERS": "1"},
                 {"MARLIN_2_4_PARTS": "4", "MARLIN_2_4_CLUSTERS": "0"}, {"MARLIN_2_4_WG_LATE": "0"},
-                {"MARLIN_2_4_WARP_SLICES": "2"}):
+                {"MARLIN_2_4_WARP_SLICES": "2"}, {"MARLIN_2_4_KW": "2"},
+                {"MARLIN_2_4_KW": "2", "MARLIN_2_4_PARTS": "3", "MARLIN_2_4_CLUSTERS": "0"}):
         os.environ.update(env)
         for m in (9, 16, 17, 33, 64, 65, 128, 130):
             marlin.gemm_2_4(torch.randn(m, 1152, device="cuda", dtype=torch.float16), b_q, b_meta, b_s)
@@ -143,6 +144,18 @@ def test_shapes_early_refill(m, shape, g, wgmma_on, capfd):
     assert err <= ALLOWED * base + 1e-7, f"M={m} {shape} g={g}: error {err:.3g} vs fp16 matmul {base:.3g} ({plan})"
 
 
+@pytest.mark.parametrize("g", GROUPS)
+@pytest.mark.parametrize("shape", ["70B_o", "128x256", "1152x768"])
+@pytest.mark.parametrize("m", M_VALUES)
+def test_shapes_two_k_warpgroups(m, shape, g, wgmma_on, capfd):
+    """MARLIN_2_4_KW=2: two warpgroups per block split each stage's strips, their sums added
+    before the epilogue (every warp-slice size, the one-stage layer, K parts by the planner)."""
+    wgmma_on.setenv("MARLIN_2_4_KW", "2")
+    err, base, plan = check(get_layer(*SHAPES[shape], g), m, capfd)
+    assert " kw=2" in plan, plan
+    assert err <= ALLOWED * base + 1e-7, f"M={m} {shape} g={g}: error {err:.3g} vs fp16 matmul {base:.3g} ({plan})"
+
+
 # Every partition under the wgmma instances, forced: K parts through global memory or in
 # clusters, one part, 64- or 128-row block slices above 32 rows; some with early refill.
 PLANS = {
@@ -156,6 +169,10 @@ PLANS = {
     "early_parts_8_clusters": {"MARLIN_2_4_WG_LATE": "0", "MARLIN_2_4_PARTS": "8", "MARLIN_2_4_CLUSTERS": "1"},
     "early_global_5": {"MARLIN_2_4_WG_LATE": "0", "MARLIN_2_4_PARTS": "5", "MARLIN_2_4_CLUSTERS": "0"},
     "early_warp_slices_1": {"MARLIN_2_4_WG_LATE": "0", "MARLIN_2_4_WARP_SLICES": "1"},
+    "kw2": {"MARLIN_2_4_KW": "2"},
+    "kw2_one_part": {"MARLIN_2_4_KW": "2", "MARLIN_2_4_PARTS": "1"},
+    "kw2_parts_4_clusters": {"MARLIN_2_4_KW": "2", "MARLIN_2_4_PARTS": "4", "MARLIN_2_4_CLUSTERS": "1"},
+    "kw2_global_5": {"MARLIN_2_4_KW": "2", "MARLIN_2_4_PARTS": "5", "MARLIN_2_4_CLUSTERS": "0"},
 }
 
 
@@ -167,6 +184,7 @@ def test_forced_plans(m, plan, g, wgmma_on, capfd):
         wgmma_on.setenv(key, value)
     err, base, line = check(get_layer(4096, 1024, g), m, capfd, wgmma=1 if "MARLIN_2_4_WG_LATE" in PLANS[plan] else 2)
     assert err <= ALLOWED * base + 1e-7, f"M={m} plan {plan} g={g}: error {err:.3g} vs fp16 matmul {base:.3g} ({line})"
+    assert f" kw={PLANS[plan].get('MARLIN_2_4_KW', '1')}" in line, line
 
 
 def test_slices_follow_m(wgmma_on, capfd):

@@ -40,7 +40,8 @@ bool kernel_enabled() {
 // builds on a compute capability 9.0 device) run where plan_24's rule picks them,
 // MARLIN_2_4_WGMMA=0 keeps them off, =1 takes them wherever they can run (M > 8, N % 256 == 0;
 // MARLIN_2_4_WARP_SLICES=2 then picks 128-row block slices above 64 rows; MARLIN_2_4_WG_LATE=0
-// their early-refill variant); MARLIN_LOG_PLAN=1 prints the plan.
+// their early-refill variant; MARLIN_2_4_KW=2 two K warpgroups per block on the late-refill ones
+// with one warp slice); MARLIN_LOG_PLAN=1 prints the plan.
 int env_or(const char* name, int fallback) {
   const char* env = std::getenv(name);
   return env != nullptr && *env != '\0' ? std::atoi(env) : fallback;
@@ -103,6 +104,9 @@ at::Tensor gemm_2_4_cuda(const at::Tensor& a, const at::Tensor& b_q, const at::T
               "marlin.gemm_2_4: MARLIN_2_4_WARP_SLICES = ", num(args.force_ms), ", expected 1, 2 or 4 (unset: the planner's choice)");
   args.cluster_mode = env_or("MARLIN_2_4_CLUSTERS", -1);
   args.force_stages = env_or("MARLIN_2_4_STAGES", 0);
+  args.force_kw = env_or("MARLIN_2_4_KW", 0);
+  TORCH_CHECK(args.force_kw == 0 || args.force_kw == 1 || args.force_kw == 2,
+              "marlin.gemm_2_4: MARLIN_2_4_KW = ", num(args.force_kw), ", expected 1 or 2 (unset: the planner's choice)");
 
   sparse24::Plan24 plan;
   const std::string why = sparse24::plan_24(args, &plan);

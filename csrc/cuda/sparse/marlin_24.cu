@@ -24,24 +24,24 @@ struct Instance {
   cudaError_t (*launch)(const Params& p, int grid, int smem, cudaStream_t stream, bool pdl, int cluster);
 };
 
-template <int MB, int NW, int MS, int ST, int WG>
+template <int MB, int NW, int MS, int ST, int WG, int KW>
 SmemAttrCache& cache() {
   static SmemAttrCache c;
   return c;
 }
 
 // Resident blocks per SM (registers and shared memory), at least 1; 0 if the queries failed.
-template <int MB, int NW, int MS, int ST, int WG>
+template <int MB, int NW, int MS, int ST, int WG, int KW>
 int blocks_per_sm(int smem) {
   constexpr int kMaxDevices = 64;
   static std::atomic<int> known[kMaxDevices];  // 0: not yet
   int device = 0;
   if (cudaGetDevice(&device) != cudaSuccess) return 0;
   if (device >= 0 && device < kMaxDevices && known[device].load() > 0) return known[device].load();
-  auto kernel = marlin_24_kernel<MB, NW, MS, ST, WG>;
+  auto kernel = marlin_24_kernel<MB, NW, MS, ST, WG, KW>;
   int blocks = 0;
-  if (cache<MB, NW, MS, ST, WG>().ensure(reinterpret_cast<const void*>(kernel), smem) != cudaSuccess ||
-      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, Shape<MB, NW, MS, WG != 0>::kThreads, smem) != cudaSuccess) {
+  if (cache<MB, NW, MS, ST, WG, KW>().ensure(reinterpret_cast<const void*>(kernel), smem) != cudaSuccess ||
+      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, Shape<MB, NW, MS, WG != 0, KW>::kThreads, smem) != cudaSuccess) {
     (void)cudaGetLastError();
     return 0;
   }
@@ -50,22 +50,23 @@ int blocks_per_sm(int smem) {
   return blocks;
 }
 
-template <int MB, int NW, int MS, int ST, int WG>
+template <int MB, int NW, int MS, int ST, int WG, int KW>
 int max_clusters(int cluster, int smem) {
-  return cache<MB, NW, MS, ST, WG>().max_clusters(marlin_24_kernel<MB, NW, MS, ST, WG>, cluster, Shape<MB, NW, MS, WG != 0>::kThreads, smem);
+  return cache<MB, NW, MS, ST, WG, KW>().max_clusters(marlin_24_kernel<MB, NW, MS, ST, WG, KW>, cluster,
+                                                      Shape<MB, NW, MS, WG != 0, KW>::kThreads, smem);
 }
 
-template <int MB, int NW, int MS, int ST, int WG>
+template <int MB, int NW, int MS, int ST, int WG, int KW>
 cudaError_t launch(const Params& p, int grid, int smem, cudaStream_t stream, bool pdl, int cluster) {
-  return launch_kernel(marlin_24_kernel<MB, NW, MS, ST, WG>, cache<MB, NW, MS, ST, WG>(), p, grid, Shape<MB, NW, MS, WG != 0>::kThreads,
-                       smem, stream, pdl, cluster);
+  return launch_kernel(marlin_24_kernel<MB, NW, MS, ST, WG, KW>, cache<MB, NW, MS, ST, WG, KW>(), p, grid,
+                       Shape<MB, NW, MS, WG != 0, KW>::kThreads, smem, stream, pdl, cluster);
 }
 
-template <int MB, int NW, int MS, int ST = kStages, int WG = 0>
+template <int MB, int NW, int MS, int ST = kStages, int WG = 0, int KW = 1>
 Instance make() {
-  using S = Shape<MB, NW, MS, WG != 0>;
-  return Instance{S::template smem_bytes<ST>(), S::kThreads, &blocks_per_sm<MB, NW, MS, ST, WG>, &max_clusters<MB, NW, MS, ST, WG>,
-                  &launch<MB, NW, MS, ST, WG>};
+  using S = Shape<MB, NW, MS, WG != 0, KW>;
+  return Instance{S::template smem_bytes<ST>(), S::kThreads, &blocks_per_sm<MB, NW, MS, ST, WG, KW>,
+                  &max_clusters<MB, NW, MS, ST, WG, KW>, &launch<MB, NW, MS, ST, WG, KW>};
 }
 
 // The compiled instances: MB 1, 2, 4 x NW 2, 4; at MB 4 also two warp slices (64-row block
@@ -73,8 +74,16 @@ Instance make() {
 // of an SM on the 256-column tile); 3 stages at MB 1, 2 on the 256-column tile. WG (sm_90a
 // builds; trap stubs elsewhere): the 256-column tile, warp slices of 16, 32, 64 rows, and two
 // 64-row warp slices (128-row block slices); wg = 1: early refill, 4 stages; wg = 2: late
-// refill, 4 stages, but 3 for one 64-row warp slice (88 KB: 2 blocks per SM instead of 1).
-Instance find(int mb, int nw, int ms, int stages, int wg) {
+// refill, 4 stages, but 3 for one 64-row warp slice (88 KB: 2 blocks per SM instead of 1);
+// kw = 2 (late refill, one warp slice): two K warpgroups, 4 stages (one block per SM at 64 rows
+// by registers, so the fourth stage costs no occupancy there; ptxas keeps 8 bytes of that
+// instance in local memory, stored before the main loop and read in the epilogue, none inside).
+Instance find(int mb, int nw, int ms, int stages, int wg, int kw) {
+  if (kw == 2) {
+    if (mb == 2) return make<2, 4, 1, kStages, 2, 2>();
+    if (mb == 4) return make<4, 4, 1, kStages, 2, 2>();
+    return make<8, 4, 1, kStages, 2, 2>();
+  }
   if (wg == 1) {
     if (mb == 2) return make<2, 4, 1, kStages, 1>();
     if (mb == 4) return make<4, 4, 1, kStages, 1>();
@@ -149,6 +158,7 @@ std::string plan_24(const Args24& args, Plan24* plan) {
   // and 1.46-1.57x faster at 64 on 70B gate_up and the ideal layer (163 vs 257 us, 1189 vs 1736:
   // 3 stages, 2 blocks per SM)
   plan->wg = wg ? (args.wg_late ? 2 : 1) : 0;
+  plan->kw = 1;
   if (plan->wg) {
     plan->mb = args.m <= 16 ? 2 : args.m <= 32 ? 4 : 8;
     // 64-row block slices above 64 rows too: two 64-row warp slices per block (each stage's
@@ -156,6 +166,8 @@ std::string plan_24(const Args24& args, Plan24* plan) {
     // slices at 2 blocks per SM on all 8 layers at M = 128 (H100, the same part rule;
     // MARLIN_2_4_WARP_SLICES=2 takes them)
     plan->ms = plan->mb == 8 && args.force_ms == 2 ? 2 : 1;
+    // two K warpgroups per block (late refill, one warp slice): MARLIN_2_4_KW=2, for measurement
+    plan->kw = plan->wg == 2 && plan->ms == 1 && args.force_kw == 2 ? 2 : 1;
   } else {
     plan->mb = args.m <= 8 ? 1 : args.m <= 16 ? 2 : 4;
     plan->ms = 1;
@@ -173,8 +185,8 @@ std::string plan_24(const Args24& args, Plan24* plan) {
              std::to_string(args.n) + " with " + std::to_string(rows) + "-row slices (128 or 256 dividing N; 128 for 128-row slices)";
   }
   plan->stages = !plan->wg && args.force_stages == 3 && plan->nw == 4 && plan->ms == 1 && plan->mb <= 2 ? 3 : kStages;
-  if (plan->wg == 2 && plan->mb == 8 && plan->ms == 1) plan->stages = 3;
-  const Instance inst = find(plan->mb, plan->nw, plan->ms, plan->stages, plan->wg);
+  if (plan->wg == 2 && plan->mb == 8 && plan->ms == 1 && plan->kw == 1) plan->stages = 3;
+  const Instance inst = find(plan->mb, plan->nw, plan->ms, plan->stages, plan->wg, plan->kw);
   plan->smem = inst.smem;
   if (plan->smem > args.max_smem)
     return "marlin.gemm_2_4: the kernel needs " + std::to_string(plan->smem) + " bytes of shared memory per block, the device allows " +
@@ -227,7 +239,7 @@ std::string describe_24(const Args24& args, const Plan24& plan) {
          " groups=" + std::to_string(args.groups) + " slice_rows=" + std::to_string(8 * plan.mb * plan.ms) +
          " mb=" + std::to_string(plan.mb) + " ms=" + std::to_string(plan.ms) + " stages=" + std::to_string(plan.stages) + " tile_n=" + std::to_string(64 * plan.nw) +
          " parts=" + std::to_string(plan.parts) + " cluster=" + (plan.cluster_reduce ? "1" : "0") +
-         " grid=" + std::to_string(plan.grid) + " pdl=" + (args.pdl && !args.legacy ? "1" : "0") + " wgmma=" + std::to_string(plan.wg) +
+         " grid=" + std::to_string(plan.grid) + " pdl=" + (args.pdl && !args.legacy ? "1" : "0") + " wgmma=" + std::to_string(plan.wg) + " kw=" + std::to_string(plan.kw) +
          (args.legacy ? " legacy" : "");
 }
 
@@ -247,7 +259,7 @@ cudaError_t launch_24(const Args24& args, const Plan24& plan, cudaStream_t strea
   p.parts = plan.parts;
   p.cluster_reduce = plan.cluster_reduce;
   p.locks = args.locks;
-  const Instance inst = find(plan.mb, plan.nw, plan.ms, plan.stages, plan.wg);
+  const Instance inst = find(plan.mb, plan.nw, plan.ms, plan.stages, plan.wg, plan.kw);
   return inst.launch(p, plan.grid, plan.smem, stream, args.pdl && !args.legacy, plan.cluster_reduce ? plan.parts : 1);
 }
 

@@ -42,6 +42,7 @@ struct Args24 {
   int force_tile_n = 0;
   int force_ms = 0;
   int force_stages = 0;  // 3: the 3-stage instances where they exist (8-16 rows, 256-column tile)
+  int force_kw = 0;      // 2: two K warpgroups per block on the late-refill wgmma instances (one warp slice)
   int cluster_mode = -1;
 };
 
@@ -50,6 +51,7 @@ struct Plan24 {
   int nw;      // 64-column chunks per tile: 4, or 2 where N % 256 != 0
   int ms;      // warp slices per block slice (block slice = 8 mb ms rows; warps = nw ms)
   int wg;      // the sparse wgmma instances (sm_90a; nw = 4, mb 2, 4 or 8, ms 1 or 2): 1 early, 2 late refill; 0 mma.sync
+  int kw;      // warpgroups along K per block (wg = 2, ms = 1: 1 or 2; else 1)
   int stages;  // of the cp.async ring
   int parts;   // K parts per column tile (> 1: reduced in a cluster or through fp32 partials)
   bool cluster_reduce;  // the parts of a tile form one thread-block cluster

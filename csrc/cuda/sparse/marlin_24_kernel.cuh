@@ -63,7 +63,7 @@ struct Params {
 };
 
 // MB: n8 tiles per warp slice (8 MB rows of A); NW: 64-column chunks per tile; MS: warp slices
-// per block slice. One warp per chunk and warp slice.
+// per block slice; KW: warpgroups along K (WG only). One warp per chunk, warp slice and K half.
 // WG (sm_90a): the sparse wgmma (wgmma.mma_async.sp) instead of mma.sp. The NW = 4 warps of a
 // warp slice are one warpgroup: for each 32-row strip and 16-column block j, one
 // m64 n(8 MB) k32 instruction takes every warp's block j (its 16 columns are rows 16 w .. of the
@@ -73,11 +73,16 @@ struct Params {
 // mma.sync kernel issue-bound from 16 rows on. The activations of a stage are then stored as two
 // 64-half blocks of K, [row][8 chunks] each with the 128-byte swizzle (wgmma.cuh), and a stage
 // is padded to 1 KB so that every stage starts on a swizzle atom.
-template <int MB, int NW, int MS, bool WG = false>
+// KW = 2 (WG, one warp slice): two warpgroups on the same rows, each taking two of a stage's
+// four strips (the dense wgmma instances' two K warpgroups, smallm_kernel.cuh): twice the warps
+// to dequantize and issue per block, the upper warpgroup's sums added into the lower's through
+// the drained pipeline's shared memory before the epilogue.
+template <int MB, int NW, int MS, bool WG = false, int KW = 1>
 struct Shape {
   static_assert(!WG || (NW == 4 && (MB == 2 || MB == 4 || MB == 8) && (MS == 1 || MS == 2)),
                 "WG: one warpgroup (NW = 4) per warp slice of 16, 32 or 64 rows, one or two slices");
-  static constexpr int kThreads = 32 * NW * MS;
+  static_assert(KW == 1 || (WG && KW == 2 && MS == 1), "two K warpgroups: WG instances with one warp slice");
+  static constexpr int kThreads = 32 * NW * MS * KW;
   static constexpr int kTileN = 64 * NW;
   static constexpr int kWarpRows = 8 * MB;
   static constexpr int kRows = kWarpRows * MS;            // rows of A per block slice
@@ -90,6 +95,8 @@ struct Shape {
   // (the padding spreads the rows 2 c4 of a warp's stores over the banks)
   static constexpr int kPartStride = kTileN + 4;
   static constexpr int kPartBytes = kRows * kPartStride * 4;
+  // KW = 2: the upper warpgroup's sums (16 MB floats per thread) over the drained pipeline
+  static constexpr int kRedBytes = (KW - 1) * NW * 32 * 16 * MB * 4;
   // WG: + 1 KB to align the dynamic shared memory to the 1024-byte swizzle atom
   template <int STAGES>
   static constexpr int smem_bytes() {
@@ -141,11 +148,16 @@ __device__ __forceinline__ void mma_sp_16832_first(const uint32_t (&a)[4], const
 //    group; the refill after that barrier (and that strip's issue) takes stage i - 1's slot, so
 //    STAGES - 1 stages are in flight with one barrier per stage as well (the dense wgmma
 //    instances' late refill, smallm_kernel.cuh).
-template <int MB, int NW, int MS, int STAGES, bool LATE, typename Fetch>
+// KW = 2: warpgroup wk takes strips 2 wk and 2 wk + 1 of each stage (the same 64-half block of
+// K); "a stage's last strip" below is then each warpgroup's second, and every warp still waits at
+// its first strip of stage i for its own last group of stage i - 1.
+template <int MB, int NW, int MS, int STAGES, bool LATE, int KW, typename Fetch>
 __device__ __forceinline__ void main_loop_wg(const int4* smem, Fetch& fetch, float (&tot)[4][MB][4], int kt0, int n_k, int wn,
-                                             int wrow0, int lane, int g, bool grouped) {
-  using S = Shape<MB, NW, MS, true>;
+                                             int wrow0, int wk, int lane, int g, bool grouped) {
+  using S = Shape<MB, NW, MS, true, KW>;
   constexpr int kAhead = LATE ? STAGES - 1 : STAGES - 2;
+  constexpr int kLocal = kStrips / KW;  // strips per warpgroup and stage
+  static_assert(kLocal >= 2 && kLocal % 2 == 0, "the A fragments' double buffer alternates within a stage");
 #pragma unroll
   for (int s = 0; s < kAhead; s++) {
     if (s < n_k) fetch(kt0 + s, s);
@@ -159,8 +171,12 @@ __device__ __forceinline__ void main_loop_wg(const int4* smem, Fetch& fetch, flo
   }
   // the descriptor's low word moves with the stage, strip and warp slice; its high word is fixed
   // (start address >> 4 stays within bits 0-13 for any offset inside 227 KB)
-  const uint64_t desc0 = smem_desc_sw128(smem_addr(smem));
+  // per warp, fixed over the loop: the warp slice's rows and the warpgroup's 64-half block of K
+  // in the activations (in the descriptor's base), the warp's first (strip, chunk) in the weights
+  // and metadata
+  const uint64_t desc0 = smem_desc_sw128(smem_addr(smem) + wrow0 * 128 + wk * (kLocal / 2) * S::kRows * 128);
   const uint64_t desc_hi = desc0 & ~0xFFFFFFFFull;
+  const int strip_chunk = wk * kLocal * NW + wn;
   uint32_t afrag[2][4][4];  // [buffer][block j][register]
   uint32_t meta[2][4];      // [buffer][block j]
   for (int i = 0; i < n_k; i++) {
@@ -186,13 +202,13 @@ __device__ __forceinline__ void main_loop_wg(const int4* smem, Fetch& fetch, flo
     }
     uint32_t desc_lo = static_cast<uint32_t>(desc0);
     fence_operand(desc_lo);  // add the offsets here, not one 64-bit descriptor per strip kept alive
-    desc_lo += static_cast<uint32_t>(slot * S::kStageInt4 * 16 + wrow0 * 128) >> 4;
+    desc_lo += static_cast<uint32_t>(slot * S::kStageInt4 * 16) >> 4;
 #pragma unroll
-    for (int u = 0; u < kStrips; u++) {
-      const int buf = u % 2;
-      const int4 wq4 = sb[(u * NW + wn) * 32 + lane];
+    for (int l = 0; l < kLocal; l++) {
+      const int buf = l % 2;
+      const int4 wq4 = sb[(l * NW + strip_chunk) * 32 + lane];
       // metadata as in the mma.sync loop: the lane's words (blocks 0, 1) and lane ^ 2's (2, 3), selector 0
-      const uint2* mrow = reinterpret_cast<const uint2*>(sm + (u * NW + wn) * 16);
+      const uint2* mrow = reinterpret_cast<const uint2*>(sm + (l * NW + strip_chunk) * 16);
       const uint2 mw = mrow[lane], mw2 = mrow[lane ^ 2];
       meta[buf][0] = mw.x, meta[buf][1] = mw.y, meta[buf][2] = mw2.x, meta[buf][3] = mw2.y;
       const uint32_t wq[4] = {static_cast<uint32_t>(wq4.x), static_cast<uint32_t>(wq4.y), static_cast<uint32_t>(wq4.z),
@@ -220,9 +236,9 @@ __device__ __forceinline__ void main_loop_wg(const int4* smem, Fetch& fetch, flo
         for (int r = 0; r < 4; r++) fence_operand(afrag[buf][j][r]);
         fence_operand(meta[buf][j]);
       }
-      // strip u: 64-half block u / 2 of the stage, 64 bytes per strip inside it
-      const uint64_t desc = desc_hi | (desc_lo + (((u / 2) * S::kRows * 128 + (u % 2) * 64) >> 4));
-      if (LATE && u == kStrips - 1) {
+      // strip u = kLocal wk + l: 64-half block u / 2 of the stage, 64 bytes per strip inside it
+      const uint64_t desc = desc_hi | (desc_lo + (((l / 2) * S::kRows * 128 + (l % 2) * 64) >> 4));
+      if (LATE && l == kLocal - 1) {
         // stage i + 1 landed (committed after it: the kAhead - 2 later stages), visible to all;
         // every warp has waited for stage i - 1's last group (at strip 0 of this stage)
         cp_async_wait<(LATE ? kAhead - 2 : 0)>();
@@ -235,7 +251,7 @@ __device__ __forceinline__ void main_loop_wg(const int4* smem, Fetch& fetch, flo
         wgmma_sp_m64k32_rs<8 * MB>(reinterpret_cast<float(&)[4 * MB]>(tot[j]), afrag[buf][j], desc, meta[buf][j]);
       wgmma_commit();
       wgmma_wait<1>();
-      if (LATE && u == kStrips - 1) {  // stage i + kAhead into stage i - 1's slot
+      if (LATE && l == kLocal - 1) {  // stage i + kAhead into stage i - 1's slot
         if (i + kAhead < n_k) fetch(kt0 + i + kAhead, (i + kAhead) % STAGES);
         cp_async_commit();
       }
@@ -252,11 +268,12 @@ __device__ __forceinline__ void main_loop_wg(const int4* smem, Fetch& fetch, flo
 }
 
 // WG: 0 the mma.sync loop, 1 the wgmma loop with early refill, 2 with late refill (main_loop_wg).
-template <int MB, int NW, int MS, int STAGES, int WG = 0>
-__global__ void __launch_bounds__(32 * NW * MS) marlin_24_kernel(const Params p) {
-  using S = Shape<MB, NW, MS, WG != 0>;
+template <int MB, int NW, int MS, int STAGES, int WG = 0, int KW = 1>
+__global__ void __launch_bounds__(32 * NW * MS * KW) marlin_24_kernel(const Params p) {
+  using S = Shape<MB, NW, MS, WG != 0, KW>;
   constexpr int kThreads = S::kThreads;
   static_assert(S::kPartBytes <= STAGES * S::kStageInt4 * 16, "the cluster partial must fit the pipeline's shared memory");
+  static_assert(S::kRedBytes <= STAGES * S::kStageInt4 * 16, "the K warpgroups' sums must fit the pipeline's shared memory");
   static_assert(!WG || STAGES >= 3, "the wgmma loop needs at least 3 stages");
 #if !MARLIN_HAS_WGMMA
   // A wgmma instance built for another target than sm_90a is never launched (plan_24): a trap stub.
@@ -269,7 +286,10 @@ __global__ void __launch_bounds__(32 * NW * MS) marlin_24_kernel(const Params p)
   int4* smem = smem_raw;
   if constexpr (WG) smem += ((1024 - (smem_addr(smem_raw) & 1023)) & 1023) / 16;
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
-  const int wn = MS == 1 ? warp : warp % NW, ws = MS == 1 ? 0 : warp / NW;  // chunk and warp slice of this warp
+  // chunk, warp slice and K warpgroup of this warp
+  // (constants where the instance has one warp per chunk: a run-time 0 there cost registers)
+  const int wn = MS * KW == 1 ? warp : warp % NW, ws = MS == 1 ? 0 : (warp / NW) % MS;
+  const int wk = KW == 1 ? 0 : warp / (NW * MS);
   const int g = lane / 4, c4 = lane % 4;
 
   const int n_tiles = p.n / S::kTileN;
@@ -330,7 +350,7 @@ __global__ void __launch_bounds__(32 * NW * MS) marlin_24_kernel(const Params p)
   // here (A, the locks and C may be its inputs or outputs).
   grid_dependency_wait();
   if constexpr (WG) {
-    main_loop_wg<MB, NW, MS, STAGES, WG == 2>(smem, fetch, tot, kt0, n_k, wn, wrow0, lane, g, grouped);
+    main_loop_wg<MB, NW, MS, STAGES, WG == 2, KW>(smem, fetch, tot, kt0, n_k, wn, wrow0, wk, lane, g, grouped);
   } else {
 #pragma unroll
   for (int s = 0; s < STAGES - 1; s++) {
@@ -402,12 +422,38 @@ __global__ void __launch_bounds__(32 * NW * MS) marlin_24_kernel(const Params p)
   }
   }  // mma.sync main loop
   cp_async_wait<0>();
+  if constexpr (KW == 2) {
+    // the upper warpgroup's sums into the lower one's; from here on only wk == 0 holds the block's
+    // sums (the epilogue's stores skip wk == 1, its barriers and shared loops keep every thread)
+    float4* red = reinterpret_cast<float4*>(smem) + wn * (4 * MB) * 32 + lane;
+    __syncthreads();  // every warp's last wgmma has ended: the pipeline's shared memory is free
+    if (wk == 1) {
+#pragma unroll
+      for (int j = 0; j < 4; j++)
+#pragma unroll
+        for (int b = 0; b < MB; b++) red[(j * MB + b) * 32] = make_float4(tot[j][b][0], tot[j][b][1], tot[j][b][2], tot[j][b][3]);
+    }
+    __syncthreads();
+    if (wk == 0) {
+#pragma unroll
+      for (int j = 0; j < 4; j++)
+#pragma unroll
+        for (int b = 0; b < MB; b++) {
+          const float4 v = red[(j * MB + b) * 32];
+          tot[j][b][0] += v.x;
+          tot[j][b][1] += v.y;
+          tot[j][b][2] += v.z;
+          tot[j][b][3] += v.w;
+        }
+    }
+  }
 
   // Element (j, b, e) is C[slice row wrow0 + 8 b + 2 c4 + e % 2][column 64 wn + 16 j + g + 8 (e / 2)]
   // of the tile; rows of the slice below `lim` exist.
   const int col0 = nt * S::kTileN + wn * 64 + g;
   const int lim = rows - wrow0 - 2 * c4;  // element rows 8 b + e % 2 below this exist
   if (p.parts == 1) {
+    if (wk != 0) return;
 #pragma unroll
     for (int j = 0; j < 4; j++) {
       const int col_lo = col0 + 16 * j, col_hi = col_lo + 8;
@@ -451,13 +497,15 @@ __global__ void __launch_bounds__(32 * NW * MS) marlin_24_kernel(const Params p)
     float* part_sm = reinterpret_cast<float*>(smem);
     __syncthreads();
     float* mine = part_sm + (wrow0 + 2 * c4) * S::kPartStride + wn * 64 + g;
+    if (wk == 0) {
 #pragma unroll
-    for (int j = 0; j < 4; j++)
+      for (int j = 0; j < 4; j++)
 #pragma unroll
-      for (int b = 0; b < MB; b++)
+        for (int b = 0; b < MB; b++)
 #pragma unroll
-        for (int e = 0; e < 4; e++)
-          if (8 * b + e % 2 < lim) mine[(8 * b + e % 2) * S::kPartStride + 16 * j + 8 * (e / 2)] = tot[j][b][e];
+          for (int e = 0; e < 4; e++)
+            if (8 * b + e % 2 < lim) mine[(8 * b + e % 2) * S::kPartStride + 16 * j + 8 * (e / 2)] = tot[j][b][e];
+    }
     cluster_sync();  // every part of the tile is in place
     // This block's 1/parts of the chunks, each the sum of the parts in rank order, all parts'
     // loads in flight at once.
@@ -485,13 +533,15 @@ __global__ void __launch_bounds__(32 * NW * MS) marlin_24_kernel(const Params p)
   // K split through global memory: this block's fp32 partial (past L1), then the last block of
   // the tile adds all parts.
   float* mine = p.partial + static_cast<long long>(part) * p.m * p.n + static_cast<long long>(row0 + wrow0 + 2 * c4) * p.n + col0;
+  if (wk == 0) {
 #pragma unroll
-  for (int j = 0; j < 4; j++)
+    for (int j = 0; j < 4; j++)
 #pragma unroll
-    for (int b = 0; b < MB; b++)
+      for (int b = 0; b < MB; b++)
 #pragma unroll
-      for (int e = 0; e < 4; e++)
-        if (8 * b + e % 2 < lim) __stcg(mine + static_cast<long long>(8 * b + e % 2) * p.n + 16 * j + 8 * (e / 2), tot[j][b][e]);
+        for (int e = 0; e < 4; e++)
+          if (8 * b + e % 2 < lim) __stcg(mine + static_cast<long long>(8 * b + e % 2) * p.n + 16 * j + 8 * (e / 2), tot[j][b][e]);
+  }
   if (!last_to_arrive(p.locks + col, p.parts)) return;
   // kPB parts' loads of a chunk in flight at once (a loop of dependent load-add pairs made the
   // last block's reduction latency-bound), added in part order.
