@@ -24,8 +24,8 @@ struct Gemm24Shape {
 inline Gemm24Shape check_gemm_2_4_args(const at::Tensor& a, const at::Tensor& b_q, const at::Tensor& b_meta,
                                        const at::Tensor& b_scales, const std::optional<at::Tensor>& workspace) {
   TORCH_CHECK(a.dim() == 2, "marlin.gemm_2_4: a.dim() = ", num(a.dim()), ", expected 2 (a is [M, K])");
-  TORCH_CHECK(a.scalar_type() == at::kHalf, "marlin.gemm_2_4: a.dtype = ", dtype_str(a),
-              ", expected torch.float16 (the 2:4 kernel computes in fp16 only)");
+  TORCH_CHECK(a.scalar_type() == at::kHalf || a.scalar_type() == at::kBFloat16, "marlin.gemm_2_4: a.dtype = ", dtype_str(a),
+              ", expected torch.float16 or torch.bfloat16");
   TORCH_CHECK(b_q.dim() == 2, "marlin.gemm_2_4: b_q.dim() = ", num(b_q.dim()), ", expected 2 (b_q is int32 [K/32, 2*N])");
   TORCH_CHECK(b_q.scalar_type() == at::kInt, "marlin.gemm_2_4: b_q.dtype = ", dtype_str(b_q), ", expected torch.int32");
   TORCH_CHECK(b_meta.dim() == 2, "marlin.gemm_2_4: b_meta.dim() = ", num(b_meta.dim()),

@@ -28,10 +28,11 @@ TORCH_LIBRARY(marlin, m) {
 // 2:4-sparse INT4 weights (Sparse-MARLIN; layout in marlin/sparse.py). A separate block so that
 // the dense schema above can change on its own.
 TORCH_LIBRARY_FRAGMENT(marlin, m) {
-  // C[M, N] (fp16) = a[M, K] (fp16) @ dequant(b_q, b_meta, b_scales), fp32 accumulation.
+  // C[M, N] = a[M, K] @ dequant(b_q, b_meta, b_scales), fp32 accumulation; a, b_scales and C all
+  // float16 or all bfloat16.
   //   b_q       int32 [K/32, 2N]: the kept INT4 values, two per 4 rows of K, in the dense tile order.
   //   b_meta    int32 [K/32, N]: their 2-bit positions, in the order mma.sp reads them.
-  //   b_scales  fp16 [K/128, N] (group 128 along the original K, permuted) or [1, N] (per column).
+  //   b_scales  [K/128, N] (group 128 along the original K, permuted) or [1, N] (per column).
   //   workspace as for gemm: int32, all zero, at least marlin.ops.workspace_size(device), or None.
   m.def("gemm_2_4(Tensor a, Tensor b_q, Tensor b_meta, Tensor b_scales, Tensor? workspace=None) -> Tensor");
 }

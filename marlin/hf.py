@@ -115,7 +115,8 @@ def _marlin_layers(ckpt: SafetensorsDir) -> dict:
 
 
 def _sparse_layer(ckpt: SafetensorsDir, prefix: str) -> dict:
-    """The spec of a 2:4 layer (MarlinLinear24: b_q [K/32, 2N], b_meta [K/32, N], fp16 b_scales), checked."""
+    """The spec of a 2:4 layer (MarlinLinear24: b_q [K/32, 2N], b_meta [K/32, N], fp16 or bf16
+    b_scales: the layer's dtype), checked."""
     from . import packing, sparse
 
     b_q, meta = ckpt.tensors[f"{prefix}.b_q"], ckpt.tensors[f"{prefix}.b_meta"]
@@ -125,7 +126,7 @@ def _sparse_layer(ckpt: SafetensorsDir, prefix: str) -> dict:
     ok = (
         b_q.dtype == torch.int32
         and meta.dtype == torch.int32
-        and scales.dtype == torch.float16
+        and scales.dtype in packing.SUPPORTED_DTYPES
         and len(b_q.shape) == len(meta.shape) == len(scales.shape) == 2
         and b_q.shape[0] == meta.shape[0] > 0
         and b_q.shape[1] == 2 * meta.shape[1] == 2 * scales.shape[1]
@@ -136,7 +137,7 @@ def _sparse_layer(ckpt: SafetensorsDir, prefix: str) -> dict:
         raise ConversionError(
             f"{prefix}: 2:4 tensors b_q {b_q.dtype} {list(b_q.shape)}, b_meta {meta.dtype} {list(meta.shape)}, "
             f"b_scales {scales.dtype} {list(scales.shape)}; expected int32 [K / 32, 2 N], int32 [K / 32, N] and "
-            "float16 [groups, N] with groups dividing K"
+            "float16 or bfloat16 [groups, N] with groups dividing K"
         )
     for extra in ("b_zeros", "perm"):
         if f"{prefix}.{extra}" in ckpt.tensors:
@@ -148,7 +149,7 @@ def _sparse_layer(ckpt: SafetensorsDir, prefix: str) -> dict:
         group_size=packing.group_size_of(k, scales.shape[0]),
         bias=f"{prefix}.bias" in ckpt.tensors,
         act_order=False,
-        dtype=torch.float16,
+        dtype=scales.dtype,
         bits=4,
         zero_points=False,
         sparsity="2:4",
@@ -187,7 +188,9 @@ def _install_marlin_layers(model: nn.Module, layers: dict, device: torch.device)
                 f"{prefix}: the checkpoint holds a [{spec['k']} -> {spec['n']}] Marlin layer, but the model has {old!r}"
             )
         if spec.get("sparsity") == "2:4":
-            new = MarlinLinear24(spec["k"], spec["n"], bias=spec["bias"], group_size=spec["group_size"], device=device)
+            new = MarlinLinear24(
+                spec["k"], spec["n"], bias=spec["bias"], group_size=spec["group_size"], device=device, dtype=spec["dtype"]
+            )
         else:
             new = _new_marlin_layer(spec, device)
         setattr(model.get_submodule(parent_name) if parent_name else model, child, new)

@@ -139,15 +139,15 @@ class MarlinLinear(QuantizedLinearBase):
         weight: ``bits`` 4 or 8, ``sym=False`` for 4-bit zero points. ``dtype`` (default: the
         weight's dtype if it is bfloat16 or float16, else float16) is the layer's compute dtype.
         Raises ValueError for shapes and formats the kernel cannot take.
-        ``sparsity="2:4"`` prunes to 2:4 and returns a marlin.MarlinLinear24 instead (fp16, 4-bit
-        symmetric: the other format arguments must keep their defaults)."""
+        ``sparsity="2:4"`` prunes to 2:4 and returns a marlin.MarlinLinear24 instead (4-bit
+        symmetric: ``bits`` and ``sym`` must keep their defaults; ``dtype`` as here)."""
         if sparsity is not None:
             from . import sparse_nn
 
             sparse_nn.check_sparsity(sparsity, "MarlinLinear.from_linear")
-            if bits != 4 or not sym or dtype not in (None, torch.float16):
-                raise ValueError("from_linear: sparsity='2:4' takes fp16 4-bit symmetric weights only")
-            return sparse_nn.MarlinLinear24.from_linear(linear, group_size)
+            if bits != 4 or not sym:
+                raise ValueError("from_linear: sparsity='2:4' takes 4-bit symmetric weights only (bits=4, sym=True)")
+            return sparse_nn.MarlinLinear24.from_linear(linear, group_size, dtype=dtype)
         weight = float_weight(linear)
         dtype = _default_dtype(weight.dtype) if dtype is None else dtype
         layer = cls(

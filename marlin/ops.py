@@ -122,7 +122,8 @@ def gemm_2_4(
     workspace: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """C[M, N] = a[M, K] @ dequant(b_q, b_meta, b_scales) for 2:4-sparse weights packed by
-    marlin.sparse.quantize_and_pack_2_4; fp16 in, fp16 out. See torch.ops.marlin.gemm_2_4."""
+    marlin.sparse.quantize_and_pack_2_4; a, b_scales and the result all float16 or all bfloat16.
+    See torch.ops.marlin.gemm_2_4."""
     return torch.ops.marlin.gemm_2_4(a, b_q, b_meta, b_scales, workspace)
 
 
@@ -130,7 +131,9 @@ def gemm_2_4(
 def _gemm_2_4_fake(a, b_q, b_meta, b_scales, workspace=None):
     op = "marlin.gemm_2_4"
     torch._check(a.dim() == 2, lambda: f"{op}: a.dim() = {a.dim()}, expected 2 (a is [M, K])")
-    torch._check(a.dtype == torch.float16, lambda: f"{op}: a.dtype = {a.dtype}, expected torch.float16")
+    torch._check(
+        a.dtype in (torch.float16, torch.bfloat16), lambda: f"{op}: a.dtype = {a.dtype}, expected torch.float16 or torch.bfloat16"
+    )
     torch._check(b_q.dim() == 2 and b_q.dtype == torch.int32, lambda: f"{op}: b_q must be int32 [K/32, 2*N]")
     torch._check(b_meta.dim() == 2 and b_meta.dtype == torch.int32, lambda: f"{op}: b_meta must be int32 [K/32, N]")
     torch._check(

@@ -18,8 +18,9 @@ marlin.packing's dense tile gives a lane (columns g and g + 8, compressed rows 2
 
   * ``b_q`` = the dense Marlin packing of q_c: int32 [K / 32, 2 N] (marlin.packing.pack of the
     compressed [K / 2, N] matrix; nothing new to learn).
-  * ``b_scales``: the dense group structure along the *original* K, unchanged: fp16
-    [K / group_size, N] permuted as marlin.packing.permute_scales does, or [1, N] per column.
+  * ``b_scales``: the dense group structure along the *original* K, unchanged: fp16 or bf16
+    (the activations' dtype) [K / group_size, N] permuted as marlin.packing.permute_scales does,
+    or [1, N] per column.
   * ``b_meta`` int32 [K / 32, N]: the 2-bit indices, arranged so that each lane reads its
     metadata for one 32-row strip of a 64-column tile as one 8-byte load. A group's two indices
     form a nibble ``i0 | i1 << 2`` (i0 < i1). For strip s, tile nt and lane t = 4 g + c, the two
@@ -243,32 +244,36 @@ def check_shape_2_4(in_features: int, out_features: int, group_size: int) -> Opt
 
 
 def quantize_and_pack_2_4(
-    w: torch.Tensor, group_size: int = 128
+    w: torch.Tensor, group_size: int = 128, dtype: torch.dtype = torch.float16
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Quantize and pack a 2:4-sparse B [K, N] (float) for torch.ops.marlin.gemm_2_4.
 
     ``w`` must already be 2:4 along K (ValueError naming the columns that are not; prune with
-    prune_2_4). Returns (b_q int32 [K/32, 2N], b_meta int32 [K/32, N], b_scales fp16 [groups, N]).
-    The scales are marlin.packing.quantize's, over groups of ``group_size`` original rows.
+    prune_2_4). Returns (b_q int32 [K/32, 2N], b_meta int32 [K/32, N], b_scales [groups, N] of
+    ``dtype``, float16 or bfloat16: the dtype the op then computes in). The scales are
+    marlin.packing.quantize's, over groups of ``group_size`` original rows.
     """
     _check_2d_float(w, "quantize_and_pack_2_4")
     k, n = w.shape
     _check_strips(k, n, "quantize_and_pack_2_4")
     check_2_4(w, "quantize_and_pack_2_4: w")
-    q, scales = packing.quantize(w, group_size, dtype=torch.float16)  # the 2:4 op computes in fp16
+    if dtype not in packing.SUPPORTED_DTYPES:
+        raise ValueError(f"quantize_and_pack_2_4: dtype = {dtype}, expected torch.float16 or torch.bfloat16")
+    q, scales = packing.quantize(w, group_size, dtype=dtype)
     return pack_2_4(q, scales)
 
 
 def pack_2_4(q: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Pack an already quantized 2:4 q int8 [K, N] (values in -8..7, pruned ones 0) and its fp16
-    scales [groups, N] (natural order) -> (b_q, b_meta, b_scales); e.g. from a quantizer that
-    chose its own scales (marlin-quantize). ValueError if q is not 2:4 along K."""
+    """Pack an already quantized 2:4 q int8 [K, N] (values in -8..7, pruned ones 0) and its
+    scales [groups, N] (natural order; float16 or bfloat16, the dtype the op computes in) ->
+    (b_q, b_meta, b_scales); e.g. from a quantizer that chose its own scales (marlin-quantize).
+    ValueError if q is not 2:4 along K."""
     if q.dim() != 2:
         raise ValueError(f"pack_2_4: q must be 2-D [K, N], got {tuple(q.shape)}")
     k, n = q.shape
     _check_strips(k, n, "pack_2_4")
-    if scales.dtype != torch.float16:
-        raise ValueError(f"pack_2_4: scales dtype {scales.dtype}, expected torch.float16 (the 2:4 op computes in fp16)")
+    if scales.dtype not in packing.SUPPORTED_DTYPES:
+        raise ValueError(f"pack_2_4: scales dtype {scales.dtype}, expected torch.float16 or torch.bfloat16")
     values, indices = compress_2_4(q)
     b_q, _ = packing.pack(values, torch.ones(1, n, dtype=torch.float16, device=q.device))
     return b_q, pack_meta(indices), packing.permute_scales(scales)
@@ -278,7 +283,7 @@ def unpack_2_4_parts(
     b_q: torch.Tensor, b_meta: torch.Tensor, b_scales: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Exact inverse of quantize_and_pack_2_4's packing: -> (q int8 [K, N] in -8..7 with the pruned
-    zeros in place, scales fp16 [groups, N] in natural order)."""
+    zeros in place, scales [groups, N] in natural order, of b_scales' dtype)."""
     if b_q.dim() != 2 or b_meta.dim() != 2 or b_q.shape[0] != b_meta.shape[0] or b_q.shape[1] != 2 * b_meta.shape[1]:
         raise ValueError(
             f"unpack_2_4: b_q {tuple(b_q.shape)} and b_meta {tuple(b_meta.shape)} do not fit: expected "

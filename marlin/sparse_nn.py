@@ -40,18 +40,22 @@ def check_sparsity(sparsity: Optional[str], where: str) -> None:
 
 
 class MarlinLinear24(QuantizedLinearBase):
-    """y = x @ dequant(b_q, b_meta, b_scales) + bias, x fp16 [..., in_features] -> fp16 [..., out_features].
+    """y = x @ dequant(b_q, b_meta, b_scales) + bias, x [..., in_features] -> [..., out_features].
+
+    The layer has one compute dtype, float16 or bfloat16 (``dtype``): the input, the scales, the
+    bias and the output.
 
     Buffers (all in ``state_dict`` except ``workspace``):
       * ``b_q``       int32 [in_features / 32, 2 * out_features]: the kept INT4 values;
       * ``b_meta``    int32 [in_features / 32, out_features]: their positions (2 bits each);
-      * ``b_scales``  fp16 [groups, out_features]: groups = in_features / group_size, or 1 (-1);
-      * ``bias``      fp16 [out_features], or None;
+      * ``b_scales``  dtype [groups, out_features]: groups = in_features / group_size, or 1 (-1);
+      * ``bias``      dtype [out_features], or None;
       * ``workspace`` int32, non-persistent: the kernel's lock buffer.
 
     ``pruned_fraction`` (not saved) is ||W - W_2:4|| / ||W|| of the float weight that from_linear
-    pruned, or None. Input must be float16 (TypeError otherwise). ``.half()``/``.float()`` leave
-    the layer as it is: its fp16 scales are part of the weight format.
+    pruned, or None. The input must have the layer's dtype (TypeError otherwise).
+    ``.half()``/``.float()``/``.to(dtype)`` leave the layer's dtype as it is: its scales are part of
+    the weight format.
     """
 
     _version = 1  # of this class's state_dict layout; _load_from_state_dict refuses newer versions
@@ -66,8 +70,8 @@ class MarlinLinear24(QuantizedLinearBase):
         dtype: torch.dtype = torch.float16,
     ):
         super().__init__()
-        if dtype != torch.float16:
-            raise ValueError(f"MarlinLinear24: dtype = {dtype}, expected torch.float16 (the 2:4 kernel computes in fp16 only)")
+        if dtype not in packing.SUPPORTED_DTYPES:
+            raise ValueError(f"MarlinLinear24: dtype = {dtype}, expected torch.float16 or torch.bfloat16")
         reason = sparse.check_shape_2_4(in_features, out_features, group_size)
         if reason is not None:
             raise ValueError(
@@ -79,25 +83,37 @@ class MarlinLinear24(QuantizedLinearBase):
         self.in_features = in_features
         self.out_features = out_features
         self.group_size = group_size
+        self.dtype = dtype
         self.pruned_fraction: Optional[float] = None
         strips = in_features // sparse.STRIP_K
         self.register_buffer("b_q", torch.full((strips, 2 * out_features), _ZERO_WORD, dtype=torch.int32, device=device))
         dev = self.b_q.device
         self.register_buffer("b_meta", torch.full((strips, out_features), _META_01, dtype=torch.int32, device=dev))
         groups = packing.num_groups(in_features, group_size)
-        self.register_buffer("b_scales", torch.ones(groups, out_features, dtype=torch.float16, device=dev))
-        self.register_buffer("bias", torch.zeros(out_features, dtype=torch.float16, device=dev) if bias else None)
+        self.register_buffer("b_scales", torch.ones(groups, out_features, dtype=dtype, device=dev))
+        self.register_buffer("bias", torch.zeros(out_features, dtype=dtype, device=dev) if bias else None)
         self.register_buffer("workspace", new_workspace(dev), persistent=False)
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, group_size: int = 128, *, prune: bool = True) -> "MarlinLinear24":
+    def from_linear(
+        cls, linear: nn.Linear, group_size: int = 128, *, prune: bool = True, dtype: Optional[torch.dtype] = None
+    ) -> "MarlinLinear24":
         """Magnitude-prune ``linear`` to 2:4 along in_features (marlin.sparse.prune_2_4), then quantize
         (round to nearest, symmetric INT4) on the device of its weight. With ``prune=False`` the
         weight must be 2:4 already (e.g. from SparseGPT): ValueError naming the columns that are not.
+        ``dtype`` (default: the weight's dtype if it is bfloat16 or float16, else float16) is the
+        layer's compute dtype.
         """
         weight = float_weight(linear)
+        if dtype is None:
+            dtype = weight.dtype if weight.dtype in packing.SUPPORTED_DTYPES else torch.float16
         layer = cls(
-            linear.in_features, linear.out_features, bias=linear.bias is not None, group_size=group_size, device=weight.device
+            linear.in_features,
+            linear.out_features,
+            bias=linear.bias is not None,
+            group_size=group_size,
+            device=weight.device,
+            dtype=dtype,
         )
         w = weight.detach().t()  # B = weight^T [K, N]; groups of 4 run along K
         if prune:
@@ -105,7 +121,7 @@ class MarlinLinear24(QuantizedLinearBase):
             norm = w.float().norm()
             layer.pruned_fraction = float((w.float() - pruned.float()).norm() / norm) if norm > 0 else 0.0
             w = pruned
-        b_q, b_meta, b_scales = sparse.quantize_and_pack_2_4(w, group_size)
+        b_q, b_meta, b_scales = sparse.quantize_and_pack_2_4(w, group_size, dtype=dtype)
         layer.b_q.copy_(b_q)
         layer.b_meta.copy_(b_meta)
         layer.b_scales.copy_(b_scales)
@@ -113,17 +129,20 @@ class MarlinLinear24(QuantizedLinearBase):
         return layer
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        a = self._flat_input(x, torch.float16)
+        a = self._flat_input(x, self.dtype)
         y = ops.gemm_2_4(a, self.b_q, self.b_meta, self.b_scales, self.workspace)
         return self._output(y, x.shape[:-1])
 
     def _dtype_advice(self, got: torch.dtype) -> str:
-        return "the 2:4 kernel computes in fp16; run the model in half precision, e.g. model.half()"
+        return (
+            f"the layer's compute dtype; run the model in that dtype, e.g. model.to({self.dtype}), "
+            f"or build the layer with dtype={got}"
+        )
 
     def extra_repr(self) -> str:
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
-            f"group_size={self.group_size}, sparsity=2:4"
+            f"group_size={self.group_size}, dtype={self.dtype}, sparsity=2:4"
         )
 
     def dequantized_weight(self) -> torch.Tensor:
@@ -142,10 +161,10 @@ class MarlinLinear24(QuantizedLinearBase):
         if not self._version_readable(local_metadata, prefix, error_msgs):
             return
         self._check_scale_rows(state_dict, prefix, error_msgs)
-        for key, want in (("b_q", torch.int32), ("b_meta", torch.int32), ("b_scales", torch.float16)):
+        for key, want in (("b_q", torch.int32), ("b_meta", torch.int32), ("b_scales", self.dtype), ("bias", self.dtype)):
             t = state_dict.get(prefix + key)
             if isinstance(t, torch.Tensor) and t.dtype != want:
-                error_msgs.append(f"{prefix}{key}: dtype {t.dtype}, expected {want}")
+                error_msgs.append(f"{prefix}{key}: dtype {t.dtype}, expected {want} (the layer's dtype is {self.dtype})")
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs)
 
 

@@ -9,10 +9,10 @@ from marlin import packing, sparse
 from conftest import rel_err, requires_cuda_2_4
 
 
-def sparse_layer(k, n, group_size, seed=None):
+def sparse_layer(k, n, group_size, seed=None, dtype=torch.float16):
     gen = torch.Generator().manual_seed(torch.seed() if seed is None else seed)
     w = sparse.prune_2_4(torch.randn(k, n, generator=gen))
-    b_q, b_meta, b_s = sparse.quantize_and_pack_2_4(w, group_size)
+    b_q, b_meta, b_s = sparse.quantize_and_pack_2_4(w, group_size, dtype=dtype)
     return sparse.unpack_2_4(b_q, b_meta, b_s), b_q, b_meta, b_s
 
 
@@ -23,16 +23,20 @@ def call(a, b_q, b_meta, b_s, workspace=None):
 @pytest.mark.parametrize("m", [0, 1, 7, 16, 33])
 @pytest.mark.parametrize("k,n", [(128, 128), (256, 384), (512, 256)])
 @pytest.mark.parametrize("group_size", [128, -1])
-def test_cpu_gemm_2_4_matches_fp64_reference(m, k, n, group_size):
-    w, b_q, b_meta, b_s = sparse_layer(k, n, group_size)
-    a = torch.randn(m, k).half()
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_cpu_gemm_2_4_matches_fp64_reference(m, k, n, group_size, dtype):
+    w, b_q, b_meta, b_s = sparse_layer(k, n, group_size, dtype=dtype)
+    assert b_s.dtype == dtype
+    a = torch.randn(m, k).to(dtype)
     c = call(a, b_q, b_meta, b_s)
-    assert c.shape == (m, n) and c.dtype == torch.float16
+    assert c.shape == (m, n) and c.dtype == dtype
     if m == 0:
         return
     ref = a.double() @ w.double()
-    assert rel_err(c, ref) < 5e-4
-    assert rel_err(c * 1.01, ref) > 5e-3
+    # the output's rounding: fp16 keeps 11 bits, bf16 8
+    tol = 5e-4 if dtype == torch.float16 else 4e-3
+    assert rel_err(c, ref) < tol
+    assert rel_err(c.double() * 1.02, ref) > 3 * tol
     assert rel_err(c[:, torch.randperm(n)], ref) > 0.5
 
 
@@ -84,7 +88,7 @@ def a16(m=4, k=256):
 
 
 CASES = [
-    ("a float32", lambda q, m, s: (a16().float(), q, m, s, None), r"a\.dtype = Float, expected torch\.float16"),
+    ("a float32", lambda q, m, s: (a16().float(), q, m, s, None), r"a\.dtype = Float, expected torch\.float16 or torch\.bfloat16"),
     ("a 3-D", lambda q, m, s: (a16().unsqueeze(0), q, m, s, None), r"a\.dim\(\) = 3, expected 2"),
     ("K mismatch", lambda q, m, s: (a16(k=128), q, m, s, None), r"a\.size\(1\) = 128, expected K = b_q\.size\(0\) \* 32 = 256"),
     ("b_q float", lambda q, m, s: (a16(), q.float(), m, s, None), r"b_q\.dtype = Float, expected torch\.int32"),
@@ -96,6 +100,8 @@ CASES = [
     ("K not multiple of 128", lambda q, m, s: (a16(k=64), q[:2].contiguous(), m[:2].contiguous(), s[:1].contiguous(), None), r"K = 64, expected a positive multiple of 128"),
     ("N not multiple of 128", lambda q, m, s: (a16(), q[:, :128].contiguous(), m[:, :64].contiguous(), s[:, :64].contiguous(), None), r"N = b_q\.size\(1\) / 2 = 64, expected a positive multiple of 128"),
     ("scales fp32", lambda q, m, s: (a16(), q, m, s.float(), None), r"b_scales\.dtype = Float but a\.dtype = Half"),
+    ("scales bf16, a fp16", lambda q, m, s: (a16(), q, m, s.bfloat16(), None), r"b_scales\.dtype = BFloat16 but a\.dtype = Half"),
+    ("a bf16, scales fp16", lambda q, m, s: (a16().bfloat16(), q, m, s, None), r"b_scales\.dtype = Half but a\.dtype = BFloat16"),
     ("scales wrong groups", lambda q, m, s: (a16(), q, m, torch.ones(3, 256).half(), None), r"b_scales\.size\(0\) = 3, expected 1 \(per-column scales\) or K / 128 = 2"),
     ("workspace dtype", lambda q, m, s: (a16(), q, m, s, torch.zeros(8)), r"workspace\.dtype = Float, expected torch\.int32"),
 ]
@@ -120,9 +126,11 @@ def test_meta_tensors_give_the_same_errors(layer):
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=requires_cuda_2_4)])
 def test_opcheck_gemm_2_4(device):
-    for m, k, n, g in [(1, 128, 128, 128), (7, 256, 384, -1), (33, 384, 256, 128), (0, 128, 256, 128)]:
-        _, b_q, b_meta, b_s = sparse_layer(k, n, g, seed=m)
-        a = torch.randn(m, k, device=device).half()
+    cases = [(1, 128, 128, 128, torch.float16), (7, 256, 384, -1, torch.float16), (33, 384, 256, 128, torch.bfloat16),
+             (0, 128, 256, 128, torch.float16), (5, 256, 128, -1, torch.bfloat16)]
+    for m, k, n, g, dtype in cases:
+        _, b_q, b_meta, b_s = sparse_layer(k, n, g, seed=m, dtype=dtype)
+        a = torch.randn(m, k, device=device).to(dtype)
         torch.library.opcheck(torch.ops.marlin.gemm_2_4.default, (a, b_q.to(device), b_meta.to(device), b_s.to(device), None))
 
 

@@ -61,16 +61,16 @@ _FRESH_PROCESS_CODE = """
 import os, torch, marlin
 from marlin import sparse
 os.environ["MARLIN_2_4_WGMMA"] = "1"
-for g in (128, -1):
+for g, dtype in ((128, torch.float16), (-1, torch.float16), (128, torch.bfloat16), (-1, torch.bfloat16)):
     w = sparse.prune_2_4(torch.randn(1152, 768, device="cuda"))
-    b_q, b_meta, b_s = sparse.quantize_and_pack_2_4(w, g)
+    b_q, b_meta, b_s = sparse.quantize_and_pack_2_4(w, g, dtype=dtype)
     for env in ({}, {"MARLIN_2_4_PARTS": "1"}, {"MARLIN_2_4_PARTS": "4", "MARLIN_2_4_CLUSTERS": "1"},
                 {"MARLIN_2_4_PARTS": "4", "MARLIN_2_4_CLUSTERS": "0"}, {"MARLIN_2_4_WG_LATE": "0"},
                 {"MARLIN_2_4_WARP_SLICES": "2"}, {"MARLIN_2_4_KW": "2"},
                 {"MARLIN_2_4_KW": "2", "MARLIN_2_4_PARTS": "3", "MARLIN_2_4_CLUSTERS": "0"}):
         os.environ.update(env)
         for m in (9, 16, 17, 33, 64, 65, 128, 130):
-            marlin.gemm_2_4(torch.randn(m, 1152, device="cuda", dtype=torch.float16), b_q, b_meta, b_s)
+            marlin.gemm_2_4(torch.randn(m, 1152, device="cuda", dtype=dtype), b_q, b_meta, b_s)
             torch.cuda.synchronize()
         for key in env:
             del os.environ[key]
@@ -114,7 +114,7 @@ def plan_lines(capfd):
 def check(layer, m, capfd, wgmma=2):
     """(error, fp16 matmul's error) against the float64 product; asserts the plan's kernel
     (wgmma = 0: mma.sync, 1: wgmma with early refill, 2: with late refill)."""
-    a = torch.randn(m, layer.k, device="cuda", dtype=torch.float16)
+    a = torch.randn(m, layer.k, device="cuda", dtype=layer.dtype)
     ptr = poison_allocator(m * layer.n)
     plan_lines(capfd)  # drop earlier output
     c = marlin.gemm_2_4(a, layer.b_q, layer.b_meta, layer.b_s)
@@ -142,6 +142,19 @@ def test_shapes_early_refill(m, shape, g, wgmma_on, capfd):
     wgmma_on.setenv("MARLIN_2_4_WG_LATE", "0")
     err, base, plan = check(get_layer(*SHAPES[shape], g), m, capfd, wgmma=1)
     assert err <= ALLOWED * base + 1e-7, f"M={m} {shape} g={g}: error {err:.3g} vs fp16 matmul {base:.3g} ({plan})"
+
+
+@pytest.mark.parametrize("g", GROUPS)
+@pytest.mark.parametrize("shape", ["70B_o", "1152x768"])
+@pytest.mark.parametrize("m", M_VALUES)
+@pytest.mark.parametrize("kw", ["1", "2"])
+def test_shapes_bf16(kw, m, shape, g, wgmma_on, capfd):
+    """bf16 on the sparse wgmma (one or two K warpgroups): within 1.5x of bf16 torch.matmul's
+    error on the bf16-rounded dequantized weights."""
+    wgmma_on.setenv("MARLIN_2_4_KW", kw)
+    err, base, plan = check(get_layer(*SHAPES[shape], g, dtype=torch.bfloat16), m, capfd)
+    assert f" kw={kw}" in plan, plan
+    assert err <= ALLOWED * base + 1e-7, f"M={m} {shape} g={g}: error {err:.3g} vs bf16 matmul {base:.3g} ({plan})"
 
 
 @pytest.mark.parametrize("g", GROUPS)

@@ -17,7 +17,7 @@ import json
 import pytest
 import torch
 
-from marlin import sparse
+from marlin import packing, sparse
 from marlin.quantize import gptq_quantize, rtn_quantize
 
 from test_quantize_gptq import calib_inputs, hessian_of, out_err
@@ -171,6 +171,39 @@ def test_sparse_cli_and_from_pretrained(tiny, tmp_path, capsys):
         assert torch.equal(model(x).logits, loaded(x).logits)
     assert cli.eval_main([str(out), "--text", str(calib), "--context", "64", "--max-tokens", "200", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["ppl"] > 1
+
+
+def test_a_bf16_2_4_checkpoint_loads_as_bf16_layers(tiny, tmp_path):
+    """The same 2:4 checkpoint with every floating tensor in bf16 (the scales included) loads, with
+    load_quantized and from_pretrained, as bf16 MarlinLinear24 layers whose weights are the bf16
+    scales times the same codes; the model then runs in bf16 close to the fp16 one."""
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM
+
+    _, src, calib = tiny
+    model, tokenizer, samples = model_and_samples(src, calib)
+    results, reports = quantize_model(model, samples, QuantizeConfig(group_size=128, sparsity="2:4"), progress=False)
+    out = tmp_path / "out"
+    write_checkpoint(model, results, reports, out, settings={"group_size": 128, "sparsity": "2:4"}, tokenizer=tokenizer)
+    fp16 = marlin.load_quantized(out, device="cpu")
+    tensors = load_file(str(out / "model.safetensors"))
+    save_file({k: v.bfloat16() if v.is_floating_point() else v for k, v in tensors.items()}, str(out / "model.safetensors"))
+    config = json.loads((out / "config.json").read_text())
+    config["dtype"] = "bfloat16"
+    (out / "config.json").write_text(json.dumps(config))
+
+    for loaded in (marlin.load_quantized(out, device="cpu"), AutoModelForCausalLM.from_pretrained(out)):
+        layers = {n: m for n, m in loaded.named_modules() if isinstance(m, MarlinLinear24)}
+        assert len(layers) == 14 and all(m.dtype == m.b_scales.dtype == torch.bfloat16 for m in layers.values())
+        for name, layer in layers.items():
+            q, _ = sparse.unpack_2_4_parts(layer.b_q, layer.b_meta, layer.b_scales)
+            q16, s16 = sparse.unpack_2_4_parts(*(fp16.get_submodule(name).get_buffer(b) for b in ("b_q", "b_meta", "b_scales")))
+            assert torch.equal(q, q16)
+            assert torch.equal(layer.dequantized_weight(), packing.dequantize(q16, s16.bfloat16()).t())
+        x = samples[0][:, :16]
+        with torch.no_grad():
+            ref, got = fp16(x).logits.double(), loaded(x).logits.double()
+        assert float((got - ref).norm() / ref.norm()) < 0.05
 
 
 def test_sparse_options_fail_before_loading(tiny, tmp_path):

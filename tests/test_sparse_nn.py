@@ -73,8 +73,8 @@ def test_new_layer_computes_zero_and_bad_arguments():
         MarlinLinear24(96, 128)
     with pytest.raises(ValueError, match=r"group_size = 64"):
         MarlinLinear24(128, 128, group_size=64)
-    with pytest.raises(ValueError, match=r"dtype = torch.bfloat16"):
-        MarlinLinear24(128, 128, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"dtype = torch.float32, expected torch.float16 or torch.bfloat16"):
+        MarlinLinear24(128, 128, dtype=torch.float32)
     with pytest.raises(TypeError, match=r"input dtype is torch.float32"):
         layer(torch.randn(2, 128))
     with pytest.raises(ValueError, match=r"sparsity = '1:2'"):
@@ -106,6 +106,38 @@ def test_state_dict_round_trip_and_refusals(tmp_path):
     bad["b_meta"] = bad["b_meta"].to(torch.int64)
     with pytest.raises(RuntimeError, match=r"b_meta: dtype torch.int64, expected torch.int32"):
         MarlinLinear24(256, 128).load_state_dict(bad)
+
+
+def test_bf16_layer_from_a_bf16_linear():
+    """A bf16 Linear gives a bf16 2:4 layer (scales, bias, output); its input must be bf16; its
+    state_dict does not load into an fp16 layer, nor an fp16 one into it."""
+    torch.manual_seed(3)
+    lin = nn.Linear(256, 384).bfloat16()
+    layer = MarlinLinear.from_linear(lin, sparsity="2:4")
+    assert isinstance(layer, MarlinLinear24) and layer.dtype == torch.bfloat16
+    assert layer.b_scales.dtype == layer.bias.dtype == torch.bfloat16 and "dtype=torch.bfloat16" in repr(layer)
+    x = torch.randn(5, 256).bfloat16()
+    y = layer(x)
+    assert y.dtype == torch.bfloat16
+    ref = reference(layer, x)
+    assert rel_err(y, ref) < 4e-3 and rel_err(y.double() * 1.02, ref) > 1.2e-2
+    with pytest.raises(TypeError, match=r"input dtype is torch.float16, expected torch.bfloat16"):
+        layer(x.half())
+    # explicit dtype wins over the weight's
+    assert MarlinLinear24.from_linear(lin, dtype=torch.float16).b_scales.dtype == torch.float16
+    with pytest.raises(RuntimeError, match=r"b_scales: dtype torch.bfloat16, expected torch.float16"):
+        MarlinLinear24(256, 384).load_state_dict(layer.state_dict())
+    fp16_sd = MarlinLinear24.from_linear(lin.half()).state_dict()
+    with pytest.raises(RuntimeError, match=r"b_scales: dtype torch.float16, expected torch.bfloat16"):
+        MarlinLinear24(256, 384, dtype=torch.bfloat16).load_state_dict(fp16_sd)
+    fresh = MarlinLinear24(256, 384, dtype=torch.bfloat16)
+    fresh.load_state_dict(layer.state_dict())
+    assert torch.equal(fresh(x), y)
+    # a bf16 model through replace_linear_2_4: bf16 layers
+    model = Block().bfloat16()
+    replace_linear_2_4(model)
+    assert model.up.dtype == model.down.dtype == torch.bfloat16
+    assert model(torch.randn(2, 256).bfloat16()).dtype == torch.bfloat16
 
 
 def test_to_keeps_fp16_and_workspace():
@@ -175,12 +207,14 @@ def test_replace_linear_2_4_llama_forward():
 
 
 @requires_cuda_2_4
-def test_cuda_forward_matches_cpu_op():
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_cuda_forward_matches_cpu_op(dtype):
     torch.manual_seed(5)
-    layer = MarlinLinear24.from_linear(nn.Linear(512, 384).half())
-    x = torch.randn(7, 512).half()
+    layer = MarlinLinear24.from_linear(nn.Linear(512, 384).to(dtype))
+    x = torch.randn(7, 512).to(dtype)
     y_cpu = layer(x)
     layer.cuda()
     assert layer.workspace.is_cuda and int(layer.workspace.abs().sum()) == 0
-    assert rel_err(layer(x.cuda()).cpu(), y_cpu) < LAYER_TOL
+    y = layer(x.cuda()).cpu()
+    assert y.dtype == dtype and rel_err(y, y_cpu) < (LAYER_TOL if dtype == torch.float16 else 8e-3)
 

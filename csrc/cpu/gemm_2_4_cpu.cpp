@@ -1,11 +1,12 @@
 // CPU reference for marlin::gemm_2_4 (2:4-sparse INT4 weights, marlin/sparse.py): expand the
 // compressed values to the dense B [K, N] at the positions b_meta names, dequantize exactly
 // (scale * q in fp32), multiply with fp32 accumulation in a fixed order (k ascending over the
-// dense rows, pruned zeros included), round to fp16. Slow and simple: the CUDA kernel and the
-// Python spec are checked against it.
+// dense rows, pruned zeros included), round to the activations' dtype (fp16 or bf16, the scales'
+// too). Slow and simple: the CUDA kernel and the Python spec are checked against it.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
 #include <vector>
@@ -20,13 +21,14 @@ namespace {
 
 // Dense dequantized B [K, N] in fp32 from the packed values, metadata and scales. A metadata
 // nibble that is not two distinct positions (the lower first) is an error: the tensor cores'
-// result would be undefined there.
+// result would be undefined there. scalar_t: the scales' dtype.
+template <typename scalar_t>
 std::vector<float> dequantize_2_4_cpu(const at::Tensor& b_q, const at::Tensor& b_meta, const at::Tensor& b_scales,
                                       int64_t k, int64_t n, int64_t groups) {
   std::vector<float> w(static_cast<size_t>(k * n), 0.f);
   const int32_t* q = b_q.data_ptr<int32_t>();
   const int32_t* meta = b_meta.data_ptr<int32_t>();
-  const at::Half* s = b_scales.data_ptr<at::Half>();
+  const scalar_t* s = b_scales.data_ptr<scalar_t>();
   const auto& slot_of = tile_slot_of(4);
   const auto& meta_slot = meta_slot_of();
   const int64_t group_rows = k / groups;
@@ -72,8 +74,13 @@ at::Tensor gemm_2_4_cpu(const at::Tensor& a, const at::Tensor& b_q, const at::Te
   const Gemm24Shape sh = check_gemm_2_4_args(a, b_q, b_meta, b_scales, workspace);
   at::Tensor c = at::empty({sh.m, sh.n}, a.options());
   if (sh.m == 0) return c;
-  const std::vector<float> w = dequantize_2_4_cpu(b_q, b_meta, b_scales, sh.k, sh.n, sh.groups);
-  cpu_reference::matmul_fp32<at::Half>(a, w, sh.m, sh.k, sh.n, c);
+  if (a.scalar_type() == at::kBFloat16) {
+    const std::vector<float> w = dequantize_2_4_cpu<at::BFloat16>(b_q, b_meta, b_scales, sh.k, sh.n, sh.groups);
+    cpu_reference::matmul_fp32<at::BFloat16>(a, w, sh.m, sh.k, sh.n, c);
+  } else {
+    const std::vector<float> w = dequantize_2_4_cpu<at::Half>(b_q, b_meta, b_scales, sh.k, sh.n, sh.groups);
+    cpu_reference::matmul_fp32<at::Half>(a, w, sh.m, sh.k, sh.n, c);
+  }
   return c;
 }
 

@@ -189,25 +189,32 @@ __device__ __forceinline__ void wgmma_m64n256k16_ss(float (&d)[128], uint64_t a_
 #endif
 }
 
-// Sparse (2:4) wgmma, fp16: D[64 x N] += A[64 x 32] * B[32 x N] where A is 2:4 along K and given
-// compressed (64 x 16) from registers, in the same per-warp fragment order as the dense
-// m64k16 A above (= mma.sp.m16n8k32's sparse fragment), B (32 rows of K) by descriptor, and
-// e the metadata register. Per warp the metadata layout is that of mma.sp.m16n8k32 with fp16
-// (as CUTLASS's ELayout_64x32 for its sparse GMMA atoms spells it): lanes with lane % 4 = 0, 1
-// supply it under selector 0, lane % 4 = c covering K rows 16 c .. 16 c + 15, the low 16 bits
-// row g and the high 16 bits row g + 8 of the warp's 16 rows. Always accumulates (scale-d = 1:
-// the caller zeroes D once).
+// Sparse (2:4) wgmma, fp16 (BF16: bf16): D[64 x N] += A[64 x 32] * B[32 x N] where A is 2:4
+// along K and given compressed (64 x 16) from registers, in the same per-warp fragment order as
+// the dense m64k16 A above (= mma.sp.m16n8k32's sparse fragment), B (32 rows of K) by
+// descriptor, and e the metadata register. Per warp the metadata layout is that of
+// mma.sp.m16n8k32 with a 16-bit type (as CUTLASS's ELayout_64x32 for its sparse GMMA atoms
+// spells it; fp16 and bf16 alike): lanes with lane % 4 = 0, 1 supply it under selector 0,
+// lane % 4 = c covering K rows 16 c .. 16 c + 15, the low 16 bits row g and the high 16 bits row
+// g + 8 of the warp's 16 rows. Always accumulates (scale-d = 1: the caller zeroes D once). The
+// macro in each specialisation only spells the operand type twice.
 template <int N>
 struct WgmmaSpRS;
 
 template <>
 struct WgmmaSpRS<16> {
-  template <int SEL>
+  template <int SEL, bool BF16>
   __device__ __forceinline__ static void run(float (&d)[8], const uint32_t (&a)[4], uint64_t b_desc, uint32_t e) {
 #if MARLIN_HAS_WGMMA
-    asm volatile("wgmma.mma_async.sp.sync.aligned.m64n16k32.f32.f16.f16 {%0,%1,%2,%3,%4,%5,%6,%7}, {%8,%9,%10,%11}, %12, %13, %14, 1, 1, 1, 0;\n"
-                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b_desc), "r"(e), "n"(SEL));
+#define MARLIN_WGMMA_SP_16(TY)                                                                                            \
+  asm volatile("wgmma.mma_async.sp.sync.aligned.m64n16k32.f32." TY "." TY " {%0,%1,%2,%3,%4,%5,%6,%7}, {%8,%9,%10,%11}, %12, %13, %14, 1, 1, 1, 0;\n" \
+               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])   \
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b_desc), "r"(e), "n"(SEL))
+    if constexpr (BF16)
+      MARLIN_WGMMA_SP_16("bf16");
+    else
+      MARLIN_WGMMA_SP_16("f16");
+#undef MARLIN_WGMMA_SP_16
 #else
     __trap();
 #endif
@@ -216,12 +223,19 @@ struct WgmmaSpRS<16> {
 
 template <>
 struct WgmmaSpRS<32> {
-  template <int SEL>
+  template <int SEL, bool BF16>
   __device__ __forceinline__ static void run(float (&d)[16], const uint32_t (&a)[4], uint64_t b_desc, uint32_t e) {
 #if MARLIN_HAS_WGMMA
-    asm volatile("wgmma.mma_async.sp.sync.aligned.m64n32k32.f32.f16.f16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15}, {%16,%17,%18,%19}, %20, %21, %22, 1, 1, 1, 0;\n"
-                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b_desc), "r"(e), "n"(SEL));
+#define MARLIN_WGMMA_SP_32(TY)                                                                                            \
+  asm volatile("wgmma.mma_async.sp.sync.aligned.m64n32k32.f32." TY "." TY " {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15}, {%16,%17,%18,%19}, %20, %21, %22, 1, 1, 1, 0;\n" \
+               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),  \
+                 "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]) \
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b_desc), "r"(e), "n"(SEL))
+    if constexpr (BF16)
+      MARLIN_WGMMA_SP_32("bf16");
+    else
+      MARLIN_WGMMA_SP_32("f16");
+#undef MARLIN_WGMMA_SP_32
 #else
     __trap();
 #endif
@@ -230,21 +244,30 @@ struct WgmmaSpRS<32> {
 
 template <>
 struct WgmmaSpRS<64> {
-  template <int SEL>
+  template <int SEL, bool BF16>
   __device__ __forceinline__ static void run(float (&d)[32], const uint32_t (&a)[4], uint64_t b_desc, uint32_t e) {
 #if MARLIN_HAS_WGMMA
-    asm volatile("wgmma.mma_async.sp.sync.aligned.m64n64k32.f32.f16.f16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31}, {%32,%33,%34,%35}, %36, %37, %38, 1, 1, 1, 0;\n"
-                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b_desc), "r"(e), "n"(SEL));
+#define MARLIN_WGMMA_SP_64(TY)                                                                                            \
+  asm volatile("wgmma.mma_async.sp.sync.aligned.m64n64k32.f32." TY "." TY " {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31}, {%32,%33,%34,%35}, %36, %37, %38, 1, 1, 1, 0;\n" \
+               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),  \
+                 "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), \
+                 "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), \
+                 "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]) \
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b_desc), "r"(e), "n"(SEL))
+    if constexpr (BF16)
+      MARLIN_WGMMA_SP_64("bf16");
+    else
+      MARLIN_WGMMA_SP_64("f16");
+#undef MARLIN_WGMMA_SP_64
 #else
     __trap();
 #endif
   }
 };
 
-template <int N, int SEL = 0>
+template <int N, bool BF16 = false, int SEL = 0>
 __device__ __forceinline__ void wgmma_sp_m64k32_rs(float (&d)[N / 2], const uint32_t (&a)[4], uint64_t b_desc, uint32_t e) {
-  WgmmaSpRS<N>::template run<SEL>(d, a, b_desc, e);
+  WgmmaSpRS<N>::template run<SEL, BF16>(d, a, b_desc, e);
 }
 
 }  // namespace marlin

@@ -304,13 +304,14 @@ def _finish_layer(name: str, layer: MarlinLinear) -> None:
 
 
 def _finish_sparse_layer(name: str, layer: MarlinLinear24) -> None:
-    """After loading a 2:4 layer: a zeroed workspace, and fp16 scales (the 2:4 op computes in fp16)."""
+    """After loading a 2:4 layer: a zeroed workspace, and scales of the layer's dtype (the one its
+    op computes in)."""
     from .._layer_common import new_workspace
 
-    if layer.b_scales.dtype != torch.float16:
+    if layer.b_scales.dtype != layer.dtype:
         raise ConversionError(
-            f"{name}: a 2:4-sparse Marlin layer loaded with {layer.b_scales.dtype} scales; the 2:4 kernel computes in "
-            "float16: load with dtype=torch.float16"
+            f"{name}: a 2:4-sparse Marlin layer of dtype {layer.dtype} loaded with {layer.b_scales.dtype} scales; "
+            f"load with dtype={layer.dtype}"
         )
     layer.workspace = new_workspace(layer.b_q.device)
 

@@ -87,6 +87,7 @@ at::Tensor gemm_2_4_cuda(const at::Tensor& a, const at::Tensor& b_q, const at::T
   args.n = static_cast<int>(sh.n);
   args.k = static_cast<int>(sh.k);
   args.lda = a_use.stride(0);
+  args.bf16 = a.scalar_type() == at::kBFloat16;
   args.groups = static_cast<int>(sh.groups);
   args.sms = prop->multiProcessorCount;
   args.max_smem = static_cast<int>(prop->sharedMemPerBlockOptin);

@@ -1,116 +1,12 @@
 // Plan and launch of the 2:4-sparse kernel (marlin_24_kernel.cuh): slice size, K split, grid.
 #include <algorithm>
-#include <atomic>
 
-#include "../launch_attr.cuh"
 #include "marlin_24.h"
-#include "marlin_24_kernel.cuh"
+#include "marlin_24_launch.h"
 
 namespace marlin {
 namespace sparse24 {
 namespace {
-
-// Stages of the cp.async ring: 4, and 3 as a second instance at 8-16 rows on the 256-column
-// tile (less shared memory: 4 blocks per SM instead of 3; MARLIN_2_4_STAGES=3 selects it).
-constexpr int kStages = 4;
-
-// One compiled instance: its launch, shared memory, threads, and (once per device) its resident
-// blocks per SM and resident clusters.
-struct Instance {
-  int smem;
-  int threads;
-  int (*blocks_per_sm)(int smem);
-  int (*max_clusters)(int cluster, int smem);
-  cudaError_t (*launch)(const Params& p, int grid, int smem, cudaStream_t stream, bool pdl, int cluster);
-};
-
-template <int MB, int NW, int MS, int ST, int WG, int KW>
-SmemAttrCache& cache() {
-  static SmemAttrCache c;
-  return c;
-}
-
-// Resident blocks per SM (registers and shared memory), at least 1; 0 if the queries failed.
-template <int MB, int NW, int MS, int ST, int WG, int KW>
-int blocks_per_sm(int smem) {
-  constexpr int kMaxDevices = 64;
-  static std::atomic<int> known[kMaxDevices];  // 0: not yet
-  int device = 0;
-  if (cudaGetDevice(&device) != cudaSuccess) return 0;
-  if (device >= 0 && device < kMaxDevices && known[device].load() > 0) return known[device].load();
-  auto kernel = marlin_24_kernel<MB, NW, MS, ST, WG, KW>;
-  int blocks = 0;
-  if (cache<MB, NW, MS, ST, WG, KW>().ensure(reinterpret_cast<const void*>(kernel), smem) != cudaSuccess ||
-      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, Shape<MB, NW, MS, WG != 0, KW>::kThreads, smem) != cudaSuccess) {
-    (void)cudaGetLastError();
-    return 0;
-  }
-  blocks = std::max(blocks, 1);
-  if (device >= 0 && device < kMaxDevices) known[device].store(blocks);
-  return blocks;
-}
-
-template <int MB, int NW, int MS, int ST, int WG, int KW>
-int max_clusters(int cluster, int smem) {
-  return cache<MB, NW, MS, ST, WG, KW>().max_clusters(marlin_24_kernel<MB, NW, MS, ST, WG, KW>, cluster,
-                                                      Shape<MB, NW, MS, WG != 0, KW>::kThreads, smem);
-}
-
-template <int MB, int NW, int MS, int ST, int WG, int KW>
-cudaError_t launch(const Params& p, int grid, int smem, cudaStream_t stream, bool pdl, int cluster) {
-  return launch_kernel(marlin_24_kernel<MB, NW, MS, ST, WG, KW>, cache<MB, NW, MS, ST, WG, KW>(), p, grid,
-                       Shape<MB, NW, MS, WG != 0, KW>::kThreads, smem, stream, pdl, cluster);
-}
-
-template <int MB, int NW, int MS, int ST = kStages, int WG = 0, int KW = 1>
-Instance make() {
-  using S = Shape<MB, NW, MS, WG != 0, KW>;
-  return Instance{S::template smem_bytes<ST>(), S::kThreads, &blocks_per_sm<MB, NW, MS, ST, WG, KW>,
-                  &max_clusters<MB, NW, MS, ST, WG, KW>, &launch<MB, NW, MS, ST, WG, KW>};
-}
-
-// The compiled instances: MB 1, 2, 4 x NW 2, 4; at MB 4 also two warp slices (64-row block
-// slices), and four on the 128-column tile (128 rows, 8 warps; four would exceed the registers
-// of an SM on the 256-column tile); 3 stages at MB 1, 2 on the 256-column tile. WG (sm_90a
-// builds; trap stubs elsewhere): the 256-column tile, warp slices of 16, 32, 64 rows, and two
-// 64-row warp slices (128-row block slices); wg = 1: early refill, 4 stages; wg = 2: late
-// refill, 4 stages, but 3 for one 64-row warp slice (88 KB: 2 blocks per SM instead of 1);
-// kw = 2 (late refill, one warp slice): two K warpgroups, 4 stages (one block per SM at 64 rows
-// by registers, so the fourth stage costs no occupancy there; ptxas keeps 8 bytes of that
-// instance in local memory, stored before the main loop and read in the epilogue, none inside).
-Instance find(int mb, int nw, int ms, int stages, int wg, int kw) {
-  if (kw == 2) {
-    if (mb == 2) return make<2, 4, 1, kStages, 2, 2>();
-    if (mb == 4) return make<4, 4, 1, kStages, 2, 2>();
-    return make<8, 4, 1, kStages, 2, 2>();
-  }
-  if (wg == 1) {
-    if (mb == 2) return make<2, 4, 1, kStages, 1>();
-    if (mb == 4) return make<4, 4, 1, kStages, 1>();
-    if (ms == 2) return make<8, 4, 2, kStages, 1>();
-    return make<8, 4, 1, kStages, 1>();
-  }
-  if (wg == 2) {
-    if (mb == 2) return make<2, 4, 1, kStages, 2>();
-    if (mb == 4) return make<4, 4, 1, kStages, 2>();
-    if (ms == 2) return make<8, 4, 2, kStages, 2>();
-    return make<8, 4, 1, 3, 2>();
-  }
-  if (stages == 3 && nw == 4 && ms == 1 && mb <= 2) return mb == 1 ? make<1, 4, 1, 3>() : make<2, 4, 1, 3>();
-#define MARLIN_24_TRY(MB, NW, MS) \
-  if (mb == MB && nw == NW && ms == MS) return make<MB, NW, MS>();
-  MARLIN_24_TRY(1, 4, 1)
-  MARLIN_24_TRY(2, 4, 1)
-  MARLIN_24_TRY(4, 4, 1)
-  MARLIN_24_TRY(4, 4, 2)
-  MARLIN_24_TRY(1, 2, 1)
-  MARLIN_24_TRY(2, 2, 1)
-  MARLIN_24_TRY(4, 2, 1)
-  MARLIN_24_TRY(4, 2, 2)
-  MARLIN_24_TRY(4, 2, 4)
-#undef MARLIN_24_TRY
-  return make<4, 2, 1>();  // not reached: plan_24 asks only for the ones above
-}
 
 // Fill of the GPU's resident block slots by `blocks` blocks in whole waves (a block streams its
 // weights at about the same rate wherever it runs, so a partial last wave leaves SMs idle);
@@ -186,7 +82,7 @@ std::string plan_24(const Args24& args, Plan24* plan) {
   }
   plan->stages = !plan->wg && args.force_stages == 3 && plan->nw == 4 && plan->ms == 1 && plan->mb <= 2 ? 3 : kStages;
   if (plan->wg == 2 && plan->mb == 8 && plan->ms == 1 && plan->kw == 1) plan->stages = 3;
-  const Instance inst = find(plan->mb, plan->nw, plan->ms, plan->stages, plan->wg, plan->kw);
+  const Instance inst = find_instance(args.bf16, plan->mb, plan->nw, plan->ms, plan->stages, plan->wg, plan->kw);
   plan->smem = inst.smem;
   if (plan->smem > args.max_smem)
     return "marlin.gemm_2_4: the kernel needs " + std::to_string(plan->smem) + " bytes of shared memory per block, the device allows " +
@@ -249,7 +145,7 @@ cudaError_t launch_24(const Args24& args, const Plan24& plan, cudaStream_t strea
   p.b_q = static_cast<const int4*>(args.b_q);
   p.b_meta = static_cast<const int4*>(args.b_meta);
   p.s = static_cast<const int4*>(args.s);
-  p.c = static_cast<half*>(args.c);
+  p.c = args.c;
   p.partial = args.partial;
   p.m = args.m;
   p.n = args.n;
@@ -259,7 +155,7 @@ cudaError_t launch_24(const Args24& args, const Plan24& plan, cudaStream_t strea
   p.parts = plan.parts;
   p.cluster_reduce = plan.cluster_reduce;
   p.locks = args.locks;
-  const Instance inst = find(plan.mb, plan.nw, plan.ms, plan.stages, plan.wg, plan.kw);
+  const Instance inst = find_instance(args.bf16, plan.mb, plan.nw, plan.ms, plan.stages, plan.wg, plan.kw);
   return inst.launch(p, plan.grid, plan.smem, stream, args.pdl && !args.legacy, plan.cluster_reduce ? plan.parts : 1);
 }
 

@@ -11,15 +11,16 @@ namespace marlin {
 namespace sparse24 {
 
 struct Args24 {
-  const void* a;       // fp16 [M, K], rows lda halves apart (16-byte aligned)
+  const void* a;       // [M, K], rows lda elements apart (16-byte aligned); fp16, or bf16 with `bf16`
   const void* b_q;     // int32 [K/32, 2N]
   const void* b_meta;  // int32 [K/32, N]
-  const void* s;       // fp16 [groups, N]
-  void* c;             // fp16 [M, N]
+  const void* s;       // [groups, N], a's dtype
+  void* c;             // [M, N], a's dtype
   float* partial;      // fp32 [parts, M, N] when plan.parts > 1
   int* locks;          // plan.locks zeroed int32 arrival counters when plan.parts > 1 (left zeroed)
   int m, n, k;
   long long lda;
+  bool bf16 = false;  // a, s and c are bfloat16 (else float16)
   int groups;
   int sms;
   int max_smem;  // opt-in shared memory per block

@@ -5,7 +5,7 @@
 // a slice of 8 MB rows of A is the 8-wide n of the instruction, as in the small-batch kernel
 // (smallm_kernel.cuh). The format (marlin/sparse.py) makes the reuse direct:
 //  * A lane's 16 bytes of a packed strip tile are its four A fragments (one per 16-column block)
-//    exactly as in the dense small-batch kernel, decoded by the same dequant_int4x8 (ptx.cuh).
+//    exactly as in the dense small-batch kernel, decoded by the same dequant_u4 (dequant.cuh).
 //  * A lane's 8 bytes of b_meta are the metadata registers of blocks 2 (c / 2) and 2 (c / 2) + 1
 //    (made for selector j / 2). This kernel reads its own and lane ^ 2's 8 bytes and issues every
 //    instruction with selector 0, so that it relies only on selector 0's documented lane pair.
@@ -37,30 +37,15 @@
 
 #include <cstdint>
 
+#include "../dequant.cuh"
 #include "../ptx.cuh"
 #include "../wgmma.cuh"
+#include "marlin_24_launch.h"
 
 namespace marlin {
 namespace sparse24 {
 
-constexpr int kStrips = 4;     // 32-row strips per stage: 128 rows of K = one scale group
-constexpr int kStageK = 32 * kStrips;
-constexpr int kMaxClusterParts = 8;  // the portable cluster size
 
-struct Params {
-  const int4* a;       // [M, K] fp16, rows lda_int4 apart (16-byte units)
-  const int4* b_q;     // [K/32, 2N] int32
-  const int4* b_meta;  // [K/32, N] int32
-  const int4* s;       // [groups, N] fp16
-  half* c;             // [M, N] fp16
-  float* partial;      // [parts, M, N] fp32 (parts > 1 without cluster_reduce)
-  int* locks;          // one zeroed arrival counter per column tile and slice (as partial)
-  int m, n, k;
-  long long lda_int4;
-  int groups;          // 1: per column, else K / 128
-  int parts;           // K parts per column tile
-  bool cluster_reduce; // the parts of a tile are one cluster (sm_90+, parts <= kMaxClusterParts)
-};
 
 // MB: n8 tiles per warp slice (8 MB rows of A); NW: 64-column chunks per tile; MS: warp slices
 // per block slice; KW: warpgroups along K (WG only). One warp per chunk, warp slice and K half.
@@ -105,7 +90,8 @@ struct Shape {
 };
 
 // D += A * B on the sparse tensor cores: A 16 x 32 (2:4, compressed to 16 x 16 in a), B 32 x 8,
-// metadata e from the lane pair chosen by SEL. The format always stores a group's two positions
+// fp16 (BF16: bf16) in, metadata e from the lane pair chosen by SEL (the same layout for both
+// 16-bit types). The format always stores a group's two positions
 // in increasing order, which is what ::ordered_metadata requires (ptxas advises it over plain .sp
 // on sm_90; CUDA 12.5 and later know it).
 #if defined(__CUDACC_VER_MAJOR__) && (__CUDACC_VER_MAJOR__ > 12 || (__CUDACC_VER_MAJOR__ == 12 && __CUDACC_VER_MINOR__ >= 5))
@@ -113,23 +99,35 @@ struct Shape {
 #else
 #define MARLIN_MMA_SP "mma.sp"
 #endif
-template <int SEL>
+template <int SEL, bool BF16>
 __device__ __forceinline__ void mma_sp_16832(const uint32_t (&a)[4], const uint32_t (&b)[4], uint32_t e, float (&d)[4]) {
-  asm volatile(
-      MARLIN_MMA_SP ".sync.aligned.m16n8k32.row.col.f32.f16.f16.f32 "
-      "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9, %10, %11}, {%0, %1, %2, %3}, %12, %13;\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]), "r"(b[2]), "r"(b[3]), "r"(e), "n"(SEL));
+#define MARLIN_MMA_SP_ACC(TY)                                                                                      \
+  asm volatile(MARLIN_MMA_SP ".sync.aligned.m16n8k32.row.col.f32." TY "." TY ".f32 "                                \
+               "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9, %10, %11}, {%0, %1, %2, %3}, %12, %13;\n"            \
+               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])                                                   \
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]), "r"(b[2]), "r"(b[3]), "r"(e), \
+                 "n"(SEL))
+  if constexpr (BF16)
+    MARLIN_MMA_SP_ACC("bf16");
+  else
+    MARLIN_MMA_SP_ACC("f16");
+#undef MARLIN_MMA_SP_ACC
 }
 
 // D = A * B (no accumulator input: the first product of a group's sum, which saves zeroing it).
-template <int SEL>
+template <int SEL, bool BF16>
 __device__ __forceinline__ void mma_sp_16832_first(const uint32_t (&a)[4], const uint32_t (&b)[4], uint32_t e, float (&d)[4]) {
-  asm volatile(
-      MARLIN_MMA_SP ".sync.aligned.m16n8k32.row.col.f32.f16.f16.f32 "
-      "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9, %10, %11}, {%14, %14, %14, %14}, %12, %13;\n"
-      : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]), "r"(b[2]), "r"(b[3]), "r"(e), "n"(SEL), "f"(0.f));
+#define MARLIN_MMA_SP_FIRST(TY)                                                                                    \
+  asm volatile(MARLIN_MMA_SP ".sync.aligned.m16n8k32.row.col.f32." TY "." TY ".f32 "                                \
+               "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9, %10, %11}, {%14, %14, %14, %14}, %12, %13;\n"        \
+               : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])                                                   \
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]), "r"(b[2]), "r"(b[3]), "r"(e), \
+                 "n"(SEL), "f"(0.f))
+  if constexpr (BF16)
+    MARLIN_MMA_SP_FIRST("bf16");
+  else
+    MARLIN_MMA_SP_FIRST("f16");
+#undef MARLIN_MMA_SP_FIRST
 }
 
 // WG main loop (sm_90a; see Shape): the block's stages kt0 .. kt0 + n_k - 1 into tot, the group
@@ -151,7 +149,7 @@ __device__ __forceinline__ void mma_sp_16832_first(const uint32_t (&a)[4], const
 // KW = 2: warpgroup wk takes strips 2 wk and 2 wk + 1 of each stage (the same 64-half block of
 // K); "a stage's last strip" below is then each warpgroup's second, and every warp still waits at
 // its first strip of stage i for its own last group of stage i - 1.
-template <int MB, int NW, int MS, int STAGES, bool LATE, int KW, typename Fetch>
+template <int MB, int NW, int MS, int STAGES, bool LATE, int KW, typename ET, typename Fetch>
 __device__ __forceinline__ void main_loop_wg(const int4* smem, Fetch& fetch, float (&tot)[4][MB][4], int kt0, int n_k, int wn,
                                              int wrow0, int wk, int lane, int g, bool grouped) {
   using S = Shape<MB, NW, MS, true, KW>;
@@ -193,12 +191,13 @@ __device__ __forceinline__ void main_loop_wg(const int4* smem, Fetch& fetch, flo
     const int4* sm = sb + S::kBStage;
     // the lane's group scales (b_scales permutation: position 8 g + 2 j is column 16 j + g, + 1 is
     // column 16 j + 8 + g, i.e. fragment rows g and g + 8 of block j)
-    half2 s_lo[4], s_hi[4];
+    using T2 = typename Elem<ET>::T2;
+    T2 s_lo[4], s_hi[4];
     if (grouped) {
       const int4 sv = sm[S::kMStage + wn * 8 + g];
-      const half* sc = reinterpret_cast<const half*>(&sv);
+      const ET* sc = reinterpret_cast<const ET*>(&sv);
 #pragma unroll
-      for (int j = 0; j < 4; j++) s_lo[j] = __half2half2(sc[2 * j]), s_hi[j] = __half2half2(sc[2 * j + 1]);
+      for (int j = 0; j < 4; j++) s_lo[j] = T2{sc[2 * j], sc[2 * j]}, s_hi[j] = T2{sc[2 * j + 1], sc[2 * j + 1]};
     }
     uint32_t desc_lo = static_cast<uint32_t>(desc0);
     fence_operand(desc_lo);  // add the offsets here, not one 64-bit descriptor per strip kept alive
@@ -216,14 +215,12 @@ __device__ __forceinline__ void main_loop_wg(const int4* smem, Fetch& fetch, flo
 #pragma unroll
       for (int j = 0; j < 4; j++) {
         uint32_t lo[2], hi[2];
-        dequant_int4x8(wq[j], lo, hi);
+        dequant_u4<ET, false>(wq[j], lo, hi, U4Zero{});
         if (grouped) {
-          half2* l2 = reinterpret_cast<half2*>(lo);
-          half2* h2 = reinterpret_cast<half2*>(hi);
-          l2[0] = __hmul2(l2[0], s_lo[j]);
-          l2[1] = __hmul2(l2[1], s_lo[j]);
-          h2[0] = __hmul2(h2[0], s_hi[j]);
-          h2[1] = __hmul2(h2[1], s_hi[j]);
+          lo[0] = as_u32<ET>(__hmul2(as_t2<ET>(lo[0]), s_lo[j]));
+          lo[1] = as_u32<ET>(__hmul2(as_t2<ET>(lo[1]), s_lo[j]));
+          hi[0] = as_u32<ET>(__hmul2(as_t2<ET>(hi[0]), s_hi[j]));
+          hi[1] = as_u32<ET>(__hmul2(as_t2<ET>(hi[1]), s_hi[j]));
         }
         afrag[buf][j][0] = lo[0];
         afrag[buf][j][1] = hi[0];
@@ -248,7 +245,7 @@ __device__ __forceinline__ void main_loop_wg(const int4* smem, Fetch& fetch, flo
       wgmma_fence();
 #pragma unroll
       for (int j = 0; j < 4; j++)
-        wgmma_sp_m64k32_rs<8 * MB>(reinterpret_cast<float(&)[4 * MB]>(tot[j]), afrag[buf][j], desc, meta[buf][j]);
+        wgmma_sp_m64k32_rs<8 * MB, kIsBf16<ET>>(reinterpret_cast<float(&)[4 * MB]>(tot[j]), afrag[buf][j], desc, meta[buf][j]);
       wgmma_commit();
       wgmma_wait<1>();
       if (LATE && l == kLocal - 1) {  // stage i + kAhead into stage i - 1's slot
@@ -268,8 +265,13 @@ __device__ __forceinline__ void main_loop_wg(const int4* smem, Fetch& fetch, flo
 }
 
 // WG: 0 the mma.sync loop, 1 the wgmma loop with early refill, 2 with late refill (main_loop_wg).
-template <int MB, int NW, int MS, int STAGES, int WG = 0, int KW = 1>
+// ET: the element type of a, s and c (half or nv_bfloat16).
+template <int MB, int NW, int MS, int STAGES, int WG = 0, int KW = 1, typename ET = half>
 __global__ void __launch_bounds__(32 * NW * MS * KW) marlin_24_kernel(const Params p) {
+  using E = Elem<ET>;
+  constexpr bool kBf16 = kIsBf16<ET>;
+  ET* const c_out = static_cast<ET*>(p.c);
+  const ET* const s_in = reinterpret_cast<const ET*>(p.s);
   using S = Shape<MB, NW, MS, WG != 0, KW>;
   constexpr int kThreads = S::kThreads;
   static_assert(S::kPartBytes <= STAGES * S::kStageInt4 * 16, "the cluster partial must fit the pipeline's shared memory");
@@ -350,7 +352,7 @@ __global__ void __launch_bounds__(32 * NW * MS * KW) marlin_24_kernel(const Para
   // here (A, the locks and C may be its inputs or outputs).
   grid_dependency_wait();
   if constexpr (WG) {
-    main_loop_wg<MB, NW, MS, STAGES, WG == 2, KW>(smem, fetch, tot, kt0, n_k, wn, wrow0, wk, lane, g, grouped);
+    main_loop_wg<MB, NW, MS, STAGES, WG == 2, KW, ET>(smem, fetch, tot, kt0, n_k, wn, wrow0, wk, lane, g, grouped);
   } else {
 #pragma unroll
   for (int s = 0; s < STAGES - 1; s++) {
@@ -386,15 +388,15 @@ __global__ void __launch_bounds__(32 * NW * MS * KW) marlin_24_kernel(const Para
 #pragma unroll
       for (int j = 0; j < 4; j++) {
         uint32_t lo[2], hi[2];
-        dequant_int4x8(wq[j], lo, hi);
+        dequant_u4<ET, false>(wq[j], lo, hi, U4Zero{});
         const uint32_t a[4] = {lo[0], hi[0], lo[1], hi[1]};
         const uint32_t e = j == 0 ? mw.x : j == 1 ? mw.y : j == 2 ? mw2.x : mw2.y;
 #pragma unroll
         for (int b = 0; b < MB; b++) {
           if (u == 0)  // the stage's first strip starts the group's sums
-            mma_sp_16832_first<0>(a, act[b], e, grp[j][b]);
+            mma_sp_16832_first<0, kBf16>(a, act[b], e, grp[j][b]);
           else
-            mma_sp_16832<0>(a, act[b], e, grp[j][b]);
+            mma_sp_16832<0, kBf16>(a, act[b], e, grp[j][b]);
         }
       }
     }
@@ -403,9 +405,9 @@ __global__ void __launch_bounds__(32 * NW * MS * KW) marlin_24_kernel(const Para
     float s_lo[4], s_hi[4];
     if (grouped) {
       const int4 sv = sm[S::kMStage + wn * 8 + g];
-      const half* sc = reinterpret_cast<const half*>(&sv);
+      const ET* sc = reinterpret_cast<const ET*>(&sv);
 #pragma unroll
-      for (int j = 0; j < 4; j++) s_lo[j] = __half2float(sc[2 * j]), s_hi[j] = __half2float(sc[2 * j + 1]);
+      for (int j = 0; j < 4; j++) s_lo[j] = E::to_float(sc[2 * j]), s_hi[j] = E::to_float(sc[2 * j + 1]);
     } else {
 #pragma unroll
       for (int j = 0; j < 4; j++) s_lo[j] = s_hi[j] = 1.f;
@@ -459,16 +461,16 @@ __global__ void __launch_bounds__(32 * NW * MS * KW) marlin_24_kernel(const Para
       const int col_lo = col0 + 16 * j, col_hi = col_lo + 8;
       float sc_lo = 1.f, sc_hi = 1.f;
       if (!grouped) {  // per-column scales on the final fp32 sum
-        sc_lo = __half2float(reinterpret_cast<const half*>(p.s)[col_lo]);
-        sc_hi = __half2float(reinterpret_cast<const half*>(p.s)[col_hi]);
+        sc_lo = E::to_float(s_in[col_lo]);
+        sc_hi = E::to_float(s_in[col_hi]);
       }
 #pragma unroll
       for (int b = 0; b < MB; b++)
 #pragma unroll
         for (int e = 0; e < 4; e++) {
           if (8 * b + e % 2 < lim)
-            p.c[static_cast<long long>(row0 + wrow0 + 8 * b + 2 * c4 + e % 2) * p.n + (e < 2 ? col_lo : col_hi)] =
-                __float2half_rn(tot[j][b][e] * (e < 2 ? sc_lo : sc_hi));
+            c_out[static_cast<long long>(row0 + wrow0 + 8 * b + 2 * c4 + e % 2) * p.n + (e < 2 ? col_lo : col_hi)] =
+                E::from_float(tot[j][b][e] * (e < 2 ? sc_lo : sc_hi));
         }
     }
     return;
@@ -480,14 +482,14 @@ __global__ void __launch_bounds__(32 * NW * MS * KW) marlin_24_kernel(const Para
   auto store_chunk = [&](int x, float4 sum) {
     const int r = x / kChunks, cc = nt * S::kTileN + 4 * (x % kChunks);
     if (!grouped) {
-      const half* sc = reinterpret_cast<const half*>(p.s) + cc;
-      sum.x *= __half2float(sc[0]);
-      sum.y *= __half2float(sc[1]);
-      sum.z *= __half2float(sc[2]);
-      sum.w *= __half2float(sc[3]);
+      const ET* sc = s_in + cc;
+      sum.x *= E::to_float(sc[0]);
+      sum.y *= E::to_float(sc[1]);
+      sum.z *= E::to_float(sc[2]);
+      sum.w *= E::to_float(sc[3]);
     }
-    half2 out[2] = {__floats2half2_rn(sum.x, sum.y), __floats2half2_rn(sum.z, sum.w)};
-    *reinterpret_cast<uint2*>(p.c + static_cast<long long>(row0 + r) * p.n + cc) = *reinterpret_cast<uint2*>(out);
+    typename E::T2 out[2] = {E::floats2(sum.x, sum.y), E::floats2(sum.z, sum.w)};
+    *reinterpret_cast<uint2*>(c_out + static_cast<long long>(row0 + r) * p.n + cc) = *reinterpret_cast<uint2*>(out);
   };
   const int chunks = rows * kChunks;
 

@@ -1,0 +1,53 @@
+// What the 2:4 kernel takes (Params) and how the planner reaches its compiled instances
+// (Instance), without the kernel's device code: marlin_24.cu plans and launches through these,
+// marlin_24_instances_f16.cu / _bf16.cu define find<half> / find<nv_bfloat16>.
+#pragma once
+
+#include <cuda_runtime.h>
+
+namespace marlin {
+namespace sparse24 {
+
+constexpr int kStrips = 4;     // 32-row strips per stage: 128 rows of K = one scale group
+constexpr int kStageK = 32 * kStrips;
+constexpr int kMaxClusterParts = 8;  // the portable cluster size
+
+struct Params {
+  const int4* a;       // [M, K] of the element type, rows lda_int4 apart (16-byte units)
+  const int4* b_q;     // [K/32, 2N] int32
+  const int4* b_meta;  // [K/32, N] int32
+  const int4* s;       // [groups, N] of the element type
+  void* c;             // [M, N] of the element type (fp16 or bf16, as a and s)
+  float* partial;      // [parts, M, N] fp32 (parts > 1 without cluster_reduce)
+  int* locks;          // one zeroed arrival counter per column tile and slice (as partial)
+  int m, n, k;
+  long long lda_int4;
+  int groups;          // 1: per column, else K / 128
+  int parts;           // K parts per column tile
+  bool cluster_reduce; // the parts of a tile are one cluster (sm_90+, parts <= kMaxClusterParts)
+};
+
+// Stages of the cp.async ring: 4, and 3 as a second instance at 8-16 rows on the 256-column
+// tile (less shared memory: 4 blocks per SM instead of 3; MARLIN_2_4_STAGES=3 selects it).
+constexpr int kStages = 4;
+
+// One compiled instance: its launch, shared memory, threads, and (once per device) its resident
+// blocks per SM and resident clusters.
+struct Instance {
+  int smem;
+  int threads;
+  int (*blocks_per_sm)(int smem);
+  int (*max_clusters)(int cluster, int smem);
+  cudaError_t (*launch)(const Params& p, int grid, int smem, cudaStream_t stream, bool pdl, int cluster);
+};
+
+// The instance for a plan's (mb, nw, ms, stages, wg, kw), of element type half or nv_bfloat16
+// (marlin_24_instances.cuh lists them).
+template <typename ET>
+Instance find(int mb, int nw, int ms, int stages, int wg, int kw);
+
+// find<nv_bfloat16> for bf16, else find<half> (defined in marlin_24_instances_bf16.cu).
+Instance find_instance(bool bf16, int mb, int nw, int ms, int stages, int wg, int kw);
+
+}  // namespace sparse24
+}  // namespace marlin
