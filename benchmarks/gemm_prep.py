@@ -33,6 +33,7 @@ from .bench_math import (
     FORMAT_KERNELS,
     INT4_GROUP,
     INT4_SANITY_TOL,
+    MARLIN_24_DTYPE,
     MARLIN_24_GROUP,
     MARLIN_GROUP,
     VALUE_KERNELS,
@@ -206,14 +207,16 @@ def prepare(kernel: str, k: int, n: int, dev: torch.device, l2_bytes: int, min_c
         from marlin import ops as marlin_ops
 
         groups = 1 if MARLIN_24_GROUP[kernel] == -1 else k // MARLIN_24_GROUP[kernel]
+        dtype = MARLIN_24_DTYPE.get(kernel, torch.float16)
         b_q = torch.randint(-(2**31), 2**31, (k // 32, 2 * n), dtype=torch.int32, device=dev)
         b_meta = random_meta_2_4(k, n, dev)
-        b_s = torch.empty(groups, n, dtype=torch.float16, device=dev).uniform_(0.001, 0.01)
+        b_s = torch.empty(groups, n, dtype=dtype, device=dev).uniform_(0.001, 0.01)
         checks = check_marlin_24(b_q, b_meta, b_s, k, n, dev)
         bqs, bms, bss = (_random_like_clones(t, copies) for t in (b_q, b_meta, b_s))
 
         def make_fn(a):
-            return lambda i: marlin_ops.gemm_2_4(a, bqs[i % copies], bms[i % copies], bss[i % copies])
+            a_t = a.to(dtype)  # the activations in the kernel's dtype (converted once, outside the timing)
+            return lambda i: marlin_ops.gemm_2_4(a_t, bqs[i % copies], bms[i % copies], bss[i % copies])
 
         return Prepared(kernel, copies, nbytes, make_fn, checks=checks, tensors=[bqs, bms, bss])
 
@@ -270,7 +273,8 @@ def random_meta_2_4(k: int, n: int, dev) -> torch.Tensor:
 
 def check_marlin_24(b_q, b_meta, b_s, k: int, n: int, dev, ms=CHECK_MS, max_elems=CHECK_MAX_ELEMS) -> list[dict]:
     """marlin.gemm_2_4 vs fp32 a @ dequant (marlin.sparse.unpack_2_4, the spec) on sampled 64-column
-    tiles; raises CorrectnessError above CHECK_TOL."""
+    tiles, activations in the scales' dtype; raises CorrectnessError above CHECK_TOL (fp16) or
+    FORMAT_CHECK_TOL (bf16)."""
     from marlin import ops as marlin_ops
     from marlin import sparse
 
@@ -279,16 +283,17 @@ def check_marlin_24(b_q, b_meta, b_s, k: int, n: int, dev, ms=CHECK_MS, max_elem
                                      b_s[:, 64 * t: 64 * t + 64].contiguous()) for t in tiles], dim=1).to(dev)
     cols = torch.cat([torch.arange(64 * t, 64 * t + 64) for t in tiles]).to(dev)
     out = []
+    tol = CHECK_TOL if b_s.dtype == torch.float16 else FORMAT_CHECK_TOL
     for m in ms:
-        a = torch.randn(m, k, dtype=torch.float16, device=dev)
+        a = torch.randn(m, k, dtype=b_s.dtype, device=dev)
         c = marlin_ops.gemm_2_4(a, b_q, b_meta, b_s)
         _sync(dev)
         err = _rel_err(c[:, cols], _ref_matmul(a, w))
-        out.append({"M": m, "rel_err": err, "tol": CHECK_TOL, "columns": int(cols.numel()), "ok": err < CHECK_TOL})
-        if not err < CHECK_TOL:
+        out.append({"M": m, "rel_err": err, "tol": tol, "columns": int(cols.numel()), "ok": err < tol})
+        if not err < tol:
             raise CorrectnessError(
-                f"marlin.gemm_2_4 is WRONG: K={k} N={n} groups={b_s.shape[0]} M={m}: normwise relative error "
-                f"{err:.3g} vs fp32 reference on {cols.numel()} columns (tolerance {CHECK_TOL})"
+                f"marlin.gemm_2_4 is WRONG: K={k} N={n} groups={b_s.shape[0]} {b_s.dtype} M={m}: normwise relative "
+                f"error {err:.3g} vs fp32 reference on {cols.numel()} columns (tolerance {tol})"
             )
     return out
 
