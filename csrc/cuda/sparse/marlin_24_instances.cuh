@@ -68,6 +68,9 @@ Instance make() {
 // kw = 2 (late refill, one warp slice): two K warpgroups, 4 stages (one block per SM at 64 rows
 // by registers, so the fourth stage costs no occupancy there; ptxas keeps 8 bytes of that
 // instance in local memory, stored before the main loop and read in the epilogue, none inside).
+// Each instance exists for fp16 and bf16 (find<half>, find<nv_bfloat16>). bf16's dequantization
+// takes more registers: on sm_80-sm_89 its 32-row mma.sync instances (MB = 4; 254-255 registers in
+// fp16) keep 32-48 bytes in local memory (CUDA 13.0 ptxas); on sm_90a none do.
 template <typename ET>
 Instance find(int mb, int nw, int ms, int stages, int wg, int kw) {
   if (kw == 2) {
