@@ -21,7 +21,7 @@ from torch import nn
 
 from . import ops, packing, sparse
 from ._layer_common import QuantizedLinearBase, float_weight, new_workspace
-from .nn import ReplaceReport, _as_patterns, _skip_reason, _swap_linears
+from .nn import ReplaceReport, _as_patterns, _default_dtype, _skip_reason, _swap_linears
 
 __all__ = ["MarlinLinear24", "SparseReplaceReport", "replace_linear_2_4", "SPARSITIES"]
 
@@ -105,8 +105,7 @@ class MarlinLinear24(QuantizedLinearBase):
         layer's compute dtype.
         """
         weight = float_weight(linear)
-        if dtype is None:
-            dtype = weight.dtype if weight.dtype in packing.SUPPORTED_DTYPES else torch.float16
+        dtype = _default_dtype(weight.dtype) if dtype is None else dtype
         layer = cls(
             linear.in_features,
             linear.out_features,

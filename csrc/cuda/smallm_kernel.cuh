@@ -44,6 +44,7 @@
 #include <type_traits>
 
 #include "dequant.cuh"
+#include "k_half_sums.cuh"
 #include "marlin_kernel.cuh"  // KernelParams, kThreads, kWarps
 #include "ptx.cuh"
 #include "wgmma.cuh"
@@ -724,25 +725,7 @@ __global__ void __launch_bounds__(kThreads, kSmallMMinBlocksPerSm<MB, WG>) marli
     }
     if constexpr (KW == 2) {
       float4* red = reinterpret_cast<float4*>(smem + S::kPipeInt4) + (wn + NW * jh) * (S::kAccFloats / 4) * 32 + lane;
-      if (wk == 1) {
-#pragma unroll
-        for (int j = 0; j < JW; j++)
-#pragma unroll
-          for (int b = 0; b < MB; b++) red[(j * MB + b) * 32] = make_float4(tot[j][b][0], tot[j][b][1], tot[j][b][2], tot[j][b][3]);
-      }
-      __syncthreads();
-      if (wk == 0) {
-#pragma unroll
-        for (int j = 0; j < JW; j++)
-#pragma unroll
-          for (int b = 0; b < MB; b++) {
-            const float4 v = red[(j * MB + b) * 32];
-            tot[j][b][0] += v.x;
-            tot[j][b][1] += v.y;
-            tot[j][b][2] += v.z;
-            tot[j][b][3] += v.w;
-          }
-      }
+      add_upper_k_half(red, tot, wk == 1);
     }
   };
 

@@ -38,6 +38,7 @@
 #include <cstdint>
 
 #include "../dequant.cuh"
+#include "../k_half_sums.cuh"
 #include "../ptx.cuh"
 #include "../wgmma.cuh"
 #include "marlin_24_launch.h"
@@ -427,27 +428,8 @@ __global__ void __launch_bounds__(32 * NW * MS * KW) marlin_24_kernel(const Para
   if constexpr (KW == 2) {
     // the upper warpgroup's sums into the lower one's; from here on only wk == 0 holds the block's
     // sums (the epilogue's stores skip wk == 1, its barriers and shared loops keep every thread)
-    float4* red = reinterpret_cast<float4*>(smem) + wn * (4 * MB) * 32 + lane;
     __syncthreads();  // every warp's last wgmma has ended: the pipeline's shared memory is free
-    if (wk == 1) {
-#pragma unroll
-      for (int j = 0; j < 4; j++)
-#pragma unroll
-        for (int b = 0; b < MB; b++) red[(j * MB + b) * 32] = make_float4(tot[j][b][0], tot[j][b][1], tot[j][b][2], tot[j][b][3]);
-    }
-    __syncthreads();
-    if (wk == 0) {
-#pragma unroll
-      for (int j = 0; j < 4; j++)
-#pragma unroll
-        for (int b = 0; b < MB; b++) {
-          const float4 v = red[(j * MB + b) * 32];
-          tot[j][b][0] += v.x;
-          tot[j][b][1] += v.y;
-          tot[j][b][2] += v.z;
-          tot[j][b][3] += v.w;
-        }
-    }
+    add_upper_k_half(reinterpret_cast<float4*>(smem) + wn * (4 * MB) * 32 + lane, tot, wk == 1);
   }
 
   // Element (j, b, e) is C[slice row wrow0 + 8 b + 2 c4 + e % 2][column 64 wn + 16 j + g + 8 (e / 2)]
