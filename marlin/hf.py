@@ -126,7 +126,7 @@ def _sparse_layer(ckpt: SafetensorsDir, prefix: str) -> dict:
     ok = (
         b_q.dtype == torch.int32
         and meta.dtype == torch.int32
-        and scales.dtype in packing.SUPPORTED_DTYPES
+        and scales.dtype in sparse.DTYPES_2_4
         and len(b_q.shape) == len(meta.shape) == len(scales.shape) == 2
         and b_q.shape[0] == meta.shape[0] > 0
         and b_q.shape[1] == 2 * meta.shape[1] == 2 * scales.shape[1]

@@ -72,7 +72,7 @@ __all__ = [
 K_MULTIPLE_2_4 = 128
 N_MULTIPLE_2_4 = 128
 SUPPORTED_GROUP_SIZES_2_4 = (128, -1)
-DTYPES_2_4 = (torch.float16,)  # activations, scales and output
+DTYPES_2_4 = (torch.float16, torch.bfloat16)  # activations, scales and output (one dtype per call)
 STRIP_K = 32  # rows of the original K per packed row of b_q and b_meta
 
 # The nibble of each valid (i0, i1) pair, and the pairs that a nibble may hold.
@@ -257,7 +257,7 @@ def quantize_and_pack_2_4(
     k, n = w.shape
     _check_strips(k, n, "quantize_and_pack_2_4")
     check_2_4(w, "quantize_and_pack_2_4: w")
-    if dtype not in packing.SUPPORTED_DTYPES:
+    if dtype not in DTYPES_2_4:
         raise ValueError(f"quantize_and_pack_2_4: dtype = {dtype}, expected torch.float16 or torch.bfloat16")
     q, scales = packing.quantize(w, group_size, dtype=dtype)
     return pack_2_4(q, scales)
@@ -272,7 +272,7 @@ def pack_2_4(q: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch
         raise ValueError(f"pack_2_4: q must be 2-D [K, N], got {tuple(q.shape)}")
     k, n = q.shape
     _check_strips(k, n, "pack_2_4")
-    if scales.dtype not in packing.SUPPORTED_DTYPES:
+    if scales.dtype not in DTYPES_2_4:
         raise ValueError(f"pack_2_4: scales dtype {scales.dtype}, expected torch.float16 or torch.bfloat16")
     values, indices = compress_2_4(q)
     b_q, _ = packing.pack(values, torch.ones(1, n, dtype=torch.float16, device=q.device))

@@ -70,7 +70,7 @@ class MarlinLinear24(QuantizedLinearBase):
         dtype: torch.dtype = torch.float16,
     ):
         super().__init__()
-        if dtype not in packing.SUPPORTED_DTYPES:
+        if dtype not in sparse.DTYPES_2_4:
             raise ValueError(f"MarlinLinear24: dtype = {dtype}, expected torch.float16 or torch.bfloat16")
         reason = sparse.check_shape_2_4(in_features, out_features, group_size)
         if reason is not None:

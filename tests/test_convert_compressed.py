@@ -225,6 +225,9 @@ def test_convert_2_4_sparse_limits(tmp_path):
     report = convert_gptq_checkpoint(src, tmp_path / "dst", quiet=True)
     if torch.bfloat16 not in sparse.DTYPES_2_4:
         assert report.sparse_layers == [] and "torch.bfloat16 scales" in dict(report.kept_dense)[SPARSE_LAYERS[0][0]]
+    else:  # bf16 2:4 layers: the same layer as with fp16 scales, checked by --verify on the CPU op
+        assert report.sparse_layers == [SPARSE_LAYERS[0][0]]
+        assert convert_gptq_checkpoint(src, tmp_path / "dst2", verify=True, quiet=True).max_verify_error < 8e-3
     # a sparsity_config of another structure: the layers convert as they are, all dense, no reasons
     unstructured = tmp_path / "unstructured"
     unstructured.mkdir()
