@@ -41,6 +41,25 @@ class QuantizedLinearBase(nn.Module):
     _version: int
 
     # -- from_linear ---------------------------------------------------------------------------
+    @classmethod
+    def _empty_for(cls, linear: nn.Module, group_size: int, dtype: Optional[torch.dtype], **format_kwargs):
+        """(an empty layer of ``linear``'s shape, bias and device, and ``linear``'s weight), the layer in
+        ``dtype`` or, for None, the weight's dtype rule: bf16 stays bf16, everything else becomes
+        fp16. ``format_kwargs``: the subclass's format arguments (bits, zero points)."""
+        weight = float_weight(linear)
+        if dtype is None:
+            dtype = weight.dtype if weight.dtype in packing.SUPPORTED_DTYPES else torch.float16
+        layer = cls(
+            linear.in_features,
+            linear.out_features,
+            bias=linear.bias is not None,
+            group_size=group_size,
+            device=weight.device,
+            dtype=dtype,
+            **format_kwargs,
+        )
+        return layer, weight
+
     def _copy_bias(self, linear: nn.Linear) -> None:
         if linear.bias is not None:
             self.bias.copy_(linear.bias.detach())

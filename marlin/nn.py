@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from . import ops, packing
-from ._layer_common import QuantizedLinearBase, float_weight
+from ._layer_common import QuantizedLinearBase
 from ._layer_common import new_workspace as _new_workspace  # noqa: F401  (also imported from here by other modules)
 from .hf import load_quantized
 
@@ -33,11 +33,6 @@ def _zero_word(bits: int) -> int:
     layer computes 0 (with zero points 8 too)."""
     value = 0x88888888 if bits == 4 else 0x80808080
     return value - 2**32
-
-
-def _default_dtype(dtype: Optional[torch.dtype]) -> torch.dtype:
-    """A float weight's dtype -> the layer's: bf16 stays bf16, everything else becomes fp16."""
-    return dtype if dtype in packing.SUPPORTED_DTYPES else torch.float16
 
 
 class MarlinLinear(QuantizedLinearBase):
@@ -148,19 +143,8 @@ class MarlinLinear(QuantizedLinearBase):
             if bits != 4 or not sym:
                 raise ValueError("from_linear: sparsity='2:4' takes 4-bit symmetric weights only (bits=4, sym=True)")
             return sparse_nn.MarlinLinear24.from_linear(linear, group_size, dtype=dtype)
-        weight = float_weight(linear)
-        dtype = _default_dtype(weight.dtype) if dtype is None else dtype
-        layer = cls(
-            linear.in_features,
-            linear.out_features,
-            bias=linear.bias is not None,
-            group_size=group_size,
-            device=weight.device,
-            dtype=dtype,
-            bits=bits,
-            zero_points=not sym,
-        )
-        packed = packing.quantize_and_pack(weight.detach().t(), group_size, bits=bits, sym=sym, dtype=dtype)  # B = W^T
+        layer, weight = cls._empty_for(linear, group_size, dtype, bits=bits, zero_points=not sym)
+        packed = packing.quantize_and_pack(weight.detach().t(), group_size, bits=bits, sym=sym, dtype=layer.dtype)  # B = W^T
         layer.b_q.copy_(packed[0])
         layer.b_scales.copy_(packed[1])
         if not sym:

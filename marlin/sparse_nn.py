@@ -20,8 +20,8 @@ import torch
 from torch import nn
 
 from . import ops, packing, sparse
-from ._layer_common import QuantizedLinearBase, float_weight, new_workspace
-from .nn import ReplaceReport, _as_patterns, _default_dtype, _skip_reason, _swap_linears
+from ._layer_common import QuantizedLinearBase, new_workspace
+from .nn import ReplaceReport, _as_patterns, _skip_reason, _swap_linears
 
 __all__ = ["MarlinLinear24", "SparseReplaceReport", "replace_linear_2_4", "SPARSITIES"]
 
@@ -104,23 +104,14 @@ class MarlinLinear24(QuantizedLinearBase):
         ``dtype`` (default: the weight's dtype if it is bfloat16 or float16, else float16) is the
         layer's compute dtype.
         """
-        weight = float_weight(linear)
-        dtype = _default_dtype(weight.dtype) if dtype is None else dtype
-        layer = cls(
-            linear.in_features,
-            linear.out_features,
-            bias=linear.bias is not None,
-            group_size=group_size,
-            device=weight.device,
-            dtype=dtype,
-        )
+        layer, weight = cls._empty_for(linear, group_size, dtype)
         w = weight.detach().t()  # B = weight^T [K, N]; groups of 4 run along K
         if prune:
             pruned = sparse.prune_2_4(w)
             norm = w.float().norm()
             layer.pruned_fraction = float((w.float() - pruned.float()).norm() / norm) if norm > 0 else 0.0
             w = pruned
-        b_q, b_meta, b_scales = sparse.quantize_and_pack_2_4(w, group_size, dtype=dtype)
+        b_q, b_meta, b_scales = sparse.quantize_and_pack_2_4(w, group_size, dtype=layer.dtype)
         layer.b_q.copy_(b_q)
         layer.b_meta.copy_(b_meta)
         layer.b_scales.copy_(b_scales)
