@@ -52,9 +52,13 @@ def run(rank: int, world_size: int, init_file: str, scenario: str, arg) -> None:
         traceback.print_exc()
         raise
     # both ranks finish their collectives before either tears gloo down: a rank that destroys
-    # its group while the peer's last send is in flight aborted ("terminate called without an
-    # active exception", SIGABRT) on a loaded CI machine
+    # its group (or exits) while the peer's last send is in flight aborts the peer ("terminate
+    # called without an active exception", SIGABRT), which a loaded CI machine hit even after a
+    # barrier; so the ranks also meet through the file store, outside gloo's sockets, once every
+    # rank is past the barrier
     dist.barrier()
+    store.set(f"exit-{rank}", "1")
+    store.wait([f"exit-{r}" for r in range(world_size)])
     dist.destroy_process_group()
 
 
