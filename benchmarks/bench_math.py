@@ -40,9 +40,11 @@ QUANT_KERNELS = ("marlin_g128", "marlin_gcol", "marlin_direct", "marlin_24_g128"
 # marlin_direct: group 128 called with workspace=None (the op's own per-stream lock slots)
 MARLIN_GROUP = {"marlin_g128": 128, "marlin_gcol": -1, "marlin_direct": 128}
 # 2:4-sparse weights (marlin.ops.gemm_2_4, marlin/sparse.py): group size along the original K;
-# marlin_24_bf16_g128 (bf16 activations and scales) on request, with the other formats
-MARLIN_24_GROUP = {"marlin_24_g128": 128, "marlin_24_gcol": -1, "marlin_24_bf16_g128": 128}
+# MARLIN_24_ON_REQUEST (bf16 activations and scales, groups of 64 and 32) with the other formats
+MARLIN_24_GROUP = {"marlin_24_g128": 128, "marlin_24_gcol": -1, "marlin_24_bf16_g128": 128, "marlin_24_g64": 64,
+                   "marlin_24_g32": 32}
 MARLIN_24_DTYPE = {"marlin_24_bf16_g128": torch.bfloat16}  # the others: float16
+MARLIN_24_ON_REQUEST = ("marlin_24_bf16_g128", "marlin_24_g64", "marlin_24_g32")
 INT4_GROUP = 128  # torch_int4's group size
 # The other weight formats (issue 22), timed on request (--kernels): name -> (activation dtype,
 # bits, zero points, group size). Speedups are over FP16 as for marlin_g128; compare them with
@@ -60,7 +62,7 @@ FORMAT_KERNELS = {
 # range) instead of uniform random words, packed on the device: checks that the kernel's speed does
 # not depend on the weight values, which the other kernels' random words assume (on request).
 VALUE_KERNELS = {"marlin_g128_gauss": 128}
-ALL_KERNELS = KERNELS + tuple(FORMAT_KERNELS) + tuple(MARLIN_24_DTYPE) + tuple(VALUE_KERNELS)
+ALL_KERNELS = KERNELS + tuple(FORMAT_KERNELS) + MARLIN_24_ON_REQUEST + tuple(VALUE_KERNELS)
 FORMAT_CHECK_TOL = 8e-3  # bf16 rounds each dequantized weight to 8 bits (2^-9 relative, as bf16 matmul)
 
 L2_FACTOR = 4  # weights rotate through at least this many times the L2 size
@@ -102,7 +104,9 @@ def sanitize_gpu_name(name: str) -> str:
 def scale_rows(kernel: str, k: int) -> int:
     if kernel in ("marlin_gcol", "marlin_24_gcol"):
         return 1
-    if kernel in ("marlin_g128", "marlin_direct", "marlin_g128_gauss", "marlin_24_g128", "marlin_24_bf16_g128", "torch_int4"):
+    if kernel in MARLIN_24_GROUP:
+        return k // MARLIN_24_GROUP[kernel]
+    if kernel in ("marlin_g128", "marlin_direct", "marlin_g128_gauss", "torch_int4"):
         return k // 128
     return 0
 
@@ -317,7 +321,7 @@ def format_table(points: list[dict], copy_bw_gbps: Optional[float] = None) -> st
     quant = [k for k in kernels_present if k not in BASELINES]
     short = {"marlin_g128": "g128", "marlin_gcol": "gcol", "marlin_direct": "direct", "marlin_24_g128": "24g128",
              "marlin_24_gcol": "24gcol", "torch_int4": "int4"}
-    short.update({k: k[len("marlin_"):] for k in (*FORMAT_KERNELS, *MARLIN_24_DTYPE, *VALUE_KERNELS)})
+    short.update({k: k[len("marlin_"):] for k in (*FORMAT_KERNELS, *MARLIN_24_ON_REQUEST, *VALUE_KERNELS)})
     head = f"{'M':>6} | {'fp16 us':>9}"
     for k in quant:
         head += f" | {short[k] + ' us':>9} {'x':>5} {'GB/s':>6} {'%BW':>4}"

@@ -15,7 +15,9 @@ namespace marlin {
 constexpr int64_t kStrip24 = 32;        // rows of the original K per row of b_q and b_meta
 constexpr int64_t kKMultiple24 = 128;   // K must be a multiple of this (one group, one stage)
 constexpr int64_t kNMultiple24 = 128;   // N must be a multiple of this
-constexpr int64_t kGroupSize24 = 128;   // the one group size besides per column
+// Group sizes along the original K besides per column (one scale row); each divides kKMultiple24,
+// so every K the op takes has whole groups of each.
+constexpr int64_t kGroupSizes24[] = {128, 64, 32};
 
 struct Gemm24Shape {
   int64_t m, k, n, groups;
@@ -57,10 +59,13 @@ inline Gemm24Shape check_gemm_2_4_args(const at::Tensor& a, const at::Tensor& b_
   TORCH_CHECK(b_meta.size(0) == b_q.size(0) && b_meta.size(1) == n, "marlin.gemm_2_4: b_meta shape ",
               dims(b_meta.sizes()), ", expected [K/32, N] = [", num(k / kStrip24), ", ", num(n), "]");
   TORCH_CHECK(b_scales.size(1) == n, "marlin.gemm_2_4: b_scales.size(1) = ", num(b_scales.size(1)), ", expected N = ", num(n));
+  // The group size is not passed: it is K / (rows of b_scales); one row means per column.
   const int64_t groups = b_scales.size(0);
-  TORCH_CHECK(groups == 1 || groups == k / kGroupSize24, "marlin.gemm_2_4: b_scales.size(0) = ", num(groups),
-              ", expected 1 (per-column scales) or K / ", num(kGroupSize24), " = ", num(k / kGroupSize24),
-              " (group size ", num(kGroupSize24), " along the original K)");
+  bool known = groups == 1;
+  for (int64_t g : kGroupSizes24) known = known || groups * g == k;
+  TORCH_CHECK(known, "marlin.gemm_2_4: b_scales.size(0) = ", num(groups),
+              ", expected 1 (per-column scales) or K / group_size with group_size 128, 64 or 32 along the original K (K = ",
+              num(k), ": ", num(k / 128), ", ", num(k / 64), " or ", num(k / 32), ")");
   if (workspace.has_value()) {
     const at::Tensor& w = *workspace;
     TORCH_CHECK(w.scalar_type() == at::kInt, "marlin.gemm_2_4: workspace.dtype = ", dtype_str(w), ", expected torch.int32");

@@ -12,7 +12,7 @@ import torch
 
 from . import _C  # noqa: F401  (loads the library that defines the schemas)
 from . import packing
-from .sparse import K_MULTIPLE_2_4, N_MULTIPLE_2_4, STRIP_K
+from .sparse import K_MULTIPLE_2_4, N_MULTIPLE_2_4, STRIP_K, SUPPORTED_GROUP_SIZES_2_4
 
 __all__ = [
     "gemm",
@@ -151,8 +151,12 @@ def _gemm_2_4_fake(a, b_q, b_meta, b_scales, workspace=None):
         lambda: f"{op}: b_meta shape {tuple(b_meta.shape)}, expected [K/32, N] = [{k // STRIP_K}, {n}]",
     )
     torch._check(b_scales.shape[1] == n, lambda: f"{op}: b_scales.size(1) = {b_scales.shape[1]}, expected N = {n}")
+    groups = b_scales.shape[0]
+    group_sizes = [g for g in SUPPORTED_GROUP_SIZES_2_4 if g != -1]
     torch._check(
-        b_scales.shape[0] == 1 or b_scales.shape[0] == k // 128,
-        lambda: f"{op}: b_scales.size(0) = {b_scales.shape[0]}, expected 1 or K / 128",
+        groups == 1 or any(groups * g == k for g in group_sizes),
+        lambda: f"{op}: b_scales.size(0) = {groups}, expected 1 (per-column scales) or K / group_size with group_size "
+        f"{', '.join(map(str, group_sizes[:-1]))} or {group_sizes[-1]} along the original K (K = {k}: "
+        f"{', '.join(str(k // g) for g in group_sizes[:-1])} or {k // group_sizes[-1]})",
     )
     return a.new_empty((a.shape[0], n))

@@ -19,8 +19,8 @@ marlin.packing's dense tile gives a lane (columns g and g + 8, compressed rows 2
   * ``b_q`` = the dense Marlin packing of q_c: int32 [K / 32, 2 N] (marlin.packing.pack of the
     compressed [K / 2, N] matrix; nothing new to learn).
   * ``b_scales``: the dense group structure along the *original* K, unchanged: fp16 or bf16
-    (the activations' dtype) [K / group_size, N] permuted as marlin.packing.permute_scales does,
-    or [1, N] per column.
+    (the activations' dtype) [K / group_size, N] permuted as marlin.packing.permute_scales does
+    (group_size 128, 64 or 32), or [1, N] per column.
   * ``b_meta`` int32 [K / 32, N]: the 2-bit indices, arranged so that each lane reads its
     metadata for one 32-row strip of a 64-column tile as one 8-byte load. A group's two indices
     form a nibble ``i0 | i1 << 2`` (i0 < i1). For strip s, tile nt and lane t = 4 g + c, the two
@@ -71,7 +71,7 @@ __all__ = [
 # itself only needs K % 32 (one strip) and N % 64 (one tile).
 K_MULTIPLE_2_4 = 128
 N_MULTIPLE_2_4 = 128
-SUPPORTED_GROUP_SIZES_2_4 = (128, -1)
+SUPPORTED_GROUP_SIZES_2_4 = (128, 64, 32, -1)  # -1: per column; each divides K_MULTIPLE_2_4
 DTYPES_2_4 = (torch.float16, torch.bfloat16)  # activations, scales and output (one dtype per call)
 STRIP_K = 32  # rows of the original K per packed row of b_q and b_meta
 
@@ -251,7 +251,8 @@ def quantize_and_pack_2_4(
     ``w`` must already be 2:4 along K (ValueError naming the columns that are not; prune with
     prune_2_4). Returns (b_q int32 [K/32, 2N], b_meta int32 [K/32, N], b_scales [groups, N] of
     ``dtype``, float16 or bfloat16: the dtype the op then computes in). The scales are
-    marlin.packing.quantize's, over groups of ``group_size`` original rows.
+    marlin.packing.quantize's, over groups of ``group_size`` original rows (the op takes 128, 64,
+    32 or -1, per column: SUPPORTED_GROUP_SIZES_2_4).
     """
     _check_2d_float(w, "quantize_and_pack_2_4")
     k, n = w.shape

@@ -78,7 +78,7 @@ class MarlinLinear24(QuantizedLinearBase):
                 f"MarlinLinear24(in_features={in_features}, out_features={out_features}, group_size={group_size}) "
                 f"is not supported by the 2:4 kernel: {reason}. It takes in_features a positive multiple of "
                 f"{sparse.K_MULTIPLE_2_4}, out_features a positive multiple of {sparse.N_MULTIPLE_2_4} and group_size "
-                f"128 or -1 (per column); keep such a layer as nn.Linear."
+                f"128, 64, 32 or -1 (per column); keep such a layer as nn.Linear."
             )
         self.in_features = in_features
         self.out_features = out_features
@@ -187,7 +187,7 @@ def replace_linear_2_4(
     is kept, or raises with ``strict``). Returns a SparseReplaceReport (``pruned``: per layer
     the share of the weight norm removed)."""
     if group_size not in sparse.SUPPORTED_GROUP_SIZES_2_4:
-        raise ValueError(f"replace_linear_2_4: group_size = {group_size!r}, expected 128 or -1 (per column)")
+        raise ValueError(f"replace_linear_2_4: group_size = {group_size!r}, expected 128, 64, 32 or -1 (per column)")
     include_p, exclude_p = _as_patterns(include, "include"), _as_patterns(exclude, "exclude") or ()
     report = SparseReplaceReport()
 

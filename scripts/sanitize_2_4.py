@@ -22,8 +22,10 @@ CASES = [  # (M, K, N, group size): 8/16/32/64-row slices, both tiles, K split i
     (40, 2048, 768, -1),  # sm_90a: the 64-row wgmma slice (3-stage late refill), 3 column tiles
     (130, 1024, 512, 128),  # sm_90a: 128-row wgmma block slices (MARLIN_2_4_WARP_SLICES=2)
 ]
+# groups of 64 and 32 (a scale row per strip after the ring): the mma.sync and wgmma loops
+FINE_CASES = [(1, 1024, 512, 64), (24, 1024, 512, 32), (40, 2048, 768, 64), (130, 1024, 512, 32)]
 # bf16 activations, scales and output: the mma.sync and (sm_90a) the wgmma instances of that type
-BF16_CASES = [(1, 1024, 512, 128), (24, 1024, 512, 128), (40, 2048, 768, -1)]
+BF16_CASES = [(1, 1024, 512, 128), (24, 1024, 512, 128), (40, 2048, 768, -1), (40, 1024, 512, 32)]
 # each case under the planner's choice, with the K parts forced through global memory, forced
 # into clusters (sm_90+), with 128-row slices, under the first kernel's plan, and (sm_90a, where
 # M > 8 runs the sparse wgmma) its early-refill variant, the mma.sync kernel instead, and two K
@@ -48,7 +50,7 @@ if os.environ.get("SANITIZE_QUICK") == "1":  # racecheck / synccheck are slow: t
 def main():
     torch.manual_seed(0)
     ok = True
-    cases = [(*c, torch.float16) for c in CASES] + [(*c, torch.bfloat16) for c in BF16_CASES]
+    cases = [(*c, torch.float16) for c in CASES + FINE_CASES] + [(*c, torch.bfloat16) for c in BF16_CASES]
     for m, k, n, g, dtype in cases:
         w = sparse.prune_2_4(torch.randn(k, n, device="cuda"))
         b_q, b_meta, b_s = sparse.quantize_and_pack_2_4(w, g, dtype=dtype)

@@ -188,10 +188,10 @@ def write_2_4(tmp_path, group_size=128, dtype=torch.float16, sparsity_format="de
     return src, refs
 
 
-@pytest.mark.parametrize("group_size", [128, -1])
+@pytest.mark.parametrize("group_size", [128, 64, 32, -1])
 def test_convert_2_4_sparse_pack_quantized(tmp_path, group_size):
-    """The 2:4-pruned layer becomes a MarlinLinear24 layer, exactly; the others stay dense, each with
-    its reason in the report; --verify runs both ops."""
+    """The 2:4-pruned layer becomes a MarlinLinear24 layer, exactly, in every group size the 2:4
+    kernel takes; the others stay dense, each with its reason in the report; --verify runs both ops."""
     from marlin import sparse
     from marlin.sparse_nn import MarlinLinear24
 
@@ -204,6 +204,7 @@ def test_convert_2_4_sparse_pack_quantized(tmp_path, group_size):
     assert "multiple of 128" in why[down] and "not 2:4 sparse" in why[o] and len(why) == 2
     assert "2:4-sparse layers: 1; dense: 2" in report.summary()
     out = load_file(str(dst / "model.safetensors"))
+    assert out[f"{up}.b_scales"].shape == (packing.num_groups(256, group_size), 384)
     assert torch.equal(sparse.unpack_2_4(out[f"{up}.b_q"], out[f"{up}.b_meta"], out[f"{up}.b_scales"]), refs[up])
     layer = MarlinLinear24(256, 384, bias=False, group_size=group_size)
     layer.load_state_dict({s: out[f"{up}.{s}"] for s in ("b_q", "b_meta", "b_scales")})

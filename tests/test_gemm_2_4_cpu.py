@@ -22,7 +22,7 @@ def call(a, b_q, b_meta, b_s, workspace=None):
 
 @pytest.mark.parametrize("m", [0, 1, 7, 16, 33])
 @pytest.mark.parametrize("k,n", [(128, 128), (256, 384), (512, 256)])
-@pytest.mark.parametrize("group_size", [128, -1])
+@pytest.mark.parametrize("group_size", [128, 64, 32, -1])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 def test_cpu_gemm_2_4_matches_fp64_reference(m, k, n, group_size, dtype):
     w, b_q, b_meta, b_s = sparse_layer(k, n, group_size, dtype=dtype)
@@ -38,6 +38,40 @@ def test_cpu_gemm_2_4_matches_fp64_reference(m, k, n, group_size, dtype):
     assert rel_err(c, ref) < tol
     assert rel_err(c.double() * 1.02, ref) > 3 * tol
     assert rel_err(c[:, torch.randperm(n)], ref) > 0.5
+
+
+@pytest.mark.parametrize("group_size", [128, 64, 32])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_each_group_of_rows_takes_its_own_scales(group_size, dtype):
+    """Weights that grow by 1.5x from one 32-row block of the original K to the next, so that
+    neighbouring groups' scales differ by 1.5x or more at every group size: the op meets the
+    float64 reference, while reading the scale rows for the wrong rows of K (one group off, in
+    groups of 128 or of twice the group size, or along the compressed K / 2) would be far off."""
+    k, n = 512, 256
+    gen = torch.Generator().manual_seed(group_size)
+    growth = 1.5 ** (torch.arange(k) // 32).double()  # [K]: constant over 32 rows
+    w = sparse.prune_2_4((torch.randn(k, n, generator=gen, dtype=torch.float64) * growth[:, None]).float())
+    b_q, b_meta, b_s = sparse.quantize_and_pack_2_4(w, group_size, dtype=dtype)
+    assert b_s.shape == (k // group_size, n)
+    q, s = sparse.unpack_2_4_parts(b_q, b_meta, b_s)
+    a = torch.randn(9, k).to(dtype)
+    rows = torch.arange(k)
+
+    def product(group_of_row):  # a @ B with row kr of B scaled by scale row group_of_row[kr]
+        return a.double() @ (q.double() * s.double()[group_of_row])
+
+    ref = product(rows // group_size)
+    tol = 5e-4 if dtype == torch.float16 else 4e-3
+    assert rel_err(call(a, b_q, b_meta, b_s), ref) < tol
+    wrong = {
+        "one group off": (rows // group_size + 1) % (k // group_size),
+        "groups of 128": rows // 128,
+        "groups of twice the size": rows // (2 * group_size),
+        "groups along the compressed K": rows // 2 // group_size,
+    }
+    for name, group_of_row in wrong.items():
+        if not torch.equal(group_of_row, rows // group_size):
+            assert rel_err(product(group_of_row), ref) > 100 * tol, name
 
 
 def test_wrong_metadata_or_values_are_caught():
@@ -102,7 +136,8 @@ CASES = [
     ("scales fp32", lambda q, m, s: (a16(), q, m, s.float(), None), r"b_scales\.dtype = Float but a\.dtype = Half"),
     ("scales bf16, a fp16", lambda q, m, s: (a16(), q, m, s.bfloat16(), None), r"b_scales\.dtype = BFloat16 but a\.dtype = Half"),
     ("a bf16, scales fp16", lambda q, m, s: (a16().bfloat16(), q, m, s, None), r"b_scales\.dtype = Half but a\.dtype = BFloat16"),
-    ("scales wrong groups", lambda q, m, s: (a16(), q, m, torch.ones(3, 256).half(), None), r"b_scales\.size\(0\) = 3, expected 1 \(per-column scales\) or K / 128 = 2"),
+    ("scales wrong groups", lambda q, m, s: (a16(), q, m, torch.ones(3, 256).half(), None), r"b_scales\.size\(0\) = 3, expected 1 \(per-column scales\) or K / group_size with group_size 128, 64 or 32 along the original K \(K = 256: 2, 4 or 8\)"),
+    ("scales in groups of 16", lambda q, m, s: (a16(), q, m, torch.ones(16, 256).half(), None), r"b_scales\.size\(0\) = 16, expected 1 \(per-column scales\) or K / group_size with group_size 128, 64 or 32"),
     ("workspace dtype", lambda q, m, s: (a16(), q, m, s, torch.zeros(8)), r"workspace\.dtype = Float, expected torch\.int32"),
 ]
 
@@ -120,14 +155,21 @@ def test_meta_tensors_give_the_same_errors(layer):
         call(torch.empty(4, 128, dtype=torch.float16, device="meta"), b_q, b_meta, b_s)
     with pytest.raises(Exception, match=r"b_meta shape"):
         call(torch.empty(4, 256, dtype=torch.float16, device="meta"), b_q, b_meta[:, :128], b_s)
-    out = call(torch.empty(4, 256, dtype=torch.float16, device="meta"), b_q, b_meta, b_s)
-    assert out.shape == (4, 256) and out.dtype == torch.float16
+    # a group count the op does not take (K / 16): the CPU op's message, from the fake kernel
+    with pytest.raises(Exception, match=r"b_scales\.size\(0\) = 16, expected 1 \(per-column scales\) or K / group_size "
+                       r"with group_size 128, 64 or 32 along the original K \(K = 256: 2, 4 or 8\)"):
+        call(torch.empty(4, 256, dtype=torch.float16, device="meta"), b_q, b_meta, torch.empty(16, 256, dtype=torch.float16, device="meta"))
+    for groups in (1, 2, 4, 8):  # per column, groups of 128, 64 and 32
+        b_sg = torch.empty(groups, 256, dtype=torch.float16, device="meta")
+        out = call(torch.empty(4, 256, dtype=torch.float16, device="meta"), b_q, b_meta, b_sg)
+        assert out.shape == (4, 256) and out.dtype == torch.float16
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=requires_cuda_2_4)])
 def test_opcheck_gemm_2_4(device):
     cases = [(1, 128, 128, 128, torch.float16), (7, 256, 384, -1, torch.float16), (33, 384, 256, 128, torch.bfloat16),
-             (0, 128, 256, 128, torch.float16), (5, 256, 128, -1, torch.bfloat16)]
+             (0, 128, 256, 128, torch.float16), (5, 256, 128, -1, torch.bfloat16), (3, 256, 128, 64, torch.float16),
+             (9, 384, 128, 32, torch.bfloat16)]
     for m, k, n, g, dtype in cases:
         _, b_q, b_meta, b_s = sparse_layer(k, n, g, seed=m, dtype=dtype)
         a = torch.randn(m, k, device=device).to(dtype)

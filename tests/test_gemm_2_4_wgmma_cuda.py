@@ -51,17 +51,18 @@ SHAPES = {
     "1152x768": (1152, 768),  # 3 column tiles, 9 stages
     "4096x1024": (4096, 1024),
 }
-GROUPS = [128, -1]
+GROUPS = [128, 64, 32, -1]
 ALLOWED = 1.5
 
 
-# Each instance (16-, 32-, 64-, 128-row block slices, both refills and scale kinds) and partition
+# Each instance (16-, 32-, 64-, 128-row block slices, both refills, every group size) and partition
 # (one part, parts in clusters, through global memory) once, in a fresh process.
 _FRESH_PROCESS_CODE = """
 import os, torch, marlin
 from marlin import sparse
 os.environ["MARLIN_2_4_WGMMA"] = "1"
-for g, dtype in ((128, torch.float16), (-1, torch.float16), (128, torch.bfloat16), (-1, torch.bfloat16)):
+for g, dtype in ((128, torch.float16), (64, torch.float16), (32, torch.float16), (-1, torch.float16),
+                 (128, torch.bfloat16), (64, torch.bfloat16), (32, torch.bfloat16), (-1, torch.bfloat16)):
     w = sparse.prune_2_4(torch.randn(1152, 768, device="cuda"))
     b_q, b_meta, b_s = sparse.quantize_and_pack_2_4(w, g, dtype=dtype)
     for env in ({}, {"MARLIN_2_4_PARTS": "1"}, {"MARLIN_2_4_PARTS": "4", "MARLIN_2_4_CLUSTERS": "1"},

@@ -31,7 +31,7 @@ def groups_nnz(q: torch.Tensor) -> torch.Tensor:
     return (q != 0).reshape(k // 4, 4, n).sum(dim=1)
 
 
-@pytest.mark.parametrize("group_size", [128, -1])
+@pytest.mark.parametrize("group_size", [128, 64, 32, -1])
 @pytest.mark.parametrize("clip", [False, True])
 def test_joint_prune_quant_beats_magnitude_then_rtn(group_size, clip):
     x = calib_inputs(2048, 256, seed=0)
@@ -112,7 +112,7 @@ def tiny(tmp_path_factory):
     return make_tiny(tmp_path_factory.mktemp("quantize24"))
 
 
-@pytest.mark.parametrize("group_size", [128, -1])
+@pytest.mark.parametrize("group_size", [128, 32, -1])
 def test_sparse_checkpoint_is_2_4_and_loads_exactly(tiny, tmp_path, group_size):
     _, src, calib = tiny
     model, tokenizer, samples = model_and_samples(src, calib)
@@ -210,7 +210,7 @@ def test_sparse_options_fail_before_loading(tiny, tmp_path):
     _, src, calib = tiny
     for kwargs, match in (
         (dict(act_order=True), "act_order"),
-        (dict(group_size=64), "group size 128 or -1"),
+        (dict(group_size=16), r"group_size = 16: the 2:4 kernel takes group size 128, 64, 32 or -1"),
         (dict(sym=False), "symmetric 4-bit"),
     ):
         with pytest.raises(ValueError, match=match):

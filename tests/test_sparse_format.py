@@ -41,11 +41,12 @@ def test_check_names_the_columns_that_break_the_pattern():
         sparse.check_2_4(torch.zeros(6, 4))
 
 
-@pytest.mark.parametrize("k,n,group_size", [(128, 64, 128), (256, 128, -1), (512, 192, 128), (96, 64, -1)])
+@pytest.mark.parametrize(
+    "k,n,group_size",
+    [(128, 64, 128), (256, 128, -1), (512, 192, 128), (96, 64, -1), (256, 192, 64), (384, 128, 32), (96, 64, 32)],
+)
 def test_pack_unpack_round_trip_is_exact(k, n, group_size):
     w = sparse_weight(k, n, seed=k + n)
-    if k % 128 and group_size == 128:
-        pytest.skip("group 128 needs K % 128")
     b_q, b_meta, b_s = sparse.quantize_and_pack_2_4(w, group_size)
     assert b_q.shape == (k // 32, 2 * n) and b_q.dtype == torch.int32
     assert b_meta.shape == (k // 32, n) and b_meta.dtype == torch.int32
@@ -171,6 +172,9 @@ def test_shape_errors_name_the_argument():
     b_q, b_meta, b_s = sparse.quantize_and_pack_2_4(sparse_weight(64, 64), -1)
     with pytest.raises(ValueError, match=r"do not fit"):
         sparse.unpack_2_4(b_q, b_meta[:1], b_s)
-    assert sparse.check_shape_2_4(256, 128, 128) is None
+    for g in (128, 64, 32, -1):
+        assert sparse.check_shape_2_4(256, 128, g) is None
     assert "in_features = 96" in sparse.check_shape_2_4(96, 128, 128)
-    assert "group_size = 64" in sparse.check_shape_2_4(256, 128, 64)
+    assert "in_features = 96" in sparse.check_shape_2_4(96, 128, 32)  # K stays a multiple of 128 for every group size
+    for g in (16, 256):
+        assert f"group_size = {g}, expected one of (128, 64, 32, -1)" in sparse.check_shape_2_4(256, 128, g)

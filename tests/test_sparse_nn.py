@@ -32,7 +32,7 @@ def reference(layer: MarlinLinear24, x):
     return y + layer.bias.cpu().double() if layer.bias is not None else y
 
 
-@pytest.mark.parametrize("group_size", [128, -1])
+@pytest.mark.parametrize("group_size", [128, 64, 32, -1])
 @pytest.mark.parametrize("bias", [True, False])
 def test_from_linear_prunes_quantizes_and_computes(group_size, bias):
     torch.manual_seed(1)
@@ -71,14 +71,36 @@ def test_new_layer_computes_zero_and_bad_arguments():
     assert "sparsity=2:4" in repr(layer)
     with pytest.raises(ValueError, match=r"in_features = 96, expected a positive multiple of 128"):
         MarlinLinear24(96, 128)
-    with pytest.raises(ValueError, match=r"group_size = 64"):
-        MarlinLinear24(128, 128, group_size=64)
+    with pytest.raises(ValueError, match=r"group_size = 16, expected one of \(128, 64, 32, -1\).*group_size 128, 64, 32 or -1"):
+        MarlinLinear24(128, 128, group_size=16)
+    for g, rows in ((128, 2), (64, 4), (32, 8), (-1, 1)):  # K = 256
+        assert MarlinLinear24(256, 128, group_size=g).b_scales.shape == (rows, 128)
     with pytest.raises(ValueError, match=r"dtype = torch.float32, expected torch.float16 or torch.bfloat16"):
         MarlinLinear24(128, 128, dtype=torch.float32)
     with pytest.raises(TypeError, match=r"input dtype is torch.float32"):
         layer(torch.randn(2, 128))
     with pytest.raises(ValueError, match=r"sparsity = '1:2'"):
         MarlinLinear.from_linear(nn.Linear(128, 128), sparsity="1:2")
+
+
+@pytest.mark.parametrize("group_size", [64, 32])
+def test_state_dict_round_trip_in_smaller_groups(tmp_path, group_size):
+    """Groups of 64 and 32 rows: K / group_size scale rows, saved and loaded into a layer built
+    with that group size; a layer built with the other one refuses them, naming both."""
+    torch.manual_seed(group_size)
+    layer = MarlinLinear24.from_linear(nn.Linear(256, 128).half(), group_size)
+    sd = layer.state_dict()
+    assert sd["b_scales"].shape == (256 // group_size, 128)
+    path = tmp_path / "l.pt"
+    torch.save(sd, path)
+    fresh = MarlinLinear24(256, 128, group_size=group_size)
+    fresh.load_state_dict(torch.load(path, weights_only=True))
+    x = torch.randn(4, 256).half()
+    assert torch.equal(fresh(x), layer(x))
+    assert torch.equal(fresh.dequantized_weight(), layer.dequantized_weight())
+    other = 96 - group_size  # 64 <-> 32
+    with pytest.raises(RuntimeError, match=rf"group size {group_size}, but this layer was built with group_size={other}"):
+        MarlinLinear24(256, 128, group_size=other).load_state_dict(sd)
 
 
 def test_state_dict_round_trip_and_refusals(tmp_path):
@@ -177,6 +199,11 @@ def test_replace_linear_2_4_report_and_logging(caplog):
         replace_linear_2_4(Block().half(), strict=True)
     with pytest.raises(ValueError, match=r"sparsity = 'dense'"):
         marlin.replace_linear(Block(), sparsity="dense")
+    # groups of 32 (and 64) rows replace the same layers; other group sizes are refused up front
+    model = Block().half()
+    assert replace_linear_2_4(model, 32).replaced == ["up", "down"] and model.up.group_size == 32
+    with pytest.raises(ValueError, match=r"group_size = 16, expected 128, 64, 32 or -1 \(per column\)"):
+        replace_linear_2_4(Block().half(), 16)
 
 
 def test_torch_compile_fullgraph_aot_eager():

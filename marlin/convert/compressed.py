@@ -21,7 +21,7 @@ with zero points, all exact with the same scales.
 2:4-sparse checkpoints (llm-compressor's 2:4 pruning, ``sparsity_config`` with
 ``sparsity_structure: "2:4"`` and the weights stored ``"dense"``, i.e. with the pruned zeros in
 place): every layer whose integer codes have at most two non-zeros in each group of 4 inputs, and
-that the 2:4 kernel takes (4-bit symmetric, scales of a dtype it computes in, group 128 or channel,
+that the 2:4 kernel takes (4-bit symmetric, scales of a dtype it computes in, group 128, 64, 32 or channel,
 no activation ordering, K and N multiples of 128), becomes a MarlinLinear24 layer (b_q, b_meta, b_scales; marlin/sparse.py),
 exact with the same scales; the others convert as dense layers, and the report says why.
 """

@@ -130,7 +130,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         choices=["2:4"],
         help="prune to 2:4 jointly with the quantization (SparseGPT) for the 2:4 Marlin layers: 4-bit symmetric, "
-        "group size 128 or -1, no --act-order",
+        "group size 128, 64, 32 or -1, no --act-order",
     )
     p.add_argument("--bits", type=int, choices=[4, 8], default=4, help="weight bits: 4 (default) or 8 (symmetric)")
     sym = p.add_mutually_exclusive_group()

@@ -114,7 +114,7 @@ class QuantizeConfig:
             if self.group_size not in SUPPORTED_GROUP_SIZES_2_4:
                 raise ValueError(
                     f"sparsity 2:4 with group_size = {self.group_size}: the 2:4 kernel takes group size "
-                    f"{' or '.join(map(str, SUPPORTED_GROUP_SIZES_2_4))} (-1: per column)"
+                    f"{', '.join(map(str, SUPPORTED_GROUP_SIZES_2_4[:-1]))} or {SUPPORTED_GROUP_SIZES_2_4[-1]} (-1: per column)"
                 )
             if self.act_order:
                 raise ValueError("sparsity 2:4 with act_order: the 2:4 format keeps the input order (no permutation)")

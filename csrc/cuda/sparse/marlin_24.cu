@@ -17,6 +17,12 @@ double fill(long long blocks, long long slots, int sms) {
   return blocks < sms ? 0.5 * f : f;
 }
 
+// Strips of 32 rows per scale group: 4 for group 128 and per column (one scale row per stage),
+// 2 for group 64, 1 for group 32 (gemm_2_4_checks.h admits no other group count).
+int group_strips(const Args24& args) {
+  return args.groups > 1 ? std::max(1, std::min(kStrips, args.k / args.groups / 32)) : kStrips;
+}
+
 }  // namespace
 
 // K parts and tile width, as measured on an H100 (benchmarks/NOTES.md, "kernel v2"): the parts
@@ -83,7 +89,8 @@ std::string plan_24(const Args24& args, Plan24* plan) {
   plan->stages = !plan->wg && args.force_stages == 3 && plan->nw == 4 && plan->ms == 1 && plan->mb <= 2 ? 3 : kStages;
   if (plan->wg == 2 && plan->mb == 8 && plan->ms == 1 && plan->kw == 1) plan->stages = 3;
   const Instance inst = find_instance(args.bf16, plan->mb, plan->nw, plan->ms, plan->stages, plan->wg, plan->kw);
-  plan->smem = inst.smem;
+  // groups of 64 or 32: a scale row per strip and stage after the ring (marlin_24_kernel.cuh)
+  plan->smem = inst.smem + (group_strips(args) < kStrips ? plan->stages * kStrips * inst.scale_row_bytes : 0);
   if (plan->smem > args.max_smem)
     return "marlin.gemm_2_4: the kernel needs " + std::to_string(plan->smem) + " bytes of shared memory per block, the device allows " +
            std::to_string(args.max_smem);
@@ -152,6 +159,7 @@ cudaError_t launch_24(const Args24& args, const Plan24& plan, cudaStream_t strea
   p.k = args.k;
   p.lda_int4 = args.lda / 8;
   p.groups = args.groups;
+  p.group_strips = group_strips(args);
   p.parts = plan.parts;
   p.cluster_reduce = plan.cluster_reduce;
   p.locks = args.locks;

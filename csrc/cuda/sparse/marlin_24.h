@@ -21,7 +21,7 @@ struct Args24 {
   int m, n, k;
   long long lda;
   bool bf16 = false;  // a, s and c are bfloat16 (else float16)
-  int groups;
+  int groups;  // 1: per column, else K / group size (128, 64 or 32; gemm_2_4_checks.h)
   int sms;
   int max_smem;  // opt-in shared memory per block
   bool pdl;       // launch with programmatic dependent launch (sm_90+; measured slower here, off by default)
@@ -58,7 +58,7 @@ struct Plan24 {
   bool cluster_reduce;  // the parts of a tile form one thread-block cluster
   int slices;  // block slices
   int grid;    // blocks: slices x column tiles x parts
-  int smem;    // dynamic shared memory bytes
+  int smem;    // dynamic shared memory bytes (the instance's, plus the extra scale rows of groups of 64 or 32)
   long long partial_floats;  // parts * M * N when reduced through global memory, else 0
   int locks;                 // arrival counters needed (column tiles x slices) then, else 0
 };

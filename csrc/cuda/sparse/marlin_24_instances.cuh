@@ -21,13 +21,19 @@ SmemAttrCache& cache() {
 }
 
 // Resident blocks per SM (registers and shared memory), at least 1; 0 if the queries failed.
+// Remembered per device for the last smem asked (groups of 64 or 32 ask with more than the
+// instance's own; the occupancy query takes host time).
 template <int MB, int NW, int MS, int ST, int WG, int KW, typename ET>
 int blocks_per_sm(int smem) {
   constexpr int kMaxDevices = 64;
-  static std::atomic<int> known[kMaxDevices];  // 0: not yet
+  static std::atomic<long long> known[kMaxDevices];  // smem << 32 | blocks; 0: not yet
   int device = 0;
   if (cudaGetDevice(&device) != cudaSuccess) return 0;
-  if (device >= 0 && device < kMaxDevices && known[device].load() > 0) return known[device].load();
+  const long long key = static_cast<long long>(smem) << 32;
+  if (device >= 0 && device < kMaxDevices) {
+    const long long k = known[device].load();
+    if (k != 0 && (k & ~0xFFFFFFFFLL) == key) return static_cast<int>(k & 0xFFFFFFFF);
+  }
   auto kernel = marlin_24_kernel<MB, NW, MS, ST, WG, KW, ET>;
   int blocks = 0;
   if (cache<MB, NW, MS, ST, WG, KW, ET>().ensure(reinterpret_cast<const void*>(kernel), smem) != cudaSuccess ||
@@ -36,7 +42,7 @@ int blocks_per_sm(int smem) {
     return 0;
   }
   blocks = std::max(blocks, 1);
-  if (device >= 0 && device < kMaxDevices) known[device].store(blocks);
+  if (device >= 0 && device < kMaxDevices) known[device].store(key | blocks);
   return blocks;
 }
 
@@ -55,7 +61,7 @@ cudaError_t launch(const Params& p, int grid, int smem, cudaStream_t stream, boo
 template <typename ET, int MB, int NW, int MS, int ST = kStages, int WG = 0, int KW = 1>
 Instance make() {
   using S = Shape<MB, NW, MS, WG != 0, KW>;
-  return Instance{S::template smem_bytes<ST>(), S::kThreads, &blocks_per_sm<MB, NW, MS, ST, WG, KW, ET>,
+  return Instance{S::template smem_bytes<ST>(), S::kSStage * 16, S::kThreads, &blocks_per_sm<MB, NW, MS, ST, WG, KW, ET>,
                   &max_clusters<MB, NW, MS, ST, WG, KW, ET>, &launch<MB, NW, MS, ST, WG, KW, ET>};
 }
 

@@ -15,11 +15,14 @@
 //    of 8 MB MS rows of A: warp (wn, ws) computes chunk wn for rows 8 MB ws .. 8 MB (ws + 1) - 1.
 //    With MS = 2 every weight of a stage is read from memory once for 64 rows (the MS warps of a
 //    chunk each dequantize it from shared memory, which is cheaper than streaming it again).
-//  * Stage = 128 rows of the original K (4 strips, one scale group), STAGES-deep cp.async ring
-//    for the activations, values, metadata and group scales of a stage.
+//  * Stage = 128 rows of the original K (4 strips), STAGES-deep cp.async ring for the
+//    activations, values, metadata and group scales of a stage: one scale row (group 128) in the
+//    stage itself; for groups of 64 or 32 rows one row per strip (its group's) in an area after
+//    the ring (StageScales below), so that group 128 keeps its shared memory and occupancy.
 //  * Grid (1-D) = row slices x column tiles x K parts, the parts of a tile consecutive (block
 //    index (slice * n_tiles + tile) * parts + part). Each block sums its K range in fp32 (group
-//    scales applied to fp32 group sums). With one part it writes C (per-column scales applied).
+//    scales applied to fp32 group sums; groups of 64 or 32, and the WG loop, apply them to the
+//    dequantized weights instead). With one part it writes C (per-column scales applied).
 //    With several, either (cluster_reduce, sm_90+) the parts of a tile are one thread-block
 //    cluster: each block leaves its fp32 partial in its own shared memory and adds 1/parts of
 //    the tile from all of them through distributed shared memory, in rank order; or each writes
@@ -36,6 +39,7 @@
 #include <cuda_fp16.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #include "../dequant.cuh"
 #include "../k_half_sums.cuh"
@@ -75,7 +79,7 @@ struct Shape {
   static constexpr int kAStage = kRows * (kStageK / 8);  // int4: 16 per row
   static constexpr int kBStage = kStrips * NW * 32;      // int4: a lane's 16 bytes per chunk and strip
   static constexpr int kMStage = kStrips * NW * 16;      // int4: a lane's 8 bytes per chunk and strip
-  static constexpr int kSStage = NW * 8;                 // int4: the tile's 64 NW group scales
+  static constexpr int kSStage = NW * 8;                 // int4: one scale row (the tile's 64 NW columns)
   static constexpr int kStageInt4 = (kAStage + kBStage + kMStage + kSStage + (WG ? 63 : 0)) / (WG ? 64 : 1) * (WG ? 64 : 1);
   // cluster reduction: the block's fp32 partial [kRows][kPartStride] over the drained pipeline
   // (the padding spreads the rows 2 c4 of a warp's stores over the banks)
@@ -87,6 +91,21 @@ struct Shape {
   template <int STAGES>
   static constexpr int smem_bytes() {
     return STAGES * kStageInt4 * 16 + (WG ? 1024 : 0);
+  }
+};
+
+// Scales of groups of 64 or 32 rows (fine): one row per strip, the row of the strip's group
+// (group 64 copies each row twice), kStrips rows per ring slot in the area after the STAGES-deep
+// ring. Per strip rather than per group, so that the main loops address a strip's scales at a
+// constant offset and keep no group-size state in registers (the 64-row wgmma instances are at
+// their register limit). shift: log2 of the strips per group (1: group 64, 0: group 32).
+template <int MB, int NW, int MS, bool WG, int KW, int STAGES>
+struct StageScales {
+  using S = Shape<MB, NW, MS, WG, KW>;
+  int4* smem;  // the ring's start
+  int shift;
+  __device__ __forceinline__ int4* strip_row(int slot, int u) const {
+    return smem + STAGES * S::kStageInt4 + (slot * kStrips + u) * S::kSStage;
   }
 };
 
@@ -150,9 +169,12 @@ __device__ __forceinline__ void mma_sp_16832_first(const uint32_t (&a)[4], const
 // KW = 2: warpgroup wk takes strips 2 wk and 2 wk + 1 of each stage (the same 64-half block of
 // K); "a stage's last strip" below is then each warpgroup's second, and every warp still waits at
 // its first strip of stage i for its own last group of stage i - 1.
-template <int MB, int NW, int MS, int STAGES, bool LATE, int KW, typename ET, typename Fetch>
+// FINE (groups of 64 or 32 rows): each strip's scales from its StageScales row (a separate
+// instantiation, so that group 128's loop keeps its code and registers).
+template <int MB, int NW, int MS, int STAGES, bool LATE, int KW, bool FINE, typename ET, typename Fetch>
 __device__ __forceinline__ void main_loop_wg(const int4* smem, Fetch& fetch, float (&tot)[4][MB][4], int kt0, int n_k, int wn,
-                                             int wrow0, int wk, int lane, int g, bool grouped) {
+                                             int wrow0, int wk, int lane, int g, bool grouped,
+                                             const StageScales<MB, NW, MS, true, KW, STAGES>& scales) {
   using S = Shape<MB, NW, MS, true, KW>;
   constexpr int kAhead = LATE ? STAGES - 1 : STAGES - 2;
   constexpr int kLocal = kStrips / KW;  // strips per warpgroup and stage
@@ -191,21 +213,26 @@ __device__ __forceinline__ void main_loop_wg(const int4* smem, Fetch& fetch, flo
     const int4* sb = smem + slot * S::kStageInt4 + S::kAStage;
     const int4* sm = sb + S::kBStage;
     // the lane's group scales (b_scales permutation: position 8 g + 2 j is column 16 j + g, + 1 is
-    // column 16 j + 8 + g, i.e. fragment rows g and g + 8 of block j)
+    // column 16 j + 8 + g, i.e. fragment rows g and g + 8 of block j), of the group of the
+    // warpgroup's first strip of the stage
     using T2 = typename Elem<ET>::T2;
     T2 s_lo[4], s_hi[4];
-    if (grouped) {
-      const int4 sv = sm[S::kMStage + wn * 8 + g];
+    auto load_scales = [&](int strip) {
+      const int4 sv = FINE ? scales.strip_row(slot, strip)[wn * 8 + g] : sm[S::kMStage + wn * 8 + g];
       const ET* sc = reinterpret_cast<const ET*>(&sv);
 #pragma unroll
       for (int j = 0; j < 4; j++) s_lo[j] = T2{sc[2 * j], sc[2 * j]}, s_hi[j] = T2{sc[2 * j + 1], sc[2 * j + 1]};
-    }
+    };
+    if (grouped) load_scales(wk * kLocal);
     uint32_t desc_lo = static_cast<uint32_t>(desc0);
     fence_operand(desc_lo);  // add the offsets here, not one 64-bit descriptor per strip kept alive
     desc_lo += static_cast<uint32_t>(slot * S::kStageInt4 * 16) >> 4;
 #pragma unroll
     for (int l = 0; l < kLocal; l++) {
       const int buf = l % 2;
+      if constexpr (FINE) {
+        if (l > 0) load_scales(wk * kLocal + l);
+      }
       const int4 wq4 = sb[(l * NW + strip_chunk) * 32 + lane];
       // metadata as in the mma.sync loop: the lane's words (blocks 0, 1) and lane ^ 2's (2, 3), selector 0
       const uint2* mrow = reinterpret_cast<const uint2*>(sm + (l * NW + strip_chunk) * 16);
@@ -278,6 +305,7 @@ __global__ void __launch_bounds__(32 * NW * MS * KW) marlin_24_kernel(const Para
   static_assert(S::kPartBytes <= STAGES * S::kStageInt4 * 16, "the cluster partial must fit the pipeline's shared memory");
   static_assert(S::kRedBytes <= STAGES * S::kStageInt4 * 16, "the K warpgroups' sums must fit the pipeline's shared memory");
   static_assert(!WG || STAGES >= 3, "the wgmma loop needs at least 3 stages");
+  static_assert(kStrips * S::kSStage <= S::kThreads, "a stage's scale rows take one 16-byte copy per thread");
 #if !MARLIN_HAS_WGMMA
   // A wgmma instance built for another target than sm_90a is never launched (plan_24): a trap stub.
   if constexpr (WG) {
@@ -306,13 +334,16 @@ __global__ void __launch_bounds__(32 * NW * MS * KW) marlin_24_kernel(const Para
   const int kt0 = part * k_tiles / p.parts, kt1 = (part + 1) * k_tiles / p.parts;
   const int n_k = kt1 - kt0;
   const bool grouped = p.groups > 1;
+  // per-strip scale rows of groups of 64 (2 strips per group) or 32 (1)
+  const StageScales<MB, NW, MS, WG != 0, KW, STAGES> scales{smem, p.group_strips == 2 ? 1 : 0};
 
   const long long bq_row = p.n / 2;  // int4 per row of b_q (one strip)
   const long long bm_row = p.n / 4;  // int4 per row of b_meta
 
   // One stage: rows of A x 128 halves (16-byte chunk ch of row r at r * 16 + (ch ^ r % 8)), the
-  // tile's values and metadata of 4 strips, and (grouped) the group's 64 NW scales.
-  auto fetch = [&](int kt, int slot) {
+  // tile's values and metadata of 4 strips, and (grouped) the tile's 64 NW scales: the stage's
+  // group row, or (fine) the row of each strip's group into StageScales (one int4 per thread).
+  auto fetch = [&](int kt, int slot, auto fine) {
     int4* sh = smem + slot * S::kStageInt4;
     for (int x = tid; x < S::kAStage; x += kThreads) {
       const int r = x / 16, ch = x % 16;
@@ -332,8 +363,15 @@ __global__ void __launch_bounds__(32 * NW * MS * KW) marlin_24_kernel(const Para
       const int st = x / (NW * 16), o = x % (NW * 16);
       cp_async16_evict_first(sm + x, p.b_meta + (static_cast<long long>(kt) * kStrips + st) * bm_row + nt * NW * 16 + o);
     }
-    if (grouped && tid < S::kSStage)
+    if constexpr (decltype(fine)::value) {
+      if (tid < kStrips * S::kSStage) {
+        const int u = tid / S::kSStage, o = tid % S::kSStage;
+        const int grp_row = (kt * kStrips + u) >> scales.shift;  // the group of the stage's strip u
+        cp_async16(scales.strip_row(slot, u) + o, p.s + static_cast<long long>(grp_row) * (p.n / 8) + nt * NW * 8 + o);
+      }
+    } else if (grouped && tid < S::kSStage) {
       cp_async16(sm + S::kMStage + tid, p.s + static_cast<long long>(kt) * (p.n / 8) + nt * NW * 8 + tid);
+    }
   };
 
   float tot[4][MB][4];  // [16-column block j][n8 tile b][fragment element]
@@ -352,24 +390,57 @@ __global__ void __launch_bounds__(32 * NW * MS * KW) marlin_24_kernel(const Para
   // Programmatic dependent launch: the previous kernel of the stream may still be running until
   // here (A, the locks and C may be its inputs or outputs).
   grid_dependency_wait();
+  // The main loop, once for one scale row per stage and once (fine) for groups of 64 or 32 rows:
+  // compiled separately, so that the first keeps group 128's registers and code.
+  auto main_loop = [&](auto fine) {
+  constexpr bool kFine = decltype(fine)::value;
+  auto fetch_stage = [&](int kt, int slot) { fetch(kt, slot, fine); };
   if constexpr (WG) {
-    main_loop_wg<MB, NW, MS, STAGES, WG == 2, KW, ET>(smem, fetch, tot, kt0, n_k, wn, wrow0, wk, lane, g, grouped);
+    main_loop_wg<MB, NW, MS, STAGES, WG == 2, KW, kFine, ET>(smem, fetch_stage, tot, kt0, n_k, wn, wrow0, wk, lane, g, grouped,
+                                                              scales);
   } else {
 #pragma unroll
   for (int s = 0; s < STAGES - 1; s++) {
-    if (s < n_k) fetch(kt0 + s, s);
+    if (s < n_k) fetch_stage(kt0 + s, s);
     cp_async_commit();
   }
   grid_launch_dependents();
   for (int i = 0; i < n_k; i++) {
     cp_async_wait<STAGES - 2>();
     __syncthreads();  // stage i landed for every thread; every warp is done with stage i - 1's slot
-    if (i + STAGES - 1 < n_k) fetch(kt0 + i + STAGES - 1, (i + STAGES - 1) % STAGES);
+    if (i + STAGES - 1 < n_k) fetch_stage(kt0 + i + STAGES - 1, (i + STAGES - 1) % STAGES);
     cp_async_commit();
 
-    const int4* sh = smem + (i % STAGES) * S::kStageInt4;
+    const int slot = i % STAGES;
+    const int4* sh = smem + slot * S::kStageInt4;
     const int4* sb = sh + S::kAStage;
     const int4* sm = sb + S::kBStage;
+    // the group sums times the group's scale (or 1 per column) into tot; the lane's 8 scales are
+    // one int4 (b_scales permutation: position 8 g + 2 j is column 16 j + g, + 1 is 16 j + 8 + g)
+    // the stage's group sums times the group's scale (or 1 per column) into tot; the lane's 8
+    // scales are one int4 (b_scales permutation: position 8 g + 2 j is column 16 j + g, + 1 is
+    // 16 j + 8 + g)
+    auto add_group = [&]() {
+      float s_lo[4], s_hi[4];
+      if (grouped) {
+        const int4 sv = sm[S::kMStage + wn * 8 + g];
+        const ET* sc = reinterpret_cast<const ET*>(&sv);
+#pragma unroll
+        for (int j = 0; j < 4; j++) s_lo[j] = E::to_float(sc[2 * j]), s_hi[j] = E::to_float(sc[2 * j + 1]);
+      } else {
+#pragma unroll
+        for (int j = 0; j < 4; j++) s_lo[j] = s_hi[j] = 1.f;
+      }
+#pragma unroll
+      for (int j = 0; j < 4; j++)
+#pragma unroll
+        for (int b = 0; b < MB; b++) {
+          tot[j][b][0] = fmaf(s_lo[j], grp[j][b][0], tot[j][b][0]);
+          tot[j][b][1] = fmaf(s_lo[j], grp[j][b][1], tot[j][b][1]);
+          tot[j][b][2] = fmaf(s_hi[j], grp[j][b][2], tot[j][b][2]);
+          tot[j][b][3] = fmaf(s_hi[j], grp[j][b][3], tot[j][b][3]);
+        }
+    };
 #pragma unroll
     for (int u = 0; u < kStrips; u++) {
       uint32_t act[MB][4];
@@ -386,44 +457,47 @@ __global__ void __launch_bounds__(32 * NW * MS * KW) marlin_24_kernel(const Para
       const uint2 mw = mrow[lane], mw2 = mrow[lane ^ 2];
       const uint32_t wq[4] = {static_cast<uint32_t>(wq4.x), static_cast<uint32_t>(wq4.y), static_cast<uint32_t>(wq4.z),
                               static_cast<uint32_t>(wq4.w)};
+      // fine: the strip's group scales on the dequantized weights (as the wgmma loop applies
+      // them), the products summed straight into tot: no group sums, no group size in the loop
+      using T2 = typename E::T2;
+      T2 s2_lo[4], s2_hi[4];
+      if constexpr (kFine) {
+        const int4 sv = scales.strip_row(slot, u)[wn * 8 + g];
+        const ET* sc = reinterpret_cast<const ET*>(&sv);
+#pragma unroll
+        for (int j = 0; j < 4; j++) s2_lo[j] = T2{sc[2 * j], sc[2 * j]}, s2_hi[j] = T2{sc[2 * j + 1], sc[2 * j + 1]};
+      }
 #pragma unroll
       for (int j = 0; j < 4; j++) {
         uint32_t lo[2], hi[2];
         dequant_u4<ET, false>(wq[j], lo, hi, U4Zero{});
+        if constexpr (kFine) {
+          lo[0] = as_u32<ET>(__hmul2(as_t2<ET>(lo[0]), s2_lo[j]));
+          lo[1] = as_u32<ET>(__hmul2(as_t2<ET>(lo[1]), s2_lo[j]));
+          hi[0] = as_u32<ET>(__hmul2(as_t2<ET>(hi[0]), s2_hi[j]));
+          hi[1] = as_u32<ET>(__hmul2(as_t2<ET>(hi[1]), s2_hi[j]));
+        }
         const uint32_t a[4] = {lo[0], hi[0], lo[1], hi[1]};
         const uint32_t e = j == 0 ? mw.x : j == 1 ? mw.y : j == 2 ? mw2.x : mw2.y;
 #pragma unroll
         for (int b = 0; b < MB; b++) {
-          if (u == 0)  // the stage's first strip starts the group's sums
+          if constexpr (kFine)
+            mma_sp_16832<0, kBf16>(a, act[b], e, tot[j][b]);
+          else if (u == 0)  // the stage's first strip starts the group's sums
             mma_sp_16832_first<0, kBf16>(a, act[b], e, grp[j][b]);
           else
             mma_sp_16832<0, kBf16>(a, act[b], e, grp[j][b]);
         }
       }
     }
-    // group scale (or 1 per column) on the stage's fp32 sums; the lane's 8 scales are one int4
-    // (b_scales permutation: position 8 g + 2 j is column 16 j + g, + 1 is 16 j + 8 + g)
-    float s_lo[4], s_hi[4];
-    if (grouped) {
-      const int4 sv = sm[S::kMStage + wn * 8 + g];
-      const ET* sc = reinterpret_cast<const ET*>(&sv);
-#pragma unroll
-      for (int j = 0; j < 4; j++) s_lo[j] = E::to_float(sc[2 * j]), s_hi[j] = E::to_float(sc[2 * j + 1]);
-    } else {
-#pragma unroll
-      for (int j = 0; j < 4; j++) s_lo[j] = s_hi[j] = 1.f;
-    }
-#pragma unroll
-    for (int j = 0; j < 4; j++)
-#pragma unroll
-      for (int b = 0; b < MB; b++) {
-        tot[j][b][0] = fmaf(s_lo[j], grp[j][b][0], tot[j][b][0]);
-        tot[j][b][1] = fmaf(s_lo[j], grp[j][b][1], tot[j][b][1]);
-        tot[j][b][2] = fmaf(s_hi[j], grp[j][b][2], tot[j][b][2]);
-        tot[j][b][3] = fmaf(s_hi[j], grp[j][b][3], tot[j][b][3]);
-      }
+    if constexpr (!kFine) add_group();  // the stage's group
   }
   }  // mma.sync main loop
+  };
+  if (p.group_strips == kStrips)
+    main_loop(std::false_type{});
+  else
+    main_loop(std::true_type{});
   cp_async_wait<0>();
   if constexpr (KW == 2) {
     // the upper warpgroup's sums into the lower one's; from here on only wk == 0 holds the block's

@@ -8,7 +8,7 @@
 namespace marlin {
 namespace sparse24 {
 
-constexpr int kStrips = 4;     // 32-row strips per stage: 128 rows of K = one scale group
+constexpr int kStrips = 4;     // 32-row strips per stage: 128 rows of K, one to four scale groups
 constexpr int kStageK = 32 * kStrips;
 constexpr int kMaxClusterParts = 8;  // the portable cluster size
 
@@ -22,7 +22,8 @@ struct Params {
   int* locks;          // one zeroed arrival counter per column tile and slice (as partial)
   int m, n, k;
   long long lda_int4;
-  int groups;          // 1: per column, else K / 128
+  int groups;          // 1: per column, else K / group size (128, 64 or 32)
+  int group_strips;    // strips per scale group: 4 (group 128, and per column), 2 (group 64), 1 (group 32)
   int parts;           // K parts per column tile
   bool cluster_reduce; // the parts of a tile are one cluster (sm_90+, parts <= kMaxClusterParts)
 };
@@ -34,7 +35,8 @@ constexpr int kStages = 4;
 // One compiled instance: its launch, shared memory, threads, and (once per device) its resident
 // blocks per SM and resident clusters.
 struct Instance {
-  int smem;
+  int smem;             // dynamic shared memory for one scale row per stage (group 128, per column)
+  int scale_row_bytes;  // groups of 64 or 32 add kStrips scale rows of this size per stage
   int threads;
   int (*blocks_per_sm)(int smem);
   int (*max_clusters)(int cluster, int smem);
