@@ -25,7 +25,8 @@ table and the check of the issue's speed targets.  What is timed and why (benchm
     marlin_bf16_gcol (bf16 activations and scales), marlin_zp_g128 (4-bit with zero points),
     marlin_g64, marlin_g32, marlin_u8_g128, marlin_u8_gcol (8-bit weights), and
     marlin_24_bf16_g128 (2:4 sparse, bf16), marlin_24_g64, marlin_24_g32 (2:4 sparse, groups of 64
-    and 32); compare each with marlin_g128 (marlin_24_g128) for the cost of the format.
+    and 32), marlin_24_zp_g128 (2:4 sparse with zero points, group 128); compare each with
+    marlin_g128 (marlin_24_g128) for the cost of the format.
   * marlin_g128_gauss, on request: group 128 with the codes of a quantized Gaussian matrix instead
     of uniform random words (the other kernels' weights), to check that the speed does not depend
     on the values.

@@ -40,11 +40,13 @@ QUANT_KERNELS = ("marlin_g128", "marlin_gcol", "marlin_direct", "marlin_24_g128"
 # marlin_direct: group 128 called with workspace=None (the op's own per-stream lock slots)
 MARLIN_GROUP = {"marlin_g128": 128, "marlin_gcol": -1, "marlin_direct": 128}
 # 2:4-sparse weights (marlin.ops.gemm_2_4, marlin/sparse.py): group size along the original K;
-# MARLIN_24_ON_REQUEST (bf16 activations and scales, groups of 64 and 32) with the other formats
+# MARLIN_24_ON_REQUEST (bf16 activations and scales, groups of 64 and 32, zero points) with the
+# other formats
 MARLIN_24_GROUP = {"marlin_24_g128": 128, "marlin_24_gcol": -1, "marlin_24_bf16_g128": 128, "marlin_24_g64": 64,
-                   "marlin_24_g32": 32}
+                   "marlin_24_g32": 32, "marlin_24_zp_g128": 128}
 MARLIN_24_DTYPE = {"marlin_24_bf16_g128": torch.bfloat16}  # the others: float16
-MARLIN_24_ON_REQUEST = ("marlin_24_bf16_g128", "marlin_24_g64", "marlin_24_g32")
+MARLIN_24_ZEROS = ("marlin_24_zp_g128",)  # with b_zeros (random integer zero points 0..15)
+MARLIN_24_ON_REQUEST = ("marlin_24_bf16_g128", "marlin_24_g64", "marlin_24_g32", "marlin_24_zp_g128")
 INT4_GROUP = 128  # torch_int4's group size
 # The other weight formats (issue 22), timed on request (--kernels): name -> (activation dtype,
 # bits, zero points, group size). Speedups are over FP16 as for marlin_g128; compare them with
@@ -122,8 +124,10 @@ def weight_bytes(kernel: str, k: int, n: int) -> int:
     if kernel in MARLIN_GROUP or kernel in VALUE_KERNELS:
         return k * n // 2 + 2 * n * scale_rows(kernel, k)  # int4 codes + fp16 scales
     if kernel in MARLIN_24_GROUP:
-        # kept int4 values (K/2 per column) + 2-bit positions + fp16 scales: 3 bits per weight
-        return k * n // 4 + k * n // 8 + 2 * n * scale_rows(kernel, k)
+        # kept int4 values (K/2 per column) + 2-bit positions + fp16 scales (+ zero points, one
+        # row per scale row): 3 bits per weight
+        zero_rows = scale_rows(kernel, k) if kernel in MARLIN_24_ZEROS else 0
+        return k * n // 4 + k * n // 8 + 2 * n * (scale_rows(kernel, k) + zero_rows)
     if kernel == "torch_int4":
         return k * n // 2 + 4 * n * scale_rows(kernel, k)  # int4 codes + bf16 (scale, zero) pairs
     raise ValueError(f"unknown kernel {kernel!r}")

@@ -35,6 +35,7 @@ from .bench_math import (
     INT4_SANITY_TOL,
     MARLIN_24_DTYPE,
     MARLIN_24_GROUP,
+    MARLIN_24_ZEROS,
     MARLIN_GROUP,
     VALUE_KERNELS,
     copies_needed,
@@ -211,14 +212,16 @@ def prepare(kernel: str, k: int, n: int, dev: torch.device, l2_bytes: int, min_c
         b_q = torch.randint(-(2**31), 2**31, (k // 32, 2 * n), dtype=torch.int32, device=dev)
         b_meta = random_meta_2_4(k, n, dev)
         b_s = torch.empty(groups, n, dtype=dtype, device=dev).uniform_(0.001, 0.01)
-        checks = check_marlin_24(b_q, b_meta, b_s, k, n, dev)
+        b_z = torch.randint(0, 16, (groups, n), device=dev).to(dtype) if kernel in MARLIN_24_ZEROS else None
+        checks = check_marlin_24(b_q, b_meta, b_s, k, n, dev, b_z=b_z, kernel=kernel)
         bqs, bms, bss = (_random_like_clones(t, copies) for t in (b_q, b_meta, b_s))
+        bzs = _random_like_clones(b_z, copies) if b_z is not None else [None] * copies
 
         def make_fn(a):
             a_t = a.to(dtype)  # the activations in the kernel's dtype (converted once, outside the timing)
-            return lambda i: marlin_ops.gemm_2_4(a_t, bqs[i % copies], bms[i % copies], bss[i % copies])
+            return lambda i: marlin_ops.gemm_2_4(a_t, bqs[i % copies], bms[i % copies], bss[i % copies], None, bzs[i % copies])
 
-        return Prepared(kernel, copies, nbytes, make_fn, checks=checks, tensors=[bqs, bms, bss])
+        return Prepared(kernel, copies, nbytes, make_fn, checks=checks, tensors=[bqs, bms, bss, bzs])
 
     if kernel in FORMAT_KERNELS:
         return _prepare_format(kernel, k, n, dev, nbytes, copies)
@@ -271,29 +274,34 @@ def random_meta_2_4(k: int, n: int, dev) -> torch.Tensor:
     return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
 
 
-def check_marlin_24(b_q, b_meta, b_s, k: int, n: int, dev, ms=CHECK_MS, max_elems=CHECK_MAX_ELEMS) -> list[dict]:
-    """marlin.gemm_2_4 vs fp32 a @ dequant (marlin.sparse.unpack_2_4, the spec) on sampled 64-column
-    tiles, activations in the scales' dtype; raises CorrectnessError above CHECK_TOL (fp16) or
-    FORMAT_CHECK_TOL (bf16)."""
+def check_marlin_24(b_q, b_meta, b_s, k: int, n: int, dev, ms=CHECK_MS, max_elems=CHECK_MAX_ELEMS, b_z=None,
+                    kernel: str = "marlin.gemm_2_4") -> list[dict]:
+    """marlin.gemm_2_4 (with the zero points b_z, if given) vs fp32 a @ dequant (marlin.sparse.unpack_2_4,
+    the spec) on sampled 64-column tiles, activations in the scales' dtype; raises CorrectnessError
+    above CHECK_TOL (fp16) or FORMAT_CHECK_TOL (bf16)."""
     from marlin import ops as marlin_ops
     from marlin import sparse
 
+    def tile(x, t: int, width: int = 64):  # the words (or scale columns) of 64-column tile t
+        return None if x is None else x[:, width * t: width * t + width].contiguous()
+
     tiles = _check_tiles(n, k, max_elems)
-    w = torch.cat([sparse.unpack_2_4(b_q[:, 128 * t: 128 * t + 128].contiguous(), b_meta[:, 64 * t: 64 * t + 64].contiguous(),
-                                     b_s[:, 64 * t: 64 * t + 64].contiguous()) for t in tiles], dim=1).to(dev)
-    cols = torch.cat([torch.arange(64 * t, 64 * t + 64) for t in tiles]).to(dev)
+    w = torch.cat([sparse.unpack_2_4(tile(b_q, t, 128), tile(b_meta, t), tile(b_s, t), tile(b_z, t)) for t in tiles],
+                  dim=1).to(dev)
+    columns = torch.cat([torch.arange(64 * t, 64 * t + 64) for t in tiles]).to(dev)
     out = []
     tol = CHECK_TOL if b_s.dtype == torch.float16 else FORMAT_CHECK_TOL
     for m in ms:
         a = torch.randn(m, k, dtype=b_s.dtype, device=dev)
-        c = marlin_ops.gemm_2_4(a, b_q, b_meta, b_s)
+        c = marlin_ops.gemm_2_4(a, b_q, b_meta, b_s, None, b_z)
         _sync(dev)
-        err = _rel_err(c[:, cols], _ref_matmul(a, w))
-        out.append({"M": m, "rel_err": err, "tol": tol, "columns": int(cols.numel()), "ok": err < tol})
+        err = _rel_err(c[:, columns], _ref_matmul(a, w))
+        out.append({"M": m, "rel_err": err, "tol": tol, "columns": int(columns.numel()), "ok": err < tol})
         if not err < tol:
             raise CorrectnessError(
-                f"marlin.gemm_2_4 is WRONG: K={k} N={n} groups={b_s.shape[0]} {b_s.dtype} M={m}: normwise relative "
-                f"error {err:.3g} vs fp32 reference on {cols.numel()} columns (tolerance {tol})"
+                f"marlin.gemm_2_4 ({kernel}) is WRONG: K={k} N={n} groups={b_s.shape[0]} {b_s.dtype} "
+                f"zero points={b_z is not None} M={m}: normwise relative error {err:.3g} vs fp32 reference on "
+                f"{columns.numel()} columns (tolerance {tol})"
             )
     return out
 

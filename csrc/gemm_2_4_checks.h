@@ -23,8 +23,11 @@ struct Gemm24Shape {
   int64_t m, k, n, groups;
 };
 
+// b_zeros (optional): the integer zero points of the kept values, in b_scales' shape, dtype and
+// layout, exactly as for the dense op (csrc/gemm_checks.h); None means symmetric (z = 8).
 inline Gemm24Shape check_gemm_2_4_args(const at::Tensor& a, const at::Tensor& b_q, const at::Tensor& b_meta,
-                                       const at::Tensor& b_scales, const std::optional<at::Tensor>& workspace) {
+                                       const at::Tensor& b_scales, const std::optional<at::Tensor>& workspace,
+                                       const std::optional<at::Tensor>& b_zeros) {
   TORCH_CHECK(a.dim() == 2, "marlin.gemm_2_4: a.dim() = ", num(a.dim()), ", expected 2 (a is [M, K])");
   TORCH_CHECK(a.scalar_type() == at::kHalf || a.scalar_type() == at::kBFloat16, "marlin.gemm_2_4: a.dtype = ", dtype_str(a),
               ", expected torch.float16 or torch.bfloat16");
@@ -66,6 +69,16 @@ inline Gemm24Shape check_gemm_2_4_args(const at::Tensor& a, const at::Tensor& b_
   TORCH_CHECK(known, "marlin.gemm_2_4: b_scales.size(0) = ", num(groups),
               ", expected 1 (per-column scales) or K / group_size with group_size 128, 64 or 32 along the original K (K = ",
               num(k), ": ", num(k / 128), ", ", num(k / 64), " or ", num(k / 32), ")");
+  if (b_zeros.has_value()) {
+    const at::Tensor& z = *b_zeros;
+    TORCH_CHECK(z.scalar_type() == a.scalar_type(), "marlin.gemm_2_4: b_zeros.dtype = ", dtype_str(z), " but a.dtype = ",
+                dtype_str(a), "; they must match (zero points are stored like the scales)");
+    TORCH_CHECK(z.dim() == 2 && z.size(0) == groups && z.size(1) == n, "marlin.gemm_2_4: b_zeros shape ", dims(z.sizes()),
+                ", expected the shape of b_scales ", dims(b_scales.sizes()));
+    TORCH_CHECK(z.device() == a.device(), "marlin.gemm_2_4: b_zeros is on ", device_str(z), " but a is on ", device_str(a),
+                "; all tensors must be on one device");
+    TORCH_CHECK(z.is_contiguous(), "marlin.gemm_2_4: b_zeros must be contiguous (strides ", dims(z.strides()), ")");
+  }
   if (workspace.has_value()) {
     const at::Tensor& w = *workspace;
     TORCH_CHECK(w.scalar_type() == at::kInt, "marlin.gemm_2_4: workspace.dtype = ", dtype_str(w), ", expected torch.int32");

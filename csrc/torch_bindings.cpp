@@ -28,13 +28,20 @@ TORCH_LIBRARY(marlin, m) {
 // 2:4-sparse INT4 weights (Sparse-MARLIN; layout in marlin/sparse.py). A separate block so that
 // the dense schema above can change on its own.
 TORCH_LIBRARY_FRAGMENT(marlin, m) {
-  // C[M, N] = a[M, K] @ dequant(b_q, b_meta, b_scales), fp32 accumulation; a, b_scales and C all
-  // float16 or all bfloat16.
+  // C[M, N] = a[M, K] @ dequant(b_q, b_meta, b_scales, b_zeros), fp32 accumulation; a, b_scales,
+  // b_zeros and C all float16 or all bfloat16.
   //   b_q       int32 [K/32, 2N]: the kept INT4 values, two per 4 rows of K, in the dense tile order.
   //   b_meta    int32 [K/32, N]: their 2-bit positions, in the order mma.sp reads them.
-  //   b_scales  [K/128, N] (group 128 along the original K, permuted) or [1, N] (per column).
+  //   b_scales  [K/group_size, N] (group_size 128, 64 or 32 along the original K, permuted) or
+  //             [1, N] (per column, natural order). The group size is inferred from the row count.
   //   workspace as for gemm: int32, all zero, at least marlin.ops.workspace_size(device), or None.
-  m.def("gemm_2_4(Tensor a, Tensor b_q, Tensor b_meta, Tensor b_scales, Tensor? workspace=None) -> Tensor");
+  //   b_zeros   None (symmetric: a kept value is (u - 8) * s) or the integer zero points z in
+  //             [0, 15] with b_scales' shape, dtype and layout, as for gemm: (u - z) * s. Pruned
+  //             positions are exact zeros either way (not stored). Last, so that positional calls
+  //             that pass a workspace keep their meaning.
+  m.def(
+      "gemm_2_4(Tensor a, Tensor b_q, Tensor b_meta, Tensor b_scales, Tensor? workspace=None, "
+      "Tensor? b_zeros=None) -> Tensor");
 }
 
 // `import marlin._C` loads this library, which runs the registrations above. No pybind11.

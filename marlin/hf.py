@@ -116,7 +116,7 @@ def _marlin_layers(ckpt: SafetensorsDir) -> dict:
 
 def _sparse_layer(ckpt: SafetensorsDir, prefix: str) -> dict:
     """The spec of a 2:4 layer (MarlinLinear24: b_q [K/32, 2N], b_meta [K/32, N], fp16 or bf16
-    b_scales: the layer's dtype), checked."""
+    b_scales: the layer's dtype; b_zeros of b_scales' dtype and shape with zero points), checked."""
     from . import packing, sparse
 
     b_q, meta = ckpt.tensors[f"{prefix}.b_q"], ckpt.tensors[f"{prefix}.b_meta"]
@@ -139,9 +139,14 @@ def _sparse_layer(ckpt: SafetensorsDir, prefix: str) -> dict:
             f"b_scales {scales.dtype} {list(scales.shape)}; expected int32 [K / 32, 2 N], int32 [K / 32, N] and "
             "float16 or bfloat16 [groups, N] with groups dividing K"
         )
-    for extra in ("b_zeros", "perm"):
-        if f"{prefix}.{extra}" in ckpt.tensors:
-            raise ConversionError(f"{prefix}: a 2:4 layer (b_meta) with {extra}; the 2:4 format has none")
+    if f"{prefix}.perm" in ckpt.tensors:
+        raise ConversionError(f"{prefix}: a 2:4 layer (b_meta) with perm; the 2:4 format keeps the input order (no permutation)")
+    zeros = ckpt.tensors.get(f"{prefix}.b_zeros")
+    if zeros is not None and (tuple(zeros.shape) != tuple(scales.shape) or zeros.dtype != scales.dtype):
+        raise ConversionError(
+            f"{prefix}.b_zeros: dtype {zeros.dtype} shape {list(zeros.shape)}, expected the dtype and shape of "
+            f"{prefix}.b_scales ({scales.dtype} {list(scales.shape)})"
+        )
     k, n = meta.shape[0] * sparse.STRIP_K, meta.shape[1]
     return dict(
         k=k,
@@ -151,7 +156,7 @@ def _sparse_layer(ckpt: SafetensorsDir, prefix: str) -> dict:
         act_order=False,
         dtype=scales.dtype,
         bits=4,
-        zero_points=False,
+        zero_points=zeros is not None,
         sparsity="2:4",
     )
 
@@ -189,7 +194,13 @@ def _install_marlin_layers(model: nn.Module, layers: dict, device: torch.device)
             )
         if spec.get("sparsity") == "2:4":
             new = MarlinLinear24(
-                spec["k"], spec["n"], bias=spec["bias"], group_size=spec["group_size"], device=device, dtype=spec["dtype"]
+                spec["k"],
+                spec["n"],
+                bias=spec["bias"],
+                group_size=spec["group_size"],
+                device=device,
+                dtype=spec["dtype"],
+                zero_points=spec.get("zero_points", False),
             )
         else:
             new = _new_marlin_layer(spec, device)

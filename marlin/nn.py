@@ -134,15 +134,15 @@ class MarlinLinear(QuantizedLinearBase):
         weight: ``bits`` 4 or 8, ``sym=False`` for 4-bit zero points. ``dtype`` (default: the
         weight's dtype if it is bfloat16 or float16, else float16) is the layer's compute dtype.
         Raises ValueError for shapes and formats the kernel cannot take.
-        ``sparsity="2:4"`` prunes to 2:4 and returns a marlin.MarlinLinear24 instead (4-bit
-        symmetric: ``bits`` and ``sym`` must keep their defaults; ``dtype`` as here)."""
+        ``sparsity="2:4"`` prunes to 2:4 and returns a marlin.MarlinLinear24 instead (4-bit,
+        symmetric or with ``sym=False`` zero points; ``dtype`` as here)."""
         if sparsity is not None:
             from . import sparse_nn
 
             sparse_nn.check_sparsity(sparsity, "MarlinLinear.from_linear")
-            if bits != 4 or not sym:
-                raise ValueError("from_linear: sparsity='2:4' takes 4-bit symmetric weights only (bits=4, sym=True)")
-            return sparse_nn.MarlinLinear24.from_linear(linear, group_size, dtype=dtype)
+            if bits != 4:
+                raise ValueError(f"from_linear: sparsity='2:4' with bits = {bits!r}; the 2:4 format holds 4-bit weights only")
+            return sparse_nn.MarlinLinear24.from_linear(linear, group_size, dtype=dtype, sym=sym)
         layer, weight = cls._empty_for(linear, group_size, dtype, bits=bits, zero_points=not sym)
         packed = packing.quantize_and_pack(weight.detach().t(), group_size, bits=bits, sym=sym, dtype=layer.dtype)  # B = W^T
         layer.b_q.copy_(packed[0])
@@ -373,10 +373,10 @@ def replace_linear(
         sparse_nn.check_sparsity(sparsity, "replace_linear")
         if fuse:
             raise ValueError("replace_linear: fuse=True is not supported with sparsity='2:4' (2:4 layers are not fused)")
-        if bits != 4 or not sym:
-            raise ValueError("replace_linear: sparsity='2:4' takes 4-bit symmetric weights only (bits=4, sym=True)")
-        report = sparse_nn.replace_linear_2_4(model, group_size, include, exclude, strict=strict)
-        _mark_config(model, report, group_size=group_size, bits=4, sym=True, sparsity=sparsity)
+        if bits != 4:
+            raise ValueError(f"replace_linear: sparsity='2:4' with bits = {bits!r}; the 2:4 format holds 4-bit weights only")
+        report = sparse_nn.replace_linear_2_4(model, group_size, include, exclude, strict=strict, sym=sym)
+        _mark_config(model, report, group_size=group_size, bits=4, sym=sym, sparsity=sparsity)
         return report
     if group_size not in packing.SUPPORTED_GROUP_SIZES:
         raise ValueError(f"replace_linear: group_size = {group_size!r}, expected one of {packing.SUPPORTED_GROUP_SIZES} (-1: per column)")

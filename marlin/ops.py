@@ -120,15 +120,17 @@ def gemm_2_4(
     b_meta: torch.Tensor,
     b_scales: torch.Tensor,
     workspace: Optional[torch.Tensor] = None,
+    b_zeros: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
-    """C[M, N] = a[M, K] @ dequant(b_q, b_meta, b_scales) for 2:4-sparse weights packed by
-    marlin.sparse.quantize_and_pack_2_4; a, b_scales and the result all float16 or all bfloat16.
-    See torch.ops.marlin.gemm_2_4."""
-    return torch.ops.marlin.gemm_2_4(a, b_q, b_meta, b_scales, workspace)
+    """C[M, N] = a[M, K] @ dequant(b_q, b_meta, b_scales, b_zeros) for 2:4-sparse weights packed by
+    marlin.sparse.quantize_and_pack_2_4; a, b_scales, b_zeros and the result all float16 or all
+    bfloat16. ``b_zeros`` None: symmetric weights; else the zero points of
+    ``quantize_and_pack_2_4(..., sym=False)``. See torch.ops.marlin.gemm_2_4."""
+    return torch.ops.marlin.gemm_2_4(a, b_q, b_meta, b_scales, workspace, b_zeros)
 
 
 @torch.library.register_fake("marlin::gemm_2_4")
-def _gemm_2_4_fake(a, b_q, b_meta, b_scales, workspace=None):
+def _gemm_2_4_fake(a, b_q, b_meta, b_scales, workspace=None, b_zeros=None):
     op = "marlin.gemm_2_4"
     torch._check(a.dim() == 2, lambda: f"{op}: a.dim() = {a.dim()}, expected 2 (a is [M, K])")
     torch._check(
@@ -159,4 +161,18 @@ def _gemm_2_4_fake(a, b_q, b_meta, b_scales, workspace=None):
         f"{', '.join(map(str, group_sizes[:-1]))} or {group_sizes[-1]} along the original K (K = {k}: "
         f"{', '.join(str(k // g) for g in group_sizes[:-1])} or {k // group_sizes[-1]})",
     )
+    if b_zeros is not None:
+        torch._check(
+            b_zeros.dtype == a.dtype,
+            lambda: f"{op}: b_zeros.dtype = {b_zeros.dtype} but a.dtype = {a.dtype}; they must match (zero points "
+            "are stored like the scales)",
+        )
+        torch._check(
+            b_zeros.dim() == 2 and tuple(b_zeros.shape) == tuple(b_scales.shape),
+            lambda: f"{op}: b_zeros shape {list(b_zeros.shape)}, expected the shape of b_scales {list(b_scales.shape)}",
+        )
+        torch._check(
+            b_zeros.device == a.device,
+            lambda: f"{op}: b_zeros is on {b_zeros.device} but a is on {a.device}; all tensors must be on one device",
+        )
     return a.new_empty((a.shape[0], n))

@@ -21,6 +21,10 @@ marlin.packing's dense tile gives a lane (columns g and g + 8, compressed rows 2
   * ``b_scales``: the dense group structure along the *original* K, unchanged: fp16 or bf16
     (the activations' dtype) [K / group_size, N] permuted as marlin.packing.permute_scales does
     (group_size 128, 64 or 32), or [1, N] per column.
+  * ``b_zeros`` (optional, asymmetric weights): the integer zero points z in 0..15 in exactly the
+    shape, dtype and layout of ``b_scales``, as for the dense format. A kept value is then
+    (u - z) * s with u its stored nibble (without zero points: (u - 8) * s). Pruned positions are
+    exact zeros whatever z is: they are not stored, and the sparse tensor cores skip them.
   * ``b_meta`` int32 [K / 32, N]: the 2-bit indices, arranged so that each lane reads its
     metadata for one 32-row strip of a 64-column tile as one 8-byte load. A group's two indices
     form a nibble ``i0 | i1 << 2`` (i0 < i1). For strip s, tile nt and lane t = 4 g + c, the two
@@ -33,9 +37,13 @@ marlin.packing's dense tile gives a lane (columns g and g + 8, compressed rows 2
     rows 16..31; the low half is row g of the fragment, the high half row g + 8. No lane's
     load is wasted: 2 bits per kept value, 256 bytes per 32 x 64 strip tile.
 
-Quantization is marlin.packing.quantize (symmetric, round to nearest) of the pruned matrix, with
-its group scales over the original rows; zeros stay zero (q = 0). docs/FORMAT.md ("2:4 sparse")
-has a worked example; csrc/cpu/gemm_2_4_cpu.cpp reads this layout for the CPU reference op.
+Quantization is marlin.packing.quantize (round to nearest) of the pruned matrix, with its group
+scales over the original rows: symmetric (zeros stay zero, q = 0) or, with ``sym=False``, with
+zero points, whose range always includes 0 (a pruned zero quantizes to u = z exactly). The
+positions come from the pruned weight, and a kept value is stored as its nibble u (for symmetric
+weights u = q + 8). A group with fewer than two kept values names filler positions holding the
+value that dequantizes to 0 (u = z, or q = 0). docs/FORMAT.md ("2:4 sparse") has a worked example;
+csrc/cpu/gemm_2_4_cpu.cpp reads this layout for the CPU reference op.
 """
 
 from __future__ import annotations
@@ -142,13 +150,20 @@ def compress_2_4(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         raise ValueError(f"compress_2_4: q must be 2-D [K, N] with K a multiple of 4, got {tuple(q.shape)}")
     check_2_4(q.float() if not q.is_floating_point() else q, "compress_2_4: q")
     k, n = q.shape
-    groups = q.reshape(k // 4, 4, n)
-    pos = torch.arange(4, device=q.device).view(1, 4, 1)
-    # non-zeros first (8 + ...), then the lower position first (3 - pos)
-    score = (groups != 0).to(torch.int64) * 8 + (3 - pos)
-    keep = torch.topk(score, 2, dim=1).indices.sort(dim=1).values  # [K/4, 2, N], ascending
-    values = torch.gather(groups, 1, keep)
+    keep = _positions_2_4(q != 0)
+    values = torch.gather(q.reshape(k // 4, 4, n), 1, keep)
     return values.reshape(k // 2, n), keep.to(torch.int8).reshape(k // 2, n)
+
+
+def _positions_2_4(nonzero: torch.Tensor) -> torch.Tensor:
+    """The two positions int64 [K/4, 2, N] (ascending) that each group of 4 rows of the bool
+    [K, N] ``nonzero`` names: its True rows first (at most two: checked by the callers), then the
+    lowest free rows."""
+    k, n = nonzero.shape
+    pos = torch.arange(4, device=nonzero.device).view(1, 4, 1)
+    # non-zeros first (8 + ...), then the lower position first (3 - pos)
+    score = nonzero.reshape(k // 4, 4, n).to(torch.int64) * 8 + (3 - pos)
+    return torch.topk(score, 2, dim=1).indices.sort(dim=1).values
 
 
 def decompress_2_4(values: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
@@ -243,16 +258,18 @@ def check_shape_2_4(in_features: int, out_features: int, group_size: int) -> Opt
     return None
 
 
-def quantize_and_pack_2_4(
-    w: torch.Tensor, group_size: int = 128, dtype: torch.dtype = torch.float16
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def quantize_and_pack_2_4(w: torch.Tensor, group_size: int = 128, dtype: torch.dtype = torch.float16, sym: bool = True):
     """Quantize and pack a 2:4-sparse B [K, N] (float) for torch.ops.marlin.gemm_2_4.
 
     ``w`` must already be 2:4 along K (ValueError naming the columns that are not; prune with
     prune_2_4). Returns (b_q int32 [K/32, 2N], b_meta int32 [K/32, N], b_scales [groups, N] of
-    ``dtype``, float16 or bfloat16: the dtype the op then computes in). The scales are
+    ``dtype``, float16 or bfloat16: the dtype the op then computes in) or, with ``sym=False``,
+    (b_q, b_meta, b_scales, b_zeros), b_zeros the integer zero points in b_scales' shape, dtype
+    and layout (pass it to the op as ``b_zeros``). The scales (and zero points) are
     marlin.packing.quantize's, over groups of ``group_size`` original rows (the op takes 128, 64,
-    32 or -1, per column: SUPPORTED_GROUP_SIZES_2_4).
+    32 or -1, per column: SUPPORTED_GROUP_SIZES_2_4). With zero points the positions are those
+    of w's non-zeros, also where a kept weight quantizes to its zero point (it then dequantizes to
+    0 like the pruned ones, so the product is the same either way).
     """
     _check_2d_float(w, "quantize_and_pack_2_4")
     k, n = w.shape
@@ -260,45 +277,116 @@ def quantize_and_pack_2_4(
     check_2_4(w, "quantize_and_pack_2_4: w")
     if dtype not in DTYPES_2_4:
         raise ValueError(f"quantize_and_pack_2_4: dtype = {dtype}, expected torch.float16 or torch.bfloat16")
-    q, scales = packing.quantize(w, group_size, dtype=dtype)
-    return pack_2_4(q, scales)
+    if not isinstance(sym, bool):
+        raise ValueError(f"quantize_and_pack_2_4: sym = {sym!r}, expected True (symmetric) or False (zero points)")
+    if sym:
+        q, scales = packing.quantize(w, group_size, dtype=dtype)
+        return pack_2_4(q, scales)
+    # packing.quantize's range includes 0, so the pruned zeros quantize to u = z exactly
+    u, scales, zeros = packing.quantize(w, group_size, sym=False, dtype=dtype)
+    return _pack_2_4_zeros(u, scales, zeros, w.detach() != 0)
 
 
-def pack_2_4(q: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Pack an already quantized 2:4 q int8 [K, N] (values in -8..7, pruned ones 0) and its
-    scales [groups, N] (natural order; float16 or bfloat16, the dtype the op computes in) ->
-    (b_q, b_meta, b_scales); e.g. from a quantizer that chose its own scales (marlin-quantize).
-    ValueError if q is not 2:4 along K."""
+def _check_scales_2_4(name: str, t: torch.Tensor, k: int, n: int, what: str) -> int:
+    """Rows of scales (or zeros) t, which must be [groups, N] with K / groups a multiple of 4 (whole
+    2:4 groups of rows in each); ValueError otherwise."""
+    if t.dim() != 2 or t.shape[1] != n or t.shape[0] < 1 or k % t.shape[0] or (k // t.shape[0]) % 4:
+        raise ValueError(
+            f"{what}: {name} {tuple(t.shape)}, expected [groups, {n}] with K / groups a multiple of 4 (K = {k})"
+        )
+    return t.shape[0]
+
+
+def pack_2_4(q: torch.Tensor, scales: torch.Tensor, zeros: Optional[torch.Tensor] = None):
+    """Pack an already quantized 2:4 layer (e.g. from a quantizer that chose its own scales:
+    marlin-quantize) in natural order.
+
+    Symmetric (``zeros`` None): q int8 [K, N] in -8..7, pruned values 0, and its scales
+    [groups, N] (float16 or bfloat16, the dtype the op computes in) -> (b_q, b_meta, b_scales).
+    With zero points: q = u, the stored values 0..15 [K, N], equal to the group's zero point z at
+    the pruned positions (so that u - z is 2:4), and zeros [groups, N] the integer z (0..15) in
+    the scales' dtype -> (b_q, b_meta, b_scales, b_zeros); the positions are the non-zeros of
+    u - z. ValueError if q (u - z) is not 2:4 along K.
+    """
     if q.dim() != 2:
         raise ValueError(f"pack_2_4: q must be 2-D [K, N], got {tuple(q.shape)}")
     k, n = q.shape
     _check_strips(k, n, "pack_2_4")
     if scales.dtype not in DTYPES_2_4:
         raise ValueError(f"pack_2_4: scales dtype {scales.dtype}, expected torch.float16 or torch.bfloat16")
-    values, indices = compress_2_4(q)
-    b_q, _ = packing.pack(values, torch.ones(1, n, dtype=torch.float16, device=q.device))
-    return b_q, pack_meta(indices), packing.permute_scales(scales)
+    groups = _check_scales_2_4("scales", scales, k, n, "pack_2_4")
+    if zeros is None:
+        values, indices = compress_2_4(q)
+        b_q, _ = packing.pack(values, torch.ones(1, n, dtype=torch.float16, device=q.device))
+        return b_q, pack_meta(indices), packing.permute_scales(scales)
+    if zeros.shape != scales.shape or zeros.dtype != scales.dtype:
+        raise ValueError(
+            f"pack_2_4: zeros {tuple(zeros.shape)} {zeros.dtype}, expected the scales' shape and dtype "
+            f"{tuple(scales.shape)} {scales.dtype}"
+        )
+    zf = zeros.float()
+    bad = ~((zf >= 0) & (zf <= 15) & (zf == zf.round()))
+    if bool(bad.any()):
+        raise ValueError(f"pack_2_4: zeros holds {float(zf[bad][0])}, expected integer zero points in [0, 15]")
+    if q.is_floating_point() or int(q.min()) < 0 or int(q.max()) > 15:
+        got = f"{q.dtype}" if q.is_floating_point() else f"[{int(q.min())}, {int(q.max())}]"
+        raise ValueError(f"pack_2_4: with zeros, q holds the stored values u, integers in [0, 15]; got {got}")
+    d = q.to(torch.int16) - zf.to(torch.int16).repeat_interleave(k // groups, dim=0)
+    check_2_4(d.float(), "pack_2_4: q - zeros")
+    return _pack_2_4_zeros(q, scales, zeros, d != 0)
+
+
+def _pack_2_4_zeros(u: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, kept: torch.Tensor):
+    """(b_q, b_meta, b_scales, b_zeros) of u [K, N] in 0..15 with natural-order scales and zeros,
+    the positions those of the bool [K, N] ``kept`` (2:4, checked by the callers; it must cover
+    every u != z). The filler positions of a group with fewer than two kept values hold z."""
+    k, n = u.shape
+    z_c = zeros.to(torch.int64).repeat_interleave(k // 2 // zeros.shape[0], dim=0)  # [K/2, N], per compressed row
+    keep = _positions_2_4(kept)  # [K/4, 2, N]
+    named = torch.gather(kept.reshape(k // 4, 4, n), 1, keep).reshape(k // 2, n)
+    values = torch.gather(u.to(torch.int64).reshape(k // 4, 4, n), 1, keep).reshape(k // 2, n)
+    values = torch.where(named, values, z_c)  # a filler dequantizes to exactly 0
+    # packing.pack stores a signed v as the nibble v + 8: give it u - 8 so that the nibble is u
+    b_q, _ = packing.pack((values - 8).to(torch.int8), torch.ones(1, n, dtype=torch.float16, device=u.device))
+    b_meta = pack_meta(keep.reshape(k // 2, n))
+    return b_q, b_meta, packing.permute_scales(scales), packing.permute_scales(zeros)
 
 
 def unpack_2_4_parts(
-    b_q: torch.Tensor, b_meta: torch.Tensor, b_scales: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Exact inverse of quantize_and_pack_2_4's packing: -> (q int8 [K, N] in -8..7 with the pruned
-    zeros in place, scales [groups, N] in natural order, of b_scales' dtype)."""
+    b_q: torch.Tensor, b_meta: torch.Tensor, b_scales: torch.Tensor, b_zeros: Optional[torch.Tensor] = None
+):
+    """Exact inverse of the packing (pack_2_4, quantize_and_pack_2_4), in natural order:
+    (q int8 [K, N] in -8..7 with the pruned zeros in place, scales [groups, N] of b_scales' dtype)
+    or, with b_zeros, (u int8 [K, N] in 0..15 holding the group's zero point at the pruned
+    positions, scales, zeros [groups, N]); packing.dequantize(*parts) is the weight either way."""
     if b_q.dim() != 2 or b_meta.dim() != 2 or b_q.shape[0] != b_meta.shape[0] or b_q.shape[1] != 2 * b_meta.shape[1]:
         raise ValueError(
             f"unpack_2_4: b_q {tuple(b_q.shape)} and b_meta {tuple(b_meta.shape)} do not fit: expected "
             "b_q [K/32, 2N] and b_meta [K/32, N]"
         )
     values, _ = packing.unpack(b_q, torch.ones(1, b_meta.shape[1], dtype=torch.float16, device=b_q.device))
-    q = decompress_2_4(values, unpack_meta(b_meta))
-    k, n = q.shape
+    indices = unpack_meta(b_meta)
+    k, n = 2 * values.shape[0], values.shape[1]
     if b_scales.dim() != 2 or b_scales.shape[1] != n or k % b_scales.shape[0]:
         raise ValueError(f"unpack_2_4: b_scales {tuple(b_scales.shape)}, expected [groups, {n}] with groups dividing K = {k}")
-    return q, packing.unpermute_scales(b_scales)
+    if b_zeros is None:
+        return decompress_2_4(values, indices), packing.unpermute_scales(b_scales)
+    if b_zeros.shape != b_scales.shape or b_zeros.dtype != b_scales.dtype:
+        raise ValueError(
+            f"unpack_2_4: b_zeros {tuple(b_zeros.shape)} {b_zeros.dtype}, expected b_scales' shape and dtype "
+            f"{tuple(b_scales.shape)} {b_scales.dtype}"
+        )
+    rows = k // _check_scales_2_4("b_scales", b_scales, k, n, "unpack_2_4")  # rows per group: whole 2:4 groups
+    zeros = packing.unpermute_scales(b_zeros)
+    z = zeros.to(torch.int16)
+    d_c = values.to(torch.int16) + 8 - z.repeat_interleave(rows // 2, dim=0)  # u - z of the kept values
+    u = decompress_2_4(d_c, indices) + z.repeat_interleave(rows, dim=0)  # pruned positions: z
+    return u.to(torch.int8), packing.unpermute_scales(b_scales), zeros
 
 
-def unpack_2_4(b_q: torch.Tensor, b_meta: torch.Tensor, b_scales: torch.Tensor) -> torch.Tensor:
-    """The dense dequantized B' [K, N] in float32 (exact: scale * q) of a packed 2:4 layer."""
-    q, scales = unpack_2_4_parts(b_q, b_meta, b_scales)
-    return packing.dequantize(q, scales)
+def unpack_2_4(
+    b_q: torch.Tensor, b_meta: torch.Tensor, b_scales: torch.Tensor, b_zeros: Optional[torch.Tensor] = None
+) -> torch.Tensor:
+    """The dense dequantized B' [K, N] in float32 of a packed 2:4 layer (exact: scale * q, or
+    scale * (u - z) with b_zeros, at the kept positions; 0 at the pruned ones)."""
+    return packing.dequantize(*unpack_2_4_parts(b_q, b_meta, b_scales, b_zeros))

@@ -1,6 +1,7 @@
 """MarlinLinear24: a drop-in for nn.Linear with 2:4-sparse INT4 weights (Sparse-MARLIN).
 
     layer = marlin.MarlinLinear24.from_linear(nn.Linear(4096, 11008).half())  # prunes to 2:4
+    layer = marlin.MarlinLinear24.from_linear(linear, sym=False)  # with zero points
     report = marlin.replace_linear_2_4(model)        # every eligible nn.Linear, lm_head excluded
     print(report)                                    # per layer: share of the weight norm pruned
 
@@ -40,15 +41,19 @@ def check_sparsity(sparsity: Optional[str], where: str) -> None:
 
 
 class MarlinLinear24(QuantizedLinearBase):
-    """y = x @ dequant(b_q, b_meta, b_scales) + bias, x [..., in_features] -> [..., out_features].
+    """y = x @ dequant(b_q, b_meta, b_scales, b_zeros) + bias, x [..., in_features] -> [..., out_features].
 
     The layer has one compute dtype, float16 or bfloat16 (``dtype``): the input, the scales, the
-    bias and the output.
+    zero points, the bias and the output. Weights: 4-bit symmetric, or with ``zero_points`` (a
+    kept value is (u - z) * s; pruned ones are zero either way), in groups of ``group_size``
+    input rows (128, 64, 32) or one scale per output column (-1).
 
     Buffers (all in ``state_dict`` except ``workspace``):
       * ``b_q``       int32 [in_features / 32, 2 * out_features]: the kept INT4 values;
       * ``b_meta``    int32 [in_features / 32, out_features]: their positions (2 bits each);
       * ``b_scales``  dtype [groups, out_features]: groups = in_features / group_size, or 1 (-1);
+      * ``b_zeros``   dtype [groups, out_features] (integer zero points 0..15), or None (symmetric),
+                      as in MarlinLinear;
       * ``bias``      dtype [out_features], or None;
       * ``workspace`` int32, non-persistent: the kernel's lock buffer.
 
@@ -58,7 +63,10 @@ class MarlinLinear24(QuantizedLinearBase):
     the weight format.
     """
 
-    _version = 1  # of this class's state_dict layout; _load_from_state_dict refuses newer versions
+    # Of the state_dict layout; _load_from_state_dict refuses newer versions. 1: b_q, b_meta,
+    # b_scales, bias (symmetric). 2: adds zero points (b_zeros, as MarlinLinear's version 2); a
+    # version-1 state dict is a valid version-2 symmetric one (same keys and bytes).
+    _version = 2
 
     def __init__(
         self,
@@ -68,6 +76,8 @@ class MarlinLinear24(QuantizedLinearBase):
         group_size: int = 128,
         device: Optional[Union[torch.device, str]] = None,
         dtype: torch.dtype = torch.float16,
+        *,
+        zero_points: bool = False,
     ):
         super().__init__()
         if dtype not in sparse.DTYPES_2_4:
@@ -91,36 +101,50 @@ class MarlinLinear24(QuantizedLinearBase):
         self.register_buffer("b_meta", torch.full((strips, out_features), _META_01, dtype=torch.int32, device=dev))
         groups = packing.num_groups(in_features, group_size)
         self.register_buffer("b_scales", torch.ones(groups, out_features, dtype=dtype, device=dev))
+        # zero point 8 with the empty layer's nibbles 8: it computes 0, as the symmetric one does
+        self.register_buffer("b_zeros", torch.full((groups, out_features), 8.0, dtype=dtype, device=dev) if zero_points else None)
         self.register_buffer("bias", torch.zeros(out_features, dtype=dtype, device=dev) if bias else None)
         self.register_buffer("workspace", new_workspace(dev), persistent=False)
 
+    @property
+    def zero_points(self) -> bool:
+        return self.b_zeros is not None
+
     @classmethod
     def from_linear(
-        cls, linear: nn.Linear, group_size: int = 128, *, prune: bool = True, dtype: Optional[torch.dtype] = None
+        cls,
+        linear: nn.Linear,
+        group_size: int = 128,
+        *,
+        prune: bool = True,
+        dtype: Optional[torch.dtype] = None,
+        sym: bool = True,
     ) -> "MarlinLinear24":
         """Magnitude-prune ``linear`` to 2:4 along in_features (marlin.sparse.prune_2_4), then quantize
-        (round to nearest, symmetric INT4) on the device of its weight. With ``prune=False`` the
-        weight must be 2:4 already (e.g. from SparseGPT): ValueError naming the columns that are not.
-        ``dtype`` (default: the weight's dtype if it is bfloat16 or float16, else float16) is the
-        layer's compute dtype.
+        (round to nearest INT4: symmetric, or with zero points for ``sym=False``) on the device of
+        its weight. With ``prune=False`` the weight must be 2:4 already (e.g. from SparseGPT):
+        ValueError naming the columns that are not. ``dtype`` (default: the weight's dtype if it is
+        bfloat16 or float16, else float16) is the layer's compute dtype.
         """
-        layer, weight = cls._empty_for(linear, group_size, dtype)
+        layer, weight = cls._empty_for(linear, group_size, dtype, zero_points=not sym)
         w = weight.detach().t()  # B = weight^T [K, N]; groups of 4 run along K
         if prune:
             pruned = sparse.prune_2_4(w)
             norm = w.float().norm()
             layer.pruned_fraction = float((w.float() - pruned.float()).norm() / norm) if norm > 0 else 0.0
             w = pruned
-        b_q, b_meta, b_scales = sparse.quantize_and_pack_2_4(w, group_size, dtype=layer.dtype)
-        layer.b_q.copy_(b_q)
-        layer.b_meta.copy_(b_meta)
-        layer.b_scales.copy_(b_scales)
+        packed = sparse.quantize_and_pack_2_4(w, group_size, dtype=layer.dtype, sym=sym)
+        layer.b_q.copy_(packed[0])
+        layer.b_meta.copy_(packed[1])
+        layer.b_scales.copy_(packed[2])
+        if not sym:
+            layer.b_zeros.copy_(packed[3])
         layer._copy_bias(linear)
         return layer
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         a = self._flat_input(x, self.dtype)
-        y = ops.gemm_2_4(a, self.b_q, self.b_meta, self.b_scales, self.workspace)
+        y = ops.gemm_2_4(a, self.b_q, self.b_meta, self.b_scales, self.workspace, self.b_zeros)
         return self._output(y, x.shape[:-1])
 
     def _dtype_advice(self, got: torch.dtype) -> str:
@@ -132,12 +156,12 @@ class MarlinLinear24(QuantizedLinearBase):
     def extra_repr(self) -> str:
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
-            f"group_size={self.group_size}, dtype={self.dtype}, sparsity=2:4"
+            f"group_size={self.group_size}, dtype={self.dtype}, zero_points={self.zero_points}, sparsity=2:4"
         )
 
     def dequantized_weight(self) -> torch.Tensor:
         """The dense float32 weight [out_features, in_features] the layer computes with (exact)."""
-        return sparse.unpack_2_4(self.b_q, self.b_meta, self.b_scales).t()
+        return sparse.unpack_2_4(self.b_q, self.b_meta, self.b_scales, self.b_zeros).t()
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
         # A dense MarlinLinear's state_dict first: its version numbers MarlinLinear's layouts, not ours.
@@ -148,13 +172,28 @@ class MarlinLinear24(QuantizedLinearBase):
                 "(load it into MarlinLinear)"
             )
             return
+        # Version 1 (symmetric) has the keys and bytes of version 2's symmetric layers: it loads as
+        # it is, and the zero-point check below refuses it for a layer built with zero points.
         if not self._version_readable(local_metadata, prefix, error_msgs):
             return
         self._check_scale_rows(state_dict, prefix, error_msgs)
-        for key, want in (("b_q", torch.int32), ("b_meta", torch.int32), ("b_scales", self.dtype), ("bias", self.dtype)):
+        for key, want in (
+            ("b_q", torch.int32),
+            ("b_meta", torch.int32),
+            ("b_scales", self.dtype),
+            ("b_zeros", self.dtype),
+            ("bias", self.dtype),
+        ):
             t = state_dict.get(prefix + key)
             if isinstance(t, torch.Tensor) and t.dtype != want:
                 error_msgs.append(f"{prefix}{key}: dtype {t.dtype}, expected {want} (the layer's dtype is {self.dtype})")
+        has_zeros = (prefix + "b_zeros") in state_dict
+        # only where the state dict holds this layer (load_state_dict(strict=False) of other parts)
+        if (prefix + "b_q") in state_dict and has_zeros != self.zero_points:
+            error_msgs.append(
+                f"{prefix}b_zeros: the checkpoint {'has' if has_zeros else 'has no'} zero points, but this layer was "
+                f"built with zero_points={self.zero_points}"
+            )
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs)
 
 
@@ -180,19 +219,20 @@ def replace_linear_2_4(
     *,
     strict: bool = False,
     prune: bool = True,
+    sym: bool = True,
 ) -> SparseReplaceReport:
     """Swap every eligible ``nn.Linear`` of ``model`` for a MarlinLinear24 (pruned to 2:4 by
     magnitude, then quantized), in place. ``include``/``exclude``/``strict`` as in
-    marlin.replace_linear. ``prune=False``: the weights must be 2:4 already (a layer that is not
-    is kept, or raises with ``strict``). Returns a SparseReplaceReport (``pruned``: per layer
-    the share of the weight norm removed)."""
+    marlin.replace_linear; ``sym=False``: 4-bit zero points. ``prune=False``: the weights must be
+    2:4 already (a layer that is not is kept, or raises with ``strict``). Returns a
+    SparseReplaceReport (``pruned``: per layer the share of the weight norm removed)."""
     if group_size not in sparse.SUPPORTED_GROUP_SIZES_2_4:
         raise ValueError(f"replace_linear_2_4: group_size = {group_size!r}, expected 128, 64, 32 or -1 (per column)")
     include_p, exclude_p = _as_patterns(include, "include"), _as_patterns(exclude, "exclude") or ()
     report = SparseReplaceReport()
 
     def convert(name: str, child: nn.Linear) -> MarlinLinear24:
-        new = MarlinLinear24.from_linear(child, group_size, prune=prune)
+        new = MarlinLinear24.from_linear(child, group_size, prune=prune, sym=sym)
         if new.pruned_fraction is not None:
             report.pruned[name] = new.pruned_fraction
             log.info("replace_linear_2_4: %s: pruning removed %.1f%% of the weight norm", name, 100 * new.pruned_fraction)

@@ -1,4 +1,5 @@
-"""A small-batch and a large-batch gemm_2_4 for compute-sanitizer (memcheck, racecheck, synccheck).
+"""A small-batch and a large-batch gemm_2_4 (symmetric and with zero points) for compute-sanitizer
+(memcheck, racecheck, synccheck).
 
     compute-sanitizer --tool memcheck python scripts/sanitize_2_4.py
     SANITIZE_QUICK=1 compute-sanitizer --tool racecheck python scripts/sanitize_2_4.py   (two plans only)
@@ -26,6 +27,9 @@ CASES = [  # (M, K, N, group size): 8/16/32/64-row slices, both tiles, K split i
 FINE_CASES = [(1, 1024, 512, 64), (24, 1024, 512, 32), (40, 2048, 768, 64), (130, 1024, 512, 32)]
 # bf16 activations, scales and output: the mma.sync and (sm_90a) the wgmma instances of that type
 BF16_CASES = [(1, 1024, 512, 128), (24, 1024, 512, 128), (40, 2048, 768, -1), (40, 1024, 512, 32)]
+# zero points (b_zeros, loaded like the scales): the mma.sync loop at M = 1 (K split), and at M = 40
+# (sm_90a: the 64-row wgmma slice) in groups of 64, with bf16
+ZP_CASES = [(1, 1024, 512, 128, torch.float16), (40, 2048, 768, 64, torch.bfloat16)]
 # each case under the planner's choice, with the K parts forced through global memory, forced
 # into clusters (sm_90+), with 128-row slices, under the first kernel's plan, and (sm_90a, where
 # M > 8 runs the sparse wgmma) its early-refill variant, the mma.sync kernel instead, and two K
@@ -50,19 +54,24 @@ if os.environ.get("SANITIZE_QUICK") == "1":  # racecheck / synccheck are slow: t
 def main():
     torch.manual_seed(0)
     ok = True
-    cases = [(*c, torch.float16) for c in CASES + FINE_CASES] + [(*c, torch.bfloat16) for c in BF16_CASES]
-    for m, k, n, g, dtype in cases:
-        w = sparse.prune_2_4(torch.randn(k, n, device="cuda"))
-        b_q, b_meta, b_s = sparse.quantize_and_pack_2_4(w, g, dtype=dtype)
+    cases = [(*c, torch.float16, False) for c in CASES + FINE_CASES] + [(*c, torch.bfloat16, False) for c in BF16_CASES]
+    cases += [(*c, True) for c in ZP_CASES]
+    for m, k, n, g, dtype, zp in cases:
+        w = torch.randn(k, n, device="cuda")
+        if zp:  # an offset per column, so that the zero points spread over 0..15
+            w += 3 * torch.rand(1, n, device="cuda") - 1.5
+        packed = sparse.quantize_and_pack_2_4(sparse.prune_2_4(w), g, dtype=dtype, sym=not zp)
+        b_q, b_meta, b_s = packed[:3]
+        b_z = packed[3] if zp else None
         a = torch.randn(m, k, device="cuda", dtype=dtype)
-        ref = a.float() @ sparse.unpack_2_4(b_q, b_meta, b_s)
+        ref = a.float() @ sparse.unpack_2_4(b_q, b_meta, b_s, b_z)
         for env in PLANS:
             os.environ.update(env)
-            c = marlin.gemm_2_4(a, b_q, b_meta, b_s)
+            c = marlin.gemm_2_4(a, b_q, b_meta, b_s, b_zeros=b_z)
             for key in env:
                 del os.environ[key]
             err = ((c.float() - ref).norm() / ref.norm()).item()
-            print(f"M={m} K={k} N={n} g={g} {dtype} {env or 'planned'}: rel err {err:.2e}")
+            print(f"M={m} K={k} N={n} g={g} {dtype}{' zp' if zp else ''} {env or 'planned'}: rel err {err:.2e}")
             ok &= err < (2e-3 if dtype == torch.float16 else 8e-3)
     torch.cuda.synchronize()
     return 0 if ok else 1

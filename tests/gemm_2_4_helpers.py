@@ -1,6 +1,6 @@
 """Shared by the 2:4 op's GPU tests (test_gemm_2_4_cuda.py, test_gemm_2_4_wgmma_cuda.py): a
-random pruned and packed layer with its exact dequantized weights (one cached at a time), the
-repeat and CUDA-graph checks."""
+random pruned and packed layer (symmetric or with zero points) with its exact dequantized weights
+(one cached at a time), the repeat and CUDA-graph checks."""
 
 import torch
 
@@ -10,11 +10,20 @@ from marlin import sparse
 
 
 class Layer24:
-    def __init__(self, k, n, group_size, seed, dtype=torch.float16):
+    """``zp``: zero points (b_z, else None). Their weights get a random offset per column, between
+    -1.5 and 1.5 standard deviations, so that the zero points spread over 0..15 instead of sitting
+    near the symmetric 8, where reading 8 would pass unnoticed."""
+
+    def __init__(self, k, n, group_size, seed, dtype=torch.float16, zp=False):
         gen = torch.Generator(device="cuda").manual_seed(seed)
-        w = sparse.prune_2_4(torch.randn(k, n, device="cuda", generator=gen))
-        self.b_q, self.b_meta, self.b_s = sparse.quantize_and_pack_2_4(w, group_size, dtype=dtype)
-        self.w_exact = sparse.unpack_2_4(self.b_q, self.b_meta, self.b_s)  # fp32, exact
+        w = torch.randn(k, n, device="cuda", generator=gen)
+        if zp:
+            w += 3 * torch.rand(1, n, device="cuda", generator=gen) - 1.5
+        w = sparse.prune_2_4(w)
+        packed = sparse.quantize_and_pack_2_4(w, group_size, dtype=dtype, sym=not zp)
+        self.b_q, self.b_meta, self.b_s = packed[:3]
+        self.b_z = packed[3] if zp else None  # pass as b_zeros: None is the symmetric op
+        self.w_exact = sparse.unpack_2_4(self.b_q, self.b_meta, self.b_s, self.b_z)  # fp32, exact
         self.dtype = dtype  # of the activations, scales and output
         self.w_fp16 = self.w_exact.to(dtype)  # the dequantized weights rounded to that dtype
         self.k, self.n = k, n
@@ -31,14 +40,14 @@ class Layer24:
 _layers = {}
 
 
-def get_layer(k, n, g, dtype=torch.float16) -> Layer24:
-    """The layer (K, N, group size g, element dtype), seeded by its shape and group; only the last
-    one is kept (GPU memory)."""
-    key = (k, n, g, dtype)
+def get_layer(k, n, g, dtype=torch.float16, zp=False) -> Layer24:
+    """The layer (K, N, group size g, element dtype, zero points or not), seeded by its shape and
+    group; only the last one is kept (GPU memory)."""
+    key = (k, n, g, dtype, zp)
     if key not in _layers:
         _layers.clear()
         torch.cuda.empty_cache()
-        _layers[key] = Layer24(k, n, g, seed=hash((k, n, g)) % 2**31, dtype=dtype)
+        _layers[key] = Layer24(k, n, g, seed=hash((k, n, g)) % 2**31, dtype=dtype, zp=zp)
     return _layers[key]
 
 
@@ -64,11 +73,12 @@ def assert_repeats_bit_identical(layer: Layer24, m: int) -> None:
     """Repeated calls give the same bits, close to the CPU op's; an explicit workspace (the K parts'
     arrival counters) gives the same bits again and is left zeroed."""
     a = torch.randn(m, layer.k, device="cuda", dtype=layer.dtype)
-    c = marlin.gemm_2_4(a, layer.b_q, layer.b_meta, layer.b_s)
+    c = marlin.gemm_2_4(a, layer.b_q, layer.b_meta, layer.b_s, b_zeros=layer.b_z)
     for _ in range(3):
-        assert torch.equal(marlin.gemm_2_4(a, layer.b_q, layer.b_meta, layer.b_s), c)
-    cpu = marlin.gemm_2_4(a.cpu(), layer.b_q.cpu(), layer.b_meta.cpu(), layer.b_s.cpu())
+        assert torch.equal(marlin.gemm_2_4(a, layer.b_q, layer.b_meta, layer.b_s, b_zeros=layer.b_z), c)
+    b_z = None if layer.b_z is None else layer.b_z.cpu()
+    cpu = marlin.gemm_2_4(a.cpu(), layer.b_q.cpu(), layer.b_meta.cpu(), layer.b_s.cpu(), b_zeros=b_z)
     assert rel_err(c.cpu(), cpu) < (2e-3 if layer.dtype == torch.float16 else 8e-3)
     ws = marlin.make_workspace()
-    assert torch.equal(marlin.gemm_2_4(a, layer.b_q, layer.b_meta, layer.b_s, ws), c)
+    assert torch.equal(marlin.gemm_2_4(a, layer.b_q, layer.b_meta, layer.b_s, ws, layer.b_z), c)
     assert int(ws.abs().sum()) == 0

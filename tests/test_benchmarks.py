@@ -454,3 +454,27 @@ def test_gaussian_code_kernel_packs_quantized_gaussian_codes(monkeypatch):
     monkeypatch.setattr(marlin.ops, "gemm", lambda *a, **kw: real(*a, **kw) * 1.02)
     with pytest.raises(GP.CorrectnessError, match="WRONG"):
         GP.prepare("marlin_g128_gauss", k, n, torch.device("cpu"), l2_bytes=0)
+
+
+def test_2_4_zero_point_kernel_bytes_and_checked_prep(monkeypatch):
+    """marlin_24_zp_g128 (on request): 2:4 with zero points in groups of 128, fp16; its weight bytes
+    count the zero rows (as marlin_zp_g128's do), and the prepared kernel, called with b_zeros, is
+    checked against marlin.sparse.unpack_2_4 with those zero points: the op without them, or a
+    wrong result, aborts the run."""
+    k, n = 4096, 11008
+    g128 = BM.weight_bytes("marlin_24_g128", k, n)
+    assert BM.weight_bytes("marlin_24_zp_g128", k, n) == g128 + 2 * n * (k // 128)
+    assert "marlin_24_zp_g128" in BM.ALL_KERNELS and "marlin_24_zp_g128" not in BM.KERNELS  # on request only
+    torch.manual_seed(0)
+    prep = GP.prepare("marlin_24_zp_g128", 256, 128, torch.device("cpu"), l2_bytes=0)
+    assert prep.checks and all(c["ok"] for c in prep.checks), prep.checks
+    b_z = prep.tensors[3][0]
+    assert b_z.shape == (2, 128) and b_z.dtype == torch.float16 and len(set(b_z.flatten().tolist())) > 8
+    assert prep.make_fn(torch.randn(3, 256, dtype=torch.float16))(0).shape == (3, 128)
+    real = marlin.ops.gemm_2_4
+    monkeypatch.setattr(marlin.ops, "gemm_2_4", lambda a, q, m, s, ws=None, z=None: real(a, q, m, s, ws))  # z = 8
+    with pytest.raises(GP.CorrectnessError, match=r"marlin_24_zp_g128.*WRONG.*zero points=True"):
+        GP.prepare("marlin_24_zp_g128", 256, 128, torch.device("cpu"), l2_bytes=0)
+    monkeypatch.setattr(marlin.ops, "gemm_2_4", lambda *a: real(*a) * 1.02)
+    with pytest.raises(GP.CorrectnessError, match="WRONG"):
+        GP.prepare("marlin_24_zp_g128", 256, 128, torch.device("cpu"), l2_bytes=0)

@@ -157,23 +157,23 @@ SPARSE_LAYERS = [  # (prefix, K, N, pruned 2:4): the first converts 2:4-sparse, 
 ]
 
 
-def write_2_4(tmp_path, group_size=128, dtype=torch.float16, sparsity_format="dense"):
+def write_2_4(tmp_path, group_size=128, dtype=torch.float16, sparsity_format="dense", sym=True):
     """A checkpoint as llm-compressor writes a 2:4-pruned W4A16 model: pack-quantized, the pruned
-    weights stored as zeros, sparsity_config 2:4 "dense"."""
+    weights stored as zeros (asymmetric: as q = zp), sparsity_config 2:4 "dense"."""
     from marlin import sparse
 
     tensors, refs = {}, {}
     for i, (prefix, k, n, pruned) in enumerate(SPARSE_LAYERS):
         g = torch.Generator().manual_seed(10 + i)
-        w = torch.randn(n, k, generator=g) * 0.05
+        w = torch.randn(n, k, generator=g) * 0.05 + (0 if sym else 0.03)  # asymmetric: off centre
         if pruned:
             w = sparse.prune_2_4(w.t()).t().contiguous()
-        packed, refs[prefix] = ct_pack(w.to(dtype), 4, True, group_size, dtype)
+        packed, refs[prefix] = ct_pack(w.to(dtype), 4, sym, group_size, dtype)
         tensors.update({f"{prefix}.{s}": t.contiguous() for s, t in packed.items()})
     src = tmp_path / "src"
     src.mkdir()
     save_file(tensors, str(src / "model.safetensors"))
-    weights = {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "channel" if group_size == -1 else "group"}
+    weights = {"num_bits": 4, "type": "int", "symmetric": sym, "strategy": "channel" if group_size == -1 else "group"}
     if group_size != -1:
         weights["group_size"] = group_size
     qc = {
@@ -218,6 +218,41 @@ def test_convert_2_4_sparse_pack_quantized(tmp_path, group_size):
     assert qc["quant_method"] == "marlin" and qc["sparsity"] == "2:4"
 
 
+@pytest.mark.parametrize("group_size,dtype", [(128, torch.float16), (64, torch.bfloat16), (32, torch.float16), (-1, torch.float16)])
+def test_convert_asymmetric_2_4_sparse_pack_quantized(tmp_path, group_size, dtype):
+    """An asymmetric 2:4 checkpoint (weight_zero_point; a pruned weight stored as q = zp): the pruned
+    layer becomes a MarlinLinear24 layer with b_zeros (Marlin's z = zp + 8, as for the dense path),
+    exactly; --verify runs gemm_2_4 with the zero points; the others stay dense with zero points."""
+    from marlin import sparse
+    from marlin.sparse_nn import MarlinLinear24
+
+    src, refs = write_2_4(tmp_path, group_size, dtype, sym=False)
+    tensors = load_file(str(src / "model.safetensors"))
+    up, down, o = (p for p, *_ in SPARSE_LAYERS)
+    zp = tensors[f"{up}.weight_zero_point"]
+    assert zp.abs().sum() > 0  # real zero points, not all 0 (the symmetric case)
+    report = convert_gptq_checkpoint(src, tmp_path / "dst", verify=True, quiet=True)
+    assert report.sparse_layers == [up] and report.max_verify_error < (1e-3 if dtype == torch.float16 else 8e-3)
+    why = dict(report.kept_dense)
+    assert "multiple of 128" in why[down] and "not 2:4 sparse" in why[o]
+    out = load_file(str(tmp_path / "dst" / "model.safetensors"))
+    b_q, b_meta, b_s, b_z = (out[f"{up}.{s}"] for s in ("b_q", "b_meta", "b_scales", "b_zeros"))
+    assert b_z.shape == b_s.shape == (packing.num_groups(256, group_size), 384) and b_z.dtype == dtype
+    assert torch.equal(sparse.unpack_2_4(b_q, b_meta, b_s, b_z), refs[up])  # exact, pruned weights 0
+    assert not torch.equal(sparse.unpack_2_4(b_q, b_meta, b_s), refs[up])  # the zero points matter
+    layer = MarlinLinear24(256, 384, bias=False, group_size=group_size, dtype=dtype, zero_points=True)
+    layer.load_state_dict({s: out[f"{up}.{s}"] for s in ("b_q", "b_meta", "b_scales", "b_zeros")})
+    x = torch.randn(3, 256).to(dtype)
+    ref = x.double() @ refs[up].double()
+    assert float((layer(x).double() - ref).norm() / ref.norm()) < (1e-3 if dtype == torch.float16 else 8e-3)
+    for prefix in (down, o):
+        assert f"{prefix}.b_meta" not in out
+        parts = packing.unpack(out[f"{prefix}.b_q"], out[f"{prefix}.b_scales"], out[f"{prefix}.b_zeros"])
+        assert torch.equal(packing.dequantize(*parts), refs[prefix])
+    qc = json.loads((tmp_path / "dst" / "config.json").read_text())["quantization_config"]
+    assert qc["sparsity"] == "2:4" and qc["sym"] is False
+
+
 def test_convert_2_4_sparse_limits(tmp_path):
     # bf16 scales: the 2:4 kernel's dtypes decide; every layer dense, with the reason
     from marlin import sparse
@@ -248,10 +283,12 @@ def test_convert_2_4_sparse_limits(tmp_path):
     assert not (other / "dst").exists()
 
 
-def test_2_4_llama_converts_and_loads(tmp_path):
+@pytest.mark.parametrize("sym", [True, False], ids=["sym", "asym"])
+def test_2_4_llama_converts_and_loads(tmp_path, sym):
     """A tiny Llama pruned 2:4 and saved as llm-compressor does (pack-quantized, channel, sparse 2:4
-    dense): marlin-convert makes every Linear a 2:4 layer; load_quantized and from_pretrained give
-    the same logits, close to the model with the checkpoint's dequantized weights."""
+    dense; symmetric or with zero points): marlin-convert makes every Linear a 2:4 layer; load_quantized
+    and from_pretrained give the same logits, close to the model with the checkpoint's dequantized
+    weights."""
     transformers = pytest.importorskip("transformers")
     from marlin import sparse
     from marlin.sparse_nn import MarlinLinear24
@@ -266,7 +303,7 @@ def test_2_4_llama_converts_and_loads(tmp_path):
         for name, module in model.named_modules():
             if isinstance(module, torch.nn.Linear) and name != "lm_head":
                 w = sparse.prune_2_4(module.weight.t()).t().contiguous()
-                packed, b = ct_pack(w.half(), 4, True, -1, torch.float16)
+                packed, b = ct_pack(w.half(), 4, sym, -1, torch.float16)
                 tensors.update({f"{name}.{s}": t.contiguous() for s, t in packed.items()})
                 module.weight.copy_(b.t())  # the reference: the checkpoint's weights
     for name, t in model.state_dict().items():
@@ -278,7 +315,7 @@ def test_2_4_llama_converts_and_loads(tmp_path):
     qc = {
         "quant_method": "compressed-tensors",
         "format": "pack-quantized",
-        "config_groups": {"group_0": {"targets": ["Linear"], "weights": {"num_bits": 4, "type": "int", "symmetric": True,
+        "config_groups": {"group_0": {"targets": ["Linear"], "weights": {"num_bits": 4, "type": "int", "symmetric": sym,
                                                                           "strategy": "channel"}}},
         "ignore": ["lm_head"],
         "sparsity_config": {"format": "dense", "sparsity_structure": "2:4", "targets": ["Linear"], "ignore": ["lm_head"]},
@@ -292,8 +329,16 @@ def test_2_4_llama_converts_and_loads(tmp_path):
     loaded = marlin.load_quantized(dst, device="cpu")
     via_hf = transformers.AutoModelForCausalLM.from_pretrained(dst)
     for m in (loaded, via_hf):
-        assert sum(isinstance(mod, MarlinLinear24) for mod in m.modules()) == 14
+        layers = [mod for mod in m.modules() if isinstance(mod, MarlinLinear24)]
+        assert len(layers) == 14 and all(mod.zero_points == (not sym) for mod in layers)
     with torch.no_grad():
         logits = loaded(x).logits
         assert torch.equal(logits, via_hf(x).logits)
         assert rel_err(logits, model(x).logits) < 5e-3
+    if not sym:  # a 2:4 layer's zero points must have its scales' shape and dtype
+        out = load_file(str(dst / "model.safetensors"))
+        name = next(k for k in out if k.endswith(".b_zeros"))
+        out[name] = out[name][:, :64].contiguous()
+        save_file(out, str(dst / "model.safetensors"))
+        with pytest.raises(ConversionError, match=rf"{name}: dtype torch.float16 shape \[1, 64\], expected the dtype and shape"):
+            marlin.load_quantized(dst, device="cpu")

@@ -1,5 +1,5 @@
-"""torch.ops.marlin.gemm_2_4 on the CPU (the exact reference) against fp64 A @ dequant(B); its
-errors, fake kernel, opcheck and torch.compile."""
+"""torch.ops.marlin.gemm_2_4 on the CPU (the exact reference) against fp64 A @ dequant(B), with
+and without zero points; its errors, fake kernel, opcheck and torch.compile."""
 
 import pytest
 import torch
@@ -16,8 +16,30 @@ def sparse_layer(k, n, group_size, seed=None, dtype=torch.float16):
     return sparse.unpack_2_4(b_q, b_meta, b_s), b_q, b_meta, b_s
 
 
-def call(a, b_q, b_meta, b_s, workspace=None):
-    return torch.ops.marlin.gemm_2_4(a, b_q, b_meta, b_s, workspace)
+def call(a, b_q, b_meta, b_s, workspace=None, b_zeros=None):
+    return torch.ops.marlin.gemm_2_4(a, b_q, b_meta, b_s, workspace, b_zeros)
+
+
+def zero_point_parts(k, n, group_size, seed, dtype=torch.float16):
+    """(u, scales, zeros, keep) of a 2:4 layer with zero points 1 and 14, alternating from one
+    group to the next and from one column to the next: every z is 6 or 7 away from the symmetric
+    8 and 13 away from the next group's, so reading 8, or another group's z, moves every kept
+    weight by 6..13 scales (weights u - z of -14..14 scales). Pruned positions hold u = z."""
+    gen = torch.Generator().manual_seed(seed)
+    groups = packing.num_groups(k, group_size)
+    z = 1 + 13 * ((torch.arange(groups)[:, None] + torch.arange(n)[None, :]) % 2)
+    s = (torch.rand(groups, n, generator=gen) * 0.01 + 0.001).to(dtype)
+    keep = sparse.mask_2_4(torch.randn(k, n, generator=gen))
+    z_rows = z.repeat_interleave(k // groups, dim=0)
+    u = torch.where(keep, torch.randint(0, 16, (k, n), generator=gen), z_rows).to(torch.int8)
+    return u, s, z.to(dtype), keep
+
+
+def zero_point_layer(k, n, group_size, seed, dtype=torch.float16):
+    """pack_2_4 of zero_point_parts: (exact dense B', b_q, b_meta, b_scales, b_zeros)."""
+    u, s, z, _ = zero_point_parts(k, n, group_size, seed, dtype)
+    b_q, b_meta, b_s, b_z = sparse.pack_2_4(u, s, z)
+    return sparse.unpack_2_4(b_q, b_meta, b_s, b_z), b_q, b_meta, b_s, b_z
 
 
 @pytest.mark.parametrize("m", [0, 1, 7, 16, 33])
@@ -74,6 +96,39 @@ def test_each_group_of_rows_takes_its_own_scales(group_size, dtype):
             assert rel_err(product(group_of_row), ref) > 100 * tol, name
 
 
+@pytest.mark.parametrize("m", [0, 1, 7, 33])
+@pytest.mark.parametrize("k,n", [(256, 384), (512, 256)])
+@pytest.mark.parametrize("group_size", [128, 64, 32, -1])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_cpu_gemm_2_4_with_zero_points_matches_fp64_reference(m, k, n, group_size, dtype):
+    """b_zeros: each kept value is (u - z) * s with its group's z, the pruned ones stay 0. The
+    zero points (zero_point_parts) are far from 8 and from the neighbouring group's, so the
+    symmetric reading (the op without b_zeros) and a kept weight read with another group's z are
+    over 100 times the bound away."""
+    u, s, z, keep = zero_point_parts(k, n, group_size, seed=m + k + n, dtype=dtype)
+    b_q, b_meta, b_s, b_z = sparse.pack_2_4(u, s, z)
+    assert b_z.shape == b_s.shape and b_z.dtype == dtype
+    w = sparse.unpack_2_4(b_q, b_meta, b_s, b_z)
+    assert torch.equal(w, packing.dequantize(u, s, z)) and bool((w[~keep] == 0).all())
+    a = torch.randn(m, k).to(dtype)
+    c = call(a, b_q, b_meta, b_s, None, b_z)
+    assert c.shape == (m, n) and c.dtype == dtype
+    if m == 0:
+        return
+    ref = a.double() @ w.double()
+    tol = 5e-4 if dtype == torch.float16 else 4e-3
+    assert rel_err(c, ref) < tol
+    assert rel_err(marlin.gemm_2_4(a, b_q, b_meta, b_s, b_zeros=b_z), ref) < tol  # the wrapper's keyword
+    # z = 8 (the op without b_zeros): far off
+    assert rel_err(call(a, b_q, b_meta, b_s), ref) > 100 * tol
+    groups = s.shape[0]
+    rows = torch.arange(k) // (k // groups)
+    if groups > 1:  # the kept weights read with the next group's zero point (pruned ones still 0)
+        z_next = z.double().roll(-1, dims=0)[rows]
+        wrong = torch.where(keep, (u.double() - z_next) * s.double()[rows], torch.zeros((), dtype=torch.float64))
+        assert rel_err(a.double() @ wrong, ref) > 100 * tol
+
+
 def test_wrong_metadata_or_values_are_caught():
     w, b_q, b_meta, b_s = sparse_layer(256, 128, 128, seed=4)
     a = torch.randn(9, 256).half()
@@ -101,6 +156,16 @@ def test_repeats_are_identical_and_wrapper_matches():
     # a strided A is read correctly
     big = torch.randn(5, 512).half()
     assert torch.equal(call(big[:, ::2], b_q, b_meta, b_s), call(big[:, ::2].contiguous(), b_q, b_meta, b_s))
+
+
+def test_zero_points_must_be_integers_in_0_15_on_the_cpu():
+    _, b_q, b_meta, b_s, b_z = zero_point_layer(256, 128, 64, seed=7)
+    a = torch.randn(2, 256).half()
+    for value, shown in ((16.0, "16.000000"), (2.5, "2.500000"), (-1.0, "-1.000000")):
+        bad = b_z.clone()
+        bad[1, 70] = value
+        with pytest.raises(RuntimeError, match=rf"b_zeros holds {shown} at flat index 198, expected integer zero points in \[0, 15\]"):
+            call(a, b_q, b_meta, b_s, None, bad)
 
 
 def test_invalid_metadata_is_an_error_on_the_cpu():
@@ -165,6 +230,63 @@ def test_meta_tensors_give_the_same_errors(layer):
         assert out.shape == (4, 256) and out.dtype == torch.float16
 
 
+@pytest.fixture(scope="module")
+def zp_layer():
+    _, b_q, b_meta, b_s, b_z = zero_point_layer(256, 256, 64, seed=0)
+    return b_q, b_meta, b_s, b_z
+
+
+# (name, b_zeros from the layer's (b_s, b_z), the CPU op's message, the fake kernel's message)
+ZERO_CASES = [
+    ("fp32", lambda s, z: z.float(), r"b_zeros\.dtype = Float but a\.dtype = Half; they must match",
+     r"b_zeros\.dtype = torch\.float32 but a\.dtype = torch\.float16; they must match"),
+    ("bf16 with fp16 a", lambda s, z: z.bfloat16(), r"b_zeros\.dtype = BFloat16 but a\.dtype = Half",
+     r"b_zeros\.dtype = torch\.bfloat16 but a\.dtype = torch\.float16"),
+    ("per-column shape with groups", lambda s, z: z[:1].contiguous(),
+     r"b_zeros shape \[1, 256\], expected the shape of b_scales \[4, 256\]",
+     r"b_zeros shape \[1, 256\], expected the shape of b_scales \[4, 256\]"),
+    ("transposed", lambda s, z: torch.ones(256, 4, dtype=torch.float16),
+     r"b_zeros shape \[256, 4\], expected the shape of b_scales \[4, 256\]",
+     r"b_zeros shape \[256, 4\], expected the shape of b_scales \[4, 256\]"),
+    ("1-D", lambda s, z: z.flatten(), r"b_zeros shape \[1024\], expected the shape of b_scales \[4, 256\]",
+     r"b_zeros shape \[1024\], expected the shape of b_scales \[4, 256\]"),
+]
+
+
+@pytest.mark.parametrize("name,make,cpu_match,fake_match", ZERO_CASES, ids=[c[0] for c in ZERO_CASES])
+def test_bad_zero_points_raise_clear_errors(zp_layer, name, make, cpu_match, fake_match):
+    """The CPU op (csrc/gemm_2_4_checks.h) and the fake kernel (marlin/ops.py) refuse the same
+    b_zeros, each naming the argument, what it got and what it expected."""
+    b_q, b_meta, b_s, b_z = zp_layer
+    bad = make(b_s, b_z)
+    with pytest.raises(RuntimeError, match="marlin.gemm_2_4: " + cpu_match):
+        call(a16(), b_q, b_meta, b_s, None, bad)
+    meta = [t.to("meta") for t in (a16(), b_q, b_meta, b_s, bad)]
+    with pytest.raises(Exception, match="marlin.gemm_2_4: " + fake_match):
+        call(*meta[:4], None, meta[4])
+
+
+def test_zero_points_on_another_device_are_refused(zp_layer):
+    """b_zeros on another device than a: the CPU op's check (reached directly, as a CUDA b_zeros
+    would reach it) and the fake kernel's (which the dispatcher picks for a meta tensor)."""
+    b_q, b_meta, b_s, b_z = zp_layer
+    a = a16()
+    cpu_only = torch._C.DispatchKeySet(torch._C.DispatchKey.CPU)
+    with pytest.raises(RuntimeError, match=r"marlin\.gemm_2_4: b_zeros is on meta but a is on cpu; all tensors must be on one device"):
+        torch.ops.marlin.gemm_2_4.default.redispatch(cpu_only, a, b_q, b_meta, b_s, None, b_z.to("meta"))
+    with pytest.raises(Exception, match=r"marlin\.gemm_2_4: b_zeros is on cpu but a is on meta; all tensors must be on one device"):
+        call(*(t.to("meta") for t in (a, b_q, b_meta, b_s)), None, b_z)
+    # non-contiguous zero points (the CPU op reads them in place)
+    with pytest.raises(RuntimeError, match=r"marlin\.gemm_2_4: b_zeros must be contiguous"):
+        call(a, b_q, b_meta, b_s, None, b_z.t().contiguous().t())
+
+
+def test_meta_tensors_with_zero_points_give_the_output_shape(zp_layer):
+    b_q, b_meta, b_s, b_z = (t.to("meta") for t in zp_layer)
+    out = call(torch.empty(5, 256, dtype=torch.float16, device="meta"), b_q, b_meta, b_s, None, b_z)
+    assert out.shape == (5, 256) and out.dtype == torch.float16
+
+
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=requires_cuda_2_4)])
 def test_opcheck_gemm_2_4(device):
     cases = [(1, 128, 128, 128, torch.float16), (7, 256, 384, -1, torch.float16), (33, 384, 256, 128, torch.bfloat16),
@@ -174,6 +296,14 @@ def test_opcheck_gemm_2_4(device):
         _, b_q, b_meta, b_s = sparse_layer(k, n, g, seed=m, dtype=dtype)
         a = torch.randn(m, k, device=device).to(dtype)
         torch.library.opcheck(torch.ops.marlin.gemm_2_4.default, (a, b_q.to(device), b_meta.to(device), b_s.to(device), None))
+    # with zero points (b_zeros last, after the workspace)
+    zp_cases = [(1, 128, 128, 128, torch.float16), (7, 256, 384, -1, torch.bfloat16), (0, 256, 128, 64, torch.float16),
+                (17, 384, 256, 32, torch.bfloat16), (4, 256, 256, 128, torch.bfloat16)]
+    for m, k, n, g, dtype in zp_cases:
+        _, b_q, b_meta, b_s, b_z = zero_point_layer(k, n, g, seed=m, dtype=dtype)
+        a = torch.randn(m, k, device=device).to(dtype)
+        args = (a, b_q.to(device), b_meta.to(device), b_s.to(device), None, b_z.to(device))
+        torch.library.opcheck(torch.ops.marlin.gemm_2_4.default, args)
 
 
 def test_compile_fullgraph_cpu():
@@ -185,3 +315,10 @@ def test_compile_fullgraph_cpu():
     compiled = torch.compile(f, fullgraph=True, backend="aot_eager")
     x = torch.randn(5, 256).half()
     assert torch.equal(compiled(x), f(x))
+    # with zero points
+    _, zq, zmeta, zs, zz = zero_point_layer(256, 256, 64, seed=3)
+
+    def g(x):
+        return torch.ops.marlin.gemm_2_4(x - 1, zq, zmeta, zs, None, zz) * 3
+
+    assert torch.equal(torch.compile(g, fullgraph=True, backend="aot_eager")(x), g(x))

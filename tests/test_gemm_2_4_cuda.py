@@ -1,6 +1,7 @@
-"""torch.ops.marlin.gemm_2_4's CUDA kernel against fp32 A @ dequant(B) (B 2:4-sparse), on the
-shape classes and M classes of the dense suite, with NaN-poisoned outputs; repeats, graphs, two
-streams, torch.compile; and that the bound would catch a wrong metadata order.
+"""torch.ops.marlin.gemm_2_4's CUDA kernel against fp32 A @ dequant(B) (B 2:4-sparse, symmetric
+or with zero points), on the shape classes and M classes of the dense suite, with NaN-poisoned
+outputs; repeats, graphs, two streams, torch.compile; and that the bound would catch a wrong
+metadata order or a wrong zero point.
 
 Skipped without a GPU (or without the kernel in the build). Bound as in test_gemm_cuda.py: within
 1.5x of fp16 torch.matmul's own error on the fp16-rounded dequantized weights, both against the
@@ -34,10 +35,13 @@ GROUPS = [128, 64, 32, -1]
 ALLOWED = 1.5
 
 
-def check(layer, m, b_meta=None):
+def check(layer, m, b_meta=None, b_zeros="layer"):
+    """(error, fp16 matmul's error, C, A) against the exact fp32 product; the layer's zero points
+    (if any) unless b_zeros is given."""
     a = torch.randn(m, layer.k, device="cuda", dtype=layer.dtype)
     ptr = poison_allocator(m * layer.n)
-    c = marlin.gemm_2_4(a, layer.b_q, layer.b_meta if b_meta is None else b_meta, layer.b_s)
+    b_z = layer.b_z if isinstance(b_zeros, str) else b_zeros
+    c = marlin.gemm_2_4(a, layer.b_q, layer.b_meta if b_meta is None else b_meta, layer.b_s, b_zeros=b_z)
     assert c.data_ptr() == ptr, "output did not land in the poisoned block; the NaN check would be void"
     ref = fp32_matmul(a, layer.w_exact)
     base = rel_err(a @ layer.w_fp16, ref)
@@ -53,28 +57,50 @@ def test_shapes(m, shape, g):
     assert err <= ALLOWED * base + 1e-7, f"M={m} {shape} g={g}: error {err:.3g} vs fp16 matmul {base:.3g}"
 
 
+@pytest.mark.parametrize("zp", [False, True], ids=["sym", "zp"])
 @pytest.mark.parametrize("mma_sync", [False, True], ids=["planned", "mma_sync"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 @pytest.mark.parametrize("g", [64, 32])
 @pytest.mark.parametrize("m", [1, 16, 33, 100])
-def test_each_group_of_rows_takes_its_own_scales(m, g, dtype, mma_sync, monkeypatch):
+def test_each_group_of_rows_takes_its_own_scales(m, g, dtype, mma_sync, zp, monkeypatch):
     """Groups of 64 and 32 take a scale row per strip of a stage: weights that grow 1.5x from one
     32-row block of K to the next (cycling every 8 blocks) give neighbouring groups scales 1.5x
     apart, so a strip that read another group's row (or the stage's first, as group 128 does)
     would be far outside the bound (tests/test_gemm_2_4_cpu.py measures how far on the spec).
-    Planned: the mma.sync loop at 1-16 rows, the sparse wgmma above (sm_90a); mma_sync keeps the
-    mma.sync loop at every M."""
+    With zero points (zp) the weights also sit above zero in one group and below in the next,
+    so neighbouring groups' zero points lie near 0 and near 15: the zero-point row must follow
+    the scale row. Planned: the mma.sync loop at 1-16 rows, the sparse wgmma above (sm_90a);
+    mma_sync keeps the mma.sync loop at every M."""
     if mma_sync:
         monkeypatch.setenv("MARLIN_2_4_WGMMA", "0")
     k, n = 1024, 512
     gen = torch.Generator().manual_seed(1000 * g + m)
     growth = 1.5 ** ((torch.arange(k) // 32) % 8).double()
-    w = sparse.prune_2_4((torch.randn(k, n, generator=gen, dtype=torch.float64) * growth[:, None]).float())
-    b_q, b_meta, b_s = (t.cuda() for t in sparse.quantize_and_pack_2_4(w, g, dtype=dtype))
+    w = torch.randn(k, n, generator=gen, dtype=torch.float64)
+    if zp:
+        w += 2.0 * (1 - 2 * ((torch.arange(k) // g) % 2)).double()[:, None]  # +2 and -2 by turns, per group
+    w = sparse.prune_2_4((w * growth[:, None]).float())
+    packed = [t.cuda() for t in sparse.quantize_and_pack_2_4(w, g, dtype=dtype, sym=not zp)]
+    b_q, b_meta, b_s = packed[:3]
+    b_z = packed[3] if zp else None
     a = torch.randn(m, k, device="cuda", dtype=dtype)
-    ref = a.double() @ sparse.unpack_2_4(b_q, b_meta, b_s).double()
-    err = rel_err(marlin.gemm_2_4(a, b_q, b_meta, b_s), ref)
-    assert err < (2e-3 if dtype == torch.float16 else 1e-2), f"M={m} g={g} {dtype}: error {err:.3g}"
+    ref = a.double() @ sparse.unpack_2_4(b_q, b_meta, b_s, b_z).double()
+    err = rel_err(marlin.gemm_2_4(a, b_q, b_meta, b_s, b_zeros=b_z), ref)
+    assert err < (2e-3 if dtype == torch.float16 else 1e-2), f"M={m} g={g} {dtype} zp={zp}: error {err:.3g}"
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("g", GROUPS)
+@pytest.mark.parametrize("shape", ["7B_qkv", "128x128", "256x384", "1152x640"])
+@pytest.mark.parametrize("m", M_VALUES)
+def test_zero_points(m, shape, g, dtype):
+    """b_zeros (w = (u - z) * s at the kept positions, 0 at the pruned ones), zero points spread
+    over 0..15 (gemm_2_4_helpers.Layer24): within 1.5x of torch.matmul's own error on the rounded
+    dequantized weights, in every M class, group size and dtype."""
+    layer = get_layer(*SHAPES[shape], g, dtype=dtype, zp=True)
+    err, base, c, _ = check(layer, m)
+    assert c.dtype == dtype
+    assert err <= ALLOWED * base + 1e-7, f"M={m} {shape} g={g} {dtype} zp: error {err:.3g} vs matmul {base:.3g}"
 
 
 @pytest.mark.parametrize("g", GROUPS)
@@ -121,6 +147,17 @@ def test_forced_plans(m, plan, g, monkeypatch):
     assert err <= ALLOWED * base + 1e-7, f"M={m} plan {plan} g={g}: error {err:.3g} vs fp16 matmul {base:.3g}"
 
 
+@pytest.mark.parametrize("g", GROUPS)
+@pytest.mark.parametrize("plan", list(PLANS))
+@pytest.mark.parametrize("m", [1, 31, 40, 130])
+def test_forced_plans_zero_points(m, plan, g, monkeypatch):
+    """Every forced partition with zero points: the K parts' sums and the epilogue see (u - z) * s."""
+    for key, value in PLANS[plan].items():
+        monkeypatch.setenv(key, value)
+    err, base, _, _ = check(get_layer(4096, 1024, g, zp=True), m)
+    assert err <= ALLOWED * base + 1e-7, f"M={m} plan {plan} g={g} zp: error {err:.3g} vs fp16 matmul {base:.3g}"
+
+
 def test_the_bound_catches_a_wrong_metadata_order():
     layer = get_layer(1024, 512, 128)
     swapped = layer.b_meta.view(-1, 2, 16, 2, 2).flip(3).reshape(layer.b_meta.shape).contiguous()
@@ -128,8 +165,18 @@ def test_the_bound_catches_a_wrong_metadata_order():
     assert err > 100 * base
 
 
-def test_repeats_are_bit_identical_and_match_the_cpu_op():
-    layer = get_layer(4096, 4096, 128)
+@pytest.mark.parametrize("g", [128, -1])
+def test_the_bound_catches_a_wrong_zero_point(g):
+    """The zero-point layer read as symmetric (z = 8) is far outside the bound (another group's
+    zero points: test_each_group_of_rows_takes_its_own_scales)."""
+    layer = get_layer(1024, 512, g, zp=True)
+    err, base, _, _ = check(layer, 8, b_zeros=None)
+    assert err > 100 * base
+
+
+@pytest.mark.parametrize("zp", [False, True], ids=["sym", "zp"])
+def test_repeats_are_bit_identical_and_match_the_cpu_op(zp):
+    layer = get_layer(4096, 4096, 128, zp=zp)
     for m in (1, 16, 100):
         assert_repeats_bit_identical(layer, m)
 
@@ -152,6 +199,9 @@ def test_cuda_graph_and_two_streams():
     expected = marlin.gemm_2_4(a, layer.b_q, layer.b_meta, layer.b_s)
     static_a = a.clone()
     assert_graph_replays(lambda: marlin.gemm_2_4(static_a, layer.b_q, layer.b_meta, layer.b_s), expected)
+    zl = get_layer(4096, 4096, 64, zp=True)  # and with zero points
+    expected_zp = marlin.gemm_2_4(a, zl.b_q, zl.b_meta, zl.b_s, b_zeros=zl.b_z)
+    assert_graph_replays(lambda: marlin.gemm_2_4(static_a, zl.b_q, zl.b_meta, zl.b_s, b_zeros=zl.b_z), expected_zp)
     # two streams at once, no shared workspace
     s1, s2 = torch.cuda.Stream(), torch.cuda.Stream()
     a2 = torch.randn(3, 4096, device="cuda", dtype=torch.float16)

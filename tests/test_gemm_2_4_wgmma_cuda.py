@@ -2,7 +2,8 @@
 with MARLIN_2_4_WGMMA=1, as here) against the float64 product A @ dequant(B), on the dense
 suite's M classes (9-128 rows: 16-, 32- and 64-row warp slices, one or two per block, partial
 slices) and shapes, with NaN-poisoned outputs; both refill variants; every partition forced;
-repeats bit-identical; a CUDA graph; the fallback where N % 256 != 0; the planner's rule.
+zero points (b_zeros) in every group size and dtype; repeats bit-identical; a CUDA graph; the
+fallback where N % 256 != 0; the planner's rule.
 
 Each call's plan line (MARLIN_LOG_PLAN=1, read per call) must name the wgmma instance (wgmma=2:
 late refill, the default; 1: early refill, MARLIN_2_4_WG_LATE=0), so that a build or device
@@ -55,24 +56,28 @@ GROUPS = [128, 64, 32, -1]
 ALLOWED = 1.5
 
 
-# Each instance (16-, 32-, 64-, 128-row block slices, both refills, every group size) and partition
-# (one part, parts in clusters, through global memory) once, in a fresh process.
+# Each instance (16-, 32-, 64-, 128-row block slices, both refills, every group size, with and
+# without zero points) and partition (one part, parts in clusters, through global memory) once, in
+# a fresh process.
 _FRESH_PROCESS_CODE = """
 import os, torch, marlin
 from marlin import sparse
 os.environ["MARLIN_2_4_WGMMA"] = "1"
-for g, dtype in ((128, torch.float16), (64, torch.float16), (32, torch.float16), (-1, torch.float16),
-                 (128, torch.bfloat16), (64, torch.bfloat16), (32, torch.bfloat16), (-1, torch.bfloat16)):
-    w = sparse.prune_2_4(torch.randn(1152, 768, device="cuda"))
-    b_q, b_meta, b_s = sparse.quantize_and_pack_2_4(w, g, dtype=dtype)
+for g, dtype, sym in ((128, torch.float16, True), (64, torch.float16, True), (32, torch.float16, True),
+                      (-1, torch.float16, True), (128, torch.bfloat16, True), (64, torch.bfloat16, True),
+                      (32, torch.bfloat16, True), (-1, torch.bfloat16, True), (128, torch.float16, False),
+                      (64, torch.bfloat16, False), (32, torch.float16, False), (-1, torch.bfloat16, False)):
+    w = sparse.prune_2_4(torch.randn(1152, 768, device="cuda") + 0.5)
+    b_q, b_meta, b_s, *b_z = sparse.quantize_and_pack_2_4(w, g, dtype=dtype, sym=sym)
+    b_z = b_z[0] if b_z else None
     for env in ({}, {"MARLIN_2_4_PARTS": "1"}, {"MARLIN_2_4_PARTS": "4", "MARLIN_2_4_CLUSTERS": "1"},
                 {"MARLIN_2_4_PARTS": "4", "MARLIN_2_4_CLUSTERS": "0"}, {"MARLIN_2_4_WG_LATE": "0"},
                 {"MARLIN_2_4_WARP_SLICES": "2"}, {"MARLIN_2_4_KW": "2"},
                 {"MARLIN_2_4_KW": "2", "MARLIN_2_4_PARTS": "3", "MARLIN_2_4_CLUSTERS": "0"}):
         os.environ.update(env)
         for m in (9, 16, 17, 33, 64, 65, 128, 130):
-            print("running", g, dtype, env, m, flush=True)  # the last line names a call that faults
-            marlin.gemm_2_4(torch.randn(m, 1152, device="cuda", dtype=dtype), b_q, b_meta, b_s)
+            print("running", g, dtype, "sym" if sym else "zp", env, m, flush=True)  # the last line names a call that faults
+            marlin.gemm_2_4(torch.randn(m, 1152, device="cuda", dtype=dtype), b_q, b_meta, b_s, b_zeros=b_z)
             torch.cuda.synchronize()
         for key in env:
             del os.environ[key]
@@ -119,7 +124,7 @@ def check(layer, m, capfd, wgmma=2):
     a = torch.randn(m, layer.k, device="cuda", dtype=layer.dtype)
     ptr = poison_allocator(m * layer.n)
     plan_lines(capfd)  # drop earlier output
-    c = marlin.gemm_2_4(a, layer.b_q, layer.b_meta, layer.b_s)
+    c = marlin.gemm_2_4(a, layer.b_q, layer.b_meta, layer.b_s, b_zeros=layer.b_z)
     torch.cuda.synchronize()
     lines = plan_lines(capfd)
     assert len(lines) == 1 and f"wgmma={wgmma}" in lines[0], lines
@@ -171,6 +176,21 @@ def test_shapes_two_k_warpgroups(m, shape, g, wgmma_on, capfd):
     assert err <= ALLOWED * base + 1e-7, f"M={m} {shape} g={g}: error {err:.3g} vs fp16 matmul {base:.3g} ({plan})"
 
 
+@pytest.mark.parametrize("kw", ["1", "2"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("g", GROUPS)
+@pytest.mark.parametrize("shape", ["70B_o", "128x256", "1152x768"])
+@pytest.mark.parametrize("m", M_VALUES)
+def test_shapes_zero_points(m, shape, g, dtype, kw, wgmma_on, capfd):
+    """b_zeros on the sparse wgmma (one or two K warpgroups): zero points spread over 0..15
+    (gemm_2_4_helpers.Layer24), within 1.5x of torch.matmul's error on the rounded dequantized
+    weights."""
+    wgmma_on.setenv("MARLIN_2_4_KW", kw)
+    err, base, plan = check(get_layer(*SHAPES[shape], g, dtype=dtype, zp=True), m, capfd)
+    assert f" kw={kw}" in plan, plan
+    assert err <= ALLOWED * base + 1e-7, f"M={m} {shape} g={g} {dtype} zp: error {err:.3g} vs matmul {base:.3g} ({plan})"
+
+
 # Every partition under the wgmma instances, forced: K parts through global memory or in
 # clusters, one part, 64- or 128-row block slices above 32 rows; some with early refill.
 PLANS = {
@@ -202,6 +222,19 @@ def test_forced_plans(m, plan, g, wgmma_on, capfd):
     assert f" kw={PLANS[plan].get('MARLIN_2_4_KW', '1')}" in line, line
 
 
+@pytest.mark.parametrize("g", GROUPS)
+@pytest.mark.parametrize("plan", ["global_3", "parts_8_clusters", "one_part", "warp_slices_1", "early_parts_8_clusters",
+                                  "kw2_parts_4_clusters"])
+@pytest.mark.parametrize("m", [12, 40, 130])
+def test_forced_plans_zero_points(m, plan, g, wgmma_on, capfd):
+    """A partition of each kind (K parts through global memory or in clusters, one part, 64-row
+    slices, early refill, two K warpgroups) with zero points."""
+    for key, value in PLANS[plan].items():
+        wgmma_on.setenv(key, value)
+    err, base, line = check(get_layer(4096, 1024, g, zp=True), m, capfd, wgmma=1 if "MARLIN_2_4_WG_LATE" in PLANS[plan] else 2)
+    assert err <= ALLOWED * base + 1e-7, f"M={m} plan {plan} g={g} zp: error {err:.3g} vs fp16 matmul {base:.3g} ({line})"
+
+
 def test_slices_follow_m(wgmma_on, capfd):
     """16-, 32-, 64-row slices by M (64 above 64 rows too); mma.sync at M <= 8."""
     layer = get_layer(1152, 768, 128)
@@ -229,8 +262,9 @@ def test_n_not_a_multiple_of_256_falls_back(wgmma_on, capfd):
     assert "tile_n=128" in line and err <= ALLOWED * base + 1e-7
 
 
-def test_repeats_are_bit_identical_and_match_the_cpu_op(wgmma_on, capfd):
-    layer = get_layer(4096, 4096, 128)
+@pytest.mark.parametrize("zp", [False, True], ids=["sym", "zp"])
+def test_repeats_are_bit_identical_and_match_the_cpu_op(zp, wgmma_on, capfd):
+    layer = get_layer(4096, 4096, 128, zp=zp)
     for m in (16, 40, 100):
         assert_repeats_bit_identical(layer, m)
     lines = plan_lines(capfd)

@@ -4,9 +4,10 @@ The core on a small random layer with correlated, outlier-heavy inputs (test_qua
 data): pruning and quantizing from the same Hessian, with error feedback, must cut the layer-output
 error of magnitude pruning + round to nearest (MarlinLinear24.from_linear's recipe) by at least
 20% (it does by about 30%): without the feedback, or with a saliency that ignores the Hessian, the
-joint result *is* magnitude pruning + RTN or close to it. End to end on the tiny random Llama: every
-written layer is exactly 2:4, loads into MarlinLinear24 (load_quantized and from_pretrained) with
-the quantizer's weights bit for bit, and runs (CPU reference op) and generates.
+joint result *is* magnitude pruning + RTN or close to it; the same with zero points, where a
+pruned weight is u = z. End to end on the tiny random Llama: every written layer is exactly 2:4,
+loads into MarlinLinear24 (load_quantized and from_pretrained) with the quantizer's weights bit for
+bit (and its zero points, with --asym), and runs (CPU reference op) and generates.
 """
 
 from __future__ import annotations
@@ -52,6 +53,33 @@ def test_joint_prune_quant_beats_magnitude_then_rtn(group_size, clip):
     assert joint.pruned_fraction == pytest.approx(expect, rel=1e-6) and 0.2 < expect < 0.8
 
 
+@pytest.mark.parametrize("group_size", [128, 64, 32, -1])
+@pytest.mark.parametrize("refit", [0, 2])
+def test_joint_prune_quant_with_zero_points(group_size, refit):
+    """sym=False: the same joint pruning with 4-bit zero points. A pruned weight's code is its
+    group's zero point (u = z, weight exactly 0; the refit moves the codes with the zero points
+    it picks), the kept ones are u in 0..15; the result beats magnitude pruning + RTN with zero
+    points as the symmetric one does, and on weights off centre it beats the symmetric joint result."""
+    x = calib_inputs(2048, 256, seed=0)
+    h = hessian_of(x)
+    w = torch.randn(128, 256, generator=torch.Generator().manual_seed(1)) + 0.5  # off centre
+    joint = gptq_quantize(w, h, group_size, sparsity="2:4", sym=False, refit=refit, clip=True)
+    base = rtn_quantize(w, group_size, sparsity="2:4", sym=False)
+    sym = gptq_quantize(w, h, group_size, sparsity="2:4", refit=refit, clip=True)
+    e_joint, e_base = out_err(x, w, joint.dequantized()), out_err(x, w, base.dequantized())
+    assert e_joint < 0.8 * e_base, (e_joint, e_base)
+    assert e_joint < out_err(x, w, sym.dequantized())
+    assert abs(joint.error - e_joint) < 1e-4
+    rows = 256 // joint.scales.shape[0]
+    z = joint.zeros.float().repeat_interleave(rows, dim=0)  # [K, N]
+    assert bool((groups_nnz(joint.keep) == 2).all()) and bool((joint.q.float()[~joint.keep] == z[~joint.keep]).all())
+    assert bool((groups_nnz(joint.q.float() - z) <= 2).all())
+    assert sparse.violations_2_4(joint.dequantized().t()).numel() == 0
+    assert int(joint.q.min()) >= 0 and int(joint.q.max()) <= 15 and torch.equal(joint.zeros, joint.zeros.round())
+    base_z = base.zeros.float().repeat_interleave(rows, dim=0)
+    assert bool((base.q.float()[~base.keep] == base_z[~base.keep]).all())  # RTN too: pruned zeros quantize to z
+
+
 def test_saliency_uses_the_hessian():
     """Input 0 is 100x larger than the others: its weights must survive the pruning although they
     are the smallest of their group by magnitude (magnitude pruning drops them all)."""
@@ -82,8 +110,7 @@ def test_rtn_2_4_is_marlin_linear24_from_linear():
     "kwargs, match",
     [
         (dict(act_order=True), "act_order"),
-        (dict(bits=8), "symmetric 4-bit weights only"),
-        (dict(sym=False), "symmetric 4-bit weights only"),
+        (dict(bits=8), r"bits = 8: the 2:4 format holds 4-bit weights only \(symmetric or with zero points\)"),
         (dict(sparsity="1:2"), "expected None"),
     ],
 )
@@ -112,11 +139,11 @@ def tiny(tmp_path_factory):
     return make_tiny(tmp_path_factory.mktemp("quantize24"))
 
 
-@pytest.mark.parametrize("group_size", [128, 32, -1])
-def test_sparse_checkpoint_is_2_4_and_loads_exactly(tiny, tmp_path, group_size):
+@pytest.mark.parametrize("group_size,sym", [(128, True), (32, True), (-1, True), (64, False), (-1, False)])
+def test_sparse_checkpoint_is_2_4_and_loads_exactly(tiny, tmp_path, group_size, sym):
     _, src, calib = tiny
     model, tokenizer, samples = model_and_samples(src, calib)
-    config = QuantizeConfig(group_size=group_size, sparsity="2:4")
+    config = QuantizeConfig(group_size=group_size, sparsity="2:4", sym=sym)
     fp_model = copy.deepcopy(model)
     results, reports = quantize_model(model, samples, config, progress=False)
     assert len(results) == 14 and all(r.status == "quantized" for r in reports)
@@ -124,17 +151,22 @@ def test_sparse_checkpoint_is_2_4_and_loads_exactly(tiny, tmp_path, group_size):
         assert r.error < r.rtn_error and 0 < r.pruned_fraction < 1
 
     out = tmp_path / "out"
-    settings = {"group_size": group_size, "sparsity": "2:4"}
+    settings = {"group_size": group_size, "sparsity": "2:4", "sym": sym}
     write_checkpoint(model, results, reports, out, settings=settings, tokenizer=tokenizer)
     from safetensors.torch import load_file
 
     tensors = load_file(str(out / "model.safetensors"))
     loaded = marlin.load_quantized(out, device="cpu")
     for name, res in results.items():
-        q, _ = sparse.unpack_2_4_parts(tensors[f"{name}.b_q"], tensors[f"{name}.b_meta"], tensors[f"{name}.b_scales"])
-        assert bool((groups_nnz(q) <= 2).all()), name  # every written layer is exactly 2:4
+        assert (f"{name}.b_zeros" in tensors) == (not sym), name
+        parts = sparse.unpack_2_4_parts(
+            tensors[f"{name}.b_q"], tensors[f"{name}.b_meta"], tensors[f"{name}.b_scales"], tensors.get(f"{name}.b_zeros")
+        )
+        if not sym:  # the quantizer's codes and zero points, bit for bit
+            assert torch.equal(parts[0], res.q) and torch.equal(parts[2], res.zeros), name
+        assert bool((groups_nnz(packing.dequantize(*parts)) <= 2).all()), name  # every written layer is exactly 2:4
         layer = loaded.get_submodule(name)
-        assert isinstance(layer, MarlinLinear24) and layer.group_size == group_size
+        assert isinstance(layer, MarlinLinear24) and layer.group_size == group_size and layer.zero_points == (not sym)
         assert torch.equal(layer.dequantized_weight(), res.dequantized())
 
     err, moved = output_errors(model, loaded, fp_model, samples[0])
@@ -161,6 +193,7 @@ def test_sparse_cli_and_from_pretrained(tiny, tmp_path, capsys):
     assert "| pruned |" in (out / "quantize_report.md").read_text()
     qc = json.loads((out / "config.json").read_text())["quantization_config"]
     assert qc["quant_method"] == "marlin" and qc["sparsity"] == "2:4"
+    assert qc["sym"] is True  # the default with --sparsity 2:4 (zero points with --asym)
 
     model = AutoModelForCausalLM.from_pretrained(out)
     loaded = marlin.load_quantized(out, device="cpu")
@@ -171,6 +204,32 @@ def test_sparse_cli_and_from_pretrained(tiny, tmp_path, capsys):
         assert torch.equal(model(x).logits, loaded(x).logits)
     assert cli.eval_main([str(out), "--text", str(calib), "--context", "64", "--max-tokens", "200", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["ppl"] > 1
+
+
+def test_sparse_cli_with_zero_points(tiny, tmp_path, capsys):
+    """marlin-quantize --sparsity 2:4 --asym: 2:4 layers with zero points (b_zeros), which
+    load_quantized and from_pretrained build as MarlinLinear24 with zero points, with the same
+    logits."""
+    from transformers import AutoModelForCausalLM
+
+    from marlin.quantize import cli
+
+    _, src, calib = tiny
+    out = tmp_path / "q24zp"
+    argv = [str(src), str(out), "--calib", str(calib), "--nsamples", "4", "--seqlen-range", "16:48", "--sparsity", "2:4",
+            "--asym", "--group-size", "64"]
+    assert cli.main(argv) == 0
+    assert "14 layers quantized" in capsys.readouterr().out
+    qc = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert qc["sparsity"] == "2:4" and qc["sym"] is False
+    model = AutoModelForCausalLM.from_pretrained(out)
+    loaded = marlin.load_quantized(out, device="cpu")
+    for m in (model, loaded):
+        layers = [mod for mod in m.modules() if isinstance(mod, MarlinLinear24)]
+        assert len(layers) == 14 and all(mod.zero_points and mod.group_size == 64 for mod in layers)
+    x = torch.tensor([[0, 5, 9, 17, 33, 60, 71, 80]])
+    with torch.no_grad():
+        assert torch.equal(model(x).logits, loaded(x).logits)
 
 
 def test_a_bf16_2_4_checkpoint_loads_as_bf16_layers(tiny, tmp_path):
@@ -211,7 +270,7 @@ def test_sparse_options_fail_before_loading(tiny, tmp_path):
     for kwargs, match in (
         (dict(act_order=True), "act_order"),
         (dict(group_size=16), r"group_size = 16: the 2:4 kernel takes group size 128, 64, 32 or -1"),
-        (dict(sym=False), "symmetric 4-bit"),
+        (dict(bits=8), "4-bit weights only"),
     ):
         with pytest.raises(ValueError, match=match):
             quantize_checkpoint(src, tmp_path / "o", calib=calib, sparsity="2:4", **kwargs)
@@ -225,11 +284,12 @@ def test_resume_store_round_trips_2_4_and_zero_point_results(tmp_path):
     w = torch.randn(128, 256)
     h = hessian_of(calib_inputs(512, 256, seed=4))
     sparse_res = gptq_quantize(w, h, 128, sparsity="2:4")
-    for manifest, res in (
+    for i, (manifest, res) in enumerate((
         ({"group_size": 128, "sparsity": "2:4", "bits": 4}, sparse_res),
         ({"group_size": 128, "sparsity": None, "bits": 4}, gptq_quantize(w, h, 128, sym=False)),
-    ):
-        store = ResumeStore(tmp_path / f"out{len(manifest)}{manifest['sparsity']}", manifest)
+        ({"group_size": 128, "sparsity": "2:4", "bits": 4, "sym": False}, gptq_quantize(w, h, 128, sparsity="2:4", sym=False)),
+    )):
+        store = ResumeStore(tmp_path / f"out{i}", manifest)
         store.start()
         row = LayerReport("m.l", 256, 128, "quantized", error=res.error, rtn_error=0.5, pruned_fraction=res.pruned_fraction)
         store.save_block(BlockOutcome(0, {"m.l": res}, [row]))

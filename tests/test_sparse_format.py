@@ -59,6 +59,86 @@ def test_pack_unpack_round_trip_is_exact(k, n, group_size):
     assert bool((q2[w == 0] == 0).all())
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("k,n,group_size", [(256, 128, 128), (256, 192, 64), (384, 128, 32), (96, 64, 32), (256, 128, -1)])
+def test_pack_unpack_round_trip_with_zeros_is_exact(k, n, group_size, dtype):
+    """Zero points (sym=False): b_zeros has b_scales' shape, dtype and layout; unpacking gives
+    packing.quantize's (u, scales, zeros) back, with u = z at the pruned positions, which dequantize
+    to exact zeros; pack_2_4 of those parts is the inverse of unpack_2_4_parts."""
+    w = sparse_weight(k, n, seed=k + n + 1) + 0.3  # shifted: the zero points are not all 8
+    w = torch.where(sparse.mask_2_4(w), w, torch.zeros(()))
+    b_q, b_meta, b_s, b_z = sparse.quantize_and_pack_2_4(w, group_size, dtype=dtype, sym=False)
+    u, s, z = packing.quantize(w, group_size, sym=False, dtype=dtype)
+    assert b_q.shape == (k // 32, 2 * n) and b_meta.shape == (k // 32, n)
+    assert b_z.shape == b_s.shape == (packing.num_groups(k, group_size), n) and b_z.dtype == b_s.dtype == dtype
+    assert torch.equal(b_z, packing.permute_scales(z)) and torch.equal(b_s, packing.permute_scales(s))
+    assert len(set(z.flatten().tolist())) > 3  # a range of zero points, not one value
+    u2, s2, z2 = sparse.unpack_2_4_parts(b_q, b_meta, b_s, b_z)
+    assert torch.equal(u2, u) and torch.equal(s2, s) and torch.equal(z2, z)
+    dense = sparse.unpack_2_4(b_q, b_meta, b_s, b_z)
+    assert torch.equal(dense, packing.dequantize(u, s, z))
+    assert bool((dense[w == 0] == 0).all()) and sparse.violations_2_4(dense).numel() == 0
+    # the symmetric reading of the same words is another weight: the zero points matter
+    assert not torch.equal(sparse.unpack_2_4(b_q, b_meta, b_s), dense)
+    # pack_2_4 from the parts (positions from u - z) and back
+    parts = sparse.pack_2_4(u, s, z)
+    assert len(parts) == 4 and torch.equal(parts[2], b_s) and torch.equal(parts[3], b_z)
+    back = sparse.unpack_2_4_parts(*parts)
+    assert all(torch.equal(x, y) for x, y in zip(back, (u, s, z)))
+
+
+def test_zero_point_positions_come_from_the_pruned_weight():
+    """A kept weight small enough to quantize to its zero point (u = z, so u - z = 0) keeps its
+    position: b_meta names the pruned weight's non-zeros, not the lowest free rows, and the nibble
+    stored there is u (= z), so it dequantizes to 0 like a pruned weight."""
+    k, n = 64, 64
+    w = torch.zeros(k, n)
+    w[1, :] = 1.0  # group 0 of every column: rows 1 and 3 kept, row 3 tiny
+    w[3, :] = 0.01
+    w[4:, :] = sparse_weight(k - 4, n, seed=7)
+    w[4:8, 0] = torch.tensor([0.0, -0.9, 0.0, 0.002])  # column 0's second group likewise
+    b_q, b_meta, b_s, b_z = sparse.quantize_and_pack_2_4(w, -1, sym=False)
+    u, s, z = packing.quantize(w, -1, sym=False)
+    assert int(u[3, 0]) == int(z[0, 0]) and int(u[7, 0]) == int(z[0, 0])  # kept, but quantized to z
+    idx = sparse.unpack_meta(b_meta)
+    _, from_w = sparse.compress_2_4(w)
+    assert torch.equal(idx, from_w)
+    assert idx[:2, 0].tolist() == [1, 3] and idx[2:4, 0].tolist() == [1, 3]  # not (0, 1): the lowest free rows
+    # the stored nibbles are u: packing.pack stores a signed v as v + 8
+    values, _ = packing.unpack(b_q, torch.ones(1, n, dtype=torch.float16))
+    kept_u = torch.gather(u.to(torch.int64).reshape(k // 4, 4, n), 1, idx.to(torch.int64).reshape(k // 4, 2, n))
+    assert torch.equal(values.to(torch.int64) + 8, kept_u.reshape(k // 2, n))
+    assert torch.equal(sparse.unpack_2_4(b_q, b_meta, b_s, b_z), packing.dequantize(u, s, z))
+    # pack_2_4 sees only u - z: its positions differ there, its weight does not
+    p_q, p_meta, p_s, p_z = sparse.pack_2_4(u, s, z)
+    assert sparse.unpack_meta(p_meta)[:2, 0].tolist() == [0, 1]
+    assert torch.equal(sparse.unpack_2_4(p_q, p_meta, p_s, p_z), sparse.unpack_2_4(b_q, b_meta, b_s, b_z))
+
+
+def test_zero_point_arguments_are_checked():
+    w = sparse_weight(128, 64, seed=9)
+    u, s, z = packing.quantize(w, 32, sym=False)
+    with pytest.raises(ValueError, match=r"pack_2_4: zeros \(1, 64\) torch.float16, expected the scales' shape and dtype \(4, 64\)"):
+        sparse.pack_2_4(u, s, z[:1])
+    with pytest.raises(ValueError, match=r"pack_2_4: zeros \(4, 64\) torch.bfloat16, expected the scales' shape and dtype"):
+        sparse.pack_2_4(u, s, z.bfloat16())
+    with pytest.raises(ValueError, match=r"integer zero points in \[0, 15\]"):
+        sparse.pack_2_4(u, s, z + 0.5)
+    with pytest.raises(ValueError, match=r"with zeros, q holds the stored values u, integers in \[0, 15\]; got \[-8, 7\]"):
+        sparse.pack_2_4(packing.quantize(w, 32)[0], s, z)
+    dense = u.clone()
+    dense[0:3, 5] = (z[0, 5] + 1).to(torch.int8)  # three values off the zero point in rows 0..3
+    with pytest.raises(ValueError, match=r"pack_2_4: q - zeros .* column 5 \(rows 0\.\.3 hold 3 non-zeros\)"):
+        sparse.pack_2_4(dense, s, z)
+    with pytest.raises(ValueError, match=r"quantize_and_pack_2_4: sym = 'no', expected True"):
+        sparse.quantize_and_pack_2_4(w, 32, sym="no")
+    b_q, b_meta, b_s, b_z = sparse.quantize_and_pack_2_4(w, 32, sym=False)
+    with pytest.raises(ValueError, match=r"unpack_2_4: b_zeros \(2, 64\) torch.float16, expected b_scales' shape and dtype"):
+        sparse.unpack_2_4(b_q, b_meta, b_s, b_z[:2])
+    # the symmetric calls are unchanged: three parts, q = 0 at the pruned positions
+    assert len(sparse.quantize_and_pack_2_4(w, 32)) == 3 and len(sparse.pack_2_4(*packing.quantize(w, 32))) == 3
+
+
 def test_compress_fills_short_groups_with_the_lowest_free_positions():
     q = torch.zeros(8, 3, dtype=torch.int8)
     q[3, 0] = 5  # one non-zero at position 3 -> pair (0, 3)

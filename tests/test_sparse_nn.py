@@ -107,7 +107,7 @@ def test_state_dict_round_trip_and_refusals(tmp_path):
     torch.manual_seed(2)
     layer = MarlinLinear24.from_linear(nn.Linear(256, 128).half())
     sd = layer.state_dict()
-    assert set(sd) == {"b_q", "b_meta", "b_scales", "bias"} and sd._metadata[""]["version"] == 1
+    assert set(sd) == {"b_q", "b_meta", "b_scales", "bias"} and sd._metadata[""]["version"] == 2
     path = tmp_path / "l.pt"
     torch.save(sd, path)
     fresh = MarlinLinear24(256, 128)
@@ -116,8 +116,8 @@ def test_state_dict_round_trip_and_refusals(tmp_path):
     assert torch.equal(fresh(x), layer(x))
     # a newer version, a dense MarlinLinear's state_dict, a wrong group size, a wrong dtype
     newer = copy.copy(sd)
-    newer._metadata = {"": {"version": 2}}
-    with pytest.raises(RuntimeError, match=r"version 2 was written by a newer marlin"):
+    newer._metadata = {"": {"version": 3}}
+    with pytest.raises(RuntimeError, match=r"version 3 was written by a newer marlin"):
         MarlinLinear24(256, 128).load_state_dict(newer)
     dense = marlin.MarlinLinear.from_linear(nn.Linear(256, 128).half()).state_dict()
     with pytest.raises(RuntimeError, match=r"holds a dense MarlinLinear"):
@@ -128,6 +128,92 @@ def test_state_dict_round_trip_and_refusals(tmp_path):
     bad["b_meta"] = bad["b_meta"].to(torch.int64)
     with pytest.raises(RuntimeError, match=r"b_meta: dtype torch.int64, expected torch.int32"):
         MarlinLinear24(256, 128).load_state_dict(bad)
+
+
+def shifted_linear(k, n, seed, dtype=torch.float16):
+    """A Linear whose weights sit mostly above zero (uniform init plus an offset), where zero
+    points place the 16 levels better than a symmetric range."""
+    torch.manual_seed(seed)
+    lin = nn.Linear(k, n)
+    with torch.no_grad():
+        lin.weight.add_(0.04)
+    return lin.to(dtype)
+
+
+@pytest.mark.parametrize("group_size", [128, 64, 32, -1])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_from_linear_with_zero_points(group_size, dtype):
+    """sym=False: the layer stores b_zeros (b_scales' shape and dtype), computes (u - z) * s at
+    the kept positions and exactly 0 at the pruned ones, and on weights off centre comes closer
+    to the pruned weight than the symmetric layer."""
+    lin = shifted_linear(256, 384, seed=6, dtype=dtype)
+    layer = MarlinLinear.from_linear(lin, group_size, sparsity="2:4", sym=False)
+    assert isinstance(layer, MarlinLinear24) and layer.zero_points and layer.group_size == group_size
+    assert layer.b_zeros.shape == layer.b_scales.shape and layer.b_zeros.dtype == dtype
+    assert "zero_points=True" in repr(layer)
+    w = layer.dequantized_weight()
+    kept = sparse.mask_2_4(lin.weight.detach().t().float()).t()
+    assert bool((w[~kept] == 0).all()) and sparse.violations_2_4(w.t()).numel() == 0
+    pruned = torch.where(kept, lin.weight.detach().float(), torch.zeros(()))
+    sym = MarlinLinear24.from_linear(lin, group_size)
+    assert not sym.zero_points and sym.b_zeros is None
+    assert rel_err(w, pruned) < 0.8 * rel_err(sym.dequantized_weight(), pruned)
+    x = torch.randn(2, 3, 256).to(dtype)
+    y = layer(x)
+    assert y.shape == (2, 3, 384) and y.dtype == dtype
+    tol = LAYER_TOL if dtype == torch.float16 else 4e-3
+    assert rel_err(y.reshape(6, 384), reference(layer, x.reshape(6, 256))) < tol
+
+
+def test_zero_point_state_dict_round_trip_and_cross_loading(tmp_path):
+    """b_zeros is a state_dict key (version 2, as in MarlinLinear); a zero-point state_dict loads
+    only into a layer built with zero_points=True and a symmetric one (version 1 or 2) only into a
+    symmetric layer, each refusal naming both sides."""
+    layer = MarlinLinear24.from_linear(shifted_linear(256, 128, seed=7), 64, sym=False)
+    sd = layer.state_dict()
+    assert set(sd) == {"b_q", "b_meta", "b_scales", "b_zeros", "bias"} and sd._metadata[""]["version"] == 2
+    path = tmp_path / "zp.pt"
+    torch.save(sd, path)
+    fresh = MarlinLinear24(256, 128, group_size=64, zero_points=True)
+    assert torch.equal(fresh(torch.randn(2, 256).half()), torch.zeros(2, 128).half())  # an empty layer computes 0
+    fresh.load_state_dict(torch.load(path, weights_only=True))
+    x = torch.randn(4, 256).half()
+    assert torch.equal(fresh(x), layer(x)) and torch.equal(fresh.dequantized_weight(), layer.dequantized_weight())
+    with pytest.raises(RuntimeError, match=r"b_zeros: the checkpoint has zero points, but this layer was built with zero_points=False"):
+        MarlinLinear24(256, 128, group_size=64).load_state_dict(sd)
+    sym_layer = MarlinLinear24.from_linear(nn.Linear(256, 128).half(), 64)
+    sym_sd = sym_layer.state_dict()
+    with pytest.raises(RuntimeError, match=r"b_zeros: the checkpoint has no zero points, but this layer was built with zero_points=True"):
+        MarlinLinear24(256, 128, group_size=64, zero_points=True).load_state_dict(sym_sd)
+    # a version-1 state dict (symmetric, written before zero points existed) loads as it did
+    v1 = copy.copy(sym_sd)
+    v1._metadata = {"": {"version": 1}}
+    old = MarlinLinear24(256, 128, group_size=64)
+    old.load_state_dict(v1)
+    assert torch.equal(old(x), sym_layer(x))
+    with pytest.raises(RuntimeError, match=r"has no zero points, but this layer was built with zero_points=True"):
+        MarlinLinear24(256, 128, group_size=64, zero_points=True).load_state_dict(v1)
+    bad = dict(sd)
+    bad["b_zeros"] = bad["b_zeros"].float()
+    with pytest.raises(RuntimeError, match=r"b_zeros: dtype torch.float32, expected torch.float16"):
+        MarlinLinear24(256, 128, group_size=64, zero_points=True).load_state_dict(bad)
+    # a dense zero-point MarlinLinear is still not a 2:4 layer
+    dense = marlin.MarlinLinear.from_linear(nn.Linear(256, 128).half(), 64, sym=False).state_dict()
+    with pytest.raises(RuntimeError, match=r"holds a dense MarlinLinear"):
+        MarlinLinear24(256, 128, group_size=64, zero_points=True).load_state_dict(dense)
+
+
+def test_replace_linear_2_4_with_zero_points():
+    torch.manual_seed(8)
+    model = Block().half()
+    report = marlin.replace_linear(model, sparsity="2:4", sym=False)
+    assert report.replaced == ["up", "down"] and model.up.zero_points and model.down.zero_points
+    assert model(torch.randn(2, 256).half()).dtype == torch.float16
+    assert replace_linear_2_4(Block().half(), 32, sym=False).replaced == ["up", "down"]
+    with pytest.raises(ValueError, match=r"sparsity='2:4' with bits = 8; the 2:4 format holds 4-bit weights only"):
+        marlin.replace_linear(Block().half(), sparsity="2:4", bits=8)
+    with pytest.raises(ValueError, match=r"sparsity='2:4' with bits = 8; the 2:4 format holds 4-bit weights only"):
+        MarlinLinear.from_linear(nn.Linear(128, 128), sparsity="2:4", bits=8)
 
 
 def test_bf16_layer_from_a_bf16_linear():
@@ -234,10 +320,12 @@ def test_replace_linear_2_4_llama_forward():
 
 
 @requires_cuda_2_4
+@pytest.mark.parametrize("sym", [True, False], ids=["sym", "zp"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
-def test_cuda_forward_matches_cpu_op(dtype):
+def test_cuda_forward_matches_cpu_op(dtype, sym):
     torch.manual_seed(5)
-    layer = MarlinLinear24.from_linear(nn.Linear(512, 384).to(dtype))
+    layer = MarlinLinear24.from_linear(nn.Linear(512, 384).to(dtype), sym=sym)
+    assert layer.zero_points == (not sym)
     x = torch.randn(7, 512).to(dtype)
     y_cpu = layer(x)
     layer.cuda()

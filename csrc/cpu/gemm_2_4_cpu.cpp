@@ -1,14 +1,18 @@
 // CPU reference for marlin::gemm_2_4 (2:4-sparse INT4 weights, marlin/sparse.py): expand the
 // compressed values to the dense B [K, N] at the positions b_meta names, dequantize exactly
-// (scale * q in fp32), multiply with fp32 accumulation in a fixed order (k ascending over the
-// dense rows, pruned zeros included), round to the activations' dtype (fp16 or bf16, the scales'
-// too). Slow and simple: the CUDA kernel and the Python spec are checked against it.
+// (scale * (u - z) in fp32, z the zero point from b_zeros or 8), multiply with fp32 accumulation
+// in a fixed order (k ascending over the dense rows, pruned zeros included), round to the
+// activations' dtype (fp16 or bf16, the scales' and zero points' too). Pruned positions are exact
+// zeros whatever the zero point. Slow and simple: the CUDA kernel and the Python spec are checked
+// against it.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
+#include <cmath>
+#include <string>
 #include <vector>
 
 #include "../format_tables.h"
@@ -19,16 +23,26 @@
 namespace marlin {
 namespace {
 
-// Dense dequantized B [K, N] in fp32 from the packed values, metadata and scales. A metadata
-// nibble that is not two distinct positions (the lower first) is an error: the tensor cores'
-// result would be undefined there. scalar_t: the scales' dtype.
+// Dense dequantized B [K, N] in fp32 from the packed values, metadata, scales and (optional) zero
+// points. A metadata nibble that is not two distinct positions (the lower first) is an error: the
+// tensor cores' result would be undefined there. scalar_t: the scales' (and zero points') dtype.
 template <typename scalar_t>
 std::vector<float> dequantize_2_4_cpu(const at::Tensor& b_q, const at::Tensor& b_meta, const at::Tensor& b_scales,
-                                      int64_t k, int64_t n, int64_t groups) {
+                                      const std::optional<at::Tensor>& b_zeros, int64_t k, int64_t n, int64_t groups) {
   std::vector<float> w(static_cast<size_t>(k * n), 0.f);
   const int32_t* q = b_q.data_ptr<int32_t>();
   const int32_t* meta = b_meta.data_ptr<int32_t>();
   const scalar_t* s = b_scales.data_ptr<scalar_t>();
+  const scalar_t* z = b_zeros.has_value() ? b_zeros->data_ptr<scalar_t>() : nullptr;
+  if (z != nullptr) {
+    // As for the dense op: integer zero points 0..15 (docs/FORMAT.md); anything else would make the
+    // products inexact and means the tensor was not packed by marlin.sparse.
+    for (int64_t i = 0; i < groups * n; i++) {
+      const float zv = static_cast<float>(z[i]);
+      TORCH_CHECK(zv >= 0.f && zv <= 15.f && std::floor(zv) == zv, "marlin.gemm_2_4: b_zeros holds ", std::to_string(zv),
+                  " at flat index ", num(i), ", expected integer zero points in [0, 15]");
+    }
+  }
   const auto& slot_of = tile_slot_of(4);
   const auto& meta_slot = meta_slot_of();
   const int64_t group_rows = k / groups;
@@ -52,11 +66,12 @@ std::vector<float> dequantize_2_4_cpu(const at::Tensor& b_q, const at::Tensor& b
           }
           const int slot = slot_of[cr * 64 + c];
           const uint32_t word = static_cast<uint32_t>(row[nt * 128 + slot / 8]);
-          const int v = static_cast<int>((word >> (4 * (slot % 8))) & 0xF) - 8;
+          const float u = static_cast<float>((word >> (4 * (slot % 8))) & 0xF);
           const int64_t kr = 4 * (8 * st + go) + (cr % 2 == 0 ? i0 : i1);
           const int64_t g = kr / group_rows;
           const int64_t s_idx = cpu_reference::scale_index(g, col, n, groups);
-          w[kr * n + col] = static_cast<float>(s[s_idx]) * static_cast<float>(v);
+          const float zero = z != nullptr ? static_cast<float>(z[s_idx]) : 8.f;  // same index as the scale
+          w[kr * n + col] = static_cast<float>(s[s_idx]) * (u - zero);
         }
       }
     }
@@ -70,15 +85,15 @@ std::vector<float> dequantize_2_4_cpu(const at::Tensor& b_q, const at::Tensor& b
 }
 
 at::Tensor gemm_2_4_cpu(const at::Tensor& a, const at::Tensor& b_q, const at::Tensor& b_meta, const at::Tensor& b_scales,
-                        const std::optional<at::Tensor>& workspace) {
-  const Gemm24Shape sh = check_gemm_2_4_args(a, b_q, b_meta, b_scales, workspace);
+                        const std::optional<at::Tensor>& workspace, const std::optional<at::Tensor>& b_zeros) {
+  const Gemm24Shape sh = check_gemm_2_4_args(a, b_q, b_meta, b_scales, workspace, b_zeros);
   at::Tensor c = at::empty({sh.m, sh.n}, a.options());
   if (sh.m == 0) return c;
   if (a.scalar_type() == at::kBFloat16) {
-    const std::vector<float> w = dequantize_2_4_cpu<at::BFloat16>(b_q, b_meta, b_scales, sh.k, sh.n, sh.groups);
+    const std::vector<float> w = dequantize_2_4_cpu<at::BFloat16>(b_q, b_meta, b_scales, b_zeros, sh.k, sh.n, sh.groups);
     cpu_reference::matmul_fp32<at::BFloat16>(a, w, sh.m, sh.k, sh.n, c);
   } else {
-    const std::vector<float> w = dequantize_2_4_cpu<at::Half>(b_q, b_meta, b_scales, sh.k, sh.n, sh.groups);
+    const std::vector<float> w = dequantize_2_4_cpu<at::Half>(b_q, b_meta, b_scales, b_zeros, sh.k, sh.n, sh.groups);
     cpu_reference::matmul_fp32<at::Half>(a, w, sh.m, sh.k, sh.n, c);
   }
   return c;

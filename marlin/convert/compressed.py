@@ -20,10 +20,12 @@ with zero points, all exact with the same scales.
 
 2:4-sparse checkpoints (llm-compressor's 2:4 pruning, ``sparsity_config`` with
 ``sparsity_structure: "2:4"`` and the weights stored ``"dense"``, i.e. with the pruned zeros in
-place): every layer whose integer codes have at most two non-zeros in each group of 4 inputs, and
-that the 2:4 kernel takes (4-bit symmetric, scales of a dtype it computes in, group 128, 64, 32 or channel,
-no activation ordering, K and N multiples of 128), becomes a MarlinLinear24 layer (b_q, b_meta, b_scales; marlin/sparse.py),
-exact with the same scales; the others convert as dense layers, and the report says why.
+place: q = zp, W = 0): every layer whose weights (q - zp, with the same zero point conventions as
+the dense path) have at most two non-zeros in each group of 4 inputs, and that the 2:4 kernel
+takes (4-bit, symmetric or asymmetric, scales of a dtype it computes in, group 128, 64, 32 or
+channel, no activation ordering, K and N multiples of 128), becomes a MarlinLinear24 layer (b_q,
+b_meta, b_scales, and b_zeros when asymmetric; marlin/sparse.py), exact with the same scales and
+zero points; the others convert as dense layers, and the report says why.
 """
 
 from __future__ import annotations
@@ -192,30 +194,37 @@ def ct_to_marlin(prefix: str, tensors: Mapping[str, torch.Tensor], cfg: Compress
     if "weight_g_idx" in tensors:
         perm = act_order_permutation(prefix, tensors["weight_g_idx"].cpu(), scales.shape[0])
     b = q.t()  # B [K, N]
+    bias = 1 << (cfg.bits - 1)
+    z = None
+    if not cfg.sym:
+        z = (zp.t() + bias).contiguous()  # [G, N], unsigned: Marlin's z = zp + 8, as u = q + 8
+        if int(z.min()) < 0 or int(z.max()) > 15:
+            raise ConversionError(f"{prefix}.weight_zero_point: values outside [-8, 7]")
     why_dense = None
     if cfg.sparsity == "2:4":
-        why_dense = _why_not_2_4(b, scales, cfg, perm)
+        why_dense = _why_not_2_4(b, scales, z, cfg, perm)
         if why_dense is None:
-            b_q, b_meta, b_scales = sparse.pack_2_4(b.to(torch.int8).contiguous(), scales)
-            return MarlinTensors(b_q=b_q, b_scales=b_scales, perm=None, bits=4, b_meta=b_meta)
+            if z is None:
+                b_q, b_meta, b_scales = sparse.pack_2_4(b.to(torch.int8).contiguous(), scales)
+                return MarlinTensors(b_q=b_q, b_scales=b_scales, perm=None, bits=4, b_meta=b_meta)
+            b_q, b_meta, b_scales, b_zeros = sparse.pack_2_4((b + bias).to(torch.int8).contiguous(), scales, z.to(scales.dtype))
+            return MarlinTensors(b_q=b_q, b_scales=b_scales, perm=None, b_zeros=b_zeros, bits=4, b_meta=b_meta)
     if perm is not None:
         b = b.index_select(0, perm.to(torch.int64))
     if cfg.sym:
         b_q, b_scales = packing.pack(b.to(torch.int8).contiguous(), scales, bits=cfg.bits)
         return MarlinTensors(b_q=b_q, b_scales=b_scales, perm=perm, bits=cfg.bits, why_dense=why_dense)
-    bias = 1 << (cfg.bits - 1)
-    z = (zp.t() + bias).contiguous()  # [G, N], unsigned
-    if int(z.min()) < 0 or int(z.max()) > 15:
-        raise ConversionError(f"{prefix}.weight_zero_point: values outside [-8, 7]")
     b_q, b_scales, b_zeros = packing.pack((b + bias).to(torch.int8).contiguous(), scales, z.to(scales.dtype), bits=4)
     return MarlinTensors(b_q=b_q, b_scales=b_scales, perm=perm, b_zeros=b_zeros, bits=4, why_dense=why_dense)
 
 
-def _why_not_2_4(b: torch.Tensor, scales: torch.Tensor, cfg: CompressedTensorsConfig, perm) -> Optional[str]:
-    """None if the layer (codes B [K, N] in input order, its scales) converts to the 2:4 format,
-    else why not."""
-    if not cfg.sym or cfg.bits != 4:
-        return f"the 2:4 format holds 4-bit symmetric weights (this checkpoint: {cfg.bits}-bit, symmetric={cfg.sym})"
+def _why_not_2_4(
+    b: torch.Tensor, scales: torch.Tensor, z: Optional[torch.Tensor], cfg: CompressedTensorsConfig, perm
+) -> Optional[str]:
+    """None if the layer (codes B [K, N] in input order, its scales, Marlin's zero points z
+    [G, N] or None) converts to the 2:4 format, else why not."""
+    if cfg.bits != 4:
+        return f"the 2:4 format holds 4-bit weights (this checkpoint: {cfg.bits}-bit)"
     if scales.dtype not in sparse.DTYPES_2_4:
         return f"{scales.dtype} scales: the 2:4 kernel computes in {', '.join(map(str, sparse.DTYPES_2_4))}"
     if perm is not None:
@@ -223,7 +232,10 @@ def _why_not_2_4(b: torch.Tensor, scales: torch.Tensor, cfg: CompressedTensorsCo
     shape = sparse.check_shape_2_4(b.shape[0], b.shape[1], cfg.group_size)
     if shape is not None:
         return f"the 2:4 kernel does not take it: {shape}"
-    bad = sparse.violations_2_4(b.float()).numel()
+    nonzero = b.float()  # where the weights are non-zero: q, or with zero points q - zp = u - z (pruned: q = zp)
+    if z is not None:
+        nonzero = nonzero + (1 << (cfg.bits - 1)) - z.float().repeat_interleave(b.shape[0] // z.shape[0], dim=0)
+    bad = sparse.violations_2_4(nonzero).numel()
     if bad:
         return f"not 2:4 sparse: {bad} of its {b.shape[1]} output columns have more than two non-zeros in a group of 4 inputs"
     return None

@@ -261,7 +261,7 @@ def convert_gptq_checkpoint(
     "pack-quantized" W4A16 / W8A16, group or channel strategy, symmetric or (4 bits) asymmetric,
     with or without activation ordering (weight_g_idx); with a 2:4 ``sparsity_config`` (stored
     dense) its 2:4 layers become MarlinLinear24 layers (``<prefix>.b_q``, ``.b_meta``,
-    ``.b_scales``; marlin.convert.compressed says which qualify). GPTQ: bits 4 (sym true or false) or 8 (sym true),
+    ``.b_scales``, ``.b_zeros`` when asymmetric; marlin.convert.compressed says which qualify). GPTQ: bits 4 (sym true or false) or 8 (sym true),
     group_size 32, 64, 128 or -1, desc_act false or true, checkpoint_format "gptq" or "gptq_v2",
     scales in fp16 or bf16 (the converted layers compute in that dtype).
 

@@ -142,7 +142,8 @@ class GPTQConfig:
 class MarlinTensors:
     """One converted layer: the MarlinLinear buffers (``perm`` None when no permutation is needed,
     ``b_zeros`` None for symmetric weights) and the op's ``bits``; or, with ``b_meta``, a 2:4-sparse
-    layer's MarlinLinear24 buffers (b_q, b_meta, b_scales: marlin.sparse's format)."""
+    layer's MarlinLinear24 buffers (b_q, b_meta, b_scales, and b_zeros with zero points:
+    marlin.sparse's format)."""
 
     b_q: torch.Tensor
     b_scales: torch.Tensor

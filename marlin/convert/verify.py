@@ -69,12 +69,12 @@ def verify_layer(
     x = torch.randn(VERIFY_ROWS, k, generator=gen).to(marlin.b_scales.dtype)
     ref = x.float() @ w
     x_in = x if marlin.perm is None else x.index_select(1, marlin.perm.to(torch.int64))
+    zeros = None if marlin.b_zeros is None else marlin.b_zeros.to(device)
     if marlin.b_meta is not None:  # a 2:4-sparse layer
         out = ops.gemm_2_4(
-            x_in.to(device), marlin.b_q.to(device), marlin.b_meta.to(device), marlin.b_scales.to(device), workspace
+            x_in.to(device), marlin.b_q.to(device), marlin.b_meta.to(device), marlin.b_scales.to(device), workspace, zeros
         ).float().cpu()
         return normwise_relative_error(out, ref)
-    zeros = None if marlin.b_zeros is None else marlin.b_zeros.to(device)
     out = ops.gemm(
         x_in.to(device), marlin.b_q.to(device), marlin.b_scales.to(device), workspace, b_zeros=zeros, bits=marlin.bits
     ).float().cpu()

@@ -304,15 +304,16 @@ def _finish_layer(name: str, layer: MarlinLinear) -> None:
 
 
 def _finish_sparse_layer(name: str, layer: MarlinLinear24) -> None:
-    """After loading a 2:4 layer: a zeroed workspace, and scales of the layer's dtype (the one its
-    op computes in)."""
+    """After loading a 2:4 layer: a zeroed workspace, and scales (and zero points) of the layer's
+    dtype (the one its op computes in)."""
     from .._layer_common import new_workspace
 
-    if layer.b_scales.dtype != layer.dtype:
-        raise ConversionError(
-            f"{name}: a 2:4-sparse Marlin layer of dtype {layer.dtype} loaded with {layer.b_scales.dtype} scales; "
-            f"load with dtype={layer.dtype}"
-        )
+    for what, t in (("scales", layer.b_scales), ("zero points", layer.b_zeros)):
+        if t is not None and t.dtype != layer.dtype:
+            raise ConversionError(
+                f"{name}: a 2:4-sparse Marlin layer of dtype {layer.dtype} loaded with {t.dtype} {what}; "
+                f"load with dtype={layer.dtype}"
+            )
     layer.workspace = new_workspace(layer.b_q.device)
 
 

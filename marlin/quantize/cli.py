@@ -129,19 +129,19 @@ def build_parser() -> argparse.ArgumentParser:
         "--sparsity",
         default=None,
         choices=["2:4"],
-        help="prune to 2:4 jointly with the quantization (SparseGPT) for the 2:4 Marlin layers: 4-bit symmetric, "
-        "group size 128, 64, 32 or -1, no --act-order",
+        help="prune to 2:4 jointly with the quantization (SparseGPT) for the 2:4 Marlin layers: 4-bit symmetric "
+        "(default) or with zero points (--asym), group size 128, 64, 32 or -1, no --act-order",
     )
     p.add_argument("--bits", type=int, choices=[4, 8], default=4, help="weight bits: 4 (default) or 8 (symmetric)")
     sym = p.add_mutually_exclusive_group()
     sym.add_argument(
         "--sym", dest="sym", action="store_true", default=None,
-        help="symmetric weights (default for --bits 8 and --sparsity 2:4, which have no zero points)",
+        help="symmetric weights (default for --bits 8, which has no zero points, and for --sparsity 2:4)",
     )
     sym.add_argument(
         "--asym", dest="sym", action="store_false",
         help="4-bit weights with a zero point per group, the clip search shrinking min and max (default for 4-bit "
-        "dense weights)",
+        "dense weights; with --sparsity 2:4 on request)",
     )
     p.add_argument("--overwrite", action="store_true", help="replace OUT if it exists")
     p.add_argument("--no-resume", action="store_true", help="discard the finished blocks of an interrupted run")

@@ -49,10 +49,12 @@ features, columns input features) and the calibration inputs X [tokens, K]:
     Hessian: when the loop reaches the first column of a group of 4 input features, it prunes the
     2 of the 4 (per output row) whose removal costs least by the OBS saliency w_j^2 / U[j, j]^2
     (U[j, j]^2 is [H^-1]_jj of the sub-problem left at column j, the form the Cholesky factor
-    gives). A pruned weight is "quantized" to exactly 0 and its error is fed back like any
-    rounding error, so the kept weights (quantized, with feedback) absorb both. A group's scale is
-    chosen from its weights after a provisional mask by the same saliency (the pruned weights must
-    not stretch the range). 2:4 needs the input order (the sparse format has no permutation):
+    gives). A pruned weight is "quantized" to exactly 0 (code 0, or u = z with zero points) and
+    its error is fed back like any rounding error, so the kept weights (quantized, with feedback)
+    absorb both. A group's scale (and zero point) is chosen from its weights after a provisional
+    mask by the same saliency (the pruned weights must not stretch the range). 4-bit symmetric or
+    with zero points (the 2:4 format's two); the refit keeps pruned weights at exactly 0 whatever
+    zero point it picks. 2:4 needs the input order (the sparse format has no permutation):
     act-order is refused with it.
 
 Formats (marlin.quantize.clip.WeightFormat, the Marlin formats of marlin/packing.py): symmetric
@@ -108,7 +110,8 @@ class GPTQResult:
     else None) are in natural order for the rows as stored: when ``perm`` is given, row i of q is
     input feature perm[i] (act-order with groups), else row i is input feature i. ``bits`` and
     ``zeros`` say the format (q is the signed value when symmetric, u in [0, 15] with zeros).
-    ``sparsity`` "2:4": q has at most 2 non-zeros in every 4 rows of a column, ``keep`` (bool
+    ``sparsity`` "2:4": q (q - z with zero points) has at most 2 non-zeros in every 4 rows of a
+    column (the pruned codes are 0, or z), ``keep`` (bool
     [K, N], not saved) the positions kept by the pruning and ``pruned_fraction`` ||W_pruned|| /
     ||W|| of the original weight. ``dequantized()`` gives nn.Linear's weight [N, K] in the
     original input order. ``error`` is the relative output error on the calibration data (see
@@ -225,9 +228,9 @@ def _check_sparsity(sparsity: Optional[str], k: int, fmt: WeightFormat, act_orde
         raise ValueError(f"sparsity = {sparsity!r}, expected None (dense) or one of {SPARSITIES}")
     if k % 4 or block_size % 4:
         raise ValueError(f"sparsity 2:4 needs K = {k} and block_size = {block_size} to be multiples of 4")
-    if fmt != SYM4:
+    if fmt.bits != 4:
         raise ValueError(
-            f"sparsity 2:4 with bits = {fmt.bits}, sym = {fmt.sym}: the 2:4 format holds symmetric 4-bit weights only"
+            f"sparsity 2:4 with bits = {fmt.bits}: the 2:4 format holds 4-bit weights only (symmetric or with zero points)"
         )
     if act_order:
         raise ValueError("sparsity 2:4 with act_order: the 2:4 format keeps the input order (no permutation)")
@@ -375,7 +378,9 @@ def _column_loop(w, u, u_diag2, group_size, block_size, fmt, prune, params):
             q, dq = fmt.quantize(w_blk[:, i : i + 1], scale, zero)
             if prune:
                 cut = pruned_all[:, col : col + 1]
-                q = torch.where(cut, torch.zeros_like(q), q)  # symmetric: q = 0 is w = 0
+                # the code of w = 0: q = 0 when symmetric, u = z with zero points (the range holds 0)
+                zero_code = torch.zeros_like(q) if zero is None else zero.unsqueeze(1).expand_as(q)
+                q = torch.where(cut, zero_code, q)
                 dq = torch.where(cut, torch.zeros_like(dq), dq)
             q_all[:, col] = q[:, 0]
             err = (w_blk[:, i] - dq[:, 0]) / u_blk[i, i]
@@ -430,7 +435,13 @@ def _gptq(
             state = _column_loop(w_target.clone(), u, u_diag2, group_size, block_size, fmt, prune,
                                  _fixed_params(state[1], state[2], group_size))
         q_r, scales_r, zeros_r, pruned_r = state
-        scales_r, zeros_r = refit_params(w_target, q_r, scales_r, zeros_r, h_plain, group_size, fmt)
+        # 2:4 with zero points: a pruned code is u = z, so a new z would move it off 0; the refit
+        # keeps those weights at 0 and the codes follow the zero point it picks
+        keep_r = None if pruned_r is None or fmt.sym else ~pruned_r
+        scales_r, zeros_r = refit_params(w_target, q_r, scales_r, zeros_r, h_plain, group_size, fmt, keep=keep_r)
+        if keep_r is not None:
+            gs = k if group_size == -1 else group_size
+            q_r = torch.where(pruned_r, torch.stack(zeros_r, dim=1).repeat_interleave(gs, dim=1), q_r)
         state = (q_r, scales_r, zeros_r, pruned_r)
         # GPTQ's loop with fixed parameters is greedy, so a re-round can lose on some rows: each
         # row keeps its best round, and more rounds never raise a row's objective

@@ -105,7 +105,8 @@ def quantize_checkpoint(
     zero points to GPTQ's codes (marlin.quantize.refit); ``act_order``: GPTQ's descending-activation order; ``true_sequential``
     and ``fp_target``: see marlin.quantize.runner.
     ``bits`` 4 or 8 and ``sym`` (False: 4-bit zero points; None: zero points for dense 4-bit,
-    the format that loses least, symmetric for 8-bit and 2:4, which have no zero points): the weight format. ``sparsity``
+    the format that loses least, symmetric for 8-bit, which has no zero points, and for 2:4, whose
+    zero points are taken on request, sym=False): the weight format. ``sparsity``
     "2:4": prune to 2:4 jointly with the quantization (2:4 Marlin layers; group 128, 64, 32 or -1).
     Layers whose shapes the kernel does not take stay in full precision (listed in the report).
     Raises ValueError for bad input, before anything is loaded or written.

@@ -26,6 +26,10 @@ evaluated, and the current (s, z) competes with equal standing and wins ties, so
 increases f, the objective it minimises (a test checks this against a float64 reference).
 
 Symmetric formats have no zero point: only s is refit (z = 0).
+
+2:4-sparse weights with zero points (``keep``): a pruned weight is exactly 0 whatever z is (its
+code follows z: u = z), so v = (q - z) m with m the 0/1 mask of kept weights, still linear in z;
+the same five sums are taken over the kept weights (C becomes per row).
 """
 
 from __future__ import annotations
@@ -45,10 +49,14 @@ def layer_objective(w: torch.Tensor, w_hat: torch.Tensor, h: torch.Tensor) -> to
     return ((e @ h) * e).sum(dim=1)
 
 
-def _dequant(q: torch.Tensor, scale: torch.Tensor, zero: Optional[torch.Tensor]) -> torch.Tensor:
-    """s * (q - z) of one group's codes q [N, c] with per-row scale and zero [N]."""
+def _dequant(
+    q: torch.Tensor, scale: torch.Tensor, zero: Optional[torch.Tensor], keep: Optional[torch.Tensor] = None
+) -> torch.Tensor:
+    """s * (q - z) of one group's codes q [N, c] with per-row scale and zero [N]; 0 where the
+    float 0/1 mask ``keep`` [N, c] (if given) is 0."""
     z = 0.0 if zero is None else zero.unsqueeze(1)
-    return (q - z) * scale.unsqueeze(1)
+    d = (q - z) * scale.unsqueeze(1)
+    return d if keep is None else d * keep
 
 
 def refit_params(
@@ -59,29 +67,42 @@ def refit_params(
     h: torch.Tensor,
     group_size: int,
     fmt: WeightFormat,
+    keep: Optional[torch.Tensor] = None,
 ) -> tuple[list, list]:
     """Refit each group's (scale, zero) to the codes ``q`` [N, K] (float, as stored: signed when
     symmetric, u in [0, maxq] with zero points) against the target rows ``w`` [N, K] under ``h``
     [K, K] (all in the same column order). ``scales`` and ``zeros``: one [N] tensor per group
-    (fp16 values in float32; zeros None when symmetric). Returns new lists of the same form."""
+    (fp16 values in float32; zeros None when symmetric). ``keep`` (bool [N, K], 2:4 with zero
+    points): the weights not pruned; the others stay exactly 0 for any zero point, and the caller
+    sets their codes to the new zero points. Returns new lists of the same form."""
     n, k = w.shape
     gs = k if group_size == -1 else group_size
     scales, zeros = list(scales), list(zeros)
-    w_hat = torch.cat([_dequant(q[:, g * gs : (g + 1) * gs], scales[g], zeros[g]) for g in range(len(scales))], dim=1)
+    m = None if keep is None else keep.to(w.dtype)
+    if m is not None:
+        q = q * m  # v = (q - z) m = q m - z m: only the kept codes count
+    groups = [slice(g * gs, (g + 1) * gs) for g in range(len(scales))]
+    w_hat = torch.cat(
+        [_dequant(q[:, c], scales[g], zeros[g], None if m is None else m[:, c]) for g, c in enumerate(groups)], dim=1
+    )
     eh = (w - w_hat) @ h  # [N, K], kept current as groups change
     cand = torch.zeros(1, dtype=w.dtype, device=w.device) if fmt.sym else torch.arange(
         fmt.maxq + 1, dtype=w.dtype, device=w.device
     )
-    for g in range(len(scales)):
-        cols = slice(g * gs, (g + 1) * gs)
+    for g, cols in enumerate(groups):
         h_gg = h[cols, cols]
         qg = q[:, cols]
         d_old = w_hat[:, cols]
         r = eh[:, cols] + d_old @ h_gg
         qh = qg @ h_gg
         # v = q - z: v r = a - z b, v H v = A - 2 z B + z^2 C (rows [N], candidates z [Z])
-        a, b = (qg * r).sum(dim=1), r.sum(dim=1)
-        big_a, big_b, big_c = (qh * qg).sum(dim=1), qh.sum(dim=1), h_gg.sum()
+        a = (qg * r).sum(dim=1)
+        big_a = (qh * qg).sum(dim=1)
+        if m is None:
+            b, big_b, big_c = r.sum(dim=1), qh.sum(dim=1), h_gg.sum()
+        else:  # v = q m - z m (q already masked): the sums of z's terms over the kept weights
+            mg = m[:, cols]
+            b, big_b, big_c = (mg * r).sum(dim=1), (qh * mg).sum(dim=1), ((mg @ h_gg) * mg).sum(dim=1).unsqueeze(1)
         z = cand.unsqueeze(0)  # [1, Z]
         num = a.unsqueeze(1) - z * b.unsqueeze(1)
         den = big_a.unsqueeze(1) - 2 * z * big_b.unsqueeze(1) + z * z * big_c
@@ -93,13 +114,14 @@ def refit_params(
         # the current parameters, scored the same way; they win ties
         z0 = torch.zeros_like(a) if zeros[g] is None else zeros[g]
         s0 = scales[g]
-        phi0 = s0 * s0 * (big_a - 2 * z0 * big_b + z0 * z0 * big_c) - 2 * s0 * (a - z0 * b)
+        c0 = big_c if m is None else big_c[:, 0]
+        phi0 = s0 * s0 * (big_a - 2 * z0 * big_b + z0 * z0 * c0) - 2 * s0 * (a - z0 * b)
         best_phi, best = phi.min(dim=1)
         better = best_phi < phi0
         rows = torch.arange(n, device=w.device)
         s_new = torch.where(better, s[rows, best], s0)
         z_new = None if zeros[g] is None else torch.where(better, cand[best], z0)
-        d_new = _dequant(qg, s_new, z_new)
+        d_new = _dequant(qg, s_new, z_new, None if m is None else m[:, cols])
         eh -= (d_new - d_old) @ h[cols, :]
         w_hat[:, cols] = d_new
         scales[g], zeros[g] = s_new, z_new

@@ -107,9 +107,10 @@ class QuantizeConfig:
         if self.sparsity is not None:
             if self.sparsity not in SPARSITIES:
                 raise ValueError(f"sparsity = {self.sparsity!r}, expected None (dense) or one of {SPARSITIES}")
-            if (self.bits, self.sym) != (4, True):
+            if self.bits != 4:
                 raise ValueError(
-                    f"sparsity 2:4 with bits = {self.bits}, sym = {self.sym}: the 2:4 format holds symmetric 4-bit weights only"
+                    f"sparsity 2:4 with bits = {self.bits}: the 2:4 format holds 4-bit weights only (symmetric or with "
+                    "zero points)"
                 )
             if self.group_size not in SUPPORTED_GROUP_SIZES_2_4:
                 raise ValueError(

@@ -4,7 +4,7 @@ Output directory DST (what marlin.load_quantized reads, the same layout as marli
   * ``model.safetensors``: for each quantized layer its MarlinLinear state dict (``<name>.b_q``,
     ``<name>.b_scales``, ``<name>.b_zeros`` with zero points, ``<name>.perm`` with act-order
     groups, ``<name>.bias`` if any) or, with 2:4 sparsity, its MarlinLinear24 state dict
-    (``b_q``, ``b_meta``, ``b_scales``, ``bias``); every other tensor of the model's state dict
+    (``b_q``, ``b_meta``, ``b_scales``, ``b_zeros`` with zero points, ``bias``); every other tensor of the model's state dict
     in fp16 (embeddings, norms, head, layers kept in full precision); tied tensors once;
   * ``config.json`` with ``quantization_config`` (quant_method and checkpoint_format "marlin",
     so that transformers' from_pretrained loads it too; bits, sym, sparsity, group_size,
@@ -137,8 +137,10 @@ class ResumeStore:
 def _marlin_tensors(name: str, res: GPTQResult, bias: Optional[torch.Tensor]) -> dict:
     """The layer's MarlinLinear (or, 2:4, MarlinLinear24) state dict entries."""
     if res.sparsity is not None:
-        b_q, b_meta, b_scales = sparse.pack_2_4(res.q, res.scales)
-        out = {f"{name}.b_q": b_q, f"{name}.b_meta": b_meta, f"{name}.b_scales": b_scales}
+        packed = sparse.pack_2_4(res.q, res.scales, res.zeros)  # positions: the non-zeros of q (of u - z)
+        out = {f"{name}.b_q": packed[0], f"{name}.b_meta": packed[1], f"{name}.b_scales": packed[2]}
+        if res.zeros is not None:
+            out[f"{name}.b_zeros"] = packed[3]
     else:
         packed = packing.pack(res.q, res.scales, res.zeros, bits=res.bits)
         out = {f"{name}.b_q": packed[0], f"{name}.b_scales": packed[1]}

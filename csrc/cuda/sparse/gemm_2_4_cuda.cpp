@@ -53,8 +53,8 @@ bool env_is(const char* name, const char* value) {
 }
 
 at::Tensor gemm_2_4_cuda(const at::Tensor& a, const at::Tensor& b_q, const at::Tensor& b_meta, const at::Tensor& b_scales,
-                         const std::optional<at::Tensor>& workspace) {
-  const Gemm24Shape sh = check_gemm_2_4_args(a, b_q, b_meta, b_scales, workspace);
+                         const std::optional<at::Tensor>& workspace, const std::optional<at::Tensor>& b_zeros) {
+  const Gemm24Shape sh = check_gemm_2_4_args(a, b_q, b_meta, b_scales, workspace, b_zeros);
   TORCH_CHECK_NOT_IMPLEMENTED(kernel_enabled(), "marlin.gemm_2_4: the CUDA kernel is switched off by MARLIN_2_4_CUDA=0; "
                               "unset it to use the kernel, or call the op on CPU tensors");
   const c10::cuda::OptionalCUDAGuard guard(a.device());
@@ -74,14 +74,16 @@ at::Tensor gemm_2_4_cuda(const at::Tensor& a, const at::Tensor& b_q, const at::T
   if (!a_ok) a_use = a.contiguous();
   if (reinterpret_cast<uintptr_t>(a_use.data_ptr()) % 16 != 0) a_use = a.clone();
   TORCH_CHECK(reinterpret_cast<uintptr_t>(b_q.data_ptr()) % 16 == 0 && reinterpret_cast<uintptr_t>(b_meta.data_ptr()) % 16 == 0 &&
-                  reinterpret_cast<uintptr_t>(b_scales.data_ptr()) % 16 == 0,
-              "marlin.gemm_2_4: b_q, b_meta and b_scales must be 16-byte aligned (got a view with an offset?)");
+                  reinterpret_cast<uintptr_t>(b_scales.data_ptr()) % 16 == 0 &&
+                  (!b_zeros.has_value() || reinterpret_cast<uintptr_t>(b_zeros->data_ptr()) % 16 == 0),
+              "marlin.gemm_2_4: b_q, b_meta, b_scales and b_zeros must be 16-byte aligned (got a view with an offset?)");
 
   sparse24::Args24 args;
   args.a = a_use.data_ptr();
   args.b_q = b_q.data_ptr();
   args.b_meta = b_meta.data_ptr();
   args.s = b_scales.data_ptr();
+  args.z = b_zeros.has_value() ? b_zeros->data_ptr() : nullptr;
   args.c = c.data_ptr();
   args.m = static_cast<int>(sh.m);
   args.n = static_cast<int>(sh.n);

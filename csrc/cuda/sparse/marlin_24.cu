@@ -23,6 +23,10 @@ int group_strips(const Args24& args) {
   return args.groups > 1 ? std::max(1, std::min(kStrips, args.k / args.groups / 32)) : kStrips;
 }
 
+// The kernel's per-strip loop (scales, and zero points, read per strip): groups of 64 or 32, or
+// zero points at any group size.
+bool fine_plan(const Args24& args) { return group_strips(args) < kStrips || args.z != nullptr; }
+
 }  // namespace
 
 // K parts and tile width, as measured on an H100 (benchmarks/NOTES.md, "kernel v2"): the parts
@@ -89,8 +93,9 @@ std::string plan_24(const Args24& args, Plan24* plan) {
   plan->stages = !plan->wg && args.force_stages == 3 && plan->nw == 4 && plan->ms == 1 && plan->mb <= 2 ? 3 : kStages;
   if (plan->wg == 2 && plan->mb == 8 && plan->ms == 1 && plan->kw == 1) plan->stages = 3;
   const Instance inst = find_instance(args.bf16, plan->mb, plan->nw, plan->ms, plan->stages, plan->wg, plan->kw);
-  // groups of 64 or 32: a scale row per strip and stage after the ring (marlin_24_kernel.cuh)
-  plan->smem = inst.smem + (group_strips(args) < kStrips ? plan->stages * kStrips * inst.scale_row_bytes : 0);
+  // groups of 64 or 32, or zero points: a scale row and a zero-point row per strip and stage after
+  // the ring (marlin_24_kernel.cuh, StageScales)
+  plan->smem = inst.smem + (fine_plan(args) ? plan->stages * kStrips * inst.scale_row_bytes * (args.z != nullptr ? 2 : 1) : 0);
   if (plan->smem > args.max_smem)
     return "marlin.gemm_2_4: the kernel needs " + std::to_string(plan->smem) + " bytes of shared memory per block, the device allows " +
            std::to_string(args.max_smem);
@@ -160,6 +165,8 @@ cudaError_t launch_24(const Args24& args, const Plan24& plan, cudaStream_t strea
   p.lda_int4 = args.lda / 8;
   p.groups = args.groups;
   p.group_strips = group_strips(args);
+  p.z = static_cast<const int4*>(args.z);
+  p.fine = fine_plan(args);
   p.parts = plan.parts;
   p.cluster_reduce = plan.cluster_reduce;
   p.locks = args.locks;

@@ -15,6 +15,7 @@ struct Args24 {
   const void* b_q;     // int32 [K/32, 2N]
   const void* b_meta;  // int32 [K/32, N]
   const void* s;       // [groups, N], a's dtype
+  const void* z = nullptr;  // zero points, b_scales' shape, dtype and layout; nullptr: symmetric (8)
   void* c;             // [M, N], a's dtype
   float* partial;      // fp32 [parts, M, N] when plan.parts > 1
   int* locks;          // plan.locks zeroed int32 arrival counters when plan.parts > 1 (left zeroed)

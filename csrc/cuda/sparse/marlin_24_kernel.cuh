@@ -94,11 +94,13 @@ struct Shape {
   }
 };
 
-// Scales of groups of 64 or 32 rows (fine): one row per strip, the row of the strip's group
-// (group 64 copies each row twice), kStrips rows per ring slot in the area after the STAGES-deep
-// ring. Per strip rather than per group, so that the main loops address a strip's scales at a
-// constant offset and keep no group-size state in registers (the 64-row wgmma instances are at
-// their register limit). shift: log2 of the strips per group (1: group 64, 0: group 32).
+// The fine loops' scales and zero points (groups of 64 or 32 rows, or zero points at any group
+// size): one row per strip, the row of the strip's group (group 64 copies each row twice, group
+// 128 four times, per column every strip row 0), kStrips scale rows per ring slot in the area
+// after the STAGES-deep ring, then as many zero-point rows (with zero points). Per strip rather
+// than per group, so that the loops address a strip's rows at a constant offset and keep no
+// group size in registers (the 64-row wgmma instances are at their register limit). shift: log2
+// of the strips per group (2: group 128, 1: group 64, 0: group 32).
 template <int MB, int NW, int MS, bool WG, int KW, int STAGES>
 struct StageScales {
   using S = Shape<MB, NW, MS, WG, KW>;
@@ -106,6 +108,31 @@ struct StageScales {
   int shift;
   __device__ __forceinline__ int4* strip_row(int slot, int u) const {
     return smem + STAGES * S::kStageInt4 + (slot * kStrips + u) * S::kSStage;
+  }
+  __device__ __forceinline__ int4* zero_row(int slot, int u) const {
+    return smem + STAGES * S::kStageInt4 + (STAGES + slot) * kStrips * S::kSStage + u * S::kSStage;
+  }
+  // The lane's scales (grouped) and zero-point constants (u4_zero_pair; 8 without zero points) of
+  // strip u, for fragment rows g and g + 8 of blocks j = 0..3 (idx = wn * 8 + g: the b_scales
+  // permutation puts column 16 j + g at position 8 g + 2 j and 16 j + 8 + g at 8 g + 2 j + 1).
+  template <typename ET>
+  __device__ __forceinline__ void strip_params(int slot, int u, int idx, bool grouped, bool zeros,
+                                               typename Elem<ET>::T2 (&s_lo)[4], typename Elem<ET>::T2 (&s_hi)[4],
+                                               U4Zero (&z)[4]) const {
+    using T2 = typename Elem<ET>::T2;
+    if (grouped) {
+      const int4 sv = strip_row(slot, u)[idx];
+      const ET* sc = reinterpret_cast<const ET*>(&sv);
+#pragma unroll
+      for (int j = 0; j < 4; j++) s_lo[j] = T2{sc[2 * j], sc[2 * j]}, s_hi[j] = T2{sc[2 * j + 1], sc[2 * j + 1]};
+    }
+    // the pair (z_lo, z_hi) of block j is word j of the row's int4; 8 (symmetric) as an ET pair
+    const int4 zv = zeros ? zero_row(slot, u)[idx] : make_int4(0, 0, 0, 0);
+    const uint32_t eight = kIsBf16<ET> ? 0x41004100u : 0x48004800u;
+    const uint32_t zw[4] = {static_cast<uint32_t>(zv.x), static_cast<uint32_t>(zv.y), static_cast<uint32_t>(zv.z),
+                            static_cast<uint32_t>(zv.w)};
+#pragma unroll
+    for (int j = 0; j < 4; j++) z[j] = u4_zero_pair<ET>(zeros ? zw[j] : eight);
   }
 };
 
@@ -169,11 +196,11 @@ __device__ __forceinline__ void mma_sp_16832_first(const uint32_t (&a)[4], const
 // KW = 2: warpgroup wk takes strips 2 wk and 2 wk + 1 of each stage (the same 64-half block of
 // K); "a stage's last strip" below is then each warpgroup's second, and every warp still waits at
 // its first strip of stage i for its own last group of stage i - 1.
-// FINE (groups of 64 or 32 rows): each strip's scales from its StageScales row (a separate
-// instantiation, so that group 128's loop keeps its code and registers).
+// FINE (groups of 64 or 32 rows, or zero points): each strip's scales and zero points from its
+// StageScales rows (a separate instantiation, so that the plain loop keeps its code and registers).
 template <int MB, int NW, int MS, int STAGES, bool LATE, int KW, bool FINE, typename ET, typename Fetch>
 __device__ __forceinline__ void main_loop_wg(const int4* smem, Fetch& fetch, float (&tot)[4][MB][4], int kt0, int n_k, int wn,
-                                             int wrow0, int wk, int lane, int g, bool grouped,
+                                             int wrow0, int wk, int lane, int g, bool grouped, bool zeros,
                                              const StageScales<MB, NW, MS, true, KW, STAGES>& scales) {
   using S = Shape<MB, NW, MS, true, KW>;
   constexpr int kAhead = LATE ? STAGES - 1 : STAGES - 2;
@@ -217,22 +244,22 @@ __device__ __forceinline__ void main_loop_wg(const int4* smem, Fetch& fetch, flo
     // warpgroup's first strip of the stage
     using T2 = typename Elem<ET>::T2;
     T2 s_lo[4], s_hi[4];
-    auto load_scales = [&](int strip) {
-      const int4 sv = FINE ? scales.strip_row(slot, strip)[wn * 8 + g] : sm[S::kMStage + wn * 8 + g];
-      const ET* sc = reinterpret_cast<const ET*>(&sv);
+    U4Zero zz[4];  // FINE: the strip's zero-point constants
+    if constexpr (!FINE) {
+      if (grouped) {
+        const int4 sv = sm[S::kMStage + wn * 8 + g];
+        const ET* sc = reinterpret_cast<const ET*>(&sv);
 #pragma unroll
-      for (int j = 0; j < 4; j++) s_lo[j] = T2{sc[2 * j], sc[2 * j]}, s_hi[j] = T2{sc[2 * j + 1], sc[2 * j + 1]};
-    };
-    if (grouped) load_scales(wk * kLocal);
+        for (int j = 0; j < 4; j++) s_lo[j] = T2{sc[2 * j], sc[2 * j]}, s_hi[j] = T2{sc[2 * j + 1], sc[2 * j + 1]};
+      }
+    }
     uint32_t desc_lo = static_cast<uint32_t>(desc0);
     fence_operand(desc_lo);  // add the offsets here, not one 64-bit descriptor per strip kept alive
     desc_lo += static_cast<uint32_t>(slot * S::kStageInt4 * 16) >> 4;
 #pragma unroll
     for (int l = 0; l < kLocal; l++) {
       const int buf = l % 2;
-      if constexpr (FINE) {
-        if (l > 0) load_scales(wk * kLocal + l);
-      }
+      if constexpr (FINE) scales.template strip_params<ET>(slot, wk * kLocal + l, wn * 8 + g, grouped, zeros, s_lo, s_hi, zz);
       const int4 wq4 = sb[(l * NW + strip_chunk) * 32 + lane];
       // metadata as in the mma.sync loop: the lane's words (blocks 0, 1) and lane ^ 2's (2, 3), selector 0
       const uint2* mrow = reinterpret_cast<const uint2*>(sm + (l * NW + strip_chunk) * 16);
@@ -243,7 +270,10 @@ __device__ __forceinline__ void main_loop_wg(const int4* smem, Fetch& fetch, flo
 #pragma unroll
       for (int j = 0; j < 4; j++) {
         uint32_t lo[2], hi[2];
-        dequant_u4<ET, false>(wq[j], lo, hi, U4Zero{});
+        if constexpr (FINE)
+          dequant_u4<ET, true>(wq[j], lo, hi, zz[j]);  // u - z (z = 8 without zero points)
+        else
+          dequant_u4<ET, false>(wq[j], lo, hi, U4Zero{});
         if (grouped) {
           lo[0] = as_u32<ET>(__hmul2(as_t2<ET>(lo[0]), s_lo[j]));
           lo[1] = as_u32<ET>(__hmul2(as_t2<ET>(lo[1]), s_lo[j]));
@@ -334,8 +364,9 @@ __global__ void __launch_bounds__(32 * NW * MS * KW) marlin_24_kernel(const Para
   const int kt0 = part * k_tiles / p.parts, kt1 = (part + 1) * k_tiles / p.parts;
   const int n_k = kt1 - kt0;
   const bool grouped = p.groups > 1;
-  // per-strip scale rows of groups of 64 (2 strips per group) or 32 (1)
-  const StageScales<MB, NW, MS, WG != 0, KW, STAGES> scales{smem, p.group_strips == 2 ? 1 : 0};
+  const bool zeros = p.z != nullptr;
+  // the fine loops' per-strip rows: strips per group 4 (group 128), 2 (64) or 1 (32)
+  const StageScales<MB, NW, MS, WG != 0, KW, STAGES> scales{smem, p.group_strips == 4 ? 2 : p.group_strips == 2 ? 1 : 0};
 
   const long long bq_row = p.n / 2;  // int4 per row of b_q (one strip)
   const long long bm_row = p.n / 4;  // int4 per row of b_meta
@@ -364,10 +395,14 @@ __global__ void __launch_bounds__(32 * NW * MS * KW) marlin_24_kernel(const Para
       cp_async16_evict_first(sm + x, p.b_meta + (static_cast<long long>(kt) * kStrips + st) * bm_row + nt * NW * 16 + o);
     }
     if constexpr (decltype(fine)::value) {
-      if (tid < kStrips * S::kSStage) {
-        const int u = tid / S::kSStage, o = tid % S::kSStage;
-        const int grp_row = (kt * kStrips + u) >> scales.shift;  // the group of the stage's strip u
-        cp_async16(scales.strip_row(slot, u) + o, p.s + static_cast<long long>(grp_row) * (p.n / 8) + nt * NW * 8 + o);
+      // scale rows (grouped), then zero-point rows (zeros), one per strip: the row of its group
+      constexpr int kStripRows = kStrips * S::kSStage;  // int4 of a stage's per-strip rows of one kind
+      for (int x = grouped ? tid : tid + kStripRows; x < (zeros ? 2 * kStripRows : kStripRows); x += kThreads) {
+        const bool z = x >= kStripRows;
+        const int u = (x % kStripRows) / S::kSStage, o = x % S::kSStage;
+        const int grp_row = grouped ? (kt * kStrips + u) >> scales.shift : 0;  // per column: the one row
+        cp_async16((z ? scales.zero_row(slot, u) : scales.strip_row(slot, u)) + o,
+                   (z ? p.z : p.s) + static_cast<long long>(grp_row) * (p.n / 8) + nt * NW * 8 + o);
       }
     } else if (grouped && tid < S::kSStage) {
       cp_async16(sm + S::kMStage + tid, p.s + static_cast<long long>(kt) * (p.n / 8) + nt * NW * 8 + tid);
@@ -397,7 +432,7 @@ __global__ void __launch_bounds__(32 * NW * MS * KW) marlin_24_kernel(const Para
   auto fetch_stage = [&](int kt, int slot) { fetch(kt, slot, fine); };
   if constexpr (WG) {
     main_loop_wg<MB, NW, MS, STAGES, WG == 2, KW, kFine, ET>(smem, fetch_stage, tot, kt0, n_k, wn, wrow0, wk, lane, g, grouped,
-                                                              scales);
+                                                              zeros, scales);
   } else {
 #pragma unroll
   for (int s = 0; s < STAGES - 1; s++) {
@@ -457,21 +492,21 @@ __global__ void __launch_bounds__(32 * NW * MS * KW) marlin_24_kernel(const Para
       const uint2 mw = mrow[lane], mw2 = mrow[lane ^ 2];
       const uint32_t wq[4] = {static_cast<uint32_t>(wq4.x), static_cast<uint32_t>(wq4.y), static_cast<uint32_t>(wq4.z),
                               static_cast<uint32_t>(wq4.w)};
-      // fine: the strip's group scales on the dequantized weights (as the wgmma loop applies
-      // them), the products summed straight into tot: no group sums, no group size in the loop
+      // fine: the strip's zero points in the dequantization and its group scales on the
+      // dequantized weights (as the wgmma loop applies them), the products summed straight into
+      // tot: no group sums, no group size in the loop
       using T2 = typename E::T2;
       T2 s2_lo[4], s2_hi[4];
-      if constexpr (kFine) {
-        const int4 sv = scales.strip_row(slot, u)[wn * 8 + g];
-        const ET* sc = reinterpret_cast<const ET*>(&sv);
-#pragma unroll
-        for (int j = 0; j < 4; j++) s2_lo[j] = T2{sc[2 * j], sc[2 * j]}, s2_hi[j] = T2{sc[2 * j + 1], sc[2 * j + 1]};
-      }
+      U4Zero zz[4];
+      if constexpr (kFine) scales.template strip_params<ET>(slot, u, wn * 8 + g, grouped, zeros, s2_lo, s2_hi, zz);
 #pragma unroll
       for (int j = 0; j < 4; j++) {
         uint32_t lo[2], hi[2];
-        dequant_u4<ET, false>(wq[j], lo, hi, U4Zero{});
-        if constexpr (kFine) {
+        if constexpr (kFine)
+          dequant_u4<ET, true>(wq[j], lo, hi, zz[j]);  // u - z (z = 8 without zero points)
+        else
+          dequant_u4<ET, false>(wq[j], lo, hi, U4Zero{});
+        if (kFine && grouped) {
           lo[0] = as_u32<ET>(__hmul2(as_t2<ET>(lo[0]), s2_lo[j]));
           lo[1] = as_u32<ET>(__hmul2(as_t2<ET>(lo[1]), s2_lo[j]));
           hi[0] = as_u32<ET>(__hmul2(as_t2<ET>(hi[0]), s2_hi[j]));
@@ -494,7 +529,7 @@ __global__ void __launch_bounds__(32 * NW * MS * KW) marlin_24_kernel(const Para
   }
   }  // mma.sync main loop
   };
-  if (p.group_strips == kStrips)
+  if (!p.fine)
     main_loop(std::false_type{});
   else
     main_loop(std::true_type{});

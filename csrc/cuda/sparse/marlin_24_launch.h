@@ -17,6 +17,7 @@ struct Params {
   const int4* b_q;     // [K/32, 2N] int32
   const int4* b_meta;  // [K/32, N] int32
   const int4* s;       // [groups, N] of the element type
+  const int4* z;       // zero points (integers 0..15) in s's shape, type and layout; nullptr: 8
   void* c;             // [M, N] of the element type (fp16 or bf16, as a and s)
   float* partial;      // [parts, M, N] fp32 (parts > 1 without cluster_reduce)
   int* locks;          // one zeroed arrival counter per column tile and slice (as partial)
@@ -24,6 +25,7 @@ struct Params {
   long long lda_int4;
   int groups;          // 1: per column, else K / group size (128, 64 or 32)
   int group_strips;    // strips per scale group: 4 (group 128, and per column), 2 (group 64), 1 (group 32)
+  bool fine;           // per-strip scale (and zero point) rows: groups of 64 or 32, or zero points
   int parts;           // K parts per column tile
   bool cluster_reduce; // the parts of a tile are one cluster (sm_90+, parts <= kMaxClusterParts)
 };
@@ -36,7 +38,7 @@ constexpr int kStages = 4;
 // blocks per SM and resident clusters.
 struct Instance {
   int smem;             // dynamic shared memory for one scale row per stage (group 128, per column)
-  int scale_row_bytes;  // groups of 64 or 32 add kStrips scale rows of this size per stage
+  int scale_row_bytes;  // fine plans add kStrips scale rows of this size per stage (and as many zero rows)
   int threads;
   int (*blocks_per_sm)(int smem);
   int (*max_clusters)(int cluster, int smem);
