@@ -23,7 +23,7 @@ Weight formats (``--asym``, ``--bits 8``, ``--sparsity 2:4``; default 4-bit symm
 rtn and the gptq methods; a point records its format when it is not the default and the table
 labels it. With 2:4, rtn is magnitude pruning then round to nearest (MarlinLinear24.from_linear).
 ``--any-shape`` also quantizes layers whose shapes the kernel refuses (the method's accuracy on a
-model the kernel cannot run, e.g. 2:4 on SmolLM2's 576-wide layers); such points say so.
+model the kernel cannot run, e.g. 2:4 on SmolLM2's layers of 576 inputs); such points say so.
 
 Evaluation runs on the CPU in float32 with the dequantized weights in the model's Linear layers
 (exactly the weights the checkpoint stores); ``--kernel-check N`` also writes the gptq_variant

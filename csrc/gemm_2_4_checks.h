@@ -14,7 +14,10 @@ namespace marlin {
 
 constexpr int64_t kStrip24 = 32;        // rows of the original K per row of b_q and b_meta
 constexpr int64_t kKMultiple24 = 128;   // K must be a multiple of this (one group, one stage)
-constexpr int64_t kNMultiple24 = 128;   // N must be a multiple of this
+// N must be a multiple of this: whole 64-column tiles, the unit of the packing (b_q, b_meta and
+// the scales' permutation); the CUDA kernel runs N % 128 == 64 (e.g. a tensor-parallel shard) on
+// a 64-column tile.
+constexpr int64_t kNMultiple24 = 64;
 // Group sizes along the original K besides per column (one scale row); each divides kKMultiple24,
 // so every K the op takes has whole groups of each.
 constexpr int64_t kGroupSizes24[] = {128, 64, 32};

@@ -76,9 +76,11 @@ __all__ = [
 ]
 
 # What torch.ops.marlin.gemm_2_4 accepts (must match csrc/gemm_2_4_checks.h). The packing
-# itself only needs K % 32 (one strip) and N % 64 (one tile).
+# itself only needs K % 32 (one strip) and N % 64 (one tile); the op takes K in whole groups of
+# 128 (one stage) and N in whole 64-column tiles, as the dense op does (tensor-parallel shards of
+# real models have N % 128 == 64).
 K_MULTIPLE_2_4 = 128
-N_MULTIPLE_2_4 = 128
+N_MULTIPLE_2_4 = 64
 SUPPORTED_GROUP_SIZES_2_4 = (128, 64, 32, -1)  # -1: per column; each divides K_MULTIPLE_2_4
 DTYPES_2_4 = (torch.float16, torch.bfloat16)  # activations, scales and output (one dtype per call)
 STRIP_K = 32  # rows of the original K per packed row of b_q and b_meta

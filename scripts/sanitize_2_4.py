@@ -14,9 +14,10 @@ import torch
 import marlin
 from marlin import sparse
 
-CASES = [  # (M, K, N, group size): 8/16/32/64-row slices, both tiles, K split into parts or not
+CASES = [  # (M, K, N, group size): 8/16/32/64-row slices, the three tiles, K split into parts or not
     (1, 1024, 512, 128),  # K split (fp32 partials + the last block's reduction, or in clusters)
     (13, 512, 384, -1),  # 128-column tile, 16-row slice, per-column scales
+    (13, 512, 192, 128),  # N % 128 == 64 (a tensor-parallel shard): the 64-column tile, 16-row slice
     (70, 4096, 1024, 128),  # two 64-row slices (the last partial); sm_90a: two 64-row wgmma slices
     (200, 256, 4096, -1),  # many slices, one K part: C written directly
     (24, 1024, 512, 128),  # sm_90a: the 32-row wgmma slice, K split

@@ -150,20 +150,20 @@ def test_pack_quantized_tensor_errors(tmp_path):
     assert not (tmp_path / "dst").exists()
 
 
-SPARSE_LAYERS = [  # (prefix, K, N, pruned 2:4): the first converts 2:4-sparse, the others stay dense
+SPARSE_LAYERS = [  # (prefix, K, N, pruned 2:4): the pruned ones convert 2:4-sparse, the other stays dense
     ("model.layers.0.mlp.up_proj", 256, 384, True),
-    ("model.layers.0.mlp.down_proj", 384, 192, True),  # N = 192: the 2:4 kernel takes multiples of 128
+    ("model.layers.0.mlp.down_proj", 384, 192, True),  # N = 192: whole 64-column tiles (N % 128 == 64)
     ("model.layers.0.self_attn.o_proj", 256, 256, False),  # not pruned
 ]
 
 
-def write_2_4(tmp_path, group_size=128, dtype=torch.float16, sparsity_format="dense", sym=True):
+def write_2_4(tmp_path, group_size=128, dtype=torch.float16, sparsity_format="dense", sym=True, layers=SPARSE_LAYERS):
     """A checkpoint as llm-compressor writes a 2:4-pruned W4A16 model: pack-quantized, the pruned
     weights stored as zeros (asymmetric: as q = zp), sparsity_config 2:4 "dense"."""
     from marlin import sparse
 
     tensors, refs = {}, {}
-    for i, (prefix, k, n, pruned) in enumerate(SPARSE_LAYERS):
+    for i, (prefix, k, n, pruned) in enumerate(layers):
         g = torch.Generator().manual_seed(10 + i)
         w = torch.randn(n, k, generator=g) * 0.05 + (0 if sym else 0.03)  # asymmetric: off centre
         if pruned:
@@ -190,8 +190,9 @@ def write_2_4(tmp_path, group_size=128, dtype=torch.float16, sparsity_format="de
 
 @pytest.mark.parametrize("group_size", [128, 64, 32, -1])
 def test_convert_2_4_sparse_pack_quantized(tmp_path, group_size):
-    """The 2:4-pruned layer becomes a MarlinLinear24 layer, exactly, in every group size the 2:4
-    kernel takes; the others stay dense, each with its reason in the report; --verify runs both ops."""
+    """The 2:4-pruned layers become MarlinLinear24 layers, exactly, in every group size the 2:4
+    kernel takes (N = 192 too: whole 64-column tiles); the unpruned one stays dense with its
+    reason in the report; --verify runs both ops."""
     from marlin import sparse
     from marlin.sparse_nn import MarlinLinear24
 
@@ -199,21 +200,21 @@ def test_convert_2_4_sparse_pack_quantized(tmp_path, group_size):
     dst = tmp_path / "dst"
     report = convert_gptq_checkpoint(src, dst, verify=True, quiet=True)
     up, down, o = (p for p, *_ in SPARSE_LAYERS)
-    assert report.sparse_layers == [up]
+    assert sorted(report.sparse_layers) == sorted([up, down])
     why = dict(report.kept_dense)
-    assert "multiple of 128" in why[down] and "not 2:4 sparse" in why[o] and len(why) == 2
-    assert "2:4-sparse layers: 1; dense: 2" in report.summary()
+    assert "not 2:4 sparse" in why[o] and len(why) == 1
+    assert "2:4-sparse layers: 2; dense: 1" in report.summary()
     out = load_file(str(dst / "model.safetensors"))
-    assert out[f"{up}.b_scales"].shape == (packing.num_groups(256, group_size), 384)
-    assert torch.equal(sparse.unpack_2_4(out[f"{up}.b_q"], out[f"{up}.b_meta"], out[f"{up}.b_scales"]), refs[up])
-    layer = MarlinLinear24(256, 384, bias=False, group_size=group_size)
-    layer.load_state_dict({s: out[f"{up}.{s}"] for s in ("b_q", "b_meta", "b_scales")})
-    x = torch.randn(3, 256).half()
-    ref = x.double() @ refs[up].double()
-    assert float((layer(x).double() - ref).norm() / ref.norm()) < 1e-3
-    for prefix in (down, o):
-        assert f"{prefix}.b_meta" not in out
-        assert torch.equal(packing.dequantize(*packing.unpack(out[f"{prefix}.b_q"], out[f"{prefix}.b_scales"])), refs[prefix])
+    for prefix, k, n, _ in SPARSE_LAYERS[:2]:
+        assert out[f"{prefix}.b_scales"].shape == (packing.num_groups(k, group_size), n)
+        assert torch.equal(sparse.unpack_2_4(out[f"{prefix}.b_q"], out[f"{prefix}.b_meta"], out[f"{prefix}.b_scales"]), refs[prefix])
+        layer = MarlinLinear24(k, n, bias=False, group_size=group_size)
+        layer.load_state_dict({s: out[f"{prefix}.{s}"] for s in ("b_q", "b_meta", "b_scales")})
+        x = torch.randn(3, k).half()
+        ref = x.double() @ refs[prefix].double()
+        assert float((layer(x).double() - ref).norm() / ref.norm()) < 1e-3, prefix
+    assert f"{o}.b_meta" not in out
+    assert torch.equal(packing.dequantize(*packing.unpack(out[f"{o}.b_q"], out[f"{o}.b_scales"])), refs[o])
     qc = json.loads((dst / "config.json").read_text())["quantization_config"]
     assert qc["quant_method"] == "marlin" and qc["sparsity"] == "2:4"
 
@@ -232,23 +233,23 @@ def test_convert_asymmetric_2_4_sparse_pack_quantized(tmp_path, group_size, dtyp
     zp = tensors[f"{up}.weight_zero_point"]
     assert zp.abs().sum() > 0  # real zero points, not all 0 (the symmetric case)
     report = convert_gptq_checkpoint(src, tmp_path / "dst", verify=True, quiet=True)
-    assert report.sparse_layers == [up] and report.max_verify_error < (1e-3 if dtype == torch.float16 else 8e-3)
+    assert sorted(report.sparse_layers) == sorted([up, down]) and report.max_verify_error < (1e-3 if dtype == torch.float16 else 8e-3)
     why = dict(report.kept_dense)
-    assert "multiple of 128" in why[down] and "not 2:4 sparse" in why[o]
+    assert "not 2:4 sparse" in why[o] and len(why) == 1
     out = load_file(str(tmp_path / "dst" / "model.safetensors"))
-    b_q, b_meta, b_s, b_z = (out[f"{up}.{s}"] for s in ("b_q", "b_meta", "b_scales", "b_zeros"))
-    assert b_z.shape == b_s.shape == (packing.num_groups(256, group_size), 384) and b_z.dtype == dtype
-    assert torch.equal(sparse.unpack_2_4(b_q, b_meta, b_s, b_z), refs[up])  # exact, pruned weights 0
-    assert not torch.equal(sparse.unpack_2_4(b_q, b_meta, b_s), refs[up])  # the zero points matter
-    layer = MarlinLinear24(256, 384, bias=False, group_size=group_size, dtype=dtype, zero_points=True)
-    layer.load_state_dict({s: out[f"{up}.{s}"] for s in ("b_q", "b_meta", "b_scales", "b_zeros")})
-    x = torch.randn(3, 256).to(dtype)
-    ref = x.double() @ refs[up].double()
-    assert float((layer(x).double() - ref).norm() / ref.norm()) < (1e-3 if dtype == torch.float16 else 8e-3)
-    for prefix in (down, o):
-        assert f"{prefix}.b_meta" not in out
-        parts = packing.unpack(out[f"{prefix}.b_q"], out[f"{prefix}.b_scales"], out[f"{prefix}.b_zeros"])
-        assert torch.equal(packing.dequantize(*parts), refs[prefix])
+    for prefix, k, n, _ in SPARSE_LAYERS[:2]:  # N = 384 and 192
+        b_q, b_meta, b_s, b_z = (out[f"{prefix}.{s}"] for s in ("b_q", "b_meta", "b_scales", "b_zeros"))
+        assert b_z.shape == b_s.shape == (packing.num_groups(k, group_size), n) and b_z.dtype == dtype
+        assert torch.equal(sparse.unpack_2_4(b_q, b_meta, b_s, b_z), refs[prefix])  # exact, pruned weights 0
+        assert not torch.equal(sparse.unpack_2_4(b_q, b_meta, b_s), refs[prefix])  # the zero points matter
+        layer = MarlinLinear24(k, n, bias=False, group_size=group_size, dtype=dtype, zero_points=True)
+        layer.load_state_dict({s: out[f"{prefix}.{s}"] for s in ("b_q", "b_meta", "b_scales", "b_zeros")})
+        x = torch.randn(3, k).to(dtype)
+        ref = x.double() @ refs[prefix].double()
+        assert float((layer(x).double() - ref).norm() / ref.norm()) < (1e-3 if dtype == torch.float16 else 8e-3), prefix
+    assert f"{o}.b_meta" not in out
+    parts = packing.unpack(out[f"{o}.b_q"], out[f"{o}.b_scales"], out[f"{o}.b_zeros"])
+    assert torch.equal(packing.dequantize(*parts), refs[o])
     qc = json.loads((tmp_path / "dst" / "config.json").read_text())["quantization_config"]
     assert qc["sparsity"] == "2:4" and qc["sym"] is False
 
@@ -262,7 +263,7 @@ def test_convert_2_4_sparse_limits(tmp_path):
     if torch.bfloat16 not in sparse.DTYPES_2_4:
         assert report.sparse_layers == [] and "torch.bfloat16 scales" in dict(report.kept_dense)[SPARSE_LAYERS[0][0]]
     else:  # bf16 2:4 layers: the same layer as with fp16 scales, checked by --verify on the CPU op
-        assert report.sparse_layers == [SPARSE_LAYERS[0][0]]
+        assert sorted(report.sparse_layers) == sorted(p for p, _, _, pruned in SPARSE_LAYERS if pruned)
         assert convert_gptq_checkpoint(src, tmp_path / "dst2", verify=True, quiet=True).max_verify_error < 8e-3
     # a sparsity_config of another structure: the layers convert as they are, all dense, no reasons
     unstructured = tmp_path / "unstructured"
@@ -281,6 +282,34 @@ def test_convert_2_4_sparse_limits(tmp_path):
     with pytest.raises(ConversionError, match=r"sparsity_config: format = 'sparse-24-bitmask' is not supported"):
         convert_gptq_checkpoint(src, other / "dst", quiet=True)
     assert not (other / "dst").exists()
+
+
+@pytest.mark.parametrize("group_size", [64, -1])
+def test_convert_2_4_shapes_the_2_4_kernel_refuses(tmp_path, group_size):
+    """Pruned 2:4 but K = 192 (a multiple of 64, not of 128): the layer stays dense, with the 2:4
+    kernel's reason in the report, next to a pruned N = 320 layer that converts 2:4 (N % 128 ==
+    64). A pruned layer with N % 64 != 0 is not a case of "stays dense": no Marlin format takes
+    it, so the conversion is refused before anything is written, naming N."""
+    from marlin import sparse
+
+    layers = [("model.layers.0.mlp.up_proj", 256, 320, True), ("model.layers.0.mlp.down_proj", 192, 256, True)]
+    src, refs = write_2_4(tmp_path, group_size, layers=layers)
+    report = convert_gptq_checkpoint(src, tmp_path / "dst", verify=True, quiet=True)
+    up, down = (p for p, *_ in layers)
+    assert report.sparse_layers == [up]
+    why = dict(report.kept_dense)
+    assert list(why) == [down]
+    assert "the 2:4 kernel does not take it: in_features = 192, expected a positive multiple of 128" in why[down]
+    out = load_file(str(tmp_path / "dst" / "model.safetensors"))
+    assert torch.equal(sparse.unpack_2_4(out[f"{up}.b_q"], out[f"{up}.b_meta"], out[f"{up}.b_scales"]), refs[up])
+    assert f"{down}.b_meta" not in out
+    assert torch.equal(packing.dequantize(*packing.unpack(out[f"{down}.b_q"], out[f"{down}.b_scales"])), refs[down])
+    odd = tmp_path / "odd"
+    odd.mkdir()
+    src, _ = write_2_4(odd, group_size, layers=[("model.layers.0.mlp.up_proj", 256, 96, True)])
+    with pytest.raises(ConversionError, match=r"N = out_features = 96\) cannot be converted: out_features = 96, expected a positive multiple of 64"):
+        convert_gptq_checkpoint(src, odd / "dst", quiet=True)
+    assert not (odd / "dst").exists()
 
 
 @pytest.mark.parametrize("sym", [True, False], ids=["sym", "asym"])

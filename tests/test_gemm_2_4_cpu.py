@@ -42,8 +42,9 @@ def zero_point_layer(k, n, group_size, seed, dtype=torch.float16):
     return sparse.unpack_2_4(b_q, b_meta, b_s, b_z), b_q, b_meta, b_s, b_z
 
 
+# N = 192 and 320 (N % 128 == 64, e.g. tensor-parallel shards): whole 64-column tiles, no 128
 @pytest.mark.parametrize("m", [0, 1, 7, 16, 33])
-@pytest.mark.parametrize("k,n", [(128, 128), (256, 384), (512, 256)])
+@pytest.mark.parametrize("k,n", [(128, 128), (256, 384), (512, 256), (256, 192), (384, 320)])
 @pytest.mark.parametrize("group_size", [128, 64, 32, -1])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 def test_cpu_gemm_2_4_matches_fp64_reference(m, k, n, group_size, dtype):
@@ -97,7 +98,7 @@ def test_each_group_of_rows_takes_its_own_scales(group_size, dtype):
 
 
 @pytest.mark.parametrize("m", [0, 1, 7, 33])
-@pytest.mark.parametrize("k,n", [(256, 384), (512, 256)])
+@pytest.mark.parametrize("k,n", [(256, 384), (512, 256), (256, 192), (384, 320)])
 @pytest.mark.parametrize("group_size", [128, 64, 32, -1])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 def test_cpu_gemm_2_4_with_zero_points_matches_fp64_reference(m, k, n, group_size, dtype):
@@ -127,6 +128,31 @@ def test_cpu_gemm_2_4_with_zero_points_matches_fp64_reference(m, k, n, group_siz
         z_next = z.double().roll(-1, dims=0)[rows]
         wrong = torch.where(keep, (u.double() - z_next) * s.double()[rows], torch.zeros((), dtype=torch.float64))
         assert rel_err(a.double() @ wrong, ref) > 100 * tol
+
+
+@pytest.mark.parametrize("zero_points", [False, True], ids=["sym", "zp"])
+@pytest.mark.parametrize("n", [64, 192, 320])
+def test_each_64_column_tile_is_self_contained(n, zero_points):
+    """The op on N % 128 == 64 reads each 64-column tile as its own layer: its columns equal,
+    bit for bit, the op on that tile's slices of b_q (128 words per row), b_meta, b_scales and
+    b_zeros (64 columns each; the scales' permutation stays inside a tile), N = 64 included. A
+    tile read at another tile's offset (a 128-column stride) would differ."""
+    k, g = 256, 64
+    if zero_points:
+        _, b_q, b_meta, b_s, b_z = zero_point_layer(k, n, g, seed=n)
+    else:
+        _, b_q, b_meta, b_s = sparse_layer(k, n, g, seed=n)
+        b_z = None
+    a = torch.randn(6, k).half()
+    c = call(a, b_q, b_meta, b_s, None, b_z)
+    assert c.shape == (6, n)
+    for t in range(n // 64):
+        cols = slice(64 * t, 64 * t + 64)
+        tile = call(a, b_q[:, 128 * t: 128 * t + 128].contiguous(), b_meta[:, cols].contiguous(), b_s[:, cols].contiguous(),
+                    None, None if b_z is None else b_z[:, cols].contiguous())
+        assert torch.equal(c[:, cols], tile), t
+        if t > 0:
+            assert not torch.equal(c[:, cols], c[:, 64 * (t - 1): 64 * t]), t
 
 
 def test_wrong_metadata_or_values_are_caught():
@@ -197,7 +223,9 @@ CASES = [
     ("meta wrong shape", lambda q, m, s: (a16(), q, m[:, :128].contiguous(), s, None), r"b_meta shape \[8, 128\], expected \[K/32, N\] = \[8, 256\]"),
     ("meta non-contiguous", lambda q, m, s: (a16(), q, m.t().contiguous().t(), s, None), r"b_meta must be contiguous"),
     ("K not multiple of 128", lambda q, m, s: (a16(k=64), q[:2].contiguous(), m[:2].contiguous(), s[:1].contiguous(), None), r"K = 64, expected a positive multiple of 128"),
-    ("N not multiple of 128", lambda q, m, s: (a16(), q[:, :128].contiguous(), m[:, :64].contiguous(), s[:, :64].contiguous(), None), r"N = b_q\.size\(1\) / 2 = 64, expected a positive multiple of 128"),
+    # N = 64 (one tile) and 192 are taken; 32 and 96 are not whole 64-column tiles
+    ("N not multiple of 64", lambda q, m, s: (a16(), q[:, :64].contiguous(), m[:, :32].contiguous(), s[:, :32].contiguous(), None), r"N = b_q\.size\(1\) / 2 = 32, expected a positive multiple of 64"),
+    ("N = 96", lambda q, m, s: (a16(), q[:, :192].contiguous(), m[:, :96].contiguous(), s[:, :96].contiguous(), None), r"N = b_q\.size\(1\) / 2 = 96, expected a positive multiple of 64"),
     ("scales fp32", lambda q, m, s: (a16(), q, m, s.float(), None), r"b_scales\.dtype = Float but a\.dtype = Half"),
     ("scales bf16, a fp16", lambda q, m, s: (a16(), q, m, s.bfloat16(), None), r"b_scales\.dtype = BFloat16 but a\.dtype = Half"),
     ("a bf16, scales fp16", lambda q, m, s: (a16().bfloat16(), q, m, s, None), r"b_scales\.dtype = Half but a\.dtype = BFloat16"),
@@ -228,6 +256,12 @@ def test_meta_tensors_give_the_same_errors(layer):
         b_sg = torch.empty(groups, 256, dtype=torch.float16, device="meta")
         out = call(torch.empty(4, 256, dtype=torch.float16, device="meta"), b_q, b_meta, b_sg)
         assert out.shape == (4, 256) and out.dtype == torch.float16
+    # N in whole 64-column tiles: 192 gives its shape, 96 the CPU op's message
+    a = torch.empty(4, 256, dtype=torch.float16, device="meta")
+    out = call(a, b_q[:, :384].contiguous(), b_meta[:, :192].contiguous(), b_s[:, :192].contiguous())
+    assert out.shape == (4, 192) and out.dtype == torch.float16
+    with pytest.raises(Exception, match=r"N = 96, expected a positive multiple of 64"):
+        call(a, b_q[:, :192].contiguous(), b_meta[:, :96].contiguous(), b_s[:, :96].contiguous())
 
 
 @pytest.fixture(scope="module")
@@ -291,14 +325,16 @@ def test_meta_tensors_with_zero_points_give_the_output_shape(zp_layer):
 def test_opcheck_gemm_2_4(device):
     cases = [(1, 128, 128, 128, torch.float16), (7, 256, 384, -1, torch.float16), (33, 384, 256, 128, torch.bfloat16),
              (0, 128, 256, 128, torch.float16), (5, 256, 128, -1, torch.bfloat16), (3, 256, 128, 64, torch.float16),
-             (9, 384, 128, 32, torch.bfloat16)]
+             (9, 384, 128, 32, torch.bfloat16), (5, 256, 192, 128, torch.float16), (17, 384, 320, 64, torch.bfloat16),
+             (2, 128, 64, 32, torch.float16)]
     for m, k, n, g, dtype in cases:
         _, b_q, b_meta, b_s = sparse_layer(k, n, g, seed=m, dtype=dtype)
         a = torch.randn(m, k, device=device).to(dtype)
         torch.library.opcheck(torch.ops.marlin.gemm_2_4.default, (a, b_q.to(device), b_meta.to(device), b_s.to(device), None))
     # with zero points (b_zeros last, after the workspace)
     zp_cases = [(1, 128, 128, 128, torch.float16), (7, 256, 384, -1, torch.bfloat16), (0, 256, 128, 64, torch.float16),
-                (17, 384, 256, 32, torch.bfloat16), (4, 256, 256, 128, torch.bfloat16)]
+                (17, 384, 256, 32, torch.bfloat16), (4, 256, 256, 128, torch.bfloat16), (3, 256, 192, 32, torch.float16),
+                (6, 128, 320, -1, torch.bfloat16)]
     for m, k, n, g, dtype in zp_cases:
         _, b_q, b_meta, b_s, b_z = zero_point_layer(k, n, g, seed=m, dtype=dtype)
         a = torch.randn(m, k, device=device).to(dtype)

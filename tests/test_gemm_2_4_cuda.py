@@ -30,6 +30,9 @@ SHAPES = {
     "256x384": (256, 384),  # N % 256 != 0: the 128-column tile
     "1152x640": (1152, 640),
     "384x1280": (384, 1280),
+    # N % 128 == 64 (tensor-parallel shards of 128-multiple widths): the 64-column tile
+    "256x192": (256, 192),
+    "1152x320": (1152, 320),  # and K parts
 }
 GROUPS = [128, 64, 32, -1]
 ALLOWED = 1.5
@@ -91,7 +94,7 @@ def test_each_group_of_rows_takes_its_own_scales(m, g, dtype, mma_sync, zp, monk
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 @pytest.mark.parametrize("g", GROUPS)
-@pytest.mark.parametrize("shape", ["7B_qkv", "128x128", "256x384", "1152x640"])
+@pytest.mark.parametrize("shape", ["7B_qkv", "128x128", "256x384", "1152x640", "256x192", "1152x320"])
 @pytest.mark.parametrize("m", M_VALUES)
 def test_zero_points(m, shape, g, dtype):
     """b_zeros (w = (u - z) * s at the kept positions, 0 at the pruned ones), zero points spread
@@ -104,7 +107,7 @@ def test_zero_points(m, shape, g, dtype):
 
 
 @pytest.mark.parametrize("g", GROUPS)
-@pytest.mark.parametrize("shape", ["7B_qkv", "128x128", "256x384", "1152x640"])
+@pytest.mark.parametrize("shape", ["7B_qkv", "128x128", "256x384", "1152x640", "256x192", "1152x320"])
 @pytest.mark.parametrize("m", M_VALUES)
 def test_shapes_bf16(m, shape, g):
     """bf16 activations, scales and output (the same kernels, bf16 instructions): within 1.5x of
@@ -116,16 +119,20 @@ def test_shapes_bf16(m, shape, g):
 
 
 # Every partition the planner can choose, forced (the knobs are read per call,
-# csrc/cuda/sparse/gemm_2_4_cuda.cpp): K parts in clusters or through global memory, both tile
-# widths, 32-, 64- and 128-row block slices (M > 16), the 3-stage instances, and the first
-# kernel's plan. On sm_90a builds on an H100/H200, M > 8 on the 256-column tile runs the sparse
-# wgmma by default; "mma_sync" keeps the mma.sync kernel there.
+# csrc/cuda/sparse/gemm_2_4_cuda.cpp): K parts in clusters or through global memory, the three
+# tile widths (the 64-column tile, which N % 128 == 64 takes, forced on N = 1024 with the
+# mma.sync kernel, since a forced width does not apply to the sparse wgmma), 32-, 64- and 128-row
+# block slices (M > 16), the 3-stage instances, and the first kernel's plan. On sm_90a builds on
+# an H100/H200, M > 8 on the 256-column tile runs the sparse wgmma by default; "mma_sync" keeps
+# the mma.sync kernel there.
 PLANS = {
     "legacy": {"MARLIN_2_4_PLAN": "legacy"},
     "global_3": {"MARLIN_2_4_CLUSTERS": "0", "MARLIN_2_4_PARTS": "3"},
     "global_16": {"MARLIN_2_4_CLUSTERS": "0", "MARLIN_2_4_PARTS": "16"},
     "parts_8_clusters": {"MARLIN_2_4_PARTS": "8", "MARLIN_2_4_CLUSTERS": "1"},  # clusters on sm_90+
     "parts_5_tile_128": {"MARLIN_2_4_PARTS": "5", "MARLIN_2_4_TILE_N": "128"},
+    "parts_5_tile_64": {"MARLIN_2_4_PARTS": "5", "MARLIN_2_4_TILE_N": "64", "MARLIN_2_4_WGMMA": "0"},
+    "global_3_tile_64": {"MARLIN_2_4_CLUSTERS": "0", "MARLIN_2_4_PARTS": "3", "MARLIN_2_4_TILE_N": "64", "MARLIN_2_4_WGMMA": "0"},
     "one_part_tile_256": {"MARLIN_2_4_PARTS": "1", "MARLIN_2_4_TILE_N": "256"},
     "pdl": {"MARLIN_2_4_PDL": "1"},
     "warp_slices_1": {"MARLIN_2_4_WARP_SLICES": "1"},

@@ -43,7 +43,8 @@ def test_check_names_the_columns_that_break_the_pattern():
 
 @pytest.mark.parametrize(
     "k,n,group_size",
-    [(128, 64, 128), (256, 128, -1), (512, 192, 128), (96, 64, -1), (256, 192, 64), (384, 128, 32), (96, 64, 32)],
+    [(128, 64, 128), (256, 128, -1), (512, 192, 128), (96, 64, -1), (256, 192, 64), (384, 128, 32), (96, 64, 32),
+     (384, 320, 32)],
 )
 def test_pack_unpack_round_trip_is_exact(k, n, group_size):
     w = sparse_weight(k, n, seed=k + n)
@@ -253,7 +254,11 @@ def test_shape_errors_name_the_argument():
     with pytest.raises(ValueError, match=r"do not fit"):
         sparse.unpack_2_4(b_q, b_meta[:1], b_s)
     for g in (128, 64, 32, -1):
-        assert sparse.check_shape_2_4(256, 128, g) is None
+        for n in (128, 64, 192, 320):  # N in whole 64-column tiles, N % 128 == 64 included
+            assert sparse.check_shape_2_4(256, n, g) is None
+    assert sparse.N_MULTIPLE_2_4 == 64 and sparse.K_MULTIPLE_2_4 == 128
+    for n in (96, 32, 200, 0):
+        assert sparse.check_shape_2_4(256, n, 128) == f"out_features = {n}, expected a positive multiple of 64"
     assert "in_features = 96" in sparse.check_shape_2_4(96, 128, 128)
     assert "in_features = 96" in sparse.check_shape_2_4(96, 128, 32)  # K stays a multiple of 128 for every group size
     for g in (16, 256):

@@ -55,6 +55,33 @@ def test_from_linear_prunes_quantizes_and_computes(group_size, bias):
     assert 0.1 < rel_err(y, dense) < 0.6
 
 
+@pytest.mark.parametrize("sym", [True, False], ids=["sym", "zp"])
+@pytest.mark.parametrize("group_size", [128, 64, 32, -1])
+@pytest.mark.parametrize("out_features", [192, 320])
+def test_out_features_in_whole_64_column_tiles(out_features, group_size, sym, tmp_path):
+    """out_features % 128 == 64 (a tensor-parallel shard's width): from_linear, the forward on
+    the CPU op against fp64, and the state_dict round trip into a layer built from the shape."""
+    torch.manual_seed(out_features + group_size)
+    lin = nn.Linear(256, out_features).half()
+    layer = MarlinLinear24.from_linear(lin, group_size, sym=sym)
+    groups = 1 if group_size == -1 else 256 // group_size
+    assert layer.b_q.shape == (256 // 32, 2 * out_features) and layer.b_meta.shape == (256 // 32, out_features)
+    assert layer.b_scales.shape == (groups, out_features) and layer.zero_points == (not sym)
+    w = layer.dequantized_weight()
+    assert w.shape == (out_features, 256) and sparse.violations_2_4(w.t()).numel() == 0
+    x = torch.randn(2, 3, 256).half()
+    y = layer(x)
+    assert y.shape == (2, 3, out_features) and y.dtype == torch.float16
+    ref = reference(layer, x.reshape(6, 256))
+    assert rel_err(y.reshape(6, out_features), ref) < LAYER_TOL
+    assert rel_err(y.reshape(6, out_features)[:, torch.randperm(out_features)], ref) > 0.5
+    path = tmp_path / "l.pt"
+    torch.save(layer.state_dict(), path)
+    fresh = MarlinLinear24(256, out_features, group_size=group_size, zero_points=not sym)
+    fresh.load_state_dict(torch.load(path, weights_only=True))
+    assert torch.equal(fresh(x), y) and torch.equal(fresh.dequantized_weight(), w)
+
+
 def test_prune_false_takes_only_2_4_weights():
     lin = nn.Linear(128, 128).half()
     with pytest.raises(ValueError, match=r"not 2:4 sparse along K"):
@@ -71,6 +98,12 @@ def test_new_layer_computes_zero_and_bad_arguments():
     assert "sparsity=2:4" in repr(layer)
     with pytest.raises(ValueError, match=r"in_features = 96, expected a positive multiple of 128"):
         MarlinLinear24(96, 128)
+    # N: whole 64-column tiles (64 and 192 are taken, 96 and 32 are not)
+    assert MarlinLinear24(128, 64).b_meta.shape == (4, 64) and MarlinLinear24(128, 192).b_q.shape == (4, 384)
+    for n in (96, 32):
+        with pytest.raises(ValueError, match=rf"out_features = {n}, expected a positive multiple of 64.*out_features a "
+                           r"positive multiple of 64"):
+            MarlinLinear24(128, n)
     with pytest.raises(ValueError, match=r"group_size = 16, expected one of \(128, 64, 32, -1\).*group_size 128, 64, 32 or -1"):
         MarlinLinear24(128, 128, group_size=16)
     for g, rows in ((128, 2), (64, 4), (32, 8), (-1, 1)):  # K = 256
@@ -259,7 +292,7 @@ class Block(nn.Module):
     def __init__(self):
         super().__init__()
         self.up = nn.Linear(256, 512)
-        self.odd = nn.Linear(512, 200)  # 200 outputs: not a multiple of 128, kept
+        self.odd = nn.Linear(512, 200)  # 200 outputs: not whole 64-column tiles, kept
         self.down = nn.Linear(512, 256)
         self.lm_head = nn.Linear(256, 256)
 
@@ -276,6 +309,7 @@ def test_replace_linear_2_4_report_and_logging(caplog):
     assert isinstance(report, SparseReplaceReport)
     assert report.replaced == ["up", "down"]
     assert [n for n, _ in report.skipped] == ["odd", "lm_head"]
+    assert "out_features = 200, expected a positive multiple of 64" in dict(report.skipped)["odd"]
     assert set(report.pruned) == {"up", "down"} and all(0.35 < f < 0.55 for f in report.pruned.values())
     text = str(report)
     assert "up: pruning removed" in text and "% of the weight norm" in text and "kept odd" in text

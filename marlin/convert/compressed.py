@@ -23,7 +23,7 @@ with zero points, all exact with the same scales.
 place: q = zp, W = 0): every layer whose weights (q - zp, with the same zero point conventions as
 the dense path) have at most two non-zeros in each group of 4 inputs, and that the 2:4 kernel
 takes (4-bit, symmetric or asymmetric, scales of a dtype it computes in, group 128, 64, 32 or
-channel, no activation ordering, K and N multiples of 128), becomes a MarlinLinear24 layer (b_q,
+channel, no activation ordering, K a multiple of 128, N of 64), becomes a MarlinLinear24 layer (b_q,
 b_meta, b_scales, and b_zeros when asymmetric; marlin/sparse.py), exact with the same scales and
 zero points; the others convert as dense layers, and the report says why.
 """

@@ -46,7 +46,7 @@ bool fine_plan(const Args24& args) { return group_strips(args) < kStrips || args
 // 478 us, 2 parts 105 / 156 / 315; 7B qkv M = 32 8 parts 22.2, 4 parts 17.5; 70B o M = 32 / 64
 // 7 parts (one wave) 20.5 / 28.8, 4 parts 29.4 / 41.4, 8 (two waves of clusters) 30.6 / 42.7).
 std::string plan_24(const Args24& args, Plan24* plan) {
-  if (args.n % 128 != 0) return "marlin.gemm_2_4: N = " + std::to_string(args.n) + " is not a multiple of 128";
+  if (args.n % 64 != 0) return "marlin.gemm_2_4: N = " + std::to_string(args.n) + " is not a multiple of 64";
   // rows per warp slice: the smallest of 8, 16, 32 that holds M. One warp slice per block: two
   // (64-row block slices, each stage's weights read once for both) measured 8-10% faster on the
   // ideal layer at M = 64-128 but 20-40% slower on 70B o / gate_up / down (H100, NOTES.md).
@@ -58,8 +58,8 @@ std::string plan_24(const Args24& args, Plan24* plan) {
   // 9-16 rows 2-18% faster on the layers with N >= 8192, 0-6% slower at N = 4096 (7B o, down).
   // MARLIN_2_4_WGMMA=1 takes it wherever it can run.
   const bool wg_rule = args.wgmma_force || args.m > 16 || args.n >= 8192;
-  const bool wg = args.wgmma && wg_rule && !args.legacy && args.m > 8 && args.n % 256 == 0 && args.force_tile_n != 128 &&
-                  args.force_ms != 4;
+  const bool wg = args.wgmma && wg_rule && !args.legacy && args.m > 8 && args.n % 256 == 0 &&
+                  (args.force_tile_n == 0 || args.force_tile_n == 256) && args.force_ms != 4;
   // late refill by default: on the H100 it was within 7% of early refill at 16-32 and 128 rows,
   // and 1.46-1.57x faster at 64 on 70B gate_up and the ideal layer (163 vs 257 us, 1189 vs 1736:
   // 3 stages, 2 blocks per SM)
@@ -79,16 +79,21 @@ std::string plan_24(const Args24& args, Plan24* plan) {
     plan->ms = 1;
     if (args.force_ms > 0 && plan->mb == 4 && !args.legacy) plan->ms = args.force_ms;
   }
+  if (args.n % 128 != 0) plan->ms = 1;  // the 64-column tile (below) has one warp slice
   const int rows = 8 * plan->mb * plan->ms;
   const int rows_used = std::min(rows, args.m);  // rows of a slice's partial that are read
   plan->slices = (args.m + rows - 1) / rows;
   const int k_tiles = args.k / kStageK;
-  plan->nw = args.n % 256 == 0 && plan->ms != 4 ? 4 : 2;
+  // 256-column tiles where N allows, else 128; N % 128 == 64 (a tensor-parallel shard of a
+  // 128-multiple width, e.g. 11008 / 4 = 2752) takes one-warp 64-column tiles, one warp slice
+  plan->nw = args.n % 256 == 0 && plan->ms != 4 ? 4 : args.n % 128 == 0 ? 2 : 1;
   if (args.force_tile_n > 0 && !plan->wg) {
     plan->nw = args.force_tile_n / 64;
-    if ((plan->nw != 2 && plan->nw != 4) || args.n % args.force_tile_n != 0 || (plan->ms == 4 && plan->nw == 4))
+    if ((plan->nw != 1 && plan->nw != 2 && plan->nw != 4) || args.n % args.force_tile_n != 0 ||
+        (plan->ms == 4 && plan->nw == 4) || (plan->ms != 1 && plan->nw == 1))
       return "marlin.gemm_2_4: MARLIN_2_4_TILE_N = " + std::to_string(args.force_tile_n) + " cannot run N = " +
-             std::to_string(args.n) + " with " + std::to_string(rows) + "-row slices (128 or 256 dividing N; 128 for 128-row slices)";
+             std::to_string(args.n) + " with " + std::to_string(rows) +
+             "-row slices (64, 128 or 256 dividing N; 128 for 128-row slices, 64 for one warp slice)";
   }
   plan->stages = !plan->wg && args.force_stages == 3 && plan->nw == 4 && plan->ms == 1 && plan->mb <= 2 ? 3 : kStages;
   if (plan->wg == 2 && plan->mb == 8 && plan->ms == 1 && plan->kw == 1) plan->stages = 3;

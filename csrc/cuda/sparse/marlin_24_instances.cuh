@@ -67,7 +67,8 @@ Instance make() {
 
 // The compiled instances: MB 1, 2, 4 x NW 2, 4; at MB 4 also two warp slices (64-row block
 // slices), and four on the 128-column tile (128 rows, 8 warps; four would exceed the registers
-// of an SM on the 256-column tile); 3 stages at MB 1, 2 on the 256-column tile. WG (sm_90a
+// of an SM on the 256-column tile); 3 stages at MB 1, 2 on the 256-column tile; MB 1, 2, 4 on a
+// 64-column tile (NW = 1, one warp per block) for N % 128 == 64 (tensor-parallel shards). WG (sm_90a
 // builds; trap stubs elsewhere): the 256-column tile, warp slices of 16, 32, 64 rows, and two
 // 64-row warp slices (128-row block slices); wg = 1: early refill, 4 stages; wg = 2: late
 // refill, 4 stages, but 3 for one 64-row warp slice (88 KB: 2 blocks per SM instead of 1);
@@ -108,6 +109,9 @@ Instance find(int mb, int nw, int ms, int stages, int wg, int kw) {
   MARLIN_24_TRY(4, 2, 1)
   MARLIN_24_TRY(4, 2, 2)
   MARLIN_24_TRY(4, 2, 4)
+  MARLIN_24_TRY(1, 1, 1)
+  MARLIN_24_TRY(2, 1, 1)
+  MARLIN_24_TRY(4, 1, 1)
 #undef MARLIN_24_TRY
   return make<ET, 4, 2, 1>();  // not reached: plan_24 asks only for the ones above
 }
