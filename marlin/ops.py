@@ -146,8 +146,8 @@ def _gemm_2_4_fake(a, b_q, b_meta, b_scales, workspace=None, b_zeros=None):
     k = b_q.shape[0] * STRIP_K
     n = b_q.shape[1] // 2
     torch._check(a.shape[1] == k, lambda: f"{op}: a.size(1) = {a.shape[1]}, expected K = b_q.size(0) * 32 = {k}")
-    torch._check(k % K_MULTIPLE_2_4 == 0, lambda: f"{op}: K = {k}, expected a positive multiple of {K_MULTIPLE_2_4}")
-    torch._check(n % N_MULTIPLE_2_4 == 0, lambda: f"{op}: N = {n}, expected a positive multiple of {N_MULTIPLE_2_4}")
+    torch._check(k > 0 and k % K_MULTIPLE_2_4 == 0, lambda: f"{op}: K = {k}, expected a positive multiple of {K_MULTIPLE_2_4}")
+    torch._check(n > 0 and n % N_MULTIPLE_2_4 == 0, lambda: f"{op}: N = {n}, expected a positive multiple of {N_MULTIPLE_2_4}")
     torch._check(
         b_meta.shape[0] == b_q.shape[0] and b_meta.shape[1] == n,
         lambda: f"{op}: b_meta shape {tuple(b_meta.shape)}, expected [K/32, N] = [{k // STRIP_K}, {n}]",

@@ -262,6 +262,13 @@ def test_meta_tensors_give_the_same_errors(layer):
     assert out.shape == (4, 192) and out.dtype == torch.float16
     with pytest.raises(Exception, match=r"N = 96, expected a positive multiple of 64"):
         call(a, b_q[:, :192].contiguous(), b_meta[:, :96].contiguous(), b_s[:, :96].contiguous())
+    # empty weights: refused as the CPU op refuses them (K and N must be positive)
+    with pytest.raises(Exception, match=r"N = 0, expected a positive multiple of 64"):
+        call(a, b_q[:, :0], b_meta[:, :0], b_s[:, :0])
+    with pytest.raises(Exception, match=r"K = 0, expected a positive multiple of 128"):
+        call(torch.empty(4, 0, dtype=torch.float16, device="meta"), b_q[:0], b_meta[:0], b_s)
+    with pytest.raises(Exception, match=r"N = b_q.size\(1\) / 2 = 0, expected a positive multiple of 64"):  # the CPU op
+        call(torch.randn(4, 256).half(), *(t[:, :0].contiguous() for t in layer))
 
 
 @pytest.fixture(scope="module")

@@ -354,11 +354,12 @@ def test_replace_linear_2_4_llama_forward():
 
 
 @requires_cuda_2_4
+@pytest.mark.parametrize("out_features", [384, 320], ids=["n384", "n320"])  # 320: the 64-column tile
 @pytest.mark.parametrize("sym", [True, False], ids=["sym", "zp"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
-def test_cuda_forward_matches_cpu_op(dtype, sym):
+def test_cuda_forward_matches_cpu_op(dtype, sym, out_features):
     torch.manual_seed(5)
-    layer = MarlinLinear24.from_linear(nn.Linear(512, 384).to(dtype), sym=sym)
+    layer = MarlinLinear24.from_linear(nn.Linear(512, out_features).to(dtype), sym=sym)
     assert layer.zero_points == (not sym)
     x = torch.randn(7, 512).to(dtype)
     y_cpu = layer(x)
