@@ -52,6 +52,12 @@ def test_models_two_ranks(tmp_path):
     spawn(tmp_path, "all_models", str(tmp_path / "ckpts"))
 
 
+def test_sparse_model_two_ranks(tmp_path):
+    """A tiny Llama with 2:4-sparse layers (zero points, groups of 64): tensor_parallel and load_sharded."""
+    pytest.importorskip("transformers")
+    spawn(tmp_path, "sparse", str(tmp_path / "sparse-ckpt"))
+
+
 def test_a_failing_rank_fails_the_test_at_once(tmp_path):
     """A rank's exception reaches the parent with its message while its peer hangs."""
     start = time.monotonic()

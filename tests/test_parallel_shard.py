@@ -237,7 +237,60 @@ def test_bad_rank_and_type():
     layer, _ = marlin_layer(256, 256, 128)
     with pytest.raises(ShardError, match="rank = 2, expected 0 <= rank < world_size = 2"):
         ColumnParallelLinear.from_layer(layer, rank=2, world_size=2)
-    with pytest.raises(TypeError, match="expected a MarlinLinear or nn.Linear"):
+    with pytest.raises(TypeError, match="expected a MarlinLinear, MarlinLinear24 or nn.Linear"):
         RowParallelLinear.from_layer(torch.nn.ReLU(), rank=0, world_size=2)
     with pytest.raises(ValueError, match="give both or neither"):
         RowParallelLinear.from_layer(layer, rank=0)
+
+
+# -- 2:4-sparse layers (MarlinLinear24): sliced the same way, 32-row strips and b_meta ------------
+def sparse_layer(k, n, group_size, sym, seed=0):
+    """A MarlinLinear24 (pruned and quantized from a random fp16 Linear) and its exact float64 B."""
+    from torch import nn
+
+    from marlin.sparse_nn import MarlinLinear24
+
+    torch.manual_seed(seed)
+    layer = MarlinLinear24.from_linear(nn.Linear(k, n).half(), group_size, sym=sym)
+    return layer, layer.dequantized_weight().t().double()
+
+
+@pytest.mark.parametrize("sym", [True, False], ids=["sym", "zp"])
+@pytest.mark.parametrize("group_size", [128, 64, 32, -1])
+@pytest.mark.parametrize("world", [2, 4])
+def test_2_4_column_parallel_outputs_concatenate_to_the_layer(world, group_size, sym):
+    k, n = 256, 512  # N / 4 = 128; N / 2 = 256
+    layer, w = sparse_layer(k, n, group_size, sym)
+    x = random_input(7, k)
+    shards = [ColumnParallelLinear.from_layer(layer, "gate_up", rank=r, world_size=world) for r in range(world)]
+    assert all(s.local.b_meta.shape == (k // 32, n // world) for s in shards)
+    y = torch.cat([s(x) for s in shards], -1)
+    assert rel_err(y, reference(layer, w, x)) < TOL
+    assert rel_err(y, layer(x)) < TOL
+
+
+@pytest.mark.parametrize("sym", [True, False], ids=["sym", "zp"])
+@pytest.mark.parametrize("group_size", [128, 64, 32, -1])
+@pytest.mark.parametrize("k, world", [(512, 2), (512, 4), (1024, 2)])
+def test_2_4_row_parallel_sums_to_the_layer(k, world, group_size, sym):
+    n = 256
+    layer, w = sparse_layer(k, n, group_size, sym, seed=1)
+    x = random_input(5, k)
+    y, shards = row_parallel_sum(layer, x, world)
+    assert all(s.local.b_q.shape == (k // world // 32, 2 * n) and s.local.b_meta.shape == (k // world // 32, n) for s in shards)
+    assert rel_err(y, reference(layer, w, x)) < TOL
+
+
+def test_2_4_column_shards_in_64_column_tiles():
+    layer, w = sparse_layer(256, 384, 128, True, seed=2)  # 384 / 2 = 192: the 64-column tile's width
+    x = random_input(3, 256)
+    y = torch.cat([ColumnParallelLinear.from_layer(layer, "up", rank=r, world_size=2)(x) for r in range(2)], -1)
+    assert rel_err(y, reference(layer, w, x)) < TOL
+
+
+def test_2_4_row_shard_below_the_kernel_k_multiple_names_the_layer():
+    layer, _ = sparse_layer(256, 128, 64, True)
+    with pytest.raises(ShardError, match=r"down_proj: in_features = 256 over 4 ranks gives 64.*2:4 kernel's K multiple"):
+        RowParallelLinear.from_layer(layer, "down_proj", rank=0, world_size=4)
+    with pytest.raises(ShardError, match=r"up: out_features = 128 over 4 ranks gives 32.*tile width"):
+        ColumnParallelLinear.from_layer(layer, "up", rank=0, world_size=4)

@@ -295,6 +295,43 @@ def all_models_scenario(rank: int, world_size: int, directory: str) -> None:
     load_gptq_scenario(rank, world_size, (str(Path(directory) / "gptq-u8"), True, 8, True, 128))
 
 
+def sparse_scenario(rank: int, world_size: int, directory: str) -> None:
+    """A tiny Llama with 2:4-sparse layers (zero points, groups of 64): tensor_parallel of the model
+    and load_sharded of its checkpoint give the unsharded model's logits (k/v_proj: 64 columns
+    per rank, the 2:4 kernel's 64-column tile on a GPU)."""
+    import transformers
+
+    from marlin.parallel.loader import load_sharded
+    from marlin.sparse_nn import MarlinLinear24
+
+    def build():
+        torch.manual_seed(0)
+        model = transformers.LlamaForCausalLM(tiny_llama(1, False).config).half().eval()
+        marlin.replace_linear(model, group_size=64, sym=False, sparsity="2:4")
+        return model.to(DEVICE)
+
+    model = build()
+    assert sum(isinstance(m, MarlinLinear24) for m in model.modules()) == 7 * model.config.num_hidden_layers
+    ref_prompt, ref_step = prompt_and_step(model)
+    if rank == 0:
+        save_marlin_checkpoint(model, directory)
+    dist.barrier()
+    sharded = load_sharded(directory, device=DEVICE, plan=LLAMA_PLAN)
+    k_proj = sharded.model.layers[0].self_attn.k_proj
+    assert isinstance(k_proj, ColumnParallelLinear) and isinstance(k_proj.local, MarlinLinear24)
+    assert k_proj.local.zero_points and k_proj.local.out_features == 128 // world_size
+    assert torch.equal(k_proj.local.b_meta, model.model.layers[0].self_attn.k_proj.b_meta[:, rank * 64 : (rank + 1) * 64])
+    for what, m in (("load_sharded", sharded), ("tensor_parallel", None)):
+        if m is None:
+            m = build()
+            marlin.tensor_parallel(m, LLAMA_PLAN)
+            down = m.model.layers[1].mlp.down_proj
+            assert isinstance(down, RowParallelLinear) and down.local.in_features == 512 // world_size
+        prompt, step = prompt_and_step(m)
+        err_prompt, err_step = rel_err(prompt, ref_prompt), rel_err(step, ref_step)
+        assert err_prompt < MODEL_TOL and err_step < MODEL_TOL, (what, err_prompt, err_step)
+
+
 def failing_scenario(rank: int, world_size: int, arg) -> None:
     """Rank `arg` fails at once and every other rank hangs (tests/test_parallel_dist.py checks that the
     failure reaches the parent at once, with its message); arg None: every rank hangs."""
@@ -311,4 +348,5 @@ SCENARIOS = {
     "load_gptq": load_gptq_scenario,
     "all_layers": all_layers_scenario,
     "all_models": all_models_scenario,
+    "sparse": sparse_scenario,
 }

@@ -28,6 +28,7 @@ from torch import nn
 
 from .._layer_common import new_workspace
 from ..nn import MarlinLinear
+from ..sparse_nn import MarlinLinear24
 from . import shard as sh
 from .comm import all_gather_last, all_reduce_sum, rank_and_size
 
@@ -40,7 +41,11 @@ __all__ = [
     "marlin_row_shard",
     "linear_column_shard",
     "linear_row_shard",
+    "MARLIN_LAYERS",
 ]
+
+# The packed layer classes that shard by slicing (dense and 2:4-sparse; marlin.parallel.shard)
+MARLIN_LAYERS = (MarlinLinear, MarlinLinear24)
 
 
 def _own(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
@@ -84,7 +89,7 @@ def marlin_column_shard(template: MarlinLinear, name: str, take: sh.Take, has, r
     """Rank ``rank``'s column shard of the layer ``template`` describes (it may live on the meta
     device), its tensors read with ``take(buffer, index)`` (buffers or a checkpoint)."""
     k, n = template.in_features, template.out_features
-    plan = sh.plan_column(name, k, n, template.b_scales.shape[0], rank, world_size, _bits(template))
+    plan = sh.plan_column(name, k, n, template.b_scales.shape[0], rank, world_size, _bits(template), _is_2_4(template))
     tensors = sh.column_tensors(plan, take, _words_per_column(template), has)
     return local_marlin(template, k, plan.out_features, tensors)
 
@@ -96,7 +101,7 @@ def marlin_row_shard(
     permutation (a real tensor; the template's may be on the meta device)."""
     k, n = template.in_features, template.out_features
     scale_rows = template.b_scales.shape[0]
-    plan = sh.plan_row(name, k, n, scale_rows, perm, rank, world_size, _bits(template))
+    plan = sh.plan_row(name, k, n, scale_rows, perm, rank, world_size, _bits(template), _is_2_4(template))
     tensors = sh.row_tensors(plan, take, scale_rows, has)
     local = local_marlin(template, plan.in_features, n, tensors)
     if sh.single_group(plan, template.group_size):
@@ -126,6 +131,10 @@ def _bits(layer: MarlinLinear) -> int:
     return getattr(layer, "bits", 4)
 
 
+def _is_2_4(layer: nn.Module) -> bool:
+    return isinstance(layer, MarlinLinear24)
+
+
 def _words_per_column(layer: MarlinLinear) -> int:
     return layer.b_q.shape[1] // layer.out_features
 
@@ -140,8 +149,8 @@ def _has(layer: nn.Module):
 
 def _checked_rank(layer: nn.Module, name: str, group, rank: Optional[int], world_size: Optional[int]) -> tuple:
     """(rank, world size) for sharding ``layer``, after checking that it is a layer we can shard."""
-    if not isinstance(layer, (MarlinLinear, nn.Linear)):
-        raise TypeError(f"{name}: expected a MarlinLinear or nn.Linear to shard, got {type(layer).__name__}")
+    if not isinstance(layer, (*MARLIN_LAYERS, nn.Linear)):
+        raise TypeError(f"{name}: expected a MarlinLinear, MarlinLinear24 or nn.Linear to shard, got {type(layer).__name__}")
     return _rank_args(group, rank, world_size)
 
 
@@ -191,7 +200,7 @@ class ColumnParallelLinear(_ShardedLinear):
         """Shard ``layer`` by columns; ShardError (a ValueError naming ``name``) when the shard would
         break the packed tile width or the kernel's shape rules."""
         rank, world_size = _checked_rank(layer, name, group, rank, world_size)
-        shard = marlin_column_shard if isinstance(layer, MarlinLinear) else linear_column_shard
+        shard = marlin_column_shard if isinstance(layer, MARLIN_LAYERS) else linear_column_shard
         local = shard(layer, name, _buffer_take(layer), _has(layer), rank, world_size)
         k, n = layer.in_features, layer.out_features
         return cls(local, k, n, gather_output=gather_output, group=group, rank=rank, world_size=world_size)
@@ -245,9 +254,9 @@ class RowParallelLinear(_ShardedLinear):
         rank, world_size = _checked_rank(layer, name, group, rank, world_size)
         bias = layer.bias.detach() if layer.bias is not None else None
         gather_index = None
-        if isinstance(layer, MarlinLinear):
+        if isinstance(layer, MARLIN_LAYERS):
             local, gather_index = marlin_row_shard(
-                layer, name, _buffer_take(layer), _has(layer), layer.perm, rank, world_size
+                layer, name, _buffer_take(layer), _has(layer), getattr(layer, "perm", None), rank, world_size
             )
         else:
             local = linear_row_shard(layer, name, _buffer_take(layer), rank, world_size)

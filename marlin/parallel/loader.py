@@ -38,6 +38,7 @@ from ..nn import MarlinLinear
 from .comm import rank_and_size
 from .gptq_source import GPTQSource
 from .layers import (
+    MARLIN_LAYERS,
     ColumnParallelLinear,
     RowParallelLinear,
     linear_column_shard,
@@ -83,7 +84,7 @@ class _SliceReader:
         return t.to(self.device)
 
 
-def _shard_marlin(module: MarlinLinear, name: str, style: str, reader: _SliceReader, kw: dict) -> nn.Module:
+def _shard_marlin(module: nn.Module, name: str, style: str, reader: _SliceReader, kw: dict) -> nn.Module:
     def take(buffer: str, index: tuple) -> torch.Tensor:
         return reader.get(f"{name}.{buffer}", index)
 
@@ -199,12 +200,6 @@ def load_sharded(
         gptq = None if gptq_cfg is None else GPTQSource(reader, gptq_cfg)
         layers = _marlin_layers(ckpt) if gptq is None else gptq.specs
         dtype = _layers_dtype(layers, dtype, model_dir, "load_sharded")
-        sparse_layers = [prefix for prefix, spec in layers.items() if spec.get("sparsity")]
-        if sparse_layers:
-            raise ShardError(
-                f"load_sharded: {model_dir} has 2:4-sparse Marlin layers (e.g. {sparse_layers[0]}), which tensor "
-                "parallelism does not shard; load it on one GPU with marlin.load_quantized"
-            )
         with _parameters_on_meta():
             model = transformers.AutoModelForCausalLM.from_config(
                 config, trust_remote_code=trust_remote_code, **_dtype_kwargs(dtype)
@@ -221,7 +216,7 @@ def load_sharded(
         for name, module, style in todo:
             if isinstance(module, MarlinLinear) and gptq is not None:
                 new = _shard_gptq(module, name, style, gptq, kw, device)
-            elif isinstance(module, MarlinLinear):
+            elif isinstance(module, MARLIN_LAYERS):  # dense or 2:4 (sliced alike: marlin.parallel.shard)
                 new = _shard_marlin(module, name, style, reader, kw)
             else:
                 new = _shard_linear(module, name, style, reader, kw, dtype)
@@ -244,7 +239,7 @@ def load_sharded(
 
     localize_attention(model, world_size)
     for module in model.modules():  # Marlin layers outside the plan were built on the meta device
-        if isinstance(module, MarlinLinear) and module.workspace.is_meta:
+        if isinstance(module, MARLIN_LAYERS) and module.workspace.is_meta:
             module.workspace = new_workspace(device)
     _assign_checkpoint(model, state, model_dir, device, "load_sharded")
     model.tp_report = report

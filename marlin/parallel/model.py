@@ -31,6 +31,7 @@ from typing import Optional
 from torch import nn
 
 from ..nn import MarlinLinear
+from ..sparse_nn import MarlinLinear24
 from .comm import rank_and_size
 from .layers import ColumnParallelLinear, RowParallelLinear
 from .shard import ShardError
@@ -142,7 +143,7 @@ def planned_layers(model: nn.Module, compiled: list, report: TPReport, where: st
             report.kept.append((name, f"style {style!r} is not supported for a {type(module).__name__}"))
         elif keep is not None and (why := keep(name, module)) is not None:
             report.kept.append((name, why))
-        elif isinstance(module, (MarlinLinear, nn.Linear)):
+        elif isinstance(module, (MarlinLinear, MarlinLinear24, nn.Linear)):
             todo.append((name, module, style))
         else:
             # Keeping one projection whole while its neighbours are split would feed the row-parallel
@@ -150,7 +151,7 @@ def planned_layers(model: nn.Module, compiled: list, report: TPReport, where: st
             hint = " (fused projections: shard first, fuse never)" if type(module).__name__ == "FusedPart" else ""
             raise ShardError(
                 f"{where}: {name} has style {style!r} but is a {type(module).__name__}{hint}; only "
-                "MarlinLinear and nn.Linear layers can be split"
+                "MarlinLinear, MarlinLinear24 and nn.Linear layers can be split"
             )
     _check_heads(model, report.world_size, [name for name, _, _ in todo])
     return todo

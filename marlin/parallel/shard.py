@@ -9,6 +9,10 @@ So
   * rows k0 .. k1 (multiples of 16 and of the group size) are ``b_q[k0 / 16 : k1 / 16]`` and
     ``b_scales[k0 / gs : k1 / gs]`` (per-column scales, one row, are kept whole).
 tests/test_parallel_shard.py checks both against ``packing.unpack``.
+2:4-sparse layers (MarlinLinear24, marlin/sparse.py) slice the same way: ``b_q`` [K / 32, 2 N] and
+``b_meta`` [K / 32, N] hold 32-row strips of 64-column tiles, so columns n0 .. n1 are
+``b_q[:, 2 n0 : 2 n1]`` and ``b_meta[:, n0 : n1]``, and rows k0 .. k1 (multiples of 128, the
+kernel's K multiple, and of the group size) are rows k0 / 32 .. k1 / 32 of both.
 
 Column parallel (split N): rank r holds columns [r N / T, (r + 1) N / T). An act-order ``perm``
 acts on K, which every rank sees whole, so each rank keeps all of it.
@@ -33,7 +37,7 @@ from typing import Callable, Optional
 
 import torch
 
-from .. import ops, packing
+from .. import ops, packing, sparse
 
 __all__ = [
     "ShardError",
@@ -116,21 +120,24 @@ def _check_split(name: str, what: str, total: int, world_size: int, multiple: in
     return part
 
 
-def _check_kernel(name: str, k: int, n: int, group_size: int, world_size: int, bits: int) -> None:
-    reason = ops.check_shape(k, n, group_size, bits)
+def _check_kernel(name: str, k: int, n: int, group_size: int, world_size: int, bits: int, is_2_4: bool = False) -> None:
+    reason = sparse.check_shape_2_4(k, n, group_size) if is_2_4 else ops.check_shape(k, n, group_size, bits)
     if reason is not None:
         raise ShardError(
             f"{name}: the shard of each of {world_size} ranks would be a [{k} -> {n}] layer (group size "
-            f"{group_size}), which the Marlin kernel does not take: {reason}; use fewer ranks or keep this "
-            "layer replicated"
+            f"{group_size}), which the Marlin {'2:4 ' if is_2_4 else ''}kernel does not take: {reason}; use fewer "
+            "ranks or keep this layer replicated"
         )
 
 
-def plan_column(name: str, k: int, n: int, scale_rows: int, rank: int, world_size: int, bits: int = 4) -> ColumnShard:
-    """Columns of rank ``rank``; ShardError naming the layer when a shard breaks the tile or kernel rules."""
+def plan_column(
+    name: str, k: int, n: int, scale_rows: int, rank: int, world_size: int, bits: int = 4, is_2_4: bool = False
+) -> ColumnShard:
+    """Columns of rank ``rank``; ShardError naming the layer when a shard breaks the tile or kernel
+    rules. ``is_2_4``: a 2:4-sparse layer (its kernel's shape rules)."""
     _check_rank(name, rank, world_size)
     part = _check_split(name, "out_features", n, world_size, packing.TILE_N, "the packed tile width")
-    _check_kernel(name, k, part, _group_size(k, scale_rows), world_size, bits)
+    _check_kernel(name, k, part, _group_size(k, scale_rows), world_size, bits, is_2_4)
     return ColumnShard(name, k, n, rank * part, (rank + 1) * part)
 
 
@@ -154,15 +161,20 @@ def plan_row(
     rank: int,
     world_size: int,
     bits: int = 4,
+    is_2_4: bool = False,
 ) -> RowShard:
-    """Rows of rank ``rank`` (see the module docstring); ``perm`` the layer's act-order permutation."""
+    """Rows of rank ``rank`` (see the module docstring); ``perm`` the layer's act-order permutation
+    (2:4 layers have none). ``is_2_4``: a 2:4-sparse layer, whose shards take K in multiples of 128."""
     _check_rank(name, rank, world_size)
     gs = _group_size(k, scale_rows)
     group_rows = k if gs == -1 else gs
-    multiple = packing.TILE_K if gs == -1 else gs
-    why = "the packed tile height" if gs == -1 else f"whole groups of {gs} rows"
+    if is_2_4:  # every 2:4 group size divides the kernel's K multiple
+        multiple, why = sparse.K_MULTIPLE_2_4, "the 2:4 kernel's K multiple"
+    else:
+        multiple = packing.TILE_K if gs == -1 else gs
+        why = "the packed tile height" if gs == -1 else f"whole groups of {gs} rows"
     part = _check_split(name, "in_features", k, world_size, multiple, why)
-    _check_kernel(name, part, n, gs, world_size, bits)
+    _check_kernel(name, part, n, gs, world_size, bits, is_2_4)
     k0, k1 = rank * part, (rank + 1) * part
     if perm is None or world_size == 1:
         return RowShard(name, k, n, k0, k1, ((k0, k1),), _as_long(perm), None)
@@ -229,6 +241,8 @@ def column_tensors(shard: ColumnShard, take: Take, words_per_column: int, has: C
         "b_q": take("b_q", (slice(None), slice(words_per_column * n0, words_per_column * n1))),
         "b_scales": take("b_scales", (slice(None), slice(n0, n1))),
     }
+    if has("b_meta"):  # 2:4: the kept values' positions, one word per column and strip
+        out["b_meta"] = take("b_meta", (slice(None), slice(n0, n1)))
     if has("b_zeros"):
         out["b_zeros"] = take("b_zeros", (slice(None), slice(n0, n1)))
     if has("bias"):
@@ -247,7 +261,10 @@ def row_tensors(shard: RowShard, take: Take, scale_rows: int, has: Callable[[str
         parts = [take(name, (slice(p0 // per, p1 // per),)) for p0, p1 in shard.blocks]
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 
-    out = {"b_q": rows("b_q", packing.TILE_K)}
+    if has("b_meta"):  # 2:4: b_q and b_meta in 32-row strips
+        out = {"b_q": rows("b_q", sparse.STRIP_K), "b_meta": rows("b_meta", sparse.STRIP_K)}
+    else:
+        out = {"b_q": rows("b_q", packing.TILE_K)}
     for name in ("b_scales", "b_zeros"):
         if name == "b_scales" or has(name):
             out[name] = take(name, (slice(None),)) if gs == -1 else rows(name, gs)
