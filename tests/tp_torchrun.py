@@ -41,6 +41,7 @@ def main() -> int:
     # zero points in groups of 64, 8 bits with act-order (as tests/test_parallel_dist.py)
     cases += [("load_gptq", (str(Path(shared[0]) / "gptq-zp"), False, 4, False, 64)),
               ("load_gptq", (str(Path(shared[0]) / "gptq-u8"), True, 8, True, 128))]
+    cases += [("sparse", str(Path(shared[0]) / "sparse"))]  # 2:4 layers: tensor_parallel and load_sharded
     for scenario, arg in cases:
         tp_workers.SCENARIOS[scenario](rank, world, arg)
         dist.barrier()
