@@ -96,7 +96,7 @@ struct Shape {
 
 // The fine loops' scales and zero points (groups of 64 or 32 rows, or zero points at any group
 // size): one row per strip, the row of the strip's group (group 64 copies each row twice, group
-// 128 four times, per column every strip row 0), kStrips scale rows per ring slot in the area
+// 128 four times; per column the one row, permuted once before the loop), kStrips scale rows per ring slot in the area
 // after the STAGES-deep ring, then as many zero-point rows (with zero points). Per strip rather
 // than per group, so that the loops address a strip's rows at a constant offset and keep no
 // group size in registers (the 64-row wgmma instances are at their register limit). shift: log2
@@ -397,7 +397,8 @@ __global__ void __launch_bounds__(32 * NW * MS * KW) marlin_24_kernel(const Para
     if constexpr (decltype(fine)::value) {
       // scale rows (grouped), then zero-point rows (zeros), one per strip: the row of its group
       constexpr int kStripRows = kStrips * S::kSStage;  // int4 of a stage's per-strip rows of one kind
-      for (int x = grouped ? tid : tid + kStripRows; x < (zeros ? 2 * kStripRows : kStripRows); x += kThreads) {
+      // (per column the zero-point rows never change: written once before the loop, below)
+      for (int x = grouped ? tid : tid + kStripRows; x < (zeros && grouped ? 2 * kStripRows : kStripRows); x += kThreads) {
         const bool z = x >= kStripRows;
         const int u = (x % kStripRows) / S::kSStage, o = x % S::kSStage;
         const int grp_row = grouped ? (kt * kStrips + u) >> scales.shift : 0;  // per column: the one row
@@ -425,6 +426,22 @@ __global__ void __launch_bounds__(32 * NW * MS * KW) marlin_24_kernel(const Para
   // Programmatic dependent launch: the previous kernel of the stream may still be running until
   // here (A, the locks and C may be its inputs or outputs).
   grid_dependency_wait();
+  if (p.fine && zeros && !grouped) {
+    // Per-column zero points: one row in natural column order (b_scales' layout for one group,
+    // packing.permute_scales), while the loops read a row in the grouped permutation (position
+    // 8 i + j of a 64-column chunk is column i + 8 j). The row is the same for every stage, so
+    // it is permuted here once into every ring slot's zero-point rows and never fetched again.
+    const ET* zc = reinterpret_cast<const ET*>(p.z) + nt * S::kTileN;
+    int4* zrows = scales.zero_row(0, 0);
+    for (int x = tid; x < STAGES * kStrips * S::kSStage; x += kThreads) {
+      const int o = x % S::kSStage;  // int4 o of the row: chunk o / 8, positions 8 (o % 8) + j
+      alignas(16) ET v[8];
+#pragma unroll
+      for (int j = 0; j < 8; j++) v[j] = zc[(o / 8) * 64 + o % 8 + 8 * j];
+      zrows[x] = *reinterpret_cast<const int4*>(v);
+    }
+    __syncthreads();  // the loops' first reads follow barriers of one warpgroup only
+  }
   // The main loop, once for one scale row per stage and once (fine) for groups of 64 or 32 rows:
   // compiled separately, so that the first keeps group 128's registers and code.
   auto main_loop = [&](auto fine) {
