@@ -97,10 +97,11 @@ std::string plan_24(const Args24& args, Plan24* plan) {
   }
   plan->stages = !plan->wg && args.force_stages == 3 && plan->nw == 4 && plan->ms == 1 && plan->mb <= 2 ? 3 : kStages;
   if (plan->wg == 2 && plan->mb == 8 && plan->ms == 1 && plan->kw == 1) plan->stages = 3;
-  const Instance inst = find_instance(args.bf16, plan->mb, plan->nw, plan->ms, plan->stages, plan->wg, plan->kw);
+  plan->fine = fine_plan(args);
+  const Instance inst = find_instance(args.bf16, plan->fine, plan->mb, plan->nw, plan->ms, plan->stages, plan->wg, plan->kw);
   // groups of 64 or 32, or zero points: a scale row and a zero-point row per strip and stage after
   // the ring (marlin_24_kernel.cuh, StageScales)
-  plan->smem = inst.smem + (fine_plan(args) ? plan->stages * kStrips * inst.scale_row_bytes * (args.z != nullptr ? 2 : 1) : 0);
+  plan->smem = inst.smem + (plan->fine ? plan->stages * kStrips * inst.scale_row_bytes * (args.z != nullptr ? 2 : 1) : 0);
   if (plan->smem > args.max_smem)
     return "marlin.gemm_2_4: the kernel needs " + std::to_string(plan->smem) + " bytes of shared memory per block, the device allows " +
            std::to_string(args.max_smem);
@@ -153,7 +154,7 @@ std::string describe_24(const Args24& args, const Plan24& plan) {
          " mb=" + std::to_string(plan.mb) + " ms=" + std::to_string(plan.ms) + " stages=" + std::to_string(plan.stages) + " tile_n=" + std::to_string(64 * plan.nw) +
          " parts=" + std::to_string(plan.parts) + " cluster=" + (plan.cluster_reduce ? "1" : "0") +
          " grid=" + std::to_string(plan.grid) + " pdl=" + (args.pdl && !args.legacy ? "1" : "0") + " wgmma=" + std::to_string(plan.wg) + " kw=" + std::to_string(plan.kw) +
-         (args.legacy ? " legacy" : "");
+         " fine=" + (plan.fine ? "1" : "0") + (args.legacy ? " legacy" : "");
 }
 
 cudaError_t launch_24(const Args24& args, const Plan24& plan, cudaStream_t stream) {
@@ -171,11 +172,10 @@ cudaError_t launch_24(const Args24& args, const Plan24& plan, cudaStream_t strea
   p.groups = args.groups;
   p.group_strips = group_strips(args);
   p.z = static_cast<const int4*>(args.z);
-  p.fine = fine_plan(args);
   p.parts = plan.parts;
   p.cluster_reduce = plan.cluster_reduce;
   p.locks = args.locks;
-  const Instance inst = find_instance(args.bf16, plan.mb, plan.nw, plan.ms, plan.stages, plan.wg, plan.kw);
+  const Instance inst = find_instance(args.bf16, plan.fine, plan.mb, plan.nw, plan.ms, plan.stages, plan.wg, plan.kw);
   return inst.launch(p, plan.grid, plan.smem, stream, args.pdl && !args.legacy, plan.cluster_reduce ? plan.parts : 1);
 }
 

@@ -55,11 +55,12 @@ struct Plan24 {
   int wg;      // the sparse wgmma instances (sm_90a; nw = 4, mb 2, 4 or 8, ms 1 or 2): 1 early, 2 late refill; 0 mma.sync
   int kw;      // warpgroups along K per block (wg = 2, ms = 1: 1 or 2; else 1)
   int stages;  // of the cp.async ring
+  bool fine;   // the FINE kernel: groups of 64 or 32 rows, or zero points (scale rows per strip)
   int parts;   // K parts per column tile (> 1: reduced in a cluster or through fp32 partials)
   bool cluster_reduce;  // the parts of a tile form one thread-block cluster
   int slices;  // block slices
   int grid;    // blocks: slices x column tiles x parts
-  int smem;    // dynamic shared memory bytes (the instance's, plus the extra scale rows of groups of 64 or 32)
+  int smem;    // dynamic shared memory bytes (the instance's, plus fine plans' per-strip rows)
   long long partial_floats;  // parts * M * N when reduced through global memory, else 0
   int locks;                 // arrival counters needed (column tiles x slices) then, else 0
 };

@@ -1,7 +1,7 @@
 // The compiled instances of the 2:4-sparse kernel (marlin_24_kernel.cuh) and their host-side
-// handles: launch, shared memory, threads, resident blocks and clusters. find<ET> is defined in
-// marlin_24_instances_f16.cu / _bf16.cu (one element type each, so that the two compile in
-// parallel); marlin_24.cu plans with the handles.
+// handles: launch, shared memory, threads, resident blocks and clusters. find<ET, FINE> is
+// defined in marlin_24_instances_{f16,bf16}{,_fine}.cu (one element type and kernel kind each, so
+// that the four compile in parallel); marlin_24.cu plans with the handles.
 #pragma once
 
 #include <algorithm>
@@ -14,7 +14,7 @@
 namespace marlin {
 namespace sparse24 {
 
-template <int MB, int NW, int MS, int ST, int WG, int KW, typename ET>
+template <int MB, int NW, int MS, int ST, int WG, int KW, typename ET, bool FINE>
 SmemAttrCache& cache() {
   static SmemAttrCache c;
   return c;
@@ -23,7 +23,7 @@ SmemAttrCache& cache() {
 // Resident blocks per SM (registers and shared memory), at least 1; 0 if the queries failed.
 // Remembered per device for the last smem asked (groups of 64 or 32 ask with more than the
 // instance's own; the occupancy query takes host time).
-template <int MB, int NW, int MS, int ST, int WG, int KW, typename ET>
+template <int MB, int NW, int MS, int ST, int WG, int KW, typename ET, bool FINE>
 int blocks_per_sm(int smem) {
   constexpr int kMaxDevices = 64;
   static std::atomic<long long> known[kMaxDevices];  // smem << 32 | blocks; 0: not yet
@@ -34,9 +34,9 @@ int blocks_per_sm(int smem) {
     const long long k = known[device].load();
     if (k != 0 && (k & ~0xFFFFFFFFLL) == key) return static_cast<int>(k & 0xFFFFFFFF);
   }
-  auto kernel = marlin_24_kernel<MB, NW, MS, ST, WG, KW, ET>;
+  auto kernel = marlin_24_kernel<MB, NW, MS, ST, WG, KW, ET, FINE>;
   int blocks = 0;
-  if (cache<MB, NW, MS, ST, WG, KW, ET>().ensure(reinterpret_cast<const void*>(kernel), smem) != cudaSuccess ||
+  if (cache<MB, NW, MS, ST, WG, KW, ET, FINE>().ensure(reinterpret_cast<const void*>(kernel), smem) != cudaSuccess ||
       cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, Shape<MB, NW, MS, WG != 0, KW>::kThreads, smem) != cudaSuccess) {
     (void)cudaGetLastError();
     return 0;
@@ -46,23 +46,23 @@ int blocks_per_sm(int smem) {
   return blocks;
 }
 
-template <int MB, int NW, int MS, int ST, int WG, int KW, typename ET>
+template <int MB, int NW, int MS, int ST, int WG, int KW, typename ET, bool FINE>
 int max_clusters(int cluster, int smem) {
-  return cache<MB, NW, MS, ST, WG, KW, ET>().max_clusters(marlin_24_kernel<MB, NW, MS, ST, WG, KW, ET>, cluster,
+  return cache<MB, NW, MS, ST, WG, KW, ET, FINE>().max_clusters(marlin_24_kernel<MB, NW, MS, ST, WG, KW, ET, FINE>, cluster,
                                                       Shape<MB, NW, MS, WG != 0, KW>::kThreads, smem);
 }
 
-template <int MB, int NW, int MS, int ST, int WG, int KW, typename ET>
+template <int MB, int NW, int MS, int ST, int WG, int KW, typename ET, bool FINE>
 cudaError_t launch(const Params& p, int grid, int smem, cudaStream_t stream, bool pdl, int cluster) {
-  return launch_kernel(marlin_24_kernel<MB, NW, MS, ST, WG, KW, ET>, cache<MB, NW, MS, ST, WG, KW, ET>(), p, grid,
+  return launch_kernel(marlin_24_kernel<MB, NW, MS, ST, WG, KW, ET, FINE>, cache<MB, NW, MS, ST, WG, KW, ET, FINE>(), p, grid,
                        Shape<MB, NW, MS, WG != 0, KW>::kThreads, smem, stream, pdl, cluster);
 }
 
-template <typename ET, int MB, int NW, int MS, int ST = kStages, int WG = 0, int KW = 1>
+template <typename ET, bool FINE, int MB, int NW, int MS, int ST = kStages, int WG = 0, int KW = 1>
 Instance make() {
   using S = Shape<MB, NW, MS, WG != 0, KW>;
-  return Instance{S::template smem_bytes<ST>(), S::kSStage * 16, S::kThreads, &blocks_per_sm<MB, NW, MS, ST, WG, KW, ET>,
-                  &max_clusters<MB, NW, MS, ST, WG, KW, ET>, &launch<MB, NW, MS, ST, WG, KW, ET>};
+  return Instance{S::template smem_bytes<ST>(), S::kSStage * 16, S::kThreads, &blocks_per_sm<MB, NW, MS, ST, WG, KW, ET, FINE>,
+                  &max_clusters<MB, NW, MS, ST, WG, KW, ET, FINE>, &launch<MB, NW, MS, ST, WG, KW, ET, FINE>};
 }
 
 // The compiled instances: MB 1, 2, 4 x NW 2, 4; at MB 4 also two warp slices (64-row block
@@ -75,31 +75,32 @@ Instance make() {
 // kw = 2 (late refill, one warp slice): two K warpgroups, 4 stages (one block per SM at 64 rows
 // by registers, so the fourth stage costs no occupancy there; ptxas keeps 8 bytes of that
 // instance in local memory, stored before the main loop and read in the epilogue, none inside).
-// Each instance exists for fp16 and bf16 (find<half>, find<nv_bfloat16>). bf16's dequantization
-// takes more registers: on sm_80-sm_89 its 32-row mma.sync instances (MB = 4; 254-255 registers in
+// Each instance exists for fp16 and bf16, as the plain and the FINE kernel (find<half, false> ..
+// find<nv_bfloat16, true>: one file each, so that the four compile in parallel). bf16's
+// dequantization takes more registers: on sm_80-sm_89 its 32-row mma.sync instances (MB = 4; 254-255 registers in
 // fp16) keep 32-48 bytes in local memory (CUDA 13.0 ptxas); on sm_90a none do.
-template <typename ET>
+template <typename ET, bool FINE>
 Instance find(int mb, int nw, int ms, int stages, int wg, int kw) {
   if (kw == 2) {
-    if (mb == 2) return make<ET, 2, 4, 1, kStages, 2, 2>();
-    if (mb == 4) return make<ET, 4, 4, 1, kStages, 2, 2>();
-    return make<ET, 8, 4, 1, kStages, 2, 2>();
+    if (mb == 2) return make<ET, FINE, 2, 4, 1, kStages, 2, 2>();
+    if (mb == 4) return make<ET, FINE, 4, 4, 1, kStages, 2, 2>();
+    return make<ET, FINE, 8, 4, 1, kStages, 2, 2>();
   }
   if (wg == 1) {
-    if (mb == 2) return make<ET, 2, 4, 1, kStages, 1>();
-    if (mb == 4) return make<ET, 4, 4, 1, kStages, 1>();
-    if (ms == 2) return make<ET, 8, 4, 2, kStages, 1>();
-    return make<ET, 8, 4, 1, kStages, 1>();
+    if (mb == 2) return make<ET, FINE, 2, 4, 1, kStages, 1>();
+    if (mb == 4) return make<ET, FINE, 4, 4, 1, kStages, 1>();
+    if (ms == 2) return make<ET, FINE, 8, 4, 2, kStages, 1>();
+    return make<ET, FINE, 8, 4, 1, kStages, 1>();
   }
   if (wg == 2) {
-    if (mb == 2) return make<ET, 2, 4, 1, kStages, 2>();
-    if (mb == 4) return make<ET, 4, 4, 1, kStages, 2>();
-    if (ms == 2) return make<ET, 8, 4, 2, kStages, 2>();
-    return make<ET, 8, 4, 1, 3, 2>();
+    if (mb == 2) return make<ET, FINE, 2, 4, 1, kStages, 2>();
+    if (mb == 4) return make<ET, FINE, 4, 4, 1, kStages, 2>();
+    if (ms == 2) return make<ET, FINE, 8, 4, 2, kStages, 2>();
+    return make<ET, FINE, 8, 4, 1, 3, 2>();
   }
-  if (stages == 3 && nw == 4 && ms == 1 && mb <= 2) return mb == 1 ? make<ET, 1, 4, 1, 3>() : make<ET, 2, 4, 1, 3>();
+  if (stages == 3 && nw == 4 && ms == 1 && mb <= 2) return mb == 1 ? make<ET, FINE, 1, 4, 1, 3>() : make<ET, FINE, 2, 4, 1, 3>();
 #define MARLIN_24_TRY(MB, NW, MS) \
-  if (mb == MB && nw == NW && ms == MS) return make<ET, MB, NW, MS>();
+  if (mb == MB && nw == NW && ms == MS) return make<ET, FINE, MB, NW, MS>();
   MARLIN_24_TRY(1, 4, 1)
   MARLIN_24_TRY(2, 4, 1)
   MARLIN_24_TRY(4, 4, 1)
@@ -113,7 +114,7 @@ Instance find(int mb, int nw, int ms, int stages, int wg, int kw) {
   MARLIN_24_TRY(2, 1, 1)
   MARLIN_24_TRY(4, 1, 1)
 #undef MARLIN_24_TRY
-  return make<ET, 4, 2, 1>();  // not reached: plan_24 asks only for the ones above
+  return make<ET, FINE, 4, 2, 1>();  // not reached: plan_24 asks only for the ones above
 }
 
 }  // namespace sparse24

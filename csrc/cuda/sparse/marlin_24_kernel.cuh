@@ -324,7 +324,9 @@ __device__ __forceinline__ void main_loop_wg(const int4* smem, Fetch& fetch, flo
 
 // WG: 0 the mma.sync loop, 1 the wgmma loop with early refill, 2 with late refill (main_loop_wg).
 // ET: the element type of a, s and c (half or nv_bfloat16).
-template <int MB, int NW, int MS, int STAGES, int WG = 0, int KW = 1, typename ET = half>
+// FINE: the kernel of fine plans (groups of 64 or 32 rows, or zero points; see the main loop
+// below), a separate kernel so that the plain one keeps its registers, code and speed.
+template <int MB, int NW, int MS, int STAGES, int WG = 0, int KW = 1, typename ET = half, bool FINE = false>
 __global__ void __launch_bounds__(32 * NW * MS * KW) marlin_24_kernel(const Params p) {
   using E = Elem<ET>;
   constexpr bool kBf16 = kIsBf16<ET>;
@@ -374,7 +376,7 @@ __global__ void __launch_bounds__(32 * NW * MS * KW) marlin_24_kernel(const Para
   // One stage: rows of A x 128 halves (16-byte chunk ch of row r at r * 16 + (ch ^ r % 8)), the
   // tile's values and metadata of 4 strips, and (grouped) the tile's 64 NW scales: the stage's
   // group row, or (fine) the row of each strip's group into StageScales (one int4 per thread).
-  auto fetch = [&](int kt, int slot, auto fine) {
+  auto fetch = [&](int kt, int slot) {
     int4* sh = smem + slot * S::kStageInt4;
     for (int x = tid; x < S::kAStage; x += kThreads) {
       const int r = x / 16, ch = x % 16;
@@ -394,7 +396,7 @@ __global__ void __launch_bounds__(32 * NW * MS * KW) marlin_24_kernel(const Para
       const int st = x / (NW * 16), o = x % (NW * 16);
       cp_async16_evict_first(sm + x, p.b_meta + (static_cast<long long>(kt) * kStrips + st) * bm_row + nt * NW * 16 + o);
     }
-    if constexpr (decltype(fine)::value) {
+    if constexpr (FINE) {
       // scale rows (grouped), then zero-point rows (zeros), one per strip: the row of its group
       constexpr int kStripRows = kStrips * S::kSStage;  // int4 of a stage's per-strip rows of one kind
       // (per column the zero-point rows never change: written once before the loop, below)
@@ -426,7 +428,7 @@ __global__ void __launch_bounds__(32 * NW * MS * KW) marlin_24_kernel(const Para
   // Programmatic dependent launch: the previous kernel of the stream may still be running until
   // here (A, the locks and C may be its inputs or outputs).
   grid_dependency_wait();
-  if (p.fine && zeros && !grouped) {
+  if (FINE && zeros && !grouped) {
     // Per-column zero points: one row in natural column order (b_scales' layout for one group,
     // packing.permute_scales), while the loops read a row in the grouped permutation (position
     // 8 i + j of a 64-column chunk is column i + 8 j). The row is the same for every stage, so
@@ -442,25 +444,22 @@ __global__ void __launch_bounds__(32 * NW * MS * KW) marlin_24_kernel(const Para
     }
     __syncthreads();  // the loops' first reads follow barriers of one warpgroup only
   }
-  // The main loop, once for one scale row per stage and once (fine) for groups of 64 or 32 rows:
-  // compiled separately, so that the first keeps group 128's registers and code.
-  auto main_loop = [&](auto fine) {
-  constexpr bool kFine = decltype(fine)::value;
-  auto fetch_stage = [&](int kt, int slot) { fetch(kt, slot, fine); };
+  // The main loop: one scale row per stage (group 128, per column), or (FINE) each strip's scale
+  // and zero-point rows applied to the dequantized weights.
   if constexpr (WG) {
-    main_loop_wg<MB, NW, MS, STAGES, WG == 2, KW, kFine, ET>(smem, fetch_stage, tot, kt0, n_k, wn, wrow0, wk, lane, g, grouped,
+    main_loop_wg<MB, NW, MS, STAGES, WG == 2, KW, FINE, ET>(smem, fetch, tot, kt0, n_k, wn, wrow0, wk, lane, g, grouped,
                                                               zeros, scales);
   } else {
 #pragma unroll
   for (int s = 0; s < STAGES - 1; s++) {
-    if (s < n_k) fetch_stage(kt0 + s, s);
+    if (s < n_k) fetch(kt0 + s, s);
     cp_async_commit();
   }
   grid_launch_dependents();
   for (int i = 0; i < n_k; i++) {
     cp_async_wait<STAGES - 2>();
     __syncthreads();  // stage i landed for every thread; every warp is done with stage i - 1's slot
-    if (i + STAGES - 1 < n_k) fetch_stage(kt0 + i + STAGES - 1, (i + STAGES - 1) % STAGES);
+    if (i + STAGES - 1 < n_k) fetch(kt0 + i + STAGES - 1, (i + STAGES - 1) % STAGES);
     cp_async_commit();
 
     const int slot = i % STAGES;
@@ -515,15 +514,15 @@ __global__ void __launch_bounds__(32 * NW * MS * KW) marlin_24_kernel(const Para
       using T2 = typename E::T2;
       T2 s2_lo[4], s2_hi[4];
       U4Zero zz[4];
-      if constexpr (kFine) scales.template strip_params<ET>(slot, u, wn * 8 + g, grouped, zeros, s2_lo, s2_hi, zz);
+      if constexpr (FINE) scales.template strip_params<ET>(slot, u, wn * 8 + g, grouped, zeros, s2_lo, s2_hi, zz);
 #pragma unroll
       for (int j = 0; j < 4; j++) {
         uint32_t lo[2], hi[2];
-        if constexpr (kFine)
+        if constexpr (FINE)
           dequant_u4<ET, true>(wq[j], lo, hi, zz[j]);  // u - z (z = 8 without zero points)
         else
           dequant_u4<ET, false>(wq[j], lo, hi, U4Zero{});
-        if (kFine && grouped) {
+        if (FINE && grouped) {
           lo[0] = as_u32<ET>(__hmul2(as_t2<ET>(lo[0]), s2_lo[j]));
           lo[1] = as_u32<ET>(__hmul2(as_t2<ET>(lo[1]), s2_lo[j]));
           hi[0] = as_u32<ET>(__hmul2(as_t2<ET>(hi[0]), s2_hi[j]));
@@ -533,7 +532,7 @@ __global__ void __launch_bounds__(32 * NW * MS * KW) marlin_24_kernel(const Para
         const uint32_t e = j == 0 ? mw.x : j == 1 ? mw.y : j == 2 ? mw2.x : mw2.y;
 #pragma unroll
         for (int b = 0; b < MB; b++) {
-          if constexpr (kFine)
+          if constexpr (FINE)
             mma_sp_16832<0, kBf16>(a, act[b], e, tot[j][b]);
           else if (u == 0)  // the stage's first strip starts the group's sums
             mma_sp_16832_first<0, kBf16>(a, act[b], e, grp[j][b]);
@@ -542,14 +541,9 @@ __global__ void __launch_bounds__(32 * NW * MS * KW) marlin_24_kernel(const Para
         }
       }
     }
-    if constexpr (!kFine) add_group();  // the stage's group
+    if constexpr (!FINE) add_group();  // the stage's group
   }
   }  // mma.sync main loop
-  };
-  if (!p.fine)
-    main_loop(std::false_type{});
-  else
-    main_loop(std::true_type{});
   cp_async_wait<0>();
   if constexpr (KW == 2) {
     // the upper warpgroup's sums into the lower one's; from here on only wk == 0 holds the block's

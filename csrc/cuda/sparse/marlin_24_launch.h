@@ -1,6 +1,6 @@
 // What the 2:4 kernel takes (Params) and how the planner reaches its compiled instances
 // (Instance), without the kernel's device code: marlin_24.cu plans and launches through these,
-// marlin_24_instances_f16.cu / _bf16.cu define find<half> / find<nv_bfloat16>.
+// marlin_24_instances_{f16,bf16}{,_fine}.cu define find<half or nv_bfloat16, FINE>.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -25,7 +25,6 @@ struct Params {
   long long lda_int4;
   int groups;          // 1: per column, else K / group size (128, 64 or 32)
   int group_strips;    // strips per scale group: 4 (group 128, and per column), 2 (group 64), 1 (group 32)
-  bool fine;           // per-strip scale (and zero point) rows: groups of 64 or 32, or zero points
   int parts;           // K parts per column tile
   bool cluster_reduce; // the parts of a tile are one cluster (sm_90+, parts <= kMaxClusterParts)
 };
@@ -45,13 +44,13 @@ struct Instance {
   cudaError_t (*launch)(const Params& p, int grid, int smem, cudaStream_t stream, bool pdl, int cluster);
 };
 
-// The instance for a plan's (mb, nw, ms, stages, wg, kw), of element type half or nv_bfloat16
-// (marlin_24_instances.cuh lists them).
-template <typename ET>
+// The instance for a plan's (mb, nw, ms, stages, wg, kw), of element type half or nv_bfloat16,
+// the plain or the FINE kernel (marlin_24_instances.cuh lists them).
+template <typename ET, bool FINE>
 Instance find(int mb, int nw, int ms, int stages, int wg, int kw);
 
-// find<nv_bfloat16> for bf16, else find<half> (defined in marlin_24_instances_bf16.cu).
-Instance find_instance(bool bf16, int mb, int nw, int ms, int stages, int wg, int kw);
+// find<nv_bfloat16 or half, fine> (defined in marlin_24_instances_bf16.cu).
+Instance find_instance(bool bf16, bool fine, int mb, int nw, int ms, int stages, int wg, int kw);
 
 }  // namespace sparse24
 }  // namespace marlin
