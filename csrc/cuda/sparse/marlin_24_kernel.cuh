@@ -397,15 +397,14 @@ __global__ void __launch_bounds__(32 * NW * MS * KW) marlin_24_kernel(const Para
       cp_async16_evict_first(sm + x, p.b_meta + (static_cast<long long>(kt) * kStrips + st) * bm_row + nt * NW * 16 + o);
     }
     if constexpr (FINE) {
-      // scale rows (grouped), then zero-point rows (zeros), one per strip: the row of its group
+      // grouped: the scale row (and zero-point row) of each strip's group, one int4 of each per
+      // thread (per column the zero-point rows never change: written once before the loop, below)
       constexpr int kStripRows = kStrips * S::kSStage;  // int4 of a stage's per-strip rows of one kind
-      // (per column the zero-point rows never change: written once before the loop, below)
-      for (int x = grouped ? tid : tid + kStripRows; x < (zeros && grouped ? 2 * kStripRows : kStripRows); x += kThreads) {
-        const bool z = x >= kStripRows;
-        const int u = (x % kStripRows) / S::kSStage, o = x % S::kSStage;
-        const int grp_row = grouped ? (kt * kStrips + u) >> scales.shift : 0;  // per column: the one row
-        cp_async16((z ? scales.zero_row(slot, u) : scales.strip_row(slot, u)) + o,
-                   (z ? p.z : p.s) + static_cast<long long>(grp_row) * (p.n / 8) + nt * NW * 8 + o);
+      if (grouped && tid < kStripRows) {
+        const int u = tid / S::kSStage, o = tid % S::kSStage;
+        const long long src = static_cast<long long>((kt * kStrips + u) >> scales.shift) * (p.n / 8) + nt * NW * 8 + o;
+        cp_async16(scales.strip_row(slot, u) + o, p.s + src);
+        if (zeros) cp_async16(scales.zero_row(slot, u) + o, p.z + src);
       }
     } else if (grouped && tid < S::kSStage) {
       cp_async16(sm + S::kMStage + tid, p.s + static_cast<long long>(kt) * (p.n / 8) + nt * NW * 8 + tid);
