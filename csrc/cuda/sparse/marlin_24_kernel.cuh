@@ -378,8 +378,13 @@ __global__ void __launch_bounds__(32 * NW * MS * KW) marlin_24_kernel(const Para
   // group row, or (fine) the row of each strip's group into StageScales (one int4 per thread).
   auto fetch = [&](int kt, int slot) {
     int4* sh = smem + slot * S::kStageInt4;
-    for (int x = tid; x < S::kAStage; x += kThreads) {
-      const int r = x / 16, ch = x % 16;
+    // the copies as loops of compile-time trip counts over this thread's int4 (the thread's
+    // chunk, strip offset and column are the same in every iteration, since kThreads is a
+    // multiple of each area's row): no remainder paths, no per-iteration divisions
+#pragma unroll
+    for (int i = 0; i < (S::kAStage + kThreads - 1) / kThreads; i++) {
+      const int r = tid / 16 + i * (kThreads / 16), ch = tid % 16;
+      if (S::kAStage % kThreads != 0 && r >= S::kRows) break;
       const bool ok = r < rows;
       const int4* src = ok ? p.a + (row0 + r) * p.lda_int4 + kt * (kStageK / 8) + ch : p.a;
       // WG: [64-half block of K][row][8 chunks], 128-byte swizzle (the wgmma's B operand)
@@ -387,13 +392,19 @@ __global__ void __launch_bounds__(32 * NW * MS * KW) marlin_24_kernel(const Para
       cp_async16_zfill(sh + at, src, ok);
     }
     int4* sb = sh + S::kAStage;
-    for (int x = tid; x < S::kBStage; x += kThreads) {
-      const int st = x / (NW * 32), o = x % (NW * 32);
+#pragma unroll
+    for (int i = 0; i < (S::kBStage + kThreads - 1) / kThreads; i++) {
+      const int x = tid + i * kThreads;
+      const int st = tid / (NW * 32) + i * (kThreads / (NW * 32)), o = tid % (NW * 32);
+      if (S::kBStage % kThreads != 0 && st >= kStrips) break;
       cp_async16_evict_first(sb + x, p.b_q + (static_cast<long long>(kt) * kStrips + st) * bq_row + nt * NW * 32 + o);
     }
     int4* sm = sb + S::kBStage;
-    for (int x = tid; x < S::kMStage; x += kThreads) {
-      const int st = x / (NW * 16), o = x % (NW * 16);
+#pragma unroll
+    for (int i = 0; i < (S::kMStage + kThreads - 1) / kThreads; i++) {
+      const int x = tid + i * kThreads;
+      const int st = tid / (NW * 16) + i * (kThreads / (NW * 16)), o = tid % (NW * 16);
+      if (S::kMStage % kThreads != 0 && st >= kStrips) break;
       cp_async16_evict_first(sm + x, p.b_meta + (static_cast<long long>(kt) * kStrips + st) * bm_row + nt * NW * 16 + o);
     }
     if constexpr (FINE) {
