@@ -17,8 +17,9 @@
 //    chunk each dequantize it from shared memory, which is cheaper than streaming it again).
 //  * Stage = 128 rows of the original K (4 strips), STAGES-deep cp.async ring for the
 //    activations, values, metadata and group scales of a stage: one scale row (group 128) in the
-//    stage itself; for groups of 64 or 32 rows one row per strip (its group's) in an area after
-//    the ring (StageScales below), so that group 128 keeps its shared memory and occupancy.
+//    stage itself; for groups of 64 or 32 rows, and with zero points, one scale (and zero-point)
+//    row per strip in an area after the ring (StageScales below, the FINE kernels), so that
+//    group 128 keeps its shared memory and occupancy.
 //  * Grid (1-D) = row slices x column tiles x K parts, the parts of a tile consecutive (block
 //    index (slice * n_tiles + tile) * parts + part). Each block sums its K range in fp32 (group
 //    scales applied to fp32 group sums; groups of 64 or 32, and the WG loop, apply them to the
@@ -39,7 +40,6 @@
 #include <cuda_fp16.h>
 
 #include <cstdint>
-#include <type_traits>
 
 #include "../dequant.cuh"
 #include "../k_half_sums.cuh"
@@ -96,8 +96,9 @@ struct Shape {
 
 // The fine loops' scales and zero points (groups of 64 or 32 rows, or zero points at any group
 // size): one row per strip, the row of the strip's group (group 64 copies each row twice, group
-// 128 four times; per column the one row, permuted once before the loop), kStrips scale rows per ring slot in the area
-// after the STAGES-deep ring, then as many zero-point rows (with zero points). Per strip rather
+// 128 four times; per column the one row, permuted once before the loop), kStrips scale rows
+// per ring slot in the area after the STAGES-deep ring, then as many zero-point rows (with zero
+// points). Per strip rather
 // than per group, so that the loops address a strip's rows at a constant offset and keep no
 // group size in registers (the 64-row wgmma instances are at their register limit). shift: log2
 // of the strips per group (2: group 128, 1: group 64, 0: group 32).
