@@ -170,7 +170,7 @@ cudaError_t launch_24(const Args24& args, const Plan24& plan, cudaStream_t strea
   p.k = args.k;
   p.lda_int4 = args.lda / 8;
   p.groups = args.groups;
-  p.group_strips = group_strips(args);
+  p.strip_shift = group_strips(args) == 4 ? 2 : group_strips(args) == 2 ? 1 : 0;
   p.z = static_cast<const int4*>(args.z);
   p.parts = plan.parts;
   p.cluster_reduce = plan.cluster_reduce;

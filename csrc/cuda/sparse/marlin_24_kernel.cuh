@@ -368,8 +368,8 @@ __global__ void __launch_bounds__(32 * NW * MS * KW) marlin_24_kernel(const Para
   const int n_k = kt1 - kt0;
   const bool grouped = p.groups > 1;
   const bool zeros = p.z != nullptr;
-  // the fine loops' per-strip rows: strips per group 4 (group 128), 2 (64) or 1 (32)
-  const StageScales<MB, NW, MS, WG != 0, KW, STAGES> scales{smem, p.group_strips == 4 ? 2 : p.group_strips == 2 ? 1 : 0};
+  // the fine kernels' per-strip rows (strip_shift: log2 of the strips per scale group)
+  const StageScales<MB, NW, MS, WG != 0, KW, STAGES> scales{smem, p.strip_shift};
 
   const long long bq_row = p.n / 2;  // int4 per row of b_q (one strip)
   const long long bm_row = p.n / 4;  // int4 per row of b_meta

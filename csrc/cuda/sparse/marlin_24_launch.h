@@ -24,7 +24,7 @@ struct Params {
   int m, n, k;
   long long lda_int4;
   int groups;          // 1: per column, else K / group size (128, 64 or 32)
-  int group_strips;    // strips per scale group: 4 (group 128, and per column), 2 (group 64), 1 (group 32)
+  int strip_shift;     // log2 of the strips per scale group: 2 (group 128, and per column), 1 (group 64), 0 (group 32)
   int parts;           // K parts per column tile
   bool cluster_reduce; // the parts of a tile are one cluster (sm_90+, parts <= kMaxClusterParts)
 };
