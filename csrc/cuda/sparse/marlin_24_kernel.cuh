@@ -94,6 +94,22 @@ struct Shape {
   }
 };
 
+// lo, hi (the B fragments of a 16x16 block: columns g and 8 + g) times the scales of those two
+// columns, the low and high half of s; the broadcasts fold into the multiplications' operands
+// (built as separate pairs first, they took a PRMT each).
+template <typename ET>
+__device__ __forceinline__ void scale_by_pair(uint32_t (&lo)[2], uint32_t (&hi)[2], uint32_t s) {
+  typename Elem<ET>::T2 s_lo, s_hi;
+  if constexpr (kIsBf16<ET>)
+    s_lo = __low2bfloat162(as_t2<ET>(s)), s_hi = __high2bfloat162(as_t2<ET>(s));
+  else
+    s_lo = __low2half2(as_t2<ET>(s)), s_hi = __high2half2(as_t2<ET>(s));
+  lo[0] = as_u32<ET>(__hmul2(as_t2<ET>(lo[0]), s_lo));
+  lo[1] = as_u32<ET>(__hmul2(as_t2<ET>(lo[1]), s_lo));
+  hi[0] = as_u32<ET>(__hmul2(as_t2<ET>(hi[0]), s_hi));
+  hi[1] = as_u32<ET>(__hmul2(as_t2<ET>(hi[1]), s_hi));
+}
+
 // The fine loops' scales and zero points (groups of 64 or 32 rows, or zero points at any group
 // size): one row per strip, the row of the strip's group (group 64 copies each row twice, group
 // 128 four times; per column the one row, permuted once before the loop), kStrips scale rows
@@ -113,19 +129,17 @@ struct StageScales {
   __device__ __forceinline__ int4* zero_row(int slot, int u) const {
     return smem + STAGES * S::kStageInt4 + (STAGES + slot) * kStrips * S::kSStage + u * S::kSStage;
   }
-  // The lane's scales (grouped) and zero-point constants (u4_zero_pair; 8 without zero points) of
-  // strip u, for fragment rows g and g + 8 of blocks j = 0..3 (idx = wn * 8 + g: the b_scales
-  // permutation puts column 16 j + g at position 8 g + 2 j and 16 j + 8 + g at 8 g + 2 j + 1).
+  // The lane's scales (grouped; word j: the pair of fragment rows g and g + 8 of block j, for
+  // scale_by_pair) and zero-point constants (u4_zero_pair; 8 without zero points) of strip u
+  // (idx = wn * 8 + g: the b_scales permutation puts column 16 j + g at position 8 g + 2 j and
+  // 16 j + 8 + g at 8 g + 2 j + 1).
   template <typename ET>
-  __device__ __forceinline__ void strip_params(int slot, int u, int idx, bool grouped, bool zeros,
-                                               typename Elem<ET>::T2 (&s_lo)[4], typename Elem<ET>::T2 (&s_hi)[4],
+  __device__ __forceinline__ void strip_params(int slot, int u, int idx, bool grouped, bool zeros, uint32_t (&sw)[4],
                                                U4Zero (&z)[4]) const {
-    using T2 = typename Elem<ET>::T2;
     if (grouped) {
       const int4 sv = strip_row(slot, u)[idx];
-      const ET* sc = reinterpret_cast<const ET*>(&sv);
-#pragma unroll
-      for (int j = 0; j < 4; j++) s_lo[j] = T2{sc[2 * j], sc[2 * j]}, s_hi[j] = T2{sc[2 * j + 1], sc[2 * j + 1]};
+      sw[0] = static_cast<uint32_t>(sv.x), sw[1] = static_cast<uint32_t>(sv.y);
+      sw[2] = static_cast<uint32_t>(sv.z), sw[3] = static_cast<uint32_t>(sv.w);
     }
     // the pair (z_lo, z_hi) of block j is word j of the row's int4; 8 (symmetric) as an ET pair
     const int4 zv = zeros ? zero_row(slot, u)[idx] : make_int4(0, 0, 0, 0);
@@ -245,7 +259,8 @@ __device__ __forceinline__ void main_loop_wg(const int4* smem, Fetch& fetch, flo
     // warpgroup's first strip of the stage
     using T2 = typename Elem<ET>::T2;
     T2 s_lo[4], s_hi[4];
-    U4Zero zz[4];  // FINE: the strip's zero-point constants
+    U4Zero zz[4];    // FINE: the strip's zero-point constants
+    uint32_t sw[4];  // FINE: the strip's scale pairs
     if constexpr (!FINE) {
       if (grouped) {
         const int4 sv = sm[S::kMStage + wn * 8 + g];
@@ -260,7 +275,7 @@ __device__ __forceinline__ void main_loop_wg(const int4* smem, Fetch& fetch, flo
 #pragma unroll
     for (int l = 0; l < kLocal; l++) {
       const int buf = l % 2;
-      if constexpr (FINE) scales.template strip_params<ET>(slot, wk * kLocal + l, wn * 8 + g, grouped, zeros, s_lo, s_hi, zz);
+      if constexpr (FINE) scales.template strip_params<ET>(slot, wk * kLocal + l, wn * 8 + g, grouped, zeros, sw, zz);
       const int4 wq4 = sb[(l * NW + strip_chunk) * 32 + lane];
       // metadata as in the mma.sync loop: the lane's words (blocks 0, 1) and lane ^ 2's (2, 3), selector 0
       const uint2* mrow = reinterpret_cast<const uint2*>(sm + (l * NW + strip_chunk) * 16);
@@ -275,7 +290,9 @@ __device__ __forceinline__ void main_loop_wg(const int4* smem, Fetch& fetch, flo
           dequant_u4<ET, true>(wq[j], lo, hi, zz[j]);  // u - z (z = 8 without zero points)
         else
           dequant_u4<ET, false>(wq[j], lo, hi, U4Zero{});
-        if (grouped) {
+        if constexpr (FINE) {
+          if (grouped) scale_by_pair<ET>(lo, hi, sw[j]);
+        } else if (grouped) {
           lo[0] = as_u32<ET>(__hmul2(as_t2<ET>(lo[0]), s_lo[j]));
           lo[1] = as_u32<ET>(__hmul2(as_t2<ET>(lo[1]), s_lo[j]));
           hi[0] = as_u32<ET>(__hmul2(as_t2<ET>(hi[0]), s_hi[j]));
@@ -522,10 +539,9 @@ __global__ void __launch_bounds__(32 * NW * MS * KW) marlin_24_kernel(const Para
       // fine: the strip's zero points in the dequantization and its group scales on the
       // dequantized weights (as the wgmma loop applies them), the products summed straight into
       // tot: no group sums, no group size in the loop
-      using T2 = typename E::T2;
-      T2 s2_lo[4], s2_hi[4];
+      uint32_t sw[4];
       U4Zero zz[4];
-      if constexpr (FINE) scales.template strip_params<ET>(slot, u, wn * 8 + g, grouped, zeros, s2_lo, s2_hi, zz);
+      if constexpr (FINE) scales.template strip_params<ET>(slot, u, wn * 8 + g, grouped, zeros, sw, zz);
 #pragma unroll
       for (int j = 0; j < 4; j++) {
         uint32_t lo[2], hi[2];
@@ -533,12 +549,7 @@ __global__ void __launch_bounds__(32 * NW * MS * KW) marlin_24_kernel(const Para
           dequant_u4<ET, true>(wq[j], lo, hi, zz[j]);  // u - z (z = 8 without zero points)
         else
           dequant_u4<ET, false>(wq[j], lo, hi, U4Zero{});
-        if (FINE && grouped) {
-          lo[0] = as_u32<ET>(__hmul2(as_t2<ET>(lo[0]), s2_lo[j]));
-          lo[1] = as_u32<ET>(__hmul2(as_t2<ET>(lo[1]), s2_lo[j]));
-          hi[0] = as_u32<ET>(__hmul2(as_t2<ET>(hi[0]), s2_hi[j]));
-          hi[1] = as_u32<ET>(__hmul2(as_t2<ET>(hi[1]), s2_hi[j]));
-        }
+        if (FINE && grouped) scale_by_pair<ET>(lo, hi, sw[j]);
         const uint32_t a[4] = {lo[0], hi[0], lo[1], hi[1]};
         const uint32_t e = j == 0 ? mw.x : j == 1 ? mw.y : j == 2 ? mw2.x : mw2.y;
 #pragma unroll
