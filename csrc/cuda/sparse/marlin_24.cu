@@ -17,15 +17,16 @@ double fill(long long blocks, long long slots, int sms) {
   return blocks < sms ? 0.5 * f : f;
 }
 
-// Strips of 32 rows per scale group: 4 for group 128 and per column (one scale row per stage),
-// 2 for group 64, 1 for group 32 (gemm_2_4_checks.h admits no other group count).
-int group_strips(const Args24& args) {
-  return args.groups > 1 ? std::max(1, std::min(kStrips, args.k / args.groups / 32)) : kStrips;
+// log2 of the 32-row strips per scale group: 2 for group 128 and per column (one scale row per
+// stage), 1 for group 64, 0 for group 32 (gemm_2_4_checks.h admits no other group count).
+int strip_shift(const Args24& args) {
+  const int strips = args.groups > 1 ? std::max(1, std::min(kStrips, args.k / args.groups / 32)) : kStrips;
+  return strips == 4 ? 2 : strips == 2 ? 1 : 0;
 }
 
-// The kernel's per-strip loop (scales, and zero points, read per strip): groups of 64 or 32, or
-// zero points at any group size.
-bool fine_plan(const Args24& args) { return group_strips(args) < kStrips || args.z != nullptr; }
+// The FINE kernels (scales, and zero points, read per strip): groups of 64 or 32, or zero points
+// at any group size.
+bool fine_plan(const Args24& args) { return strip_shift(args) < 2 || args.z != nullptr; }
 
 }  // namespace
 
@@ -170,7 +171,7 @@ cudaError_t launch_24(const Args24& args, const Plan24& plan, cudaStream_t strea
   p.k = args.k;
   p.lda_int4 = args.lda / 8;
   p.groups = args.groups;
-  p.strip_shift = group_strips(args) == 4 ? 2 : group_strips(args) == 2 ? 1 : 0;
+  p.strip_shift = strip_shift(args);
   p.z = static_cast<const int4*>(args.z);
   p.parts = plan.parts;
   p.cluster_reduce = plan.cluster_reduce;

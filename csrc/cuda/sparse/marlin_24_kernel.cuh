@@ -462,14 +462,15 @@ __global__ void __launch_bounds__(32 * NW * MS * KW) marlin_24_kernel(const Para
     // 8 i + j of a 64-column chunk is column i + 8 j). The row is the same for every stage, so
     // it is permuted here once into every ring slot's zero-point rows and never fetched again.
     const ET* zc = reinterpret_cast<const ET*>(p.z) + nt * S::kTileN;
-    int4* zrows = scales.zero_row(0, 0);
-    for (int x = tid; x < STAGES * kStrips * S::kSStage; x += kThreads) {
-      const int o = x % S::kSStage;  // int4 o of the row: chunk o / 8, positions 8 (o % 8) + j
-      alignas(16) ET v[8];
+    // the thread's int4 o of the row (chunk o / 8, positions 8 (o % 8) + j), read once and
+    // stored into every slot's rows (kThreads is a multiple of the row's kSStage int4)
+    static_assert(kThreads % S::kSStage == 0, "each thread keeps one int4 of the row");
+    const int o = tid % S::kSStage;
+    alignas(16) ET v[8];
 #pragma unroll
-      for (int j = 0; j < 8; j++) v[j] = zc[(o / 8) * 64 + o % 8 + 8 * j];
-      zrows[x] = *reinterpret_cast<const int4*>(v);
-    }
+    for (int j = 0; j < 8; j++) v[j] = zc[(o / 8) * 64 + o % 8 + 8 * j];
+    int4* zrows = scales.zero_row(0, 0);
+    for (int x = tid; x < STAGES * kStrips * S::kSStage; x += kThreads) zrows[x] = *reinterpret_cast<const int4*>(v);
     __syncthreads();  // the loops' first reads follow barriers of one warpgroup only
   }
   // The main loop: one scale row per stage (group 128, per column), or (FINE) each strip's scale
