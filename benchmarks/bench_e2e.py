@@ -16,7 +16,11 @@ weights (no download; benchmarks/e2e_model.py). Kernels:
                   serving engines run FP16: the stricter baseline for the fused Marlin model;
   marlin          every Linear but lm_head replaced by MarlinLinear (group 128), q/k/v and
                   gate/up fused (marlin.fuse_projections);
-  marlin_unfused  the same without fusion (transformers' own layer split).
+  marlin_unfused  the same without fusion (transformers' own layer split);
+  marlin_24       every Linear but lm_head pruned to 2:4 by magnitude and replaced by
+                  MarlinLinear24 (group 128), q/k/v and gate/up fused: the 2:4 kernel's speed
+                  (random weights: the time does not depend on which ones are kept). Built
+                  from a fresh copy of the FP16 model (same seed) when the dense kernels ran first.
 
 For each (kernel, mode, batch): ttft_ms is the prefill of the prompt (eager, as generate() runs
 it; logits of the last token only); tpot_ms is the median over --samples blocks of the 64 decode
@@ -59,7 +63,7 @@ from .provenance import collect_meta, dirty_warning
 from .timing import measure_copy_bandwidth
 
 # run in this order: each converts the model further (fp16_fused is undone after its points)
-KERNELS = ("fp16", "fp16_fused", "marlin_unfused", "marlin")
+KERNELS = ("fp16", "fp16_fused", "marlin_unfused", "marlin", "marlin_24")
 MODES = ("eager", "graph", "compiled", "generate")
 DEFAULT_BATCHES = (1, 2, 4, 8, 16, 32, 64, 128)
 CHECK_TOL = 2e-2  # logits of a captured/compiled step vs eager: fp16 rounding differs, a wrong step is O(1)
@@ -356,7 +360,14 @@ def main(argv=None) -> int:
                     restore()
                 write(complete=False)
                 continue
-            if kernel != "fp16" and converted == "fp16":
+            if kernel == "marlin_24":
+                if converted != "fp16":  # the dense conversion replaced the FP16 weights: the same model anew
+                    del model
+                    _free()
+                    model = build_model(args.model, args.layers, dev, seed=args.seed)
+                to_marlin(model, fuse=True, sparsity="2:4")
+                converted = kernel
+            elif kernel != "fp16" and converted == "fp16":
                 to_marlin(model, fuse=(kernel == "marlin"))
                 converted = kernel
             elif kernel == "marlin" and converted == "marlin_unfused":

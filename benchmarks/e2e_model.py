@@ -79,11 +79,12 @@ def build_model(name: str, layers: Optional[int], dev: torch.device, seed: int =
     return model.eval()
 
 
-def to_marlin(model, fuse: bool, group_size: int = 128):
-    """Quantize every Linear but lm_head in place (marlin.replace_linear), then fuse if asked."""
+def to_marlin(model, fuse: bool, group_size: int = 128, sparsity=None):
+    """Quantize every Linear but lm_head in place (marlin.replace_linear; ``sparsity="2:4"``:
+    magnitude-pruned 2:4 layers), then fuse if asked."""
     import marlin
 
-    report = marlin.replace_linear(model, group_size=group_size, exclude=("lm_head",), strict=True)
+    report = marlin.replace_linear(model, group_size=group_size, exclude=("lm_head",), strict=True, sparsity=sparsity)
     fused = marlin.fuse_projections(model, strict=True) if fuse else None
     return report, fused
 

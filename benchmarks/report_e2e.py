@@ -17,7 +17,8 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 STYLE = {"graph": "--", "compiled": "-", "eager": ":"}
-COLOR = {"fp16": "tab:gray", "fp16_fused": "tab:blue", "marlin": "tab:red", "marlin_unfused": "tab:orange"}
+COLOR = {"fp16": "tab:gray", "fp16_fused": "tab:blue", "marlin": "tab:red", "marlin_unfused": "tab:orange",
+         "marlin_24": "tab:purple"}
 FLOOR_FACTOR = 1.3  # the issue: FP16's decode step within 1.3x of its weight-read time at batch 1
 
 

@@ -10,10 +10,11 @@ is one more launch. Fused, they are one wider GEMM: q|k|v is 4096 x 6144, gate|u
 How, without touching the model's code or dequantizing anything:
 
   * The fused layer is the concatenation of the parts' packed buffers along N (b_q, b_scales,
-    zero points, bias). This is exact: the Marlin layout stores each 64-column tile, and each
-    64-column block of scales, on its own (marlin/packing.py), so the packed form of [W_q | W_k]
-    is [packed W_q | packed W_k] whenever every part's N is a multiple of 64
-    (tests/test_fuse.py checks it bit for bit against the packer).
+    zero points, bias, and a 2:4 layer's b_meta). This is exact: the Marlin layout stores each
+    64-column tile, and each 64-column block of scales, on its own (marlin/packing.py; the 2:4
+    layout keeps the same tiles, marlin/sparse.py), so the packed form of [W_q | W_k] is
+    [packed W_q | packed W_k] whenever every part's N is a multiple of 64 (tests/test_fuse.py
+    checks it bit for bit against the packers).
   * It is registered next to the parts (``self_attn.qkv_proj``, ``mlp.gate_up_proj``), and each
     part becomes a FusedPart: called with input x, it runs the fused layer once and returns its
     columns; the next part called with the same tensor x gets its columns from that one result.
@@ -21,9 +22,9 @@ How, without touching the model's code or dequantizing anything:
     which the model calls its projections. The last part to read a result drops it, so nothing
     is kept between forward passes. torch.compile traces this into a single GEMM per group.
 
-Parts are fused only when they can share one GEMM: all MarlinLinear of the same class, the same
-input size, the same weight format (buffers, dtypes, group size) and the same act-order
-permutation (or none). Everything else is left alone and listed in the report.
+Parts are fused only when they can share one GEMM: all MarlinLinear, or all 2:4-sparse
+MarlinLinear24, with the same input size, the same weight format (buffers, dtypes, group size)
+and the same act-order permutation (or none). Everything else is left alone and listed in the report.
 
 A fused model's state_dict holds the fused names (``qkv_proj.b_q``). It loads back into a fused
 model (load_state_dict), and a fused model saved with save_pretrained loads with from_pretrained
@@ -41,6 +42,7 @@ import torch
 from torch import nn
 
 from .nn import MarlinLinear
+from .sparse_nn import MarlinLinear24
 
 __all__ = ["DEFAULT_GROUPS", "FuseReport", "FusedPart", "fuse_projections", "fuse_group", "install_fused",
            "fused_group_parts"]
@@ -54,7 +56,10 @@ DEFAULT_GROUPS: Mapping[str, tuple] = {
 }
 
 _TILE_N = 64  # columns per tile of the Marlin layout (weights and scales)
-_PER_COLUMN = ("b_q", "b_scales", "b_zeros", "bias")  # buffers whose last dim runs over N
+_PER_COLUMN = ("b_q", "b_meta", "b_scales", "b_zeros", "bias")  # buffers whose last dim runs over N
+_FUSIBLE = (MarlinLinear, MarlinLinear24)  # the layer classes whose packed buffers concatenate along N
+# plain attributes that describe one layer, not its format: not compared between parts
+_PER_LAYER = ("out_features", "pruned_fraction")
 
 
 @dataclass
@@ -117,8 +122,8 @@ class FusedPart(nn.Module):
 def _why_not(parts: Sequence[nn.Module]) -> Optional[str]:
     """None if the parts can share one GEMM, else the reason."""
     first = parts[0]
-    if not all(type(p) is MarlinLinear for p in parts):
-        return "not all parts are MarlinLinear (" + ", ".join(type(p).__name__ for p in parts) + ")"
+    if type(first) not in _FUSIBLE or not all(type(p) is type(first) for p in parts):
+        return "not all parts are MarlinLinear, or all MarlinLinear24 (" + ", ".join(type(p).__name__ for p in parts) + ")"
     if any(p.in_features != first.in_features for p in parts):
         return "different in_features " + str([p.in_features for p in parts])
     if any(p.out_features % _TILE_N for p in parts):
@@ -136,11 +141,12 @@ def _why_not(parts: Sequence[nn.Module]) -> Optional[str]:
                 return f"{name}: {ref.dtype} {tuple(ref.shape)} on {ref.device} vs {b.dtype} {tuple(b.shape)} on {b.device}"
     if any(p.bias is not None and p.bias.dtype != p.b_scales.dtype for p in parts):
         return "a bias dtype differs from its scales"
-    if first.perm is not None and not all(torch.equal(p.perm, first.perm) for p in parts[1:]):
+    perm = getattr(first, "perm", None)  # MarlinLinear24 has no act-order permutation
+    if perm is not None and not all(torch.equal(p.perm, perm) for p in parts[1:]):
         return "different act-order permutations (each part permutes its input its own way)"
-    attrs = {k: v for k, v in vars(first).items() if not k.startswith("_") and k != "out_features"}
+    attrs = {k: v for k, v in vars(first).items() if not k.startswith("_") and k not in _PER_LAYER}
     for p in parts[1:]:
-        other = {k: v for k, v in vars(p).items() if not k.startswith("_") and k != "out_features"}
+        other = {k: v for k, v in vars(p).items() if not k.startswith("_") and k not in _PER_LAYER}
         if other != attrs:
             return f"different settings {attrs} vs {other}"
     return None
@@ -155,8 +161,9 @@ def _clone_with_own_state(layer: nn.Module) -> nn.Module:
 
 
 @torch.no_grad()
-def fuse_group(parts: Sequence[MarlinLinear]) -> MarlinLinear:
-    """One MarlinLinear computing the parts' outputs side by side (exact; see the module doc).
+def fuse_group(parts: Sequence[nn.Module]) -> nn.Module:
+    """One layer of the parts' class (MarlinLinear or MarlinLinear24) computing their outputs side
+    by side (exact; see the module doc).
 
     Raises ValueError when the parts cannot share one GEMM (see _why_not)."""
     why = _why_not(parts)
@@ -175,8 +182,10 @@ def fuse_group(parts: Sequence[MarlinLinear]) -> MarlinLinear:
         fused.bias = torch.cat(
             [p.bias if p.bias is not None else torch.zeros(p.out_features, dtype=ref.dtype, device=ref.device) for p in parts]
         )
-    if first.perm is not None:
+    if getattr(first, "perm", None) is not None:
         fused.perm = first.perm.clone()
+    if hasattr(first, "pruned_fraction"):
+        fused.pruned_fraction = None  # a per-layer pruning figure (replace_linear's report has the parts')
     fused.workspace = torch.zeros_like(first.workspace)  # its own zeroed lock buffer
     return fused
 

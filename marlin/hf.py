@@ -163,7 +163,6 @@ def _sparse_layer(ckpt: SafetensorsDir, prefix: str) -> dict:
 
 def _install_marlin_layers(model: nn.Module, layers: dict, device: torch.device) -> None:
     from .fuse import fused_group_parts, install_fused
-    from .sparse_nn import MarlinLinear24
 
     for prefix, spec in layers.items():
         parent_name, _, child = prefix.rpartition(".")
@@ -171,7 +170,7 @@ def _install_marlin_layers(model: nn.Module, layers: dict, device: torch.device)
             old = model.get_submodule(prefix)
         except AttributeError:
             old = None
-        if old is None and spec.get("sparsity") is None:
+        if old is None:
             # a fused model's checkpoint (marlin.fuse_projections, then save_pretrained): qkv_proj
             # where the model has q/k/v_proj
             try:
@@ -180,7 +179,7 @@ def _install_marlin_layers(model: nn.Module, layers: dict, device: torch.device)
                 parent = None
             if parent is not None and fused_group_parts(parent, child) is not None:
                 try:
-                    install_fused(parent, child, _new_marlin_layer(spec, device))
+                    install_fused(parent, child, _new_layer(spec, device))
                 except ValueError as e:
                     raise ConversionError(f"{prefix}: {e}") from None
                 continue
@@ -192,19 +191,24 @@ def _install_marlin_layers(model: nn.Module, layers: dict, device: torch.device)
             raise ConversionError(
                 f"{prefix}: the checkpoint holds a [{spec['k']} -> {spec['n']}] Marlin layer, but the model has {old!r}"
             )
-        if spec.get("sparsity") == "2:4":
-            new = MarlinLinear24(
-                spec["k"],
-                spec["n"],
-                bias=spec["bias"],
-                group_size=spec["group_size"],
-                device=device,
-                dtype=spec["dtype"],
-                zero_points=spec.get("zero_points", False),
-            )
-        else:
-            new = _new_marlin_layer(spec, device)
-        setattr(model.get_submodule(parent_name) if parent_name else model, child, new)
+        setattr(model.get_submodule(parent_name) if parent_name else model, child, _new_layer(spec, device))
+
+
+def _new_layer(spec: dict, device: torch.device) -> nn.Module:
+    """The empty Marlin layer a checked spec describes: MarlinLinear24 for a 2:4 one."""
+    if spec.get("sparsity") != "2:4":
+        return _new_marlin_layer(spec, device)
+    from .sparse_nn import MarlinLinear24
+
+    return MarlinLinear24(
+        spec["k"],
+        spec["n"],
+        bias=spec["bias"],
+        group_size=spec["group_size"],
+        device=device,
+        dtype=spec["dtype"],
+        zero_points=spec.get("zero_points", False),
+    )
 
 
 def _new_marlin_layer(spec: dict, device: torch.device) -> nn.Module:

@@ -365,18 +365,21 @@ def replace_linear(
     one layer each by marlin.fuse_projections (exact; its report is ``report.fused``).
 
     ``sparsity="2:4"``: 2:4-sparse layers instead (marlin.replace_linear_2_4, whose report also
-    gives per layer the share of the weight norm that pruning removed; not with ``fuse``).
+    gives per layer the share of the weight norm that pruning removed; ``fuse`` merges its layers
+    the same way).
     """
     if sparsity is not None:
         from . import sparse_nn
 
         sparse_nn.check_sparsity(sparsity, "replace_linear")
-        if fuse:
-            raise ValueError("replace_linear: fuse=True is not supported with sparsity='2:4' (2:4 layers are not fused)")
         if bits != 4:
             raise ValueError(f"replace_linear: sparsity='2:4' with bits = {bits!r}; the 2:4 format holds 4-bit weights only")
         report = sparse_nn.replace_linear_2_4(model, group_size, include, exclude, strict=strict, sym=sym)
         _mark_config(model, report, group_size=group_size, bits=4, sym=sym, sparsity=sparsity)
+        if fuse:
+            from .fuse import fuse_projections  # imports this module: import here, not at the top
+
+            report.fused = fuse_projections(model)
         return report
     if group_size not in packing.SUPPORTED_GROUP_SIZES:
         raise ValueError(f"replace_linear: group_size = {group_size!r}, expected one of {packing.SUPPORTED_GROUP_SIZES} (-1: per column)")

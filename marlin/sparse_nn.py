@@ -208,6 +208,8 @@ class SparseReplaceReport(ReplaceReport):
         lines = [f"replaced {len(self.replaced)} nn.Linear layers with 2:4-sparse MarlinLinear24, kept {len(self.skipped)}"]
         lines += [f"  {name}: pruning removed {frac:.1%} of the weight norm" for name, frac in self.pruned.items()]
         lines += [f"  kept {name}: {why}" for name, why in self.skipped]
+        if self.fused is not None:
+            lines.append(str(self.fused))
         return "\n".join(lines)
 
 

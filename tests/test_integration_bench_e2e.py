@@ -55,6 +55,19 @@ def test_dry_run_and_report(tmp_path):
     assert (tmp_path / "e2e-profile.png").is_file()
 
 
+def test_dry_run_with_the_2_4_kernel_after_the_dense_one(tmp_path):
+    # marlin_24 runs after marlin: the dense conversion replaced the FP16 weights, so it rebuilds
+    # the model from its seed, prunes it 2:4 and fuses the projections
+    out = tmp_path / "e2e.json"
+    assert bench_e2e.main(["--dry-run", "--kernels", "marlin_24,marlin", "--modes", "graph", "--out", str(out)]) == 0
+    points = json.loads(out.read_text())["points"]
+    assert [(p["kernel"], p["batch"]) for p in points] == [("marlin", 1), ("marlin", 3), ("marlin_24", 1), ("marlin_24", 3)]
+    for p in points:
+        assert p["graph_breaks"] == 0 and p["check_rel_err"] <= bench_e2e.CHECK_TOL
+    dense, sparse = ({p["weight_bytes"] for p in points if p["kernel"] == k} for k in ("marlin", "marlin_24"))
+    assert len(dense) == len(sparse) == 1 and sparse.pop() < dense.pop()
+
+
 def test_speedups_and_targets():
     pts = [
         {"kernel": "fp16", "mode": "compiled", "batch": 16, "tpot_ms": 10.0},
