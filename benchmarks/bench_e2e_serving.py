@@ -28,7 +28,8 @@ Engines (--engine):
                 the measured rates, an unmeasured round of --warmup-requests requests.
 
 Writes benchmarks/results/<gpu>-serving[-<engine>][-<L>L].json (engine omitted for slots). The
-model is benchmarks/e2e_model.py's (random weights; Marlin: replace_linear + fuse).
+model is benchmarks/e2e_model.py's (random weights; Marlin: replace_linear + fuse; marlin_24: the
+same with 2:4-sparse layers).
 """
 
 from __future__ import annotations
@@ -50,10 +51,11 @@ from .bench_math import RESULTS_DIR
 from .e2e_model import MODEL_SPECS, build_model, fuse_fp16, to_marlin
 from .provenance import collect_meta
 
-# run in this order (fp16_fused is undone after its rates; marlin converts the model): fp16 is
-# transformers' layers, fp16_fused the same weights with q/k/v and gate/up stacked as serving
-# engines run FP16 (bench_e2e's stricter baseline)
-KERNELS = ("fp16", "fp16_fused", "marlin")
+# run in this order (fp16_fused is undone after its rates; marlin converts the model; marlin_24
+# converts a fresh copy of it, pruned 2:4 by magnitude): fp16 is transformers' layers, fp16_fused
+# the same weights with q/k/v and gate/up stacked as serving engines run FP16 (bench_e2e's
+# stricter baseline)
+KERNELS = ("fp16", "fp16_fused", "marlin", "marlin_24")
 
 
 def workload(n: int, prompt_median: int, output_median: int, max_len: int, vocab: int, seed: int) -> list[dict]:
@@ -263,7 +265,7 @@ def main(argv=None) -> int:
             base = {p["rate"]: p for p in points if p["kernel"] == b and p.get("tpot_ms_median")}
             for p in points:
                 ref = base.get(p["rate"])
-                if p["kernel"] == "marlin" and ref and p.get("tpot_ms_median"):
+                if p["kernel"] in ("marlin", "marlin_24") and ref and p.get("tpot_ms_median"):
                     p[key] = ref["tpot_ms_median"] / p["tpot_ms_median"]
         out.write_text(dump_results({"meta": meta, "points": points, "requests": requests_out}))
 
@@ -323,6 +325,15 @@ def main(argv=None) -> int:
         restore = fuse_fp16(model) if kernel == "fp16_fused" else (lambda: None)
         if kernel == "marlin":
             to_marlin(model, fuse=True)
+            gc.collect()
+        elif kernel == "marlin_24":
+            if "marlin" in args.kernels:  # the dense conversion replaced the FP16 weights: the same model anew
+                del model
+                gc.collect()
+                if dev.type == "cuda":
+                    torch.cuda.empty_cache()
+                model = build_model(args.model, args.layers, dev, seed=args.seed)
+            to_marlin(model, fuse=True, sparsity="2:4")
             gc.collect()
         try:
             serve_kernel(kernel)

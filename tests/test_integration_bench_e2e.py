@@ -98,6 +98,20 @@ def test_serving_dry_run_and_report(tmp_path, engine):
     assert report.report(out, tmp_path)[-1] == "wrote serving.md"
 
 
+def test_serving_dry_run_with_the_2_4_kernel(tmp_path):
+    # after marlin the FP16 weights are gone: marlin_24 rebuilds the model from its seed
+    from benchmarks import bench_e2e_serving
+
+    out = tmp_path / "serving.json"
+    assert bench_e2e_serving.main(["--dry-run", "--kernels", "fp16,marlin,marlin_24", "--out", str(out)]) == 0
+    points = json.loads(out.read_text())["points"]
+    assert [p["kernel"] for p in points] == ["fp16", "fp16", "marlin", "marlin", "marlin_24", "marlin_24"]
+    assert all(p["ok"] == 4 and p["failed"] == 0 for p in points)
+    assert all(p["tpot_speedup"] > 0 for p in points[2:])
+    assert report.report(out, tmp_path)[-1] == "wrote serving.md"
+    assert "| marlin_24 |" in (tmp_path / "serving.md").read_text()
+
+
 def test_workload_is_reproducible():
     from benchmarks import bench_e2e_serving as S
 
