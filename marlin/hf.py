@@ -179,7 +179,7 @@ def _install_marlin_layers(model: nn.Module, layers: dict, device: torch.device)
                 parent = None
             if parent is not None and fused_group_parts(parent, child) is not None:
                 try:
-                    install_fused(parent, child, _new_layer(spec, device))
+                    install_fused(parent, child, _new_marlin_layer(spec, device))
                 except ValueError as e:
                     raise ConversionError(f"{prefix}: {e}") from None
                 continue
@@ -191,41 +191,26 @@ def _install_marlin_layers(model: nn.Module, layers: dict, device: torch.device)
             raise ConversionError(
                 f"{prefix}: the checkpoint holds a [{spec['k']} -> {spec['n']}] Marlin layer, but the model has {old!r}"
             )
-        setattr(model.get_submodule(parent_name) if parent_name else model, child, _new_layer(spec, device))
-
-
-def _new_layer(spec: dict, device: torch.device) -> nn.Module:
-    """The empty Marlin layer a checked spec describes: MarlinLinear24 for a 2:4 one."""
-    if spec.get("sparsity") != "2:4":
-        return _new_marlin_layer(spec, device)
-    from .sparse_nn import MarlinLinear24
-
-    return MarlinLinear24(
-        spec["k"],
-        spec["n"],
-        bias=spec["bias"],
-        group_size=spec["group_size"],
-        device=device,
-        dtype=spec["dtype"],
-        zero_points=spec.get("zero_points", False),
-    )
+        setattr(model.get_submodule(parent_name) if parent_name else model, child, _new_marlin_layer(spec, device))
 
 
 def _new_marlin_layer(spec: dict, device: torch.device) -> nn.Module:
-    from .nn import MarlinLinear
-
-    return MarlinLinear(
-        spec["k"],
-        spec["n"],
+    """The empty Marlin layer a spec describes: MarlinLinear24 for a 2:4 one, else MarlinLinear."""
+    common = dict(
         bias=spec["bias"],
         group_size=spec["group_size"],
         device=device,
         # specs built elsewhere (marlin.parallel) may describe only the shape: fp16 4-bit symmetric
         dtype=spec.get("dtype", torch.float16),
-        act_order=spec["act_order"],
-        bits=spec.get("bits", 4),
         zero_points=spec.get("zero_points", False),
     )
+    if spec.get("sparsity") == "2:4":
+        from .sparse_nn import MarlinLinear24
+
+        return MarlinLinear24(spec["k"], spec["n"], **common)
+    from .nn import MarlinLinear
+
+    return MarlinLinear(spec["k"], spec["n"], act_order=spec["act_order"], bits=spec.get("bits", 4), **common)
 
 
 def load_quantized(

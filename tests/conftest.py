@@ -27,6 +27,17 @@ def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
     return ((x64 - r64).norm() / r64.norm().clamp_min(1e-30)).item()
 
 
+def random_linear(k: int, n: int, bias: bool, seed: int, dtype=torch.float16) -> torch.nn.Linear:
+    """nn.Linear(k, n) with standard-normal weight (and bias) from ``seed``, in ``dtype``."""
+    lin = torch.nn.Linear(k, n, bias=bias)
+    with torch.no_grad():
+        gen = torch.Generator().manual_seed(seed)
+        lin.weight.copy_(torch.randn(n, k, generator=gen))
+        if bias:
+            lin.bias.copy_(torch.randn(n, generator=gen))
+    return lin.to(dtype)
+
+
 def random_layer(k: int, n: int, group_size: int, device="cpu", seed=None, *, bits=4, sym=True, dtype=torch.float16):
     """Random B [K, N] quantized and packed: returns (q, scales, b_q, b_scales) for symmetric
     formats and (q, scales, b_q, b_scales, zeros, b_zeros) with sym=False."""

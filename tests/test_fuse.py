@@ -17,7 +17,7 @@ from marlin import packing
 from marlin.fuse import FusedPart, fuse_group, fuse_projections
 from marlin.nn import MarlinLinear
 
-from conftest import rel_err, tiny_llama_config
+from conftest import random_linear, rel_err, tiny_llama_config
 
 transformers = pytest.importorskip("transformers")
 
@@ -35,13 +35,7 @@ def test_concatenated_packing_is_the_packing_of_the_concatenation(group_size):
 
 
 def _layer(k, n, bias, seed, group_size=128):
-    lin = torch.nn.Linear(k, n, bias=bias)
-    with torch.no_grad():
-        gen = torch.Generator().manual_seed(seed)
-        lin.weight.copy_(torch.randn(n, k, generator=gen))
-        if bias:
-            lin.bias.copy_(torch.randn(n, generator=gen))
-    return MarlinLinear.from_linear(lin.half(), group_size)
+    return MarlinLinear.from_linear(random_linear(k, n, bias, seed), group_size)
 
 
 def test_fuse_group_computes_the_parts_side_by_side():

@@ -19,7 +19,7 @@ from marlin.fuse import FusedPart, fuse_group, fuse_projections
 from marlin.nn import MarlinLinear
 from marlin.sparse_nn import MarlinLinear24
 
-from conftest import rel_err, tiny_llama_config
+from conftest import random_linear, rel_err, tiny_llama_config
 
 transformers = pytest.importorskip("transformers")
 
@@ -37,13 +37,7 @@ def test_concatenated_2_4_packing_is_the_packing_of_the_concatenation(group_size
 
 
 def _layer(k, n, bias, seed, group_size=128, sym=True, dtype=torch.float16):
-    lin = torch.nn.Linear(k, n, bias=bias)
-    with torch.no_grad():
-        gen = torch.Generator().manual_seed(seed)
-        lin.weight.copy_(torch.randn(n, k, generator=gen))
-        if bias:
-            lin.bias.copy_(torch.randn(n, generator=gen))
-    return MarlinLinear24.from_linear(lin.to(dtype), group_size, sym=sym)
+    return MarlinLinear24.from_linear(random_linear(k, n, bias, seed, dtype), group_size, sym=sym)
 
 
 @pytest.mark.parametrize("sym", [True, False], ids=["sym", "zp"])
@@ -72,8 +66,7 @@ def test_fuse_group_of_2_4_layers_computes_the_parts_side_by_side(sym, dtype):
 def test_2_4_parts_that_cannot_share_a_gemm_are_refused():
     a = _layer(256, 128, False, 1)
     with pytest.raises(ValueError, match="not all parts are MarlinLinear, or all MarlinLinear24"):
-        lin = torch.nn.Linear(256, 128).half()
-        fuse_group([a, MarlinLinear.from_linear(lin, 128)])
+        fuse_group([a, MarlinLinear.from_linear(random_linear(256, 128, False, 5), 128)])
     with pytest.raises(ValueError, match="b_scales"):
         fuse_group([a, _layer(256, 128, False, 2, group_size=-1)])
     with pytest.raises(ValueError, match="different buffers"):
