@@ -20,6 +20,18 @@ def call(a, b_q, b_meta, b_s, workspace=None, b_zeros=None):
     return torch.ops.marlin.gemm_2_4(a, b_q, b_meta, b_s, workspace, b_zeros)
 
 
+def check_against_fp64(c, a, w, n):
+    """c = the op's [M, N] output for a [M, K] and the exact dense weight w: checks its shape and
+    dtype (a's) and its error against fp64 a @ w; returns (ref, tol), or None for M = 0."""
+    assert c.shape == (a.shape[0], n) and c.dtype == a.dtype
+    if a.shape[0] == 0:
+        return None
+    ref = a.double() @ w.double()
+    tol = 5e-4 if a.dtype == torch.float16 else 4e-3  # the output's rounding: fp16 keeps 11 bits, bf16 8
+    assert rel_err(c, ref) < tol
+    return ref, tol
+
+
 def zero_point_parts(k, n, group_size, seed, dtype=torch.float16):
     """(u, scales, zeros, keep) of a 2:4 layer with zero points 1 and 14, alternating from one
     group to the next and from one column to the next: every z is 6 or 7 away from the symmetric
@@ -52,13 +64,10 @@ def test_cpu_gemm_2_4_matches_fp64_reference(m, k, n, group_size, dtype):
     assert b_s.dtype == dtype
     a = torch.randn(m, k).to(dtype)
     c = call(a, b_q, b_meta, b_s)
-    assert c.shape == (m, n) and c.dtype == dtype
-    if m == 0:
+    checked = check_against_fp64(c, a, w, n)
+    if checked is None:
         return
-    ref = a.double() @ w.double()
-    # the output's rounding: fp16 keeps 11 bits, bf16 8
-    tol = 5e-4 if dtype == torch.float16 else 4e-3
-    assert rel_err(c, ref) < tol
+    ref, tol = checked
     assert rel_err(c.double() * 1.02, ref) > 3 * tol
     assert rel_err(c[:, torch.randperm(n)], ref) > 0.5
 
@@ -113,12 +122,10 @@ def test_cpu_gemm_2_4_with_zero_points_matches_fp64_reference(m, k, n, group_siz
     assert torch.equal(w, packing.dequantize(u, s, z)) and bool((w[~keep] == 0).all())
     a = torch.randn(m, k).to(dtype)
     c = call(a, b_q, b_meta, b_s, None, b_z)
-    assert c.shape == (m, n) and c.dtype == dtype
-    if m == 0:
+    checked = check_against_fp64(c, a, w, n)
+    if checked is None:
         return
-    ref = a.double() @ w.double()
-    tol = 5e-4 if dtype == torch.float16 else 4e-3
-    assert rel_err(c, ref) < tol
+    ref, tol = checked
     assert rel_err(marlin.gemm_2_4(a, b_q, b_meta, b_s, b_zeros=b_z), ref) < tol  # the wrapper's keyword
     # z = 8 (the op without b_zeros): far off
     assert rel_err(call(a, b_q, b_meta, b_s), ref) > 100 * tol
