@@ -17,6 +17,18 @@ double fill(long long blocks, long long slots, int sms) {
   return blocks < sms ? 0.5 * f : f;
 }
 
+// At 1-8 rows each block's weight stream is capped by its SM, so a grid that fits the resident
+// slots runs as fast as its busiest SM: score it by how evenly the SMs hold its blocks, not by how
+// many slots it fills. H100 (NOTES.md, 2026-11-27 night, forced parts at M = 1 / 8): 70B o 4 parts
+// (128 blocks) 13.6 / 15.7 us against 12 (384, the slots' best fill) 15.7 / 18.9; 7B gate_up 3
+// parts (258) 17.6 / 19.7 against 9 (774) 19.9 / 21.6; 7B down 8 parts (128) 10.5 / 12.4 against
+// 16 / 13 (256 / 208) 11.3 / 15.8.
+double balance(long long blocks, long long slots, int sms) {
+  if (blocks > slots) return fill(blocks, slots, sms);
+  const long long per_sm = (blocks + sms - 1) / sms;
+  return static_cast<double>(blocks) / static_cast<double>(per_sm * sms);
+}
+
 // log2 of the 32-row strips per scale group: 2 for group 128 and per column (one scale row per
 // stage), 1 for group 64, 0 for group 32 (gemm_2_4_checks.h admits no other group count).
 int strip_shift(const Args24& args) {
@@ -117,6 +129,7 @@ std::string plan_24(const Args24& args, Plan24* plan) {
 
   const int max_parts = std::max(1, std::min(16, k_tiles / 2));
   const bool wg_parts = plan->wg && rows_used > 16 && clusters;  // the wgmma instances' part limit (above)
+  const bool even_sms = !plan->wg && rows_used <= 8 && !args.legacy;  // balance() above
   int best = 1;
   bool best_cluster = false;
   double best_fill = -1.0;
@@ -133,7 +146,7 @@ std::string plan_24(const Args24& args, Plan24* plan) {
       if (n_clusters > 0) cluster = true, cslots = std::min(slots, static_cast<long long>(n_clusters) * parts);
     }
     if (parts > 1 && !cluster && (!locks_ok || (wg_parts && forced == 0))) continue;
-    const double f = fill(tiles * parts, cslots, args.sms);
+    const double f = even_sms ? balance(tiles * parts, cslots, args.sms) : fill(tiles * parts, cslots, args.sms);
     const bool take = forced > 0 || (wg_parts ? parts == 1 || tiles * parts <= cslots : f > best_fill + 0.02);
     if (take) best = parts, best_cluster = cluster, best_fill = f;
   }
