@@ -36,10 +36,6 @@ int strip_shift(const Args24& args) {
   return strips == 4 ? 2 : strips == 2 ? 1 : 0;
 }
 
-// The FINE kernels (scales, and zero points, read per strip): groups of 64 or 32, or zero points
-// at any group size.
-bool fine_plan(const Args24& args) { return strip_shift(args) < 2 || args.z != nullptr; }
-
 }  // namespace
 
 // K parts and tile width, as measured on an H100 (benchmarks/NOTES.md, "kernel v2"): the parts
@@ -110,7 +106,10 @@ std::string plan_24(const Args24& args, Plan24* plan) {
   }
   plan->stages = !plan->wg && args.force_stages == 3 && plan->nw == 4 && plan->ms == 1 && plan->mb <= 2 ? 3 : kStages;
   if (plan->wg == 2 && plan->mb == 8 && plan->ms == 1 && plan->kw == 1) plan->stages = 3;
-  plan->fine = fine_plan(args);
+  // the FINE kernels (scales, and zero points, read per strip): groups of 64 or 32, or zero points
+  // at any group size
+  plan->strip_shift = strip_shift(args);
+  plan->fine = plan->strip_shift < 2 || args.z != nullptr;
   const Instance inst = find_instance(args.bf16, plan->fine, plan->mb, plan->nw, plan->ms, plan->stages, plan->wg, plan->kw);
   // groups of 64 or 32, or zero points: a scale row and a zero-point row per strip and stage after
   // the ring (marlin_24_kernel.cuh, StageScales)
@@ -184,7 +183,7 @@ cudaError_t launch_24(const Args24& args, const Plan24& plan, cudaStream_t strea
   p.k = args.k;
   p.lda_int4 = args.lda / 8;
   p.groups = args.groups;
-  p.strip_shift = strip_shift(args);
+  p.strip_shift = plan.strip_shift;
   p.z = static_cast<const int4*>(args.z);
   p.parts = plan.parts;
   p.cluster_reduce = plan.cluster_reduce;

@@ -56,6 +56,7 @@ struct Plan24 {
   int kw;      // warpgroups along K per block (wg = 2, ms = 1: 1 or 2; else 1)
   int stages;  // of the cp.async ring
   bool fine;   // the FINE kernel: groups of 64 or 32 rows, or zero points (scale rows per strip)
+  int strip_shift;  // log2 of the 32-row strips per scale group (2: group 128 or per column)
   int parts;   // K parts per column tile (> 1: reduced in a cluster or through fp32 partials)
   bool cluster_reduce;  // the parts of a tile form one thread-block cluster
   int slices;  // block slices
