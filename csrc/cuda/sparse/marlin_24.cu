@@ -128,7 +128,9 @@ std::string plan_24(const Args24& args, Plan24* plan) {
 
   const int max_parts = std::max(1, std::min(16, k_tiles / 2));
   const bool wg_parts = plan->wg && rows_used > 16 && clusters;  // the wgmma instances' part limit (above)
-  const bool even_sms = !plan->wg && rows_used <= 8 && !args.legacy;  // balance() above
+  // balance() above, for the group-128 / per-column kernels only: the FINE kernels (slower per
+  // block: a scale row per strip) lost 13-50% with it on the large layers (H100, NOTES.md)
+  const bool even_sms = !plan->wg && rows_used <= 8 && !args.legacy && !plan->fine;
   int best = 1;
   bool best_cluster = false;
   double best_fill = -1.0;
