@@ -1,7 +1,7 @@
 """Development probe: the 2:4 kernel's plans against dense Marlin g128 and FP16 on a few layers.
 
     python -m benchmarks.probe_2_4 [--out probe.json]
-        PROBE_SHAPES=7B_qkv,70B_gateup  PROBE_IDEAL=1  PROBE_MS=1,16,64
+        PROBE_SHAPES=7B_qkv,70B_gateup,14336x4096  PROBE_IDEAL=1  PROBE_MS=1,16,64
         PROBE_PLANS=auto,legacy,p4,p8g,t128,wg,wg_s1   (see plan_env)
 Same method as bench_gemm (weights rotated past L2, CUDA-graph replay, medians), fewer points, and
 several plans of gemm_2_4 in one process: csrc/cuda/sparse/gemm_2_4_cuda.cpp reads its tuning
@@ -23,7 +23,7 @@ from benchmarks.gemm_prep import random_meta_2_4
 from benchmarks.shapes import BENCH_SHAPES, ideal_shape
 
 _NAMES = os.environ.get("PROBE_SHAPES", "7B_qkv,7B_o,70B_gateup,70B_down")
-SHAPES = {s: BENCH_SHAPES[s] for s in _NAMES.split(",") if s}
+SHAPES = {s: BENCH_SHAPES[s] if s in BENCH_SHAPES else tuple(int(v) for v in s.split("x")) for s in _NAMES.split(",") if s}  # a name or "KxN"
 MS = [int(m) for m in os.environ.get("PROBE_MS", "1,8,16,32,64,128").split(",")]
 
 

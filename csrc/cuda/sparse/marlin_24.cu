@@ -129,8 +129,12 @@ std::string plan_24(const Args24& args, Plan24* plan) {
   const int max_parts = std::max(1, std::min(16, k_tiles / 2));
   const bool wg_parts = plan->wg && rows_used > 16 && clusters;  // the wgmma instances' part limit (above)
   // balance() above, for the group-128 / per-column kernels only: the FINE kernels (slower per
-  // block: a scale row per strip) lost 13-50% with it on the large layers (H100, NOTES.md)
-  const bool even_sms = !plan->wg && rows_used <= 8 && !args.legacy && !plan->fine;
+  // block: a scale row per strip) lost 13-50% with it on the large layers (H100, NOTES.md). Up to
+  // 16 rows on the mma.sync kernel (N < 8192 there): 7B down at 12 / 16 rows 8 parts (128 blocks)
+  // 15.3 / 17.0 us against the fill rule's 10 / 9 parts through global memory 20.0 / 21.0. Not on
+  // the sparse wgmma at 9-16 rows: one block per SM left it 1.1-1.5x slower on 70B o / qkv / down
+  // and the ideal layer (it runs 3 blocks per SM and needs them to hide its loads).
+  const bool even_sms = !plan->wg && rows_used <= 16 && !args.legacy && !plan->fine;
   int best = 1;
   bool best_cluster = false;
   double best_fill = -1.0;
