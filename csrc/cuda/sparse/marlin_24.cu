@@ -133,8 +133,10 @@ std::string plan_24(const Args24& args, Plan24* plan) {
   // 16 rows on the mma.sync kernel (N < 8192 there): 7B down at 12 / 16 rows 8 parts (128 blocks)
   // 15.3 / 17.0 us against the fill rule's 10 / 9 parts through global memory 20.0 / 21.0. Not on
   // the sparse wgmma at 9-16 rows: one block per SM left it 1.1-1.5x slower on 70B o / qkv / down
-  // and the ideal layer (it runs 3 blocks per SM and needs them to hide its loads).
-  const bool even_sms = !plan->wg && rows_used <= 16 && !args.legacy && !plan->fine;
+  // and the ideal layer (it runs 3 blocks per SM and needs them to hide its loads). Only on the
+  // 256-column tile (four warps): the one-warp 64-column tile of N % 128 = 64 needs several blocks
+  // per SM (4096 x 2752 at 9-16 rows: 3 parts, 129 blocks, 11.0-14.5 us; 8 parts 7.6-11.2).
+  const bool even_sms = !plan->wg && plan->nw == 4 && rows_used <= 16 && !args.legacy && !plan->fine;
   int best = 1;
   bool best_cluster = false;
   double best_fill = -1.0;
