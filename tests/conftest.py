@@ -1,5 +1,7 @@
 """Shared helpers for the marlin tests: random layers, references and error measures."""
 
+import copy
+
 import pytest
 import torch
 
@@ -93,3 +95,17 @@ def tiny_llama_config(tie_word_embeddings: bool = False):
         max_position_embeddings=256,
         tie_word_embeddings=tie_word_embeddings,
     )
+
+
+def assert_fusing_keeps_logits(model, seq_len: int = 6, seed: int = 3):
+    """Fuses q/k/v and gate/up of every layer of `model` in place (strict) and checks that its
+    logits equal, bit for bit, those of an unfused copy; returns (unfused copy, token ids)."""
+    import marlin
+
+    unfused = copy.deepcopy(model)
+    report = marlin.fuse_projections(model, strict=True)
+    assert len(report.fused) == 2 * model.config.num_hidden_layers and not report.skipped
+    ids = torch.randint(0, 1000, (2, seq_len), generator=torch.Generator().manual_seed(seed))
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, unfused(ids).logits)
+    return unfused, ids

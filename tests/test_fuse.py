@@ -17,7 +17,7 @@ from marlin import packing
 from marlin.fuse import FusedPart, fuse_group, fuse_projections
 from marlin.nn import MarlinLinear
 
-from conftest import random_linear, rel_err, tiny_llama_config
+from conftest import assert_fusing_keeps_logits, random_linear, rel_err, tiny_llama_config
 
 transformers = pytest.importorskip("transformers")
 
@@ -107,14 +107,9 @@ def _family_model(family: str):
 def test_fused_model_matches_unfused(family):
     model = _family_model(family)
     marlin.replace_linear(model)
-    fused = copy.deepcopy(model)
-    report = fuse_projections(fused, strict=True)
-    assert len(report.fused) == 2 * model.config.num_hidden_layers and not report.skipped
-    ids = torch.randint(0, 1000, (2, 7), generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        assert torch.equal(fused(ids).logits, model(ids).logits)
+    unfused, ids = assert_fusing_keeps_logits(model, seq_len=7, seed=1)
     kw = dict(max_new_tokens=4, do_sample=False)
-    assert torch.equal(fused.generate(ids[:1], **kw), model.generate(ids[:1], **kw))
+    assert torch.equal(model.generate(ids[:1], **kw), unfused.generate(ids[:1], **kw))
 
 
 def test_replace_linear_fuse_flag():
@@ -176,12 +171,7 @@ def test_fuse_a_loaded_checkpoint(tmp_path):
     src, ref = llama_gptq_checkpoint(tmp_path, act_order=False)
     convert_gptq_checkpoint(src, tmp_path / "dst", quiet=True)
     model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "dst")
-    unfused = copy.deepcopy(model)
-    report = fuse_projections(model, strict=True)
-    assert len(report.fused) == 4
-    ids = torch.randint(0, 1000, (2, 6), generator=torch.Generator().manual_seed(3))
-    with torch.no_grad():
-        assert torch.equal(model(ids).logits, unfused(ids).logits)
+    assert_fusing_keeps_logits(model)
     src2, _ = llama_gptq_checkpoint(tmp_path / "ao", act_order=True)
     convert_gptq_checkpoint(src2, tmp_path / "dst2", quiet=True)
     model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "dst2")

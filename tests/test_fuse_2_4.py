@@ -8,7 +8,6 @@ through save_pretrained / from_pretrained / load_quantized of the fused model.
 
 from __future__ import annotations
 
-import copy
 
 import pytest
 import torch
@@ -19,7 +18,7 @@ from marlin.fuse import FusedPart, fuse_group, fuse_projections
 from marlin.nn import MarlinLinear
 from marlin.sparse_nn import MarlinLinear24
 
-from conftest import random_linear, rel_err, tiny_llama_config
+from conftest import assert_fusing_keeps_logits, random_linear, rel_err, tiny_llama_config
 
 transformers = pytest.importorskip("transformers")
 
@@ -124,9 +123,4 @@ def test_fused_2_4_model_saves_and_loads_back(tmp_path):
 def test_fuse_projections_on_an_unfused_2_4_model():
     model = _llama()
     marlin.replace_linear(model, sparsity="2:4")
-    ref = copy.deepcopy(model)
-    report = fuse_projections(model, strict=True)
-    assert len(report.fused) == 4
-    ids = torch.randint(0, 1000, (2, 5), generator=torch.Generator().manual_seed(3))
-    with torch.no_grad():
-        assert torch.equal(model(ids).logits, ref(ids).logits)
+    assert_fusing_keeps_logits(model, seq_len=5)
