@@ -8,7 +8,6 @@ through save_pretrained / from_pretrained / load_quantized of the fused model.
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 
