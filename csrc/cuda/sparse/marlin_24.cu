@@ -17,9 +17,10 @@ double fill(long long blocks, long long slots, int sms) {
   return blocks < sms ? 0.5 * f : f;
 }
 
-// At 1-8 rows each block's weight stream is capped by its SM, so a grid that fits the resident
-// slots runs as fast as its busiest SM: score it by how evenly the SMs hold its blocks, not by how
-// many slots it fills. H100 (NOTES.md, 2026-11-27 night, forced parts at M = 1 / 8): 70B o 4 parts
+// At 1-16 rows (mma.sync kernel, 256-column tile: the conditions are where plan_24 uses it) each
+// block's weight stream is capped by its SM, so a grid that fits the resident slots runs as fast
+// as its busiest SM: score it by how evenly the SMs hold its blocks, not by how many slots it
+// fills. H100 (NOTES.md, 2026-11-27 night, forced parts at M = 1 / 8): 70B o 4 parts
 // (128 blocks) 13.6 / 15.7 us against 12 (384, the slots' best fill) 15.7 / 18.9; 7B gate_up 3
 // parts (258) 17.6 / 19.7 against 9 (774) 19.9 / 21.6; 7B down 8 parts (128) 10.5 / 12.4 against
 // 16 / 13 (256 / 208) 11.3 / 15.8.
