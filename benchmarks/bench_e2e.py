@@ -43,7 +43,6 @@ git revision), points {"model", "layers", "batch", "kernel", "mode", "tpot_ms", 
 from __future__ import annotations
 
 import argparse
-import gc
 import statistics
 import sys
 import tempfile
@@ -56,8 +55,8 @@ import torch
 
 from .bench_gemm import dump_results
 from .bench_math import RESULTS_DIR
-from .e2e_model import (MODEL_SPECS, DecodeStep, build_model, compile_decode, compile_layers, decode_forward, fuse_fp16,
-                        profile_step, time_generate, to_marlin, weight_bytes)
+from .e2e_model import (MODEL_SPECS, DecodeStep, build_model, compile_decode, compile_layers, decode_forward, free_memory,
+                        fuse_fp16, profile_step, time_generate, to_marlin, weight_bytes)
 from .e2e_slots import SlotStep
 from .provenance import collect_meta, dirty_warning
 from .timing import measure_copy_bandwidth
@@ -134,12 +133,6 @@ def parse_args(argv=None):
     return args
 
 
-def _free():
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-
-
 def _reset_dynamo():
     import torch._dynamo
 
@@ -189,7 +182,7 @@ def run_kernel(model, kernel: str, args, dev, points: list, notes: list, bar, pr
                 bar.write(_one_line(point))
                 bar.update(1)
                 del step
-                _free()
+                free_memory()
                 continue
             try:
                 point["ttft_ms"] = statistics.median(step.prefill() for _ in range(3)) * 1e3
@@ -219,7 +212,7 @@ def run_kernel(model, kernel: str, args, dev, points: list, notes: list, bar, pr
             bar.write(_one_line(point))  # as it comes: a run cut short still shows what it measured
             bar.update(1)
             del step, fn
-            _free()
+            free_memory()
         if undo_layers is not None:
             undo_layers()
     _reset_dynamo()
@@ -353,7 +346,7 @@ def main(argv=None) -> int:
         for kernel in args.kernels:
             if kernel == "fp16_fused":
                 restore = fuse_fp16(model)
-                _free()
+                free_memory()
                 try:
                     run_kernel(model, kernel, args, dev, points, notes, bar, profiles)
                 finally:
@@ -363,7 +356,7 @@ def main(argv=None) -> int:
             if kernel == "marlin_24":
                 if converted != "fp16":  # the dense conversion replaced the FP16 weights: the same model anew
                     del model
-                    _free()
+                    free_memory()
                     model = build_model(args.model, args.layers, dev, seed=args.seed)
                 to_marlin(model, fuse=True, sparsity="2:4")
                 converted = kernel
@@ -375,7 +368,7 @@ def main(argv=None) -> int:
 
                 marlin.fuse_projections(model, strict=True)
                 converted = kernel
-            _free()
+            free_memory()
             run_kernel(model, kernel, args, dev, points, notes, bar, profiles)
             write(complete=False)
     sp = speedups(points)

@@ -35,7 +35,6 @@ same with 2:4-sparse layers).
 from __future__ import annotations
 
 import argparse
-import gc
 import statistics
 import sys
 import tempfile
@@ -48,7 +47,7 @@ import torch
 
 from .bench_gemm import dump_results
 from .bench_math import RESULTS_DIR
-from .e2e_model import MODEL_SPECS, build_model, fuse_fp16, to_marlin
+from .e2e_model import MODEL_SPECS, build_model, free_memory, fuse_fp16, to_marlin
 from .provenance import collect_meta
 
 # run in this order (fp16_fused is undone after its rates; marlin converts the model; marlin_24
@@ -299,9 +298,7 @@ def main(argv=None) -> int:
             finally:
                 undo()
                 del server
-                gc.collect()
-                if dev.type == "cuda":
-                    torch.cuda.empty_cache()
+                free_memory()
             return
         # an unmeasured round first: the manager's set-up (cache sizing, graph capture) is not a
         # request's latency. --warmup-requests all: the whole workload at once, which passes
@@ -317,24 +314,20 @@ def main(argv=None) -> int:
         for rate in args.rates:
             record(kernel, rate, serve(model, reqs, arrivals(len(reqs), rate, args.seed), **kw))
         model.destroy_cached_continuous_batching_manager()
-        gc.collect()
-        if dev.type == "cuda":
-            torch.cuda.empty_cache()
+        free_memory()
 
     for kernel in args.kernels:
         restore = fuse_fp16(model) if kernel == "fp16_fused" else (lambda: None)
         if kernel == "marlin":
             to_marlin(model, fuse=True)
-            gc.collect()
+            free_memory()
         elif kernel == "marlin_24":
             if "marlin" in args.kernels:  # the dense conversion replaced the FP16 weights: the same model anew
                 del model
-                gc.collect()
-                if dev.type == "cuda":
-                    torch.cuda.empty_cache()
+                free_memory()
                 model = build_model(args.model, args.layers, dev, seed=args.seed)
             to_marlin(model, fuse=True, sparsity="2:4")
-            gc.collect()
+            free_memory()
         try:
             serve_kernel(kernel)
         finally:

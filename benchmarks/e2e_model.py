@@ -23,6 +23,7 @@ A decode step is one forward of ``batch`` new tokens against a transformers Stat
 
 from __future__ import annotations
 
+import gc
 import re
 from typing import Callable, Optional
 
@@ -77,6 +78,14 @@ def build_model(name: str, layers: Optional[int], dev: torch.device, seed: int =
             else:
                 p.fill_(1.0)  # norm weights
     return model.eval()
+
+
+def free_memory() -> None:
+    """Drop unreferenced tensors and hand the CUDA allocator's cache back (between conversions and
+    kernels, so that the next model's copies fit)."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def to_marlin(model, fuse: bool, group_size: int = 128, sparsity=None):
