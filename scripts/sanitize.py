@@ -88,15 +88,18 @@ FORMAT_CASES = [
 # (M, K, N, format): the prefill kernel's instances (MARLIN_PREFILL=1 sends every call it can run
 # there): fp16 group 128 with a partial last row tile, fp16 per column (K = 3 stages), bf16 zero
 # points in groups of 32 (two group rows per stage), fp16 zero points in groups of 64, bf16 per
-# column, 8-bit bf16 group 128 and fp16 per column; more stages than the ring in all but two
+# column, 8-bit bf16 group 128 and fp16 per column; more stages than the ring in all but two; and
+# more tiles than an H100 or H200 has SMs (fp16 per column, 2100 x 192 x 2048: 144 tiles), so that
+# blocks take a second tile
 PREFILL_CASES = [
     (300, 1024, 256, (torch.float16, 4, True, 128)),
     (257, 192, 384, (torch.float16, 4, True, -1)),
     (257, 512, 256, (torch.bfloat16, 4, False, 32)),
     (100, 512, 384, (torch.float16, 4, False, 64)),
     (70, 640, 128, (torch.bfloat16, 4, True, -1)),
-    (300, 512, 256, (torch.bfloat16, 8, True, 128)),  # 8-bit: two boxes per stage, a 3-stage ring
+    (300, 512, 256, (torch.bfloat16, 8, True, 128)),  # 8-bit: two boxes per stage, a 4-stage ring
     (257, 192, 384, (torch.float16, 8, True, -1)),
+    (2100, 192, 2048, (torch.float16, 4, True, -1)),
 ]
 
 

@@ -18,9 +18,10 @@ import test_gemm_cuda_formats as formats
 
 pytestmark = [requires_cuda, pytest.mark.gpu]
 
-# (K, N): one 128-column tile; K = 64 x odd (per column only); the 7B and a deep layer
+# (K, N): one 128-column tile; K = 64 x odd (per column only); the 7B and a deep layer; an odd
+# number of 64-row stages with more tiles than SMs (a block's tiles cross the ring mid-way)
 SHAPES = {"1024x128": (1024, 128), "192x384": (192, 384), "1024x640": (1024, 640), "4096x4096": (4096, 4096),
-          "11008x4096": (11008, 4096)}
+          "11008x4096": (11008, 4096), "576x2048": (576, 2048)}
 # M: a row past the wgmma variant's 64, a partial and a whole 256-row tile, one row past it, many
 # tiles with a partial last one
 M_VALUES = [65, 255, 256, 257, 1000, 4097]

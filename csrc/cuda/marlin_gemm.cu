@@ -510,7 +510,8 @@ void plan_prefill(const GemmArgs& args, const Format& f, GemmPlan* plan) {
   plan->m_blocks = kPrefillTileM / 16;
   plan->m_slices = (args.m + kPrefillTileM - 1) / kPrefillTileM;
   plan->blocks_per_sm = 1;
-  plan->grid = plan->m_slices * (args.n / kPrefillTileN);
+  // persistent: at most one block per SM, each taking every grid-th tile
+  plan->grid = static_cast<int>(std::min<long long>(static_cast<long long>(plan->m_slices) * (args.n / kPrefillTileN), args.sms));
   plan->tiles_per_block = args.k / kPrefillTileK;
   plan->smem_bytes = prefill_smem_bytes(args.bits);
   plan->split_parts = 0;

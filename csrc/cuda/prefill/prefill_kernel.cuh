@@ -1,37 +1,44 @@
 // The prefill kernel (sm_90a): fp16 / bf16 x INT4 or INT8 for large batches (prompt processing),
-// warp-specialized.
+// warp-specialized and persistent.
 //
 // It computes the same C^T = B^T A^T as the small-batch kernel, with the weights as the wgmma's A
-// operand, but with the copies taken off the math warps and both operands read from shared memory:
-//  - one producer thread issues, per stage, three bulk tensor copies (TMA) into shared memory: the
+// operand (from registers) and the activations as its B operand (from shared memory):
+//  - one producer thread issues, per stage, the bulk tensor copies (TMA) into shared memory: the
 //    activations (256 rows x 64 of K, in the 128-byte swizzle that wgmma reads), the packed
 //    weights of the block's 128 columns, and the rows of their group scales (and zero points)
 //    that the stage's 64 rows of K need: one for groups of 128 or 64, two for groups of 32; they
 //    land on the stage's `full` mbarrier;
-//  - two consumer warpgroups (64 weight columns each) dequantize their own 64 columns of the stage
-//    into fp16 / bf16 in shared memory (the 128-byte-swizzled K-major layout, 4 packed words per thread),
-//    then issue wgmma m64n256k16 with both operands from shared memory. One warpgroup dequantizes
-//    while the other's wgmma run, so the tensor cores always have the next stage's work queued.
+//  - two consumer warpgroups (64 weight columns each): each warp reads its 16 columns' packed
+//    words of the stage from shared memory and dequantizes them straight into wgmma A fragments
+//    (the published format puts a lane's word in the mma fragment order), then issues wgmma
+//    m64n256k16 with A from those registers. The next stage is dequantized into a second set of
+//    fragments while this one's wgmma run, so each warpgroup keeps the tensor cores fed on its
+//    own; the two warpgroups run independently.
 // A stage's slot goes back to the producer when both consumers' wgmma have read it (`empty`).
 //
-// (Measured on an H100 before this layout, the same tile with one producer warpgroup doing the
-// copies with cp.async and the whole dequantization: producer alone 483 us on 4096 x 12288 at
-// M = 4096, the wgmma alone 492 us, both 753 us: the producer was the critical path.)
+// Persistent: the grid is at most one block per SM; a block takes tiles blockIdx.x, + gridDim.x,
+// ... The producer runs on into the next tile's stages while the consumers store the last one
+// (the epilogue has its own shared memory), so a tile's first stages are already there when its
+// main loop starts.
 //
-// A block owns one 128 x 256 tile of C^T (128 weight columns, 256 rows of M) for the whole K: no
-// partial sums, no locks. Rows of M past the end are zero-filled by the tensor copy and never
-// stored. The weights are the published Marlin format (docs/FORMAT.md): a thread reads one lane's
-// 16-byte word of a 16 x 64 tile and dequantizes it as the mma.sync kernels do (dequant_u4 of
-// dequant.cuh, with the zero points of kU4Zp), then stores each pair where the swizzled layout
-// wants it. Groups (32, 64, 128: the run-time group_shift): weights scaled in the element type
-// before the store (as the small-batch kernel's weight-scaled path); per column: the fp32 sums
-// scaled in the epilogue.
+// (History, benchmarks/NOTES.md: an earlier version wrote the dequantized weights to shared
+// memory and read both operands from there; the per-stage proxy fence and warpgroup barrier
+// between dequantization and wgmma were its top stall.)
+//
+// A block owns each of its 128 x 256 tiles of C^T (128 weight columns, 256 rows of M) for the
+// whole K: no partial sums, no locks. Rows of M past the end are zero-filled by the tensor copy and
+// never stored. The weights are the published Marlin format (docs/FORMAT.md): a lane's word of a
+// 16 x 64 tile dequantizes (dequant_u4 / dequant_u8 of dequant.cuh, with the zero points of kU4Zp)
+// into the A fragment of 16 weight columns and one k16 step. Groups (32, 64, 128: the run-time
+// group_shift): fragments scaled in the element type before the wgmma (as the small-batch
+// kernel's weight-scaled path); per column: the fp32 sums scaled in the epilogue.
 #pragma once
 
 #include <cuda.h>  // CUtensorMap
 #include <cuda_fp16.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #include "../dequant.cuh"
 #include "../marlin_kernel.cuh"
@@ -40,30 +47,35 @@
 
 namespace marlin {
 
-// BITS: 4 or 8 (the packed weights of a stage; 8-bit ones leave room for 3 stages only)
+// BITS: 4 or 8 (the packed weights of a stage; 8-bit ones leave room for 4 stages, 4-bit for 5)
 template <int BITS = 4>
 struct PrefillShape {
   static constexpr int kTileN = 128;   // weight columns per block: 2 consumer warpgroups x wgmma M = 64
   static constexpr int kTileM = 256;   // activation rows per block: the wgmma N
   static constexpr int kTileK = 64;    // K per stage: one 128-byte row of halves (one swizzle atom row)
-  static constexpr int kStages = BITS == 8 ? 3 : 4;
+  static constexpr int kStages = BITS == 8 ? 4 : 5;
   static constexpr int kThreads = 384;  // one producer and two consumer warpgroups
   static constexpr int kConsumers = 256;
+  // registers per thread after the hand-over (setmaxnreg; 128 x 40 + 256 x 232 <= 64 K): the
+  // consumers hold 128 accumulators and two stages of A fragments
+  static constexpr int kProducerRegs = 40;
+  static constexpr int kConsumerRegs = 232;
   // bytes of one stage; every part starts on a 1024-byte boundary (the swizzle atom)
-  static constexpr int kActBytes = kTileM * kTileK * 2;     // 32 KB: activations [256 m][64 k]
-  static constexpr int kWBytes = kTileN * kTileK * 2;       // 16 KB: dequantized weights [128 n][64 k]
+  static constexpr int kActBytes = kTileM * kTileK * 2;            // 32 KB: activations [256 m][64 k]
   static constexpr int kPackedBytes = kTileN * kTileK * BITS / 8;  // 4 k16 rows x 2 tiles of 512 (1024) bytes
-  static constexpr int kTileWords = 16 * 64 * BITS / 32;             // int32 of one packed 16 x 64 tile
+  static constexpr int kTileWords = 16 * 64 * BITS / 32;           // int32 of one packed 16 x 64 tile
   // the group rows of the stage: scales (up to two rows of 128, 256 bytes each), then zero points
   static constexpr int kScaleRowBytes = kTileN * 2;
   static constexpr int kZeroOffset = 512;
   static constexpr int kScaleBytes = 1024;
-  static constexpr int kStageBytes = kActBytes + kWBytes + kPackedBytes + kScaleBytes;
-  static constexpr int kBarrierBytes = 2 * kStages * 8;     // full[] and empty[] mbarriers
-  static constexpr int kSmemBytes = kStages * kStageBytes + kBarrierBytes + 1024;  // + alignment slack
-  static_assert(kStageBytes % 1024 == 0, "stages must keep the 1024-byte alignment");
-  // the epilogue stages each consumer warpgroup's 64 x 256 fp16 tile in one stage's activations
-  static_assert(kStages >= 2 && kTileM * 64 * 2 <= kActBytes, "epilogue staging does not fit");
+  static constexpr int kStageBytes = kActBytes + kPackedBytes + kScaleBytes;
+  // the epilogue's staging, one buffer per consumer warpgroup: [128 m][64 n] of T (half a tile's
+  // rows at a time), 128-byte rows, swizzled
+  static constexpr int kEpiBytes = 128 * 64 * 2;
+  static constexpr int kBarrierBytes = 2 * kStages * 8;  // full[] and empty[] mbarriers
+  static constexpr int kSmemBytes = kStages * kStageBytes + 2 * kEpiBytes + kBarrierBytes + 1024;  // + alignment slack
+  static_assert(kStageBytes % 1024 == 0 && kEpiBytes % 1024 == 0, "parts must keep the 1024-byte alignment");
+  static_assert(kSmemBytes <= 227 * 1024, "more shared memory than an sm_90 block may have");
 };
 
 // The kernel's arguments: the common ones and the tensor maps of its copies (made on the
@@ -117,6 +129,20 @@ __device__ __forceinline__ void named_barrier(int id, int count) {
 // Byte offset of the 16-byte chunk `chunk` of row `row` in a 128-byte-swizzled K-major tile.
 __device__ __forceinline__ int sw128(int row, int chunk) { return row * 128 + ((chunk ^ (row & 7)) << 4); }
 
+// Hands registers between the warpgroups of a block (sm_90a): the whole warpgroup executes it.
+template <int REGS>
+__device__ __forceinline__ void regs_dec() {
+#if MARLIN_HAS_WGMMA
+  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(REGS));
+#endif
+}
+template <int REGS>
+__device__ __forceinline__ void regs_inc() {
+#if MARLIN_HAS_WGMMA
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(REGS));
+#endif
+}
+
 // T: half or nv_bfloat16; W: the weight type (kU4, kU4Zp: zero points, grouped only; kU8);
 // GROUPED: group scales (else per column).
 template <typename T, int W, bool GROUPED>
@@ -126,20 +152,19 @@ __global__ void __launch_bounds__(PrefillShape<>::kThreads, 1) marlin_prefill_ke
 #else
   using S = PrefillShape<W == kU8 ? 8 : 4>;
   constexpr bool ZP = W == kU4Zp;
+  static_assert(GROUPED || !ZP, "zero points come in groups here (per-column ones run on the tiled kernel)");
   const KernelParams& p = pp.p;
   extern __shared__ uint8_t smem_raw[];
   uint8_t* smem = smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023);
-  uint64_t* full = reinterpret_cast<uint64_t*>(smem + S::kStages * S::kStageBytes);
+  uint8_t* epi = smem + S::kStages * S::kStageBytes;
+  uint64_t* full = reinterpret_cast<uint64_t*>(epi + 2 * S::kEpiBytes);
   uint64_t* empty = full + S::kStages;
 
   const int tid = threadIdx.x;
   const int m_tiles = (p.m + S::kTileM - 1) / S::kTileM;
-  // consecutive blocks share a column tile (its weights stay in L2) and walk down M
-  const int m0 = (blockIdx.x % m_tiles) * S::kTileM;
-  const int n0 = (blockIdx.x / m_tiles) * S::kTileN;
+  const int tiles = m_tiles * (p.n / S::kTileN);
   const int k_tiles = p.k / S::kTileK;
-  static_assert(GROUPED || !ZP, "zero points come in groups here (per-column ones run on the tiled kernel)");
-  // log2 of the group size in rows of K (5, 6, 7); the stage's first group row and its row count
+  // log2 of the group size in rows of K (5, 6, 7)
   const int group_log2 = p.group_shift + 4;
 
   if (tid == 0) {
@@ -152,132 +177,169 @@ __global__ void __launch_bounds__(PrefillShape<>::kThreads, 1) marlin_prefill_ke
   __syncthreads();
   grid_dependency_wait();  // PDL: nothing the previous kernel may write is read before this
 
+  // Tiles of the block: blockIdx.x, + gridDim.x, ... Consecutive tiles share a column tile (its
+  // weights stay in L2) and walk down M. `it` counts the block's stages over all its tiles: the
+  // ring slot and its phase follow from it, in the producer and the consumers alike.
   if (tid < 128) {
     // ---------------- producer: one thread issues every stage's tensor copies
+    regs_dec<S::kProducerRegs>();
     if (tid != 0) return;
     const int group_rows = GROUPED ? max(1, S::kTileK >> group_log2) : 0;
     const int bytes = S::kActBytes + S::kPackedBytes + group_rows * S::kScaleRowBytes * (ZP ? 2 : 1);
-    for (int kt = 0; kt < k_tiles; kt++) {
-      const int slot = kt % S::kStages;
-      if (kt >= S::kStages) mbar_wait(&empty[slot], (kt / S::kStages - 1) & 1);  // both consumers are done with it
-      uint8_t* st = smem + slot * S::kStageBytes;
-      mbar_arrive_expect_tx(&full[slot], bytes);
-      tma_load_2d(st, &pp.act, kt * S::kTileK, m0, &full[slot]);
+    int it = 0;
+    for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+      const int m0 = (tile % m_tiles) * S::kTileM;
+      const int n0 = (tile / m_tiles) * S::kTileN;
       // the block's two 16 x 64 tiles of 4 k16 rows: one box of [4][256 words] (4-bit), or one per
       // tile (8-bit: a box row is at most 256 elements)
       const int wx = 2 * S::kTileWords * (n0 / S::kTileN);
-      tma_load_2d(st + S::kActBytes + S::kWBytes, &pp.wq, wx, 4 * kt, &full[slot]);
-      if constexpr (W == kU8)
-        tma_load_2d(st + S::kActBytes + S::kWBytes + S::kPackedBytes / 2, &pp.wq, wx + S::kTileWords, 4 * kt, &full[slot]);
-      uint8_t* groups = st + S::kActBytes + S::kWBytes + S::kPackedBytes;
-      if constexpr (GROUPED) tma_load_2d(groups, &pp.sc, n0, (kt * S::kTileK) >> group_log2, &full[slot]);
-      if constexpr (ZP) tma_load_2d(groups + S::kZeroOffset, &pp.zp, n0, (kt * S::kTileK) >> group_log2, &full[slot]);
+      for (int kt = 0; kt < k_tiles; kt++, it++) {
+        const int slot = it % S::kStages;
+        if (it >= S::kStages) mbar_wait(&empty[slot], (it / S::kStages - 1) & 1);  // both consumers are done with it
+        uint8_t* st = smem + slot * S::kStageBytes;
+        mbar_arrive_expect_tx(&full[slot], bytes);
+        tma_load_2d(st, &pp.act, kt * S::kTileK, m0, &full[slot]);
+        tma_load_2d(st + S::kActBytes, &pp.wq, wx, 4 * kt, &full[slot]);
+        if constexpr (W == kU8)
+          tma_load_2d(st + S::kActBytes + S::kPackedBytes / 2, &pp.wq, wx + S::kTileWords, 4 * kt, &full[slot]);
+        uint8_t* groups = st + S::kActBytes + S::kPackedBytes;
+        if constexpr (GROUPED) tma_load_2d(groups, &pp.sc, n0, (kt * S::kTileK) >> group_log2, &full[slot]);
+        if constexpr (ZP) tma_load_2d(groups + S::kZeroOffset, &pp.zp, n0, (kt * S::kTileK) >> group_log2, &full[slot]);
+      }
     }
     return;
   }
 
-  // ---------------- consumer warpgroups: dequantize their 64 columns, then wgmma
+  // ---------------- consumer warpgroups: dequantize their 64 columns into A fragments, then wgmma
+  regs_inc<S::kConsumerRegs>();
   const int cw = (tid - 128) / 128;  // weight columns 64 cw .. 64 cw + 63 of the block
   const int wq = (tid % 128) / 32, lane = tid % 32, g = lane / 4, c = lane % 4;
-  // Dequantization of stage kt: warp wq takes k16 row wq of tile cw, lane (g, c) its int4 (4 words
-  // j); word j gives the fp16 pairs of rows 16 j + g and + 8, K rows 2c, 2c+1 (lo[0], hi[0]) and
-  // 2c+8, 2c+9 (lo[1], hi[1]), i.e. 16-byte chunks 2 wq and 2 wq + 1 of those rows. (8-bit: the
-  // lane's two int4, words 2 j for row 16 j + g and 2 j + 1 for row 16 j + 8 + g.) Its K rows
-  // 16 wq .. 16 wq + 15 of the stage lie in the stage's group row (16 wq) >> group_log2.
-  const int group_offset = ((16 * wq) >> group_log2) * S::kScaleRowBytes + (cw * 8 + g) * 16;
-  auto dequant_stage = [&](uint8_t* st) {
-    // one 32-bit word (and one scale pair) at a time, next to the 128 accumulators
-    const int word_int4 = W == kU8 ? cw * 256 + wq * 64 + 2 * lane : wq * 64 + cw * 32 + lane;
-    const uint32_t* words = reinterpret_cast<const uint32_t*>(st + S::kActBytes + S::kWBytes + word_int4 * 16);
-    const uint8_t* groups = st + S::kActBytes + S::kWBytes + S::kPackedBytes + group_offset;
-    const uint32_t* scales = reinterpret_cast<const uint32_t*>(groups);
-    const uint32_t* zeros = reinterpret_cast<const uint32_t*>(groups + S::kZeroOffset);
-    uint8_t* wsm = st + S::kActBytes;
+  // Warp wq's wgmma rows are the weight columns 64 cw + 16 wq .. + 15. For k16 step ks of a stage,
+  // lane (g, c) of the packed 16 x 64 tile cw holds an int4 (4-bit: words j = 0..3, word j for
+  // columns 16 j + g and 16 j + 8 + g; 8-bit: two int4, words 2 j and 2 j + 1); its word wq is
+  // this lane's A fragment: rows g, g + 8 (lo, hi), K rows 2c, 2c + 1 and 2c + 8, 2c + 9 of the
+  // step. Scales (zero points): the u32 wq of the lane's 16-byte chunk cw * 8 + g of the step's
+  // group row (16 ks) >> group_log2 holds those of columns g (low half) and g + 8 (high half).
+  const int word_offset = W == kU8 ? (cw * 256 + 2 * lane) * 16 + 8 * wq : (cw * 32 + lane) * 16 + 4 * wq;
+  constexpr int ks_stride = 64 * 16;  // bytes per k16 row of a packed tile (64 int4), both widths
+  const int group_offset = (cw * 8 + g) * 16 + 4 * wq;
+  auto dequant_stage = [&](const uint8_t* st, uint32_t (&f)[4][4]) {
+    const uint8_t* packed = st + S::kActBytes;
+    const uint8_t* groups = st + S::kActBytes + S::kPackedBytes + group_offset;
 #pragma unroll
-    for (int j = 0; j < 4; j++) {
+    for (int ks = 0; ks < 4; ks++) {
       uint32_t lo[2], hi[2];
-      // word j of the scales (zero points): rows 16 j + g (low half) and 16 j + 8 + g (high half)
+      const int grow = ((16 * ks) >> group_log2) * S::kScaleRowBytes;
       if constexpr (W == kU8) {
-        dequant_u8<T>(words[2 * j], lo);
-        dequant_u8<T>(words[2 * j + 1], hi);
-      } else if constexpr (ZP)
-        dequant_u4<T, true>(words[j], lo, hi, u4_zero_pair<T>(zeros[j]));
-      else
-        dequant_u4<T, false>(words[j], lo, hi, U4Zero{0, 0});
+        const uint2 w2 = *reinterpret_cast<const uint2*>(packed + word_offset + ks * ks_stride);
+        dequant_u8<T>(w2.x, lo);
+        dequant_u8<T>(w2.y, hi);
+      } else {
+        const uint32_t w = *reinterpret_cast<const uint32_t*>(packed + word_offset + ks * ks_stride);
+        if constexpr (ZP)
+          dequant_u4<T, true>(w, lo, hi, u4_zero_pair<T>(*reinterpret_cast<const uint32_t*>(groups + S::kZeroOffset + grow)));
+        else
+          dequant_u4<T, false>(w, lo, hi, U4Zero{0, 0});
+      }
       if constexpr (GROUPED) {
-        const uint32_t s2 = scales[j];  // one 32-bit load, split in registers
+        const uint32_t s2 = *reinterpret_cast<const uint32_t*>(groups + grow);  // one load, split in registers
         const T* pair = reinterpret_cast<const T*>(&s2);
         scale_frag_t<T>(lo, pair[0]);
         scale_frag_t<T>(hi, pair[1]);
       }
-      const int row = cw * 64 + 16 * j + g;
-      *reinterpret_cast<uint32_t*>(wsm + sw128(row, 2 * wq) + 4 * c) = lo[0];
-      *reinterpret_cast<uint32_t*>(wsm + sw128(row, 2 * wq + 1) + 4 * c) = lo[1];
-      *reinterpret_cast<uint32_t*>(wsm + sw128(row + 8, 2 * wq) + 4 * c) = hi[0];
-      *reinterpret_cast<uint32_t*>(wsm + sw128(row + 8, 2 * wq + 1) + 4 * c) = hi[1];
+      f[ks][0] = lo[0];
+      f[ks][1] = hi[0];
+      f[ks][2] = lo[1];
+      f[ks][3] = hi[1];
     }
   };
 
   float acc[128];
+  uint32_t frag[2][4][4];  // A fragments of two stages: one in the wgmma, one being made
+  // Stage `it` (the kt-th of the tile) from fragments frag[B]: issue its wgmma, make the next
+  // stage's fragments in frag[B ^ 1] meanwhile (if the tile has one), then wait for the wgmma and
+  // give the slot back. B is a template constant so that the fragments stay in fixed registers.
+  auto step = [&](auto b, int it, bool next) {
+    constexpr int B = decltype(b)::value;
+    const int slot = it % S::kStages;
+    const uint32_t sa = smem_addr(smem + slot * S::kStageBytes);
 #pragma unroll
-  for (int i = 0; i < 128; i++) acc[i] = 0.f;
-  for (int kt = 0; kt < k_tiles; kt++) {
-    const int slot = kt % S::kStages;
-    uint8_t* st = smem + slot * S::kStageBytes;
-    mbar_wait(&full[slot], (kt / S::kStages) & 1);
-    dequant_stage(st);
-    fence_proxy_async_smem();  // the stores above are read by wgmma (the async proxy) ...
-    named_barrier(1 + cw, 128);  // ... after every warp of this warpgroup made them
-    const uint32_t sa = smem_addr(st);
-    const uint32_t a_addr = sa + S::kActBytes + cw * 64 * 128;  // this warpgroup's 64 rows of weights
+    for (int ks = 0; ks < 4; ks++)
+#pragma unroll
+      for (int r = 0; r < 4; r++) fence_operand(frag[B][ks][r]);
     wgmma_fence();
 #pragma unroll
-    for (int ks = 0; ks < S::kTileK / 16; ks++)
-      wgmma_m64n256k16_ss<kIsBf16<T>>(acc, smem_desc_sw128(a_addr + 32 * ks), smem_desc_sw128(sa + 32 * ks));
+    for (int ks = 0; ks < 4; ks++) wgmma_m64n256k16_rs<kIsBf16<T>>(acc, frag[B][ks], smem_desc_sw128(sa + 32 * ks));
     wgmma_commit();
-    // Wait for this stage's wgmma before dequantizing the next: the other warpgroup's wgmma keep
-    // the tensor cores busy meanwhile. (Keeping one in flight, wait<1>, made ptxas serialize the
-    // wgmma, C7515: the dequantization's registers next to 128 accumulators in flight.)
+    if (next) {
+      const int nslot = (it + 1) % S::kStages;
+      mbar_wait(&full[nslot], ((it + 1) / S::kStages) & 1);
+      dequant_stage(smem + nslot * S::kStageBytes, frag[B ^ 1]);
+    }
     wgmma_wait<0>();
     mbar_arrive(&empty[slot]);
-  }
-#pragma unroll
-  for (int i = 0; i < 128; i++) fence_operand(acc[i]);
+  };
 
-  // ---------------- epilogue: T through shared memory, then 16-byte stores along N
-  const int n_lo = n0 + 64 * cw + 16 * wq + g;  // this thread's two weight columns: n_lo, n_lo + 8
-  float s_lo, s_hi;
-  if constexpr (GROUPED) {
-    // 1, but from a kernel argument (p.m >= 0): converting the accumulators without a multiply
-    // made ptxas serialize every wgmma of the kernel (C7514, "non wgmma instructions reading
-    // accumulator registers"); with one it does not.
-    s_lo = s_hi = __int_as_float(0x3f800000 | (p.m >> 31));
-  } else {
-    const T* sc = reinterpret_cast<const T*>(p.s);
-    s_lo = Elem<T>::to_float(sc[n_lo]), s_hi = Elem<T>::to_float(sc[n_lo + 8]);
-  }
-  named_barrier(3, S::kConsumers);  // both consumers are past the ring: its slots 0 and 1 are free
-  uint8_t* stage_c = smem + cw * S::kStageBytes;  // [256 m][64 n] of T, rows of 128 bytes, swizzled
-  const int nl = 16 * wq + g;                      // column in the warpgroup's 64
-#pragma unroll
-  for (int t8 = 0; t8 < 32; t8++) {
-#pragma unroll
-    for (int e = 0; e < 4; e++) {
-      const int m = 8 * t8 + 2 * c + (e & 1);
-      const int n = nl + 8 * (e >> 1);
-      const float v = acc[4 * t8 + e] * (e >> 1 ? s_hi : s_lo);
-      *reinterpret_cast<T*>(stage_c + sw128(m, n / 8) + (n % 8) * 2) = Elem<T>::from_float(v);
-    }
-  }
-  named_barrier(1 + cw, 128);
   T* cout = reinterpret_cast<T*>(p.c);
-  const int t = tid % 128, chunk = t % 8;
+  uint8_t* stage_c = epi + cw * S::kEpiBytes;  // [128 m][64 n] of T, rows of 128 bytes, swizzled
+  int it = 0;
+  for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+    const int m0 = (tile % m_tiles) * S::kTileM;
+    const int n0 = (tile / m_tiles) * S::kTileN;
 #pragma unroll
-  for (int i = 0; i < 16; i++) {
-    const int r = t / 8 + 16 * i;
-    if (m0 + r < p.m)
-      *reinterpret_cast<int4*>(cout + static_cast<long long>(m0 + r) * p.n + n0 + 64 * cw + 8 * chunk) =
-          *reinterpret_cast<const int4*>(stage_c + sw128(r, chunk));
+    for (int i = 0; i < 128; i++) acc[i] = 0.f;
+    mbar_wait(&full[it % S::kStages], (it / S::kStages) & 1);
+    dequant_stage(smem + (it % S::kStages) * S::kStageBytes, frag[0]);
+    int kt = 0;
+    for (; kt + 2 <= k_tiles; kt += 2, it += 2) {
+      step(std::integral_constant<int, 0>{}, it, true);
+      step(std::integral_constant<int, 1>{}, it + 1, kt + 2 < k_tiles);
+    }
+    if (kt < k_tiles) {
+      step(std::integral_constant<int, 0>{}, it, false);
+      it++;
+    }
+#pragma unroll
+    for (int i = 0; i < 128; i++) fence_operand(acc[i]);
+
+    // ---------------- epilogue: T through shared memory, then 16-byte stores along N, 128 rows
+    // at a time; the producer meanwhile fills the ring with the next tile's first stages
+    const int n_lo = n0 + 64 * cw + 16 * wq + g;  // this thread's two weight columns: n_lo, n_lo + 8
+    float s_lo, s_hi;
+    if constexpr (GROUPED) {
+      // 1, but from a kernel argument (p.m >= 0): converting the accumulators without a multiply
+      // made ptxas serialize every wgmma of the kernel (C7514, "non wgmma instructions reading
+      // accumulator registers"); with one it does not.
+      s_lo = s_hi = __int_as_float(0x3f800000 | (p.m >> 31));
+    } else {
+      const T* sc = reinterpret_cast<const T*>(p.s);
+      s_lo = Elem<T>::to_float(sc[n_lo]), s_hi = Elem<T>::to_float(sc[n_lo + 8]);
+    }
+    const int nl = 16 * wq + g;  // column in the warpgroup's 64
+    const int t = tid % 128, chunk = t % 8;
+#pragma unroll
+    for (int h = 0; h < 2; h++) {
+      named_barrier(1 + cw, 128);  // the buffer's previous rows are stored
+#pragma unroll
+      for (int t8 = 0; t8 < 16; t8++) {
+#pragma unroll
+        for (int e = 0; e < 4; e++) {
+          const int m = 8 * t8 + 2 * c + (e & 1);
+          const int n = nl + 8 * (e >> 1);
+          const float v = acc[4 * (16 * h + t8) + e] * (e >> 1 ? s_hi : s_lo);
+          *reinterpret_cast<T*>(stage_c + sw128(m, n / 8) + (n % 8) * 2) = Elem<T>::from_float(v);
+        }
+      }
+      named_barrier(1 + cw, 128);
+#pragma unroll
+      for (int i = 0; i < 8; i++) {
+        const int r = t / 8 + 16 * i;
+        const int row = m0 + 128 * h + r;
+        if (row < p.m)
+          *reinterpret_cast<int4*>(cout + static_cast<long long>(row) * p.n + n0 + 64 * cw + 8 * chunk) =
+              *reinterpret_cast<const int4*>(stage_c + sw128(r, chunk));
+      }
+    }
   }
 #endif
 }
