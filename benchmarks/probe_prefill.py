@@ -3,7 +3,8 @@ checking the prefill kernel's rule.
 
     MARLIN_PREFILL=1 python -m benchmarks.probe_prefill    # every call the prefill kernel can run goes there
     MARLIN_PREFILL=0 python -m benchmarks.probe_prefill    # none does (the other kernels' plans)
-    PROBE_SHAPES=7B_qkv,4096x2752 PROBE_MS=256,1024 PROBE_ROUNDS=8 PROBE_OUT=x.json ...
+    PROBE_SHAPES=7B_qkv,4096x2752 PROBE_MS=256,1024 PROBE_ROUNDS=8 PROBE_IDEAL=1 PROBE_OUT=x.json ...
+    (PROBE_IDEAL=1 adds the SM-sized ideal layer, PROBE_IDEAL=only runs it alone)
 
 Kernels: fp16 (F.linear, nn.Linear's layout), fp16_kn (a @ W with W [K, N]), marlin g128 and per
 column (the planner's plan under the process's MARLIN_PREFILL). Each kernel's calls are captured in
@@ -19,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 import marlin
-from benchmarks.shapes import BENCH_SHAPES, MODEL_LAYERS
+from benchmarks.shapes import BENCH_SHAPES, MODEL_LAYERS, ideal_shape
 from benchmarks.timing import round_orders
 
 _ALL = {**BENCH_SHAPES, **MODEL_LAYERS}
@@ -68,6 +69,10 @@ def main():
     props = torch.cuda.get_device_properties(0)
     l2 = props.L2_cache_size
     points = []
+    if os.environ.get("PROBE_IDEAL") == "only":
+        SHAPES.clear()
+    if os.environ.get("PROBE_IDEAL") in ("1", "only"):
+        SHAPES["ideal"] = ideal_shape(props.multi_processor_count)
     print(f"{props.name}, MARLIN_PREFILL={os.environ.get('MARLIN_PREFILL', '-1')}; us, and speedup over the faster fp16")
     print(f"{'shape':12s} {'M':>5s} | {'fp16':>9s} {'fp16_kn':>9s} | {'g128':>9s} {'gcol':>9s} | {'g128 x':>6s} {'gcol x':>6s}")
     for name, (k, n) in SHAPES.items():

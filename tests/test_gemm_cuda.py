@@ -305,8 +305,9 @@ from marlin import packing
 
 torch.manual_seed(0)
 # (M, K, N): the small-batch kernel reduced in clusters, the tiled kernel, the wgmma variant at 16
-# rows and above 64 rows; each plan's kernel instance is first used inside the capture
-for m, k, n in [(1, 4096, 12288), (16, 4096, 4096), (16, 8192, 10240), (200, 4096, 12288)]:
+# rows and above 64 rows, the prefill kernel (H100/H200; its tensor maps are made per call); each
+# plan's kernel instance is first used inside the capture
+for m, k, n in [(1, 4096, 12288), (16, 4096, 4096), (16, 8192, 10240), (200, 4096, 12288), (1000, 4096, 12288)]:
     q, s = packing.quantize(torch.randn(k, n, device="cuda"), 128)
     b_q, b_s = packing.pack(q, s)
     a = torch.randn(m, k, device="cuda", dtype=torch.float16)
@@ -336,11 +337,11 @@ def test_first_calls_of_a_process_inside_graph_capture():
     env = dict(os.environ, MARLIN_LOG_PLAN="1")
     r = subprocess.run([sys.executable, "-c", _FIRST_CALLS_IN_CAPTURE], env=env, capture_output=True, text=True,
                        timeout=600)
-    assert r.returncode == 0 and r.stdout.count("ok ") == 4, r.stdout[-3000:] + r.stderr[-3000:]
+    assert r.returncode == 0 and r.stdout.count("ok ") == 5, r.stdout[-3000:] + r.stderr[-3000:]
     kernels = set(re.findall(r"^marlin\.gemm plan: .* kernel=(\w+)", r.stderr, re.M))
     assert {"small_m", "tiled"} <= kernels, r.stderr[-3000:]
     if torch.cuda.get_device_capability() == (9, 0):
-        assert "small_m_wgmma" in kernels and any(c for _, c in _plans(r.stderr)), r.stderr[-3000:]
+        assert {"small_m_wgmma", "prefill_wgmma"} <= kernels and any(c for _, c in _plans(r.stderr)), r.stderr[-3000:]
 
 
 def test_two_streams_at_once():

@@ -227,8 +227,9 @@ def test_default_plans_use_both_kernels():
     r = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0 and " passed" in r.stdout, r.stdout[-3000:] + r.stderr[-3000:]
     kernels = set(re.findall(r"^marlin\.gemm plan: .* kernel=(\w+)", r.stderr, re.M))
-    # on H100/H200 the wgmma variant takes these formats above 64 rows as it does fp16 g128
-    assert kernels == {"small_m", "tiled"} | ({"small_m_wgmma"} if _wgmma_device() else set()), kernels
+    # on H100/H200 the wgmma variant takes these formats above 64 rows as it does fp16 g128, and
+    # the prefill kernel 4096 x 4096 at 1000 rows (128 tiles of 128 x 256 on 132 SMs)
+    assert kernels == {"small_m", "tiled"} | ({"small_m_wgmma", "prefill_wgmma"} if _wgmma_device() else set()), kernels
 
 
 @pytest.mark.parametrize("zp_sums", ["1", "0"])

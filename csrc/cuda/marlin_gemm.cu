@@ -478,18 +478,18 @@ int max_locks(int sms) { return 2 * std::max(sms, 1); }
 
 // The prefill kernel (prefill/prefill_kernel.cuh): sm_90a, every format but per-column zero points
 // (fp16 or bf16; 4-bit, 4-bit with zero points or 8-bit; groups of 32, 64, 128 or per column), N a
-// multiple of its 128 columns, K of its 64-row stage. A block owns one 128 x 256
-// tile of C for the whole K (one block per SM), so it pays where its tiles fill whole waves of the
-// device. Measured on an H100 against the wgmma variant in one process (forced tile vs default,
-// interleaved; benchmarks/NOTES.md, 2026-11-26), 11 layer shapes at M = 1024-4096: 1.02-1.16x
-// faster where the last wave is at least 85% full, up to 128 column tiles; 0.94-1.0x on the wide
-// gate_up layers (172-448 column tiles: 7B, 13B, 70B). Earlier separate runs: slower below 1024
-// rows (0.25-1.0x: too few tiles), and on the 135168-deep ideal layer from 2048 rows (0.73x at
-// 4096: each column tile streams all of A, which no longer stays in L2), hence the depth cap.
-constexpr int kPrefillMinRows = 1024;
+// multiple of its 128 columns, K of its 64-row stage. A block owns each of its 128 x 256 tiles of
+// C for the whole K (at most one block per SM, persistent), so it pays where the tiles keep the
+// SMs busy: tiles / (rounds x SMs) >= 0.64, rounds = ceil(tiles / SMs). Measured on an H100 against
+// the wgmma variant in one process (benchmarks/NOTES.md, 2026-11-27 (night); probe_prefill, eight
+// layers, M = 256-4096): faster (1.12-1.44x) at every point with a fill of 0.65 or more, even
+// (0.94-1.01x) at 0.61 (70B qkv at 256 and 512 rows), slower at 0.48 and below (0.49-0.81x: 32 or 64
+// column tiles at 256 and 512 rows). From 256 rows: at 128 a 256-row tile is half empty and the
+// decode kernels are far ahead. Depth cap: on the 135168-deep ideal layer an earlier version lost
+// at 4096 rows (each column tile streams all of A, which no longer stays in L2); not re-measured.
+constexpr int kPrefillMinRows = 256;
 constexpr int kPrefillMaxK = 32768;
-constexpr int kPrefillMaxN = 128 * kPrefillTileN;
-constexpr double kPrefillMinWaveFill = 0.85;
+constexpr double kPrefillMinFill = 0.64;
 bool prefill_format(const Format& f) { return !(f.w == kU4Zp && f.group_mode == kPerColumn); }
 
 bool prefill_fits(const GemmArgs& a, const Format& f) {
@@ -497,9 +497,9 @@ bool prefill_fits(const GemmArgs& a, const Format& f) {
   if (a.n % kPrefillTileN != 0 || a.k % kPrefillTileK != 0 || prefill_smem_bytes(a.bits) > a.max_smem) return false;
   if (a.prefill == 1) return true;
   const long long tiles = static_cast<long long>((a.m + kPrefillTileM - 1) / kPrefillTileM) * (a.n / kPrefillTileN);
-  const long long waves = (tiles + a.sms - 1) / a.sms;
-  return a.m >= kPrefillMinRows && a.k <= kPrefillMaxK && a.n <= kPrefillMaxN && tiles >= a.sms &&
-         static_cast<double>(tiles) >= kPrefillMinWaveFill * static_cast<double>(waves * a.sms);
+  const long long rounds = (tiles + a.sms - 1) / a.sms;
+  return a.m >= kPrefillMinRows && a.k <= kPrefillMaxK &&
+         static_cast<double>(tiles) >= kPrefillMinFill * static_cast<double>(rounds * a.sms);
 }
 
 void plan_prefill(const GemmArgs& args, const Format& f, GemmPlan* plan) {
