@@ -484,11 +484,9 @@ int max_locks(int sms) { return 2 * std::max(sms, 1); }
 // the wgmma variant in one process (benchmarks/NOTES.md, 2026-11-27 (night); probe_prefill, eight
 // layers, M = 256-4096): faster (1.12-1.44x) at every point with a fill of 0.65 or more, even
 // (0.94-1.01x) at 0.61 (70B qkv at 256 and 512 rows), slower at 0.48 and below (0.49-0.81x: 32 or 64
-// column tiles at 256 and 512 rows). From 256 rows: at 128 a 256-row tile is half empty and the
-// decode kernels are far ahead. Depth cap: on the 135168-deep ideal layer an earlier version lost
-// at 4096 rows (each column tile streams all of A, which no longer stays in L2); not re-measured.
+// column tiles at 256 and 512 rows); on the 135168-deep ideal layer 1.10-1.28x at 256-4096 rows.
+// From 256 rows: at 128 a 256-row tile is half empty and the decode kernels are far ahead.
 constexpr int kPrefillMinRows = 256;
-constexpr int kPrefillMaxK = 32768;
 constexpr double kPrefillMinFill = 0.64;
 bool prefill_format(const Format& f) { return !(f.w == kU4Zp && f.group_mode == kPerColumn); }
 
@@ -498,7 +496,7 @@ bool prefill_fits(const GemmArgs& a, const Format& f) {
   if (a.prefill == 1) return true;
   const long long tiles = static_cast<long long>((a.m + kPrefillTileM - 1) / kPrefillTileM) * (a.n / kPrefillTileN);
   const long long rounds = (tiles + a.sms - 1) / a.sms;
-  return a.m >= kPrefillMinRows && a.k <= kPrefillMaxK &&
+  return a.m >= kPrefillMinRows &&
          static_cast<double>(tiles) >= kPrefillMinFill * static_cast<double>(rounds * a.sms);
 }
 
