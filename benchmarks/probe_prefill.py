@@ -4,7 +4,8 @@ checking the prefill kernel's rule.
     MARLIN_PREFILL=1 python -m benchmarks.probe_prefill    # every call the prefill kernel can run goes there
     MARLIN_PREFILL=0 python -m benchmarks.probe_prefill    # none does (the other kernels' plans)
     PROBE_SHAPES=7B_qkv,4096x2752 PROBE_MS=256,1024 PROBE_ROUNDS=8 PROBE_IDEAL=1 PROBE_OUT=x.json ...
-    (PROBE_IDEAL=1 adds the SM-sized ideal layer, PROBE_IDEAL=only runs it alone)
+    (PROBE_IDEAL=1 adds the SM-sized ideal layer, PROBE_IDEAL=only runs it alone; PROBE_24=1 adds
+    marlin.gemm_2_4 on a 2:4-pruned copy of the layer, group 128: kernel marlin_24_g128)
 
 Kernels: fp16 (F.linear, nn.Linear's layout), fp16_kn (a @ W with W [K, N]), marlin g128 and per
 column (the planner's plan under the process's MARLIN_PREFILL). Each kernel's calls are captured in
@@ -20,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 import marlin
+from marlin import sparse
 from benchmarks.shapes import BENCH_SHAPES, MODEL_LAYERS, ideal_shape
 from benchmarks.timing import round_orders
 
@@ -84,6 +86,9 @@ def main():
         w_nk = [torch.randn(n, k, device="cuda", dtype=torch.float16) for _ in range(w_copies)]
         w_kn = [w.t().contiguous() for w in w_nk]
         ws = marlin.make_workspace()
+        w24 = None
+        if os.environ.get("PROBE_24") == "1":
+            w24 = [t for t in sparse.quantize_and_pack_2_4(sparse.prune_2_4(torch.randn(k, n, device="cuda")), 128)[:3]]
         for m in MS:
             a = torch.randn(m, k, device="cuda", dtype=torch.float16)
             graphs = {
@@ -92,13 +97,16 @@ def main():
                 "marlin_g128": _graph(lambda i: marlin.gemm(a, b_q[i % copies], s_g[i % copies], ws)),
                 "marlin_gcol": _graph(lambda i: marlin.gemm(a, b_q[i % copies], s_c[i % copies], ws)),
             }
+            if w24 is not None:
+                graphs["marlin_24_g128"] = _graph(lambda i: marlin.gemm_2_4(a, w24[0], w24[1], w24[2], ws))
             t = _time(graphs)
             best = min(t["fp16"], t["fp16_kn"])
             print(f"{name:12s} {m:5d} | {t['fp16']:9.1f} {t['fp16_kn']:9.1f} | {t['marlin_g128']:9.1f} "
-                  f"{t['marlin_gcol']:9.1f} | {best / t['marlin_g128']:6.2f} {best / t['marlin_gcol']:6.2f}", flush=True)
+                  f"{t['marlin_gcol']:9.1f} | {best / t['marlin_g128']:6.2f} {best / t['marlin_gcol']:6.2f}"
+                  + (f" | 2:4 {t['marlin_24_g128']:9.1f} {best / t['marlin_24_g128']:6.2f}" if w24 else ""), flush=True)
             points += [{"shape": name, "K": k, "N": n, "M": m, "kernel": kern, "time_us": v} for kern, v in t.items()]
             del graphs
-        del b_q, s_g, s_c, w_nk, w_kn
+        del b_q, s_g, s_c, w_nk, w_kn, w24
         torch.cuda.empty_cache()
     if os.environ.get("PROBE_OUT"):
         meta = {"gpu": props.name, "torch": torch.__version__, "marlin_prefill": os.environ.get("MARLIN_PREFILL", "-1"),

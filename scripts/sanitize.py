@@ -125,6 +125,31 @@ def run_format_case(m, k, n, fmt, tile):
     return err < tol and left == 0
 
 
+# (M, K, N, dtype, group, zero points): the prefill kernel's 2:4 instances (--prefill too): fp16
+# group 128 with a partial last row tile and more tiles than SMs (2100 x 1152 x 2048: 144 tiles),
+# bf16 per column, fp16 zero points in groups of 32 (two group rows per stage)
+PREFILL_24_CASES = [
+    (2100, 1152, 2048, torch.float16, 128, False),
+    (257, 256, 384, torch.bfloat16, -1, False),
+    (300, 512, 256, torch.float16, 32, True),
+]
+
+
+def run_2_4_case(m, k, n, dtype, g, zp):
+    from marlin import sparse
+
+    w = sparse.prune_2_4(torch.randn(k, n, device="cuda") + (0.5 if zp else 0.0))
+    b_q, b_meta, b_s, *b_z = sparse.quantize_and_pack_2_4(w, g, dtype=dtype, sym=not zp)
+    b_z = b_z[0] if b_z else None
+    a = torch.randn(m, k, device="cuda", dtype=dtype)
+    c = marlin.gemm_2_4(a, b_q, b_meta, b_s, b_zeros=b_z)
+    ref = a.double() @ sparse.unpack_2_4(b_q, b_meta, b_s, b_z).double()
+    err = ((c.double() - ref).norm() / ref.norm()).item()
+    tol = 8e-3 if dtype == torch.bfloat16 else 2e-3
+    print(f"2:4 M={m} K={k} N={n} {dtype} group={g} zero points={zp}: rel err {err:.2e}")
+    return err < tol
+
+
 def main():
     os.environ.setdefault("MARLIN_LOG_PLAN", "1")  # each call's plan (partition) goes to the log
     # above 64 rows the planner picks 64-row slices on layers this small; 128-row ones are checked here
@@ -137,6 +162,8 @@ def main():
         os.environ["MARLIN_PREFILL"] = "1"  # read at the first call
         for m, k, n, fmt in PREFILL_CASES:
             ok &= run_format_case(m, k, n, fmt, None)
+        for case in PREFILL_24_CASES:
+            ok &= run_2_4_case(*case)
         torch.cuda.synchronize()
         return 0 if ok else 1
     if "--formats" in sys.argv[1:]:

@@ -478,26 +478,13 @@ int max_locks(int sms) { return 2 * std::max(sms, 1); }
 
 // The prefill kernel (prefill/prefill_kernel.cuh): sm_90a, every format but per-column zero points
 // (fp16 or bf16; 4-bit, 4-bit with zero points or 8-bit; groups of 32, 64, 128 or per column), N a
-// multiple of its 128 columns, K of its 64-row stage. A block owns each of its 128 x 256 tiles of
-// C for the whole K (at most one block per SM, persistent), so it pays where the tiles keep the
-// SMs busy: tiles / (rounds x SMs) >= 0.64, rounds = ceil(tiles / SMs). Measured on an H100 against
-// the wgmma variant in one process (benchmarks/NOTES.md, 2026-11-27 (night); probe_prefill, eight
-// layers, M = 256-4096): faster (1.12-1.44x) at every point with a fill of 0.65 or more, even
-// (0.94-1.01x) at 0.61 (70B qkv at 256 and 512 rows), slower at 0.48 and below (0.49-0.81x: 32 or 64
-// column tiles at 256 and 512 rows); on the 135168-deep ideal layer 1.10-1.28x at 256-4096 rows.
-// From 256 rows: at 128 a 256-row tile is half empty and the decode kernels are far ahead.
-constexpr int kPrefillMinRows = 256;
-constexpr double kPrefillMinFill = 0.64;
+// multiple of its 128 columns, K of its 64-row stage; where prefill_pays (prefill.h: the measured rule).
 bool prefill_format(const Format& f) { return !(f.w == kU4Zp && f.group_mode == kPerColumn); }
 
 bool prefill_fits(const GemmArgs& a, const Format& f) {
   if (!a.wgmma || a.prefill == 0 || !prefill_format(f) || a.m <= kWgSliceRows) return false;
   if (a.n % kPrefillTileN != 0 || a.k % kPrefillTileK != 0 || prefill_smem_bytes(a.bits) > a.max_smem) return false;
-  if (a.prefill == 1) return true;
-  const long long tiles = static_cast<long long>((a.m + kPrefillTileM - 1) / kPrefillTileM) * (a.n / kPrefillTileN);
-  const long long rounds = (tiles + a.sms - 1) / a.sms;
-  return a.m >= kPrefillMinRows &&
-         static_cast<double>(tiles) >= kPrefillMinFill * static_cast<double>(rounds * a.sms);
+  return a.prefill == 1 || prefill_pays(a.m, a.n, a.sms);
 }
 
 void plan_prefill(const GemmArgs& args, const Format& f, GemmPlan* plan) {

@@ -2,13 +2,12 @@
 // points; 8-bit in groups or per column), their tensor maps and their launch.
 #include "prefill.h"
 
-#include <cudaTypedefs.h>  // PFN_cuTensorMapEncodeTiled
-
 #include <algorithm>
 #include <type_traits>
 
 #include "../launch_attr.cuh"
 #include "prefill_kernel.cuh"
+#include "prefill_tma.h"
 
 namespace marlin {
 
@@ -18,36 +17,14 @@ static_assert(PrefillShape<>::kTileN == kPrefillTileN && PrefillShape<>::kTileM 
 
 int prefill_smem_bytes(int bits) { return bits == 8 ? PrefillShape<8>::kSmemBytes : PrefillShape<4>::kSmemBytes; }
 
-namespace {
+constexpr long long kPrefillMinRows = 256;
+constexpr double kPrefillMinFill = 0.64;
 
-// The driver's tensor-map encoder, found once through the runtime (no link against libcuda).
-PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
-  static const PFN_cuTensorMapEncodeTiled_v12000 fn = [] {
-    void* f = nullptr;
-    cudaDriverEntryPointQueryResult found;
-    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &f, 12000, cudaEnableDefault, &found) != cudaSuccess ||
-        found != cudaDriverEntryPointSuccess)
-      f = nullptr;
-    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(f);
-  }();
-  return fn;
+bool prefill_pays(long long m, long long n, int sms) {
+  const long long tiles = (m + kPrefillTileM - 1) / kPrefillTileM * (n / kPrefillTileN);
+  const long long rounds = (tiles + sms - 1) / sms;
+  return m >= kPrefillMinRows && static_cast<double>(tiles) >= kPrefillMinFill * static_cast<double>(rounds * sms);
 }
-
-// A row-major 2-D tensor [rows, cols] of `type`, rows `row_bytes` apart, read in boxes of
-// box_cols x box_rows.
-bool encode_2d(CUtensorMap* map, CUtensorMapDataType type, const void* base, long long cols, long long rows,
-               long long row_bytes, int box_cols, int box_rows, CUtensorMapSwizzle swizzle) {
-  const PFN_cuTensorMapEncodeTiled_v12000 encode = tensor_map_encoder();
-  if (encode == nullptr) return false;
-  const cuuint64_t dims[2] = {static_cast<cuuint64_t>(cols), static_cast<cuuint64_t>(rows)};
-  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(row_bytes)};
-  const cuuint32_t box[2] = {static_cast<cuuint32_t>(box_cols), static_cast<cuuint32_t>(box_rows)};
-  const cuuint32_t unit[2] = {1, 1};
-  return encode(map, type, 2, const_cast<void*>(base), dims, strides, box, unit, CU_TENSOR_MAP_INTERLEAVE_NONE, swizzle,
-                CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
-}
-
-}  // namespace
 
 template <bool BF16, int W, bool GROUPED>
 cudaError_t launch_prefill(const KernelParams& p, int grid, int smem, cudaStream_t stream, bool pdl, int /*cluster*/) {

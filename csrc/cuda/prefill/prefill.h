@@ -12,11 +12,29 @@ constexpr int kPrefillTileN = 128;
 constexpr int kPrefillTileM = 256;
 constexpr int kPrefillTileK = 64;
 int prefill_smem_bytes(int bits);  // bits of the packed weights: 4 or 8
+int prefill_24_smem_bytes();       // the 2:4 instances'
+
+// Whether the kernel pays for an M x N product on `sms` SMs (N a multiple of the tile): from 256
+// rows where its 128 x 256 output tiles keep the SMs busy, tiles / (rounds x SMs) >= 0.64,
+// rounds = ceil(tiles / SMs). A block owns each of its tiles for the whole K (at most one block
+// per SM, persistent), so few tiles leave SMs idle. Measured on an H100 against the wgmma variant
+// in one process (benchmarks/NOTES.md, 2026-11-27 (night); probe_prefill, eight layers, M =
+// 256-4096): faster (1.12-1.44x) at every point with a fill of 0.65 or more, even (0.94-1.01x) at
+// 0.61 (70B qkv at 256 and 512 rows), slower at 0.48 and below (0.49-0.81x: 32 or 64 column tiles
+// at 256 and 512 rows); on the 135168-deep ideal layer 1.10-1.28x at 256-4096 rows. From 256
+// rows: at 128 a 256-row tile is half empty and the decode kernels are far ahead. The 2:4
+// instances take the same rule.
+bool prefill_pays(long long m, long long n, int sms);
 
 // BF16: bf16 activations, scales and output (else fp16). W: the weight type (dequant.cuh's WType:
 // kU4, kU4Zp with zero points per group, GROUPED only, or kU8). GROUPED: scales in groups of 32, 64
 // or 128 along K (p.group_shift); else per column. cluster is ignored (1).
 template <bool BF16, int W, bool GROUPED>
 cudaError_t launch_prefill(const KernelParams& p, int grid, int smem, cudaStream_t stream, bool pdl, int cluster);
+
+// The 2:4 instances (prefill_24.cu): p.b is marlin.gemm_2_4's b_q, b_meta its metadata; 4-bit
+// weights (W: kU4, or kU4Zp with zero points in groups), group scales (GROUPED) or per column.
+template <bool BF16, int W, bool GROUPED>
+cudaError_t launch_prefill_24(const KernelParams& p, const void* b_meta, int grid, int smem, cudaStream_t stream, bool pdl);
 
 }  // namespace marlin

@@ -47,8 +47,10 @@
 
 namespace marlin {
 
-// BITS: 4 or 8 (the packed weights of a stage; 8-bit ones leave room for 4 stages, 4-bit for 5)
-template <int BITS = 4>
+// BITS: 4 or 8 (the packed weights of a stage; 8-bit ones leave room for 4 stages, 4-bit for 5).
+// SPARSE: 2:4 weights (marlin/sparse.py's format, 4-bit): a stage holds the compressed values and
+// the metadata of its two 32-row strips, and each wgmma step is a sparse k32 one.
+template <int BITS = 4, bool SPARSE = false>
 struct PrefillShape {
   static constexpr int kTileN = 128;   // weight columns per block: 2 consumer warpgroups x wgmma M = 64
   static constexpr int kTileM = 256;   // activation rows per block: the wgmma N
@@ -62,19 +64,28 @@ struct PrefillShape {
   static constexpr int kConsumerRegs = 232;
   // bytes of one stage; every part starts on a 1024-byte boundary (the swizzle atom)
   static constexpr int kActBytes = kTileM * kTileK * 2;            // 32 KB: activations [256 m][64 k]
-  static constexpr int kPackedBytes = kTileN * kTileK * BITS / 8;  // 4 k16 rows x 2 tiles of 512 (1024) bytes
-  static constexpr int kTileWords = 16 * 64 * BITS / 32;           // int32 of one packed 16 x 64 tile
+  // dense: 4 k16 rows x 2 tiles of 512 (1024) bytes; 2:4: 2 strips x 2 chunks of 512 bytes
+  static constexpr int kPackedBytes = kTileN * kTileK * BITS / 8 / (SPARSE ? 2 : 1);
+  static constexpr int kTileWords = 16 * 64 * BITS / 32;           // int32 of one packed 16 x 64 tile (dense)
+  static constexpr int kMetaBytes = SPARSE ? 1024 : 0;             // 2:4: 2 strips x 2 chunks of 256 bytes
+  // wgmma steps per stage and the rows of K each covers: dense k16, 2:4 k32
+  static constexpr int kSteps = SPARSE ? 2 : 4;
+  static constexpr int kStepK = kTileK / kSteps;
+  // packed bytes per step: one k16 row (dense) or strip (2:4) of the block's two 64-column tiles
+  static constexpr int kStepBytes = kPackedBytes / kSteps;
   // the group rows of the stage: scales (up to two rows of 128, 256 bytes each), then zero points
   static constexpr int kScaleRowBytes = kTileN * 2;
   static constexpr int kZeroOffset = 512;
   static constexpr int kScaleBytes = 1024;
-  static constexpr int kStageBytes = kActBytes + kPackedBytes + kScaleBytes;
+  static constexpr int kStageBytes = kActBytes + kPackedBytes + kMetaBytes + kScaleBytes;
   // the epilogue's staging, one buffer per consumer warpgroup: [128 m][64 n] of T (half a tile's
   // rows at a time), 128-byte rows, swizzled
   static constexpr int kEpiBytes = 128 * 64 * 2;
   static constexpr int kBarrierBytes = 2 * kStages * 8;  // full[] and empty[] mbarriers
   static constexpr int kSmemBytes = kStages * kStageBytes + 2 * kEpiBytes + kBarrierBytes + 1024;  // + alignment slack
-  static_assert(kStageBytes % 1024 == 0 && kEpiBytes % 1024 == 0, "parts must keep the 1024-byte alignment");
+  static_assert(kStageBytes % 1024 == 0 && kEpiBytes % 1024 == 0 && kPackedBytes % 1024 == 0,
+                "parts must keep the 1024-byte alignment");
+  static_assert(!SPARSE || BITS == 4, "2:4 weights are 4-bit");
   static_assert(kSmemBytes <= 227 * 1024, "more shared memory than an sm_90 block may have");
 };
 
@@ -87,6 +98,7 @@ struct PrefillParams {
                     // tiles of 4 k16 rows
   CUtensorMap sc;   // b_scales: T [groups, n], box 128 x max(1, 64 / group) (grouped only)
   CUtensorMap zp;   // b_zeros: as b_scales (zero points only)
+  CUtensorMap meta;  // 2:4 only: b_meta int32 [k / 32, n], box 128 x 2 (the block's two chunks, two strips)
 };
 
 #if MARLIN_HAS_WGMMA
@@ -144,13 +156,14 @@ __device__ __forceinline__ void regs_inc() {
 }
 
 // T: half or nv_bfloat16; W: the weight type (kU4, kU4Zp: zero points, grouped only; kU8);
-// GROUPED: group scales (else per column).
-template <typename T, int W, bool GROUPED>
+// GROUPED: group scales (else per column); SPARSE: 2:4 weights (b_q of marlin.gemm_2_4, and
+// pp.meta), 4-bit.
+template <typename T, int W, bool GROUPED, bool SPARSE = false>
 __global__ void __launch_bounds__(PrefillShape<>::kThreads, 1) marlin_prefill_kernel(const __grid_constant__ PrefillParams pp) {
 #if !MARLIN_HAS_WGMMA
   __trap();  // built for another target than sm_90a: never launched (planner)
 #else
-  using S = PrefillShape<W == kU8 ? 8 : 4>;
+  using S = PrefillShape<W == kU8 ? 8 : 4, SPARSE>;
   constexpr bool ZP = W == kU4Zp;
   static_assert(GROUPED || !ZP, "zero points come in groups here (per-column ones run on the tiled kernel)");
   const KernelParams& p = pp.p;
@@ -185,24 +198,27 @@ __global__ void __launch_bounds__(PrefillShape<>::kThreads, 1) marlin_prefill_ke
     regs_dec<S::kProducerRegs>();
     if (tid != 0) return;
     const int group_rows = GROUPED ? max(1, S::kTileK >> group_log2) : 0;
-    const int bytes = S::kActBytes + S::kPackedBytes + group_rows * S::kScaleRowBytes * (ZP ? 2 : 1);
+    const int bytes = S::kActBytes + S::kPackedBytes + S::kMetaBytes + group_rows * S::kScaleRowBytes * (ZP ? 2 : 1);
     int it = 0;
     for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
       const int m0 = (tile % m_tiles) * S::kTileM;
       const int n0 = (tile / m_tiles) * S::kTileN;
       // the block's two 16 x 64 tiles of 4 k16 rows: one box of [4][256 words] (4-bit), or one per
-      // tile (8-bit: a box row is at most 256 elements)
+      // tile (8-bit: a box row is at most 256 elements); 2:4: the two chunks' values of 2 strips,
+      // a box of [2][256 words], and their metadata, [2][128 words]
       const int wx = 2 * S::kTileWords * (n0 / S::kTileN);
       for (int kt = 0; kt < k_tiles; kt++, it++) {
+        const int wy = SPARSE ? 2 * kt : 4 * kt;  // the stage's first row of b_q (and b_meta)
         const int slot = it % S::kStages;
         if (it >= S::kStages) mbar_wait(&empty[slot], (it / S::kStages - 1) & 1);  // both consumers are done with it
         uint8_t* st = smem + slot * S::kStageBytes;
         mbar_arrive_expect_tx(&full[slot], bytes);
         tma_load_2d(st, &pp.act, kt * S::kTileK, m0, &full[slot]);
-        tma_load_2d(st + S::kActBytes, &pp.wq, wx, 4 * kt, &full[slot]);
+        tma_load_2d(st + S::kActBytes, &pp.wq, wx, wy, &full[slot]);
         if constexpr (W == kU8)
-          tma_load_2d(st + S::kActBytes + S::kPackedBytes / 2, &pp.wq, wx + S::kTileWords, 4 * kt, &full[slot]);
-        uint8_t* groups = st + S::kActBytes + S::kPackedBytes;
+          tma_load_2d(st + S::kActBytes + S::kPackedBytes / 2, &pp.wq, wx + S::kTileWords, wy, &full[slot]);
+        if constexpr (SPARSE) tma_load_2d(st + S::kActBytes + S::kPackedBytes, &pp.meta, wx / 2, wy, &full[slot]);
+        uint8_t* groups = st + S::kActBytes + S::kPackedBytes + S::kMetaBytes;
         if constexpr (GROUPED) tma_load_2d(groups, &pp.sc, n0, (kt * S::kTileK) >> group_log2, &full[slot]);
         if constexpr (ZP) tma_load_2d(groups + S::kZeroOffset, &pp.zp, n0, (kt * S::kTileK) >> group_log2, &full[slot]);
       }
@@ -220,16 +236,22 @@ __global__ void __launch_bounds__(PrefillShape<>::kThreads, 1) marlin_prefill_ke
   // this lane's A fragment: rows g, g + 8 (lo, hi), K rows 2c, 2c + 1 and 2c + 8, 2c + 9 of the
   // step. Scales (zero points): the u32 wq of the lane's 16-byte chunk cw * 8 + g of the step's
   // group row (16 ks) >> group_log2 holds those of columns g (low half) and g + 8 (high half).
+  // 2:4 (the same words per strip, as 16 x 16 compressed values of 16 columns by 32 rows of K):
+  // the metadata word of block wq is word wq % 2 of the 8 bytes of lane (wq < 2 ? lane : lane ^ 2)
+  // of the chunk's strip row (selector 0: lanes with c = 0, 1 supply it; marlin_24_kernel.cuh).
   const int word_offset = W == kU8 ? (cw * 256 + 2 * lane) * 16 + 8 * wq : (cw * 32 + lane) * 16 + 4 * wq;
-  constexpr int ks_stride = 64 * 16;  // bytes per k16 row of a packed tile (64 int4), both widths
+  constexpr int ks_stride = S::kStepBytes;  // bytes per k16 row (dense) or strip (2:4) of the block
+  const int meta_offset = cw * 256 + (lane ^ (wq & 2)) * 8 + 4 * (wq & 1);
   const int group_offset = (cw * 8 + g) * 16 + 4 * wq;
-  auto dequant_stage = [&](const uint8_t* st, uint32_t (&f)[4][4]) {
+  auto dequant_stage = [&](const uint8_t* st, uint32_t (&f)[S::kSteps][4], uint32_t (&e)[S::kSteps]) {
     const uint8_t* packed = st + S::kActBytes;
-    const uint8_t* groups = st + S::kActBytes + S::kPackedBytes + group_offset;
+    const uint8_t* groups = st + S::kActBytes + S::kPackedBytes + S::kMetaBytes + group_offset;
 #pragma unroll
-    for (int ks = 0; ks < 4; ks++) {
+    for (int ks = 0; ks < S::kSteps; ks++) {
       uint32_t lo[2], hi[2];
-      const int grow = ((16 * ks) >> group_log2) * S::kScaleRowBytes;
+      const int grow = ((S::kStepK * ks) >> group_log2) * S::kScaleRowBytes;
+      if constexpr (SPARSE)
+        e[ks] = *reinterpret_cast<const uint32_t*>(packed + S::kPackedBytes + ks * 512 + meta_offset);
       if constexpr (W == kU8) {
         const uint2 w2 = *reinterpret_cast<const uint2*>(packed + word_offset + ks * ks_stride);
         dequant_u8<T>(w2.x, lo);
@@ -255,7 +277,8 @@ __global__ void __launch_bounds__(PrefillShape<>::kThreads, 1) marlin_prefill_ke
   };
 
   float acc[128];
-  uint32_t frag[2][4][4];  // A fragments of two stages: one in the wgmma, one being made
+  uint32_t frag[2][S::kSteps][4];  // A fragments of two stages: one in the wgmma, one being made
+  uint32_t meta[2][S::kSteps];     // 2:4: their metadata words
   // Stage `it` (the kt-th of the tile) from fragments frag[B]: issue its wgmma, make the next
   // stage's fragments in frag[B ^ 1] meanwhile (if the tile has one), then wait for the wgmma and
   // give the slot back. B is a template constant so that the fragments stay in fixed registers.
@@ -264,17 +287,26 @@ __global__ void __launch_bounds__(PrefillShape<>::kThreads, 1) marlin_prefill_ke
     const int slot = it % S::kStages;
     const uint32_t sa = smem_addr(smem + slot * S::kStageBytes);
 #pragma unroll
-    for (int ks = 0; ks < 4; ks++)
+    for (int ks = 0; ks < S::kSteps; ks++) {
 #pragma unroll
       for (int r = 0; r < 4; r++) fence_operand(frag[B][ks][r]);
+      if constexpr (SPARSE) fence_operand(meta[B][ks]);
+    }
     wgmma_fence();
 #pragma unroll
-    for (int ks = 0; ks < 4; ks++) wgmma_m64n256k16_rs<kIsBf16<T>>(acc, frag[B][ks], smem_desc_sw128(sa + 32 * ks));
+    for (int ks = 0; ks < S::kSteps; ks++) {
+      // step ks: its rows of K are 2 x kStepK bytes into the activations' 128-byte rows
+      const uint64_t desc = smem_desc_sw128(sa + 2 * S::kStepK * ks);
+      if constexpr (SPARSE)
+        wgmma_sp_m64n256k32_rs<kIsBf16<T>>(acc, frag[B][ks], desc, meta[B][ks]);
+      else
+        wgmma_m64n256k16_rs<kIsBf16<T>>(acc, frag[B][ks], desc);
+    }
     wgmma_commit();
     if (next) {
       const int nslot = (it + 1) % S::kStages;
       mbar_wait(&full[nslot], ((it + 1) / S::kStages) & 1);
-      dequant_stage(smem + nslot * S::kStageBytes, frag[B ^ 1]);
+      dequant_stage(smem + nslot * S::kStageBytes, frag[B ^ 1], meta[B ^ 1]);
     }
     wgmma_wait<0>();
     mbar_arrive(&empty[slot]);
@@ -289,7 +321,7 @@ __global__ void __launch_bounds__(PrefillShape<>::kThreads, 1) marlin_prefill_ke
 #pragma unroll
     for (int i = 0; i < 128; i++) acc[i] = 0.f;
     mbar_wait(&full[it % S::kStages], (it / S::kStages) & 1);
-    dequant_stage(smem + (it % S::kStages) * S::kStageBytes, frag[0]);
+    dequant_stage(smem + (it % S::kStages) * S::kStageBytes, frag[0], meta[0]);
     int kt = 0;
     for (; kt + 2 <= k_tiles; kt += 2, it += 2) {
       step(std::integral_constant<int, 0>{}, it, true);

@@ -1,6 +1,9 @@
 // Plan and launch of the 2:4-sparse kernel (marlin_24_kernel.cuh): slice size, K split, grid.
 #include <algorithm>
 
+#include "../dequant.cuh"
+#include "../marlin_kernel.cuh"  // KernelParams, for the prefill kernel's launch
+#include "../prefill/prefill.h"
 #include "marlin_24.h"
 #include "marlin_24_launch.h"
 
@@ -55,8 +58,33 @@ int strip_shift(const Args24& args) {
 // where 1-2 were faster (H100, forced parts: 70B gate_up M = 32 / 64 / 128 7 parts 137 / 209 /
 // 478 us, 2 parts 105 / 156 / 315; 7B qkv M = 32 8 parts 22.2, 4 parts 17.5; 70B o M = 32 / 64
 // 7 parts (one wave) 20.5 / 28.8, 4 parts 29.4 / 41.4, 8 (two waves of clusters) 30.6 / 42.7).
+// The prefill kernel's 2:4 instances (sm_90a) from 256 rows, by the dense kernel's rule
+// (prefill_pays): the same 128 x 256 tiles, persistent blocks, the sparse wgmma with its A operand
+// (the compressed values) from registers. Every format but per-column zero points; not under the
+// knobs that force a plan of the kernel below (they measure that kernel).
+bool prefill_fits(const Args24& args) {
+  if (!args.wgmma || args.prefill == 0 || args.legacy || args.m <= 64) return false;
+  if (args.force_parts || args.force_tile_n || args.force_ms || args.force_stages || args.force_kw || args.wgmma_force ||
+      args.cluster_mode != -1)
+    return false;
+  if (args.n % kPrefillTileN != 0 || args.k % kPrefillTileK != 0 || (args.z != nullptr && args.groups == 1)) return false;
+  if (prefill_24_smem_bytes() > args.max_smem) return false;
+  return args.prefill == 1 || prefill_pays(args.m, args.n, args.sms);
+}
+
 std::string plan_24(const Args24& args, Plan24* plan) {
   if (args.n % 64 != 0) return "marlin.gemm_2_4: N = " + std::to_string(args.n) + " is not a multiple of 64";
+  *plan = Plan24{};
+  if (prefill_fits(args)) {
+    const long long tiles = static_cast<long long>((args.m + kPrefillTileM - 1) / kPrefillTileM) * (args.n / kPrefillTileN);
+    plan->prefill = true;
+    plan->grid = static_cast<int>(std::min<long long>(tiles, args.sms));
+    plan->smem = prefill_24_smem_bytes();
+    plan->parts = 1;
+    plan->strip_shift = strip_shift(args);
+    plan->fine = plan->strip_shift < 2 || args.z != nullptr;
+    return "";
+  }
   // rows per warp slice: the smallest of 8, 16, 32 that holds M. One warp slice per block: two
   // (64-row block slices, each stage's weights read once for both) measured 8-10% faster on the
   // ideal layer at M = 64-128 but 20-40% slower on 70B o / gate_up / down (H100, NOTES.md).
@@ -171,6 +199,10 @@ std::string plan_24(const Args24& args, Plan24* plan) {
 }
 
 std::string describe_24(const Args24& args, const Plan24& plan) {
+  if (plan.prefill)
+    return "m=" + std::to_string(args.m) + " n=" + std::to_string(args.n) + " k=" + std::to_string(args.k) +
+           " groups=" + std::to_string(args.groups) + " kernel=prefill_wgmma grid=" + std::to_string(plan.grid) +
+           " zeros=" + (args.z != nullptr ? "1" : "0");
   return "m=" + std::to_string(args.m) + " n=" + std::to_string(args.n) + " k=" + std::to_string(args.k) +
          " groups=" + std::to_string(args.groups) + " slice_rows=" + std::to_string(8 * plan.mb * plan.ms) +
          " mb=" + std::to_string(plan.mb) + " ms=" + std::to_string(plan.ms) + " stages=" + std::to_string(plan.stages) + " tile_n=" + std::to_string(64 * plan.nw) +
@@ -180,6 +212,33 @@ std::string describe_24(const Args24& args, const Plan24& plan) {
 }
 
 cudaError_t launch_24(const Args24& args, const Plan24& plan, cudaStream_t stream) {
+  if (plan.prefill) {
+    KernelParams kp{};
+    kp.a = static_cast<const int4*>(args.a);
+    kp.b = static_cast<const int4*>(args.b_q);
+    kp.s = static_cast<const int4*>(args.s);
+    kp.z = static_cast<const int4*>(args.z);
+    kp.c = args.c;
+    kp.m = args.m;
+    kp.n = args.n;
+    kp.k = args.k;
+    kp.lda_int4 = args.lda / 8;
+    // log2 of the group size in k16 blocks (as gemm's): group = K / groups of 32, 64 or 128 rows
+    int group_shift = 3;
+    if (args.groups > 1)
+      for (group_shift = 1; (16 << group_shift) < args.k / args.groups; group_shift++) {
+      }
+    kp.group_shift = group_shift;
+    using Launch = cudaError_t (*)(const KernelParams&, const void*, int, int, cudaStream_t, bool);
+    // [bf16][zero points][grouped]; per-column zero points never come here (prefill_fits)
+    constexpr Launch kInstances[2][2][2] = {
+        {{&launch_prefill_24<false, kU4, false>, &launch_prefill_24<false, kU4, true>},
+         {nullptr, &launch_prefill_24<false, kU4Zp, true>}},
+        {{&launch_prefill_24<true, kU4, false>, &launch_prefill_24<true, kU4, true>},
+         {nullptr, &launch_prefill_24<true, kU4Zp, true>}}};
+    const Launch launch = kInstances[args.bf16][args.z != nullptr][args.groups > 1];
+    return launch(kp, args.b_meta, plan.grid, plan.smem, stream, args.pdl);
+  }
   Params p;
   p.a = static_cast<const int4*>(args.a);
   p.b_q = static_cast<const int4*>(args.b_q);

@@ -46,6 +46,9 @@ struct Args24 {
   int force_stages = 0;  // 3: the 3-stage instances where they exist (8-16 rows, 256-column tile)
   int force_kw = 0;      // 2: two K warpgroups per block on the late-refill wgmma instances (one warp slice)
   int cluster_mode = -1;
+  // the prefill kernel's 2:4 instances (MARLIN_PREFILL, as for gemm): -1 its rule, 0 never, 1
+  // wherever it can run (above 64 rows; for tests)
+  int prefill = -1;
 };
 
 struct Plan24 {
@@ -64,6 +67,9 @@ struct Plan24 {
   int smem;    // dynamic shared memory bytes (the instance's, plus fine plans' per-strip rows)
   long long partial_floats;  // parts * M * N when reduced through global memory, else 0
   int locks;                 // arrival counters needed (column tiles x slices) then, else 0
+  // the prefill kernel (prefill/prefill_kernel.cuh, sm_90a) instead: grid persistent blocks,
+  // smem bytes; no parts, partials or locks (the fields above other than grid and smem unused)
+  bool prefill = false;
 };
 
 // Picks the slice size and the K split; an empty string, or why the shape cannot run.

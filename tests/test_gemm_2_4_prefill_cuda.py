@@ -1,0 +1,125 @@
+"""torch.ops.marlin.gemm_2_4 on the prefill kernel's 2:4 instances (csrc/cuda/prefill, SPARSE;
+H100/H200 with an sm_90a build) against the float64 product A @ dequant(B): MARLIN_PREFILL=1 sends
+every call with more than 64 rows there (read per call by the 2:4 op); each call's plan line
+(MARLIN_LOG_PLAN=1) must name kernel=prefill_wgmma, so that a build or device without it fails
+here instead of testing another kernel. M: partial and whole 256-row tiles, many tiles with a
+partial last one, more tiles than SMs (blocks take several, the ring running across them);
+every group size, zero points in groups, bf16; NaN-poisoned outputs; repeats bit-identical; a
+CUDA graph; and the default rule. Bound as test_gemm_2_4_wgmma_cuda.py: within 1.5x of
+torch.matmul's own error on the rounded dequantized weights (the weights are scaled in the
+element type, as there)."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import marlin
+from conftest import poison_allocator, rel_err, requires_cuda_2_4
+from gemm_2_4_helpers import assert_graph_replays, get_layer
+
+
+def _wgmma_device() -> bool:
+    if not torch.cuda.is_available():
+        return False
+    archs = os.environ.get("TORCH_CUDA_ARCH_LIST")
+    return torch.cuda.get_device_capability() == (9, 0) and (archs is None or "9.0a" in archs)
+
+
+pytestmark = [
+    requires_cuda_2_4,
+    pytest.mark.gpu,
+    pytest.mark.skipif(not _wgmma_device(), reason="needs a CUDA GPU of compute capability 9.0 and an sm_90a build"),
+]
+
+# (K, N): one 128-column tile, two 64-row stages; 3 column tiles, 18 stages (the 5-stage ring wraps
+# mid-tile); the 7B qkv layer (96 column tiles: at 4097 rows 1632 tiles, 12-13 per block). (The
+# 2:4 op takes K in multiples of 128.)
+SHAPES = {"128x128": (128, 128), "1152x384": (1152, 384), "4096x12288": (4096, 12288)}
+M_VALUES = [65, 255, 256, 257, 1000, 4097]
+GROUPS = [128, 64, 32, -1]
+ALLOWED = 1.5
+
+
+@pytest.fixture
+def prefill_on(monkeypatch):
+    monkeypatch.setenv("MARLIN_PREFILL", "1")
+    monkeypatch.setenv("MARLIN_LOG_PLAN", "1")
+    return monkeypatch
+
+
+def _plans(capfd):
+    return [line for line in capfd.readouterr().err.splitlines() if line.startswith("marlin.gemm_2_4 plan:")]
+
+
+def _check(layer, m, capfd):
+    a = torch.randn(m, layer.k, device="cuda", dtype=layer.dtype)
+    ptr = poison_allocator(m * layer.n)
+    _plans(capfd)
+    c = marlin.gemm_2_4(a, layer.b_q, layer.b_meta, layer.b_s, b_zeros=layer.b_z)
+    torch.cuda.synchronize()
+    lines = _plans(capfd)
+    assert len(lines) == 1 and " kernel=prefill_wgmma " in lines[0], lines
+    assert c.data_ptr() == ptr, "output did not land in the poisoned block; the NaN check would be void"
+    ref = a.double() @ layer.w64
+    base = rel_err(a @ layer.w_fp16, ref)
+    err = rel_err(c, ref)
+    assert err <= ALLOWED * base + 1e-7, f"M={m} K={layer.k} N={layer.n}: error {err:.3g} vs matmul {base:.3g} ({lines[0]})"
+    assert torch.equal(c, marlin.gemm_2_4(a, layer.b_q, layer.b_meta, layer.b_s, b_zeros=layer.b_z)), "repeat differs"
+
+
+def _cases():
+    for name, (k, n) in SHAPES.items():
+        for g in GROUPS:
+            if g > 0 and k % g:
+                continue
+            for m in M_VALUES:
+                if name == "4096x12288" and m not in (257, 4097):
+                    continue
+                yield pytest.param(k, n, g, m, id=f"{name}-g{g}-m{m}")
+
+
+@pytest.mark.parametrize("k,n,g,m", list(_cases()))
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_prefill_2_4(k, n, g, m, dtype, prefill_on, capfd):
+    _check(get_layer(k, n, g, dtype=dtype), m, capfd)
+
+
+@pytest.mark.parametrize("k,n,g,m", [c for c in _cases() if c.values[2] > 0])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_prefill_2_4_zero_points(k, n, g, m, dtype, prefill_on, capfd):
+    _check(get_layer(k, n, g, dtype=dtype, zp=True), m, capfd)
+
+
+def test_prefill_2_4_graph(prefill_on):
+    layer = get_layer(1152, 384, 128)
+    a = torch.randn(1000, 1152, device="cuda", dtype=torch.float16)
+    want = marlin.gemm_2_4(a, layer.b_q, layer.b_meta, layer.b_s)
+    assert_graph_replays(lambda: marlin.gemm_2_4(a, layer.b_q, layer.b_meta, layer.b_s), want)
+
+
+def test_default_rule_2_4():
+    """By default the 2:4 op takes the prefill kernel where the dense rule would (4096 x 12288: 96
+    column tiles, at 1024 rows 384 tiles), not at 128 rows, never with MARLIN_PREFILL=0, and per
+    column zero points never."""
+    script = (
+        "import torch, marlin\n"
+        "from marlin import sparse\n"
+        "w = sparse.prune_2_4(torch.randn(4096, 12288, device='cuda'))\n"
+        "b_q, b_meta, b_s = sparse.quantize_and_pack_2_4(w, 128)[:3]\n"
+        "for m in (128, 1024):\n"
+        "    marlin.gemm_2_4(torch.randn(m, 4096, device='cuda', dtype=torch.float16), b_q, b_meta, b_s)\n"
+        "b_q, b_meta, b_s, b_z = sparse.quantize_and_pack_2_4(w, -1, sym=False)\n"
+        "marlin.gemm_2_4(torch.randn(1024, 4096, device='cuda', dtype=torch.float16), b_q, b_meta, b_s, b_zeros=b_z)\n"
+        "torch.cuda.synchronize()\n"
+    )
+    for knob, expect in (("-1", ["1024"]), ("0", [])):
+        env = {k: v for k, v in os.environ.items() if not k.startswith("MARLIN_")}
+        env.update(MARLIN_LOG_PLAN="1", MARLIN_PREFILL=knob)
+        r = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stderr[-2000:]
+        lines = [l for l in r.stderr.splitlines() if l.startswith("marlin.gemm_2_4 plan:")]
+        got = [l.split()[2].split("=")[1] for l in lines if " kernel=prefill_wgmma " in l]
+        assert len(lines) == 3 and got == expect, (knob, lines)
