@@ -71,8 +71,9 @@ struct PrefillShape {
   // wgmma steps per stage and the rows of K each covers: dense k16, 2:4 k32
   static constexpr int kSteps = SPARSE ? 2 : 4;
   static constexpr int kStepK = kTileK / kSteps;
-  // packed bytes per step: one k16 row (dense) or strip (2:4) of the block's two 64-column tiles
-  static constexpr int kStepBytes = kPackedBytes / kSteps;
+  // bytes between one step's packed words and the next's: a k16 row (dense: [k16 row][tile][64
+  // int4] 4-bit, [tile][k16 row][64 int4] 8-bit) or a strip (2:4: [strip][chunk][32 int4]) of 64 int4
+  static constexpr int kStepBytes = 1024;
   // the group rows of the stage: scales (up to two rows of 128, 256 bytes each), then zero points
   static constexpr int kScaleRowBytes = kTileN * 2;
   static constexpr int kZeroOffset = 512;
