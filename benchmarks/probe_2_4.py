@@ -20,10 +20,10 @@ import torch
 import marlin
 from benchmarks.timing import graph_median_us as time_us
 from benchmarks.gemm_prep import random_meta_2_4
-from benchmarks.shapes import BENCH_SHAPES, ideal_shape
+from benchmarks.shapes import ideal_shape, shape_by_name
 
 _NAMES = os.environ.get("PROBE_SHAPES", "7B_qkv,7B_o,70B_gateup,70B_down")
-SHAPES = {s: BENCH_SHAPES[s] if s in BENCH_SHAPES else tuple(int(v) for v in s.split("x")) for s in _NAMES.split(",") if s}  # a name or "KxN"
+SHAPES = {s: shape_by_name(s) for s in _NAMES.split(",") if s}  # a name or "KxN"
 MS = [int(m) for m in os.environ.get("PROBE_MS", "1,8,16,32,64,128").split(",")]
 
 

@@ -22,22 +22,10 @@ import torch.nn.functional as F
 
 import marlin
 from marlin import sparse
-from benchmarks.shapes import BENCH_SHAPES, MODEL_LAYERS, ideal_shape
+from benchmarks.shapes import BENCH_SHAPES, ideal_shape, shape_by_name
 from benchmarks.timing import round_orders
 
-_ALL = {**BENCH_SHAPES, **MODEL_LAYERS}
-
-
-def _shape(name):
-    if name in _ALL:
-        return _ALL[name]
-    k, _, n = name.partition("x")
-    if not (k.isdigit() and n.isdigit()):
-        raise SystemExit(f"PROBE_SHAPES: {name!r} is neither a shape of benchmarks/shapes.py nor K x N (e.g. 4096x4096)")
-    return int(k), int(n)
-
-
-SHAPES = {s: _shape(s) for s in os.environ["PROBE_SHAPES"].split(",")} if os.environ.get("PROBE_SHAPES") else dict(BENCH_SHAPES)
+SHAPES = {s: shape_by_name(s) for s in os.environ["PROBE_SHAPES"].split(",")} if os.environ.get("PROBE_SHAPES") else dict(BENCH_SHAPES)
 MS = [int(m) for m in os.environ.get("PROBE_MS", "256,512,1024,2048,4096").split(",")]
 ROUNDS = int(os.environ.get("PROBE_ROUNDS", "8"))
 CALLS = 6  # calls per graph replay

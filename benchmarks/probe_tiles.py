@@ -12,23 +12,11 @@ import torch
 
 import marlin
 from benchmarks.timing import graph_median_us as time_us
-from benchmarks.shapes import BENCH_SHAPES, MODEL_LAYERS, ideal_shape
+from benchmarks.shapes import BENCH_SHAPES, ideal_shape, shape_by_name
 
 # the Llama-2 7B / 70B layers, or PROBE_SHAPES=7B_o,Llama-3-8B/qkv,2048x8192,... (names of
 # benchmarks/shapes.py, or K x N)
-_ALL = {**BENCH_SHAPES, **MODEL_LAYERS}
-
-
-def _shape(name):
-    if name in _ALL:
-        return _ALL[name]
-    k, _, n = name.partition("x")
-    if not (k.isdigit() and n.isdigit()):
-        raise SystemExit(f"PROBE_SHAPES: {name!r} is neither a shape of benchmarks/shapes.py nor K x N (e.g. 4096x4096)")
-    return int(k), int(n)
-
-
-SHAPES = {s: _shape(s) for s in os.environ["PROBE_SHAPES"].split(",")} if os.environ.get("PROBE_SHAPES") else dict(BENCH_SHAPES)
+SHAPES = {s: shape_by_name(s) for s in os.environ["PROBE_SHAPES"].split(",")} if os.environ.get("PROBE_SHAPES") else dict(BENCH_SHAPES)
 MS = [int(m) for m in os.environ.get("PROBE_MS", "1,4,8,16,32,64").split(",")]
 # (None, None) = the planner's choice; then the tiled kernel's and the small-batch kernel's tiles
 # (PROBE_TILES=auto,64x256,128x256 to choose)

@@ -28,6 +28,7 @@ __all__ = [
     "model_layers",
     "MODEL_LAYERS",
     "BENCH_SHAPES",
+    "shape_by_name",
     "ALIASES",
     "CANONICAL",
     "SMALL_SHAPES",
@@ -119,6 +120,19 @@ SMALL_SHAPES = ("7B_qkv", "7B_o", "7B_gateup", "7B_down")
 LARGE_SHAPES = ("70B_qkv", "70B_o", "70B_gateup", "70B_down", IDEAL)
 DEFAULT_SHAPES = SMALL_SHAPES + LARGE_SHAPES
 QUICK_SHAPES = ("7B_o", "70B_o", "70B_gateup", IDEAL)
+
+
+def shape_by_name(name: str, env: str = "PROBE_SHAPES") -> tuple[int, int]:
+    """(K, N) of a named shape of this module (BENCH_SHAPES, MODEL_LAYERS) or of "KxN" (the probes'
+    PROBE_SHAPES entries); a clear exit naming `env` otherwise."""
+    if name in BENCH_SHAPES:
+        return BENCH_SHAPES[name]
+    if name in MODEL_LAYERS:
+        return MODEL_LAYERS[name]
+    k, _, n = name.partition("x")
+    if not (k.isdigit() and n.isdigit()):
+        raise SystemExit(f"{env}: {name!r} is neither a shape of benchmarks/shapes.py nor K x N (e.g. 4096x4096)")
+    return int(k), int(n)
 
 
 def ideal_shape(sms: int) -> tuple[int, int]:

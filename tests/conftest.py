@@ -1,6 +1,7 @@
 """Shared helpers for the marlin tests: random layers, references and error measures."""
 
 import copy
+import os
 
 import pytest
 import torch
@@ -19,6 +20,15 @@ requires_cuda_2_4 = pytest.mark.skipif(
     not torch.cuda.is_available() or not torch._C._dispatch_has_kernel_for_dispatch_key("marlin::gemm_2_4", "CUDA"),
     reason="needs a CUDA GPU and a build with the gemm_2_4 CUDA kernel",
 )
+
+
+def wgmma_device() -> bool:
+    """A compute capability 9.0 device, and a build that has the sm_90a kernels (setup.py builds
+    them unless TORCH_CUDA_ARCH_LIST leaves out 9.0a): where the wgmma and prefill kernels run."""
+    if not torch.cuda.is_available():
+        return False
+    archs = os.environ.get("TORCH_CUDA_ARCH_LIST")
+    return torch.cuda.get_device_capability() == (9, 0) and (archs is None or "9.0a" in archs)
 
 
 def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:

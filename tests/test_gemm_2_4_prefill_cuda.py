@@ -17,21 +17,16 @@ import pytest
 import torch
 
 import marlin
-from conftest import poison_allocator, rel_err, requires_cuda_2_4
+from conftest import poison_allocator, rel_err, requires_cuda_2_4, wgmma_device
 from gemm_2_4_helpers import assert_graph_replays, get_layer
 
 
-def _wgmma_device() -> bool:
-    if not torch.cuda.is_available():
-        return False
-    archs = os.environ.get("TORCH_CUDA_ARCH_LIST")
-    return torch.cuda.get_device_capability() == (9, 0) and (archs is None or "9.0a" in archs)
 
 
 pytestmark = [
     requires_cuda_2_4,
     pytest.mark.gpu,
-    pytest.mark.skipif(not _wgmma_device(), reason="needs a CUDA GPU of compute capability 9.0 and an sm_90a build"),
+    pytest.mark.skipif(not wgmma_device(), reason="needs a CUDA GPU of compute capability 9.0 and an sm_90a build"),
 ]
 
 # (K, N): one 128-column tile, two 64-row stages; 3 column tiles, 18 stages (the 5-stage ring wraps

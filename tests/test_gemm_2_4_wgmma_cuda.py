@@ -25,23 +25,16 @@ import pytest
 import torch
 
 import marlin
-from conftest import poison_allocator, rel_err, requires_cuda_2_4
+from conftest import poison_allocator, rel_err, requires_cuda_2_4, wgmma_device
 from gemm_2_4_helpers import assert_graph_replays, assert_repeats_bit_identical, get_layer
 
 
-def _wgmma_device() -> bool:
-    """A compute capability 9.0 device, and a build that has the sm_90a kernels (setup.py builds
-    them unless TORCH_CUDA_ARCH_LIST leaves out 9.0a)."""
-    if not torch.cuda.is_available():
-        return False
-    archs = os.environ.get("TORCH_CUDA_ARCH_LIST")
-    return torch.cuda.get_device_capability() == (9, 0) and (archs is None or "9.0a" in archs)
 
 
 pytestmark = [
     requires_cuda_2_4,
     pytest.mark.gpu,
-    pytest.mark.skipif(not _wgmma_device(), reason="needs a CUDA GPU of compute capability 9.0 and an sm_90a build"),
+    pytest.mark.skipif(not wgmma_device(), reason="needs a CUDA GPU of compute capability 9.0 and an sm_90a build"),
 ]
 
 M_VALUES = [9, 16, 17, 33, 64, 100, 128]  # the dense suite's classes from 9 rows on

@@ -17,7 +17,7 @@ import torch
 
 import marlin
 from marlin import packing
-from conftest import fp32_matmul, poison_allocator, rel_err, requires_cuda
+from conftest import fp32_matmul, poison_allocator, rel_err, requires_cuda, wgmma_device
 
 pytestmark = [requires_cuda, pytest.mark.gpu]
 
@@ -246,7 +246,7 @@ def test_wgmma_slices_above_64_rows(rows):
     """Above 64 rows the wgmma variant (H100/H200) runs slices of 64 or 128 rows (the planner
     picks per shape); the shape and instance tests with each forced (MARLIN_WG_SLICE), the plan
     log shows which ran."""
-    if not _wgmma_device():
+    if not wgmma_device():
         pytest.skip("the wgmma variant runs on compute capability 9.0 only")
     select = "test_small_shapes or test_every_small_batch_instance or test_llama_shapes"
     _, log = _pytest_subprocess({"MARLIN_WG_SLICE": rows, "MARLIN_LOG_PLAN": "1"}, select)
@@ -263,7 +263,7 @@ def test_default_wgmma_slices_follow_the_columns():
     columns: 3 parts of 64), 7B qkv (48: 2 of 32) and 70B down (32: 4 of 224) take 128 rows. 7B down
     (16 columns: 8 parts of 86) takes 128 rows too, because its 64-row columns end through global
     memory while its 128-row ones reduce in clusters."""
-    if not _wgmma_device() or torch.cuda.get_device_properties(0).multi_processor_count != 132:
+    if not wgmma_device() or torch.cuda.get_device_properties(0).multi_processor_count != 132:
         pytest.skip("the rule's example needs a 132-SM compute capability 9.0 device")
     _, log = _pytest_subprocess(
         {"MARLIN_LOG_PLAN": "1"}, "test_llama_shapes and (70B_o or 70B_qkv or 7B_qkv or 70B_down or 7B_down)"
@@ -275,13 +275,6 @@ def test_default_wgmma_slices_follow_the_columns():
     assert found == expected, found
 
 
-def _wgmma_device():
-    """A compute capability 9.0 device, and a build that has the sm_90a kernels (setup.py builds
-    them unless TORCH_CUDA_ARCH_LIST leaves out 9.0a)."""
-    import os
-
-    archs = os.environ.get("TORCH_CUDA_ARCH_LIST")
-    return torch.cuda.get_device_capability() == (9, 0) and (archs is None or "9.0a" in archs)
 
 
 def test_default_plan_splits_columns_in_equal_parts():
@@ -493,7 +486,7 @@ def test_small_layers_take_the_128_column_tile():
     fewer, nor deeper than K = 16384; MARLIN_WG_TILE_N=256 keeps the 256-column tile. Every call
     checked against fp64 (also with the 128-column tile forced wherever it can run, in 64- and
     128-row slices)."""
-    if not _wgmma_device():
+    if not wgmma_device():
         pytest.skip("the wgmma variant runs on compute capability 9.0 only")
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     shapes = [(4096, 4096), (2048, 4096), (11008, 4096), (4096, 12288), (28672, 8192)]

@@ -20,7 +20,7 @@ import torch
 
 import marlin
 from marlin import packing
-from conftest import poison_allocator, rel_err, requires_cuda
+from conftest import poison_allocator, rel_err, requires_cuda, wgmma_device
 
 pytestmark = [requires_cuda, pytest.mark.gpu]
 
@@ -229,7 +229,7 @@ def test_default_plans_use_both_kernels():
     kernels = set(re.findall(r"^marlin\.gemm plan: .* kernel=(\w+)", r.stderr, re.M))
     # on H100/H200 the wgmma variant takes these formats above 64 rows as it does fp16 g128, and
     # the prefill kernel 4096 x 4096 at 1000 rows (128 tiles of 128 x 256 on 132 SMs)
-    assert kernels == {"small_m", "tiled"} | ({"small_m_wgmma", "prefill_wgmma"} if _wgmma_device() else set()), kernels
+    assert kernels == {"small_m", "tiled"} | ({"small_m_wgmma", "prefill_wgmma"} if wgmma_device() else set()), kernels
 
 
 @pytest.mark.parametrize("zp_sums", ["1", "0"])
@@ -259,13 +259,6 @@ def test_zero_point_group_sums_plans(zp_sums):
         assert sums == (zp_sums == "1" and line in small), line
 
 
-def _wgmma_device():
-    """A compute capability 9.0 device, and a build that has the sm_90a kernels (setup.py builds
-    them unless TORCH_CUDA_ARCH_LIST leaves out 9.0a)."""
-    import os
-
-    archs = os.environ.get("TORCH_CUDA_ARCH_LIST")
-    return torch.cuda.get_device_capability() == (9, 0) and (archs is None or "9.0a" in archs)
 
 
 # The wgmma variant of the small-batch kernel (H100/H200) on every format it runs (all but
@@ -305,7 +298,7 @@ def test_plans_of_the_wgmma_format_tests(rows):
     import subprocess
     import sys
 
-    if not _wgmma_device():
+    if not wgmma_device():
         pytest.skip("the wgmma variant runs on compute capability 9.0 only")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ, MARLIN_LOG_PLAN="1", MARLIN_WG_SLICE=rows)
@@ -362,7 +355,7 @@ def test_plans_of_the_partial_tile_test():
     assert r.returncode == 0 and re.search(rf"\b{n_tests} passed", r.stdout), r.stdout[-3000:] + r.stderr[-3000:]
     plans = re.findall(r"^marlin\.gemm plan: m=(\d+) n=(\d+) .* bits=(\d) .* m_blocks=(\d+) kernel=(\w+) ", r.stderr, re.M)
     assert len(plans) == n_tests * len(PARTIAL_M), (len(plans), r.stderr[-3000:])
-    wg = _wgmma_device()
+    wg = wgmma_device()
     for m, n, bits, m_blocks, kernel in plans:
         m = int(m)
         # 8-bit weights take the wgmma variant from one row on (the planner's rule)

@@ -12,8 +12,8 @@ import torch
 
 import marlin
 from marlin import packing
-from conftest import requires_cuda
-from test_gemm_cuda import _pytest_subprocess, _wgmma_device, check, get_layer
+from conftest import requires_cuda, wgmma_device
+from test_gemm_cuda import _pytest_subprocess, check, get_layer
 import test_gemm_cuda_formats as formats
 
 pytestmark = [requires_cuda, pytest.mark.gpu]
@@ -92,7 +92,7 @@ def _prefill_plans(log):
 
 def test_forced_prefill_runs_every_case():
     """MARLIN_PREFILL=1: every case above (and the graph and workspace tests) on the prefill kernel."""
-    if not _wgmma_device():
+    if not wgmma_device():
         pytest.skip("the prefill kernel runs on compute capability 9.0 with an sm_90a build only")
     path = "tests/test_gemm_cuda_prefill.py"
     _, log = _pytest_subprocess({"MARLIN_PREFILL": "1", "MARLIN_LOG_PLAN": "1"}, "not forced and not default", path)
@@ -104,7 +104,7 @@ def test_forced_prefill_runs_every_case():
 def test_default_rule():
     """By default: the prefill kernel where its tiles fill the device, else the other kernels; and
     never with MARLIN_PREFILL=0."""
-    if not _wgmma_device():
+    if not wgmma_device():
         pytest.skip("the prefill kernel runs on compute capability 9.0 with an sm_90a build only")
     import os
     import subprocess
