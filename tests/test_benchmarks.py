@@ -154,7 +154,7 @@ def _points(speedup_fn, shapes=S.DEFAULT_SHAPES, ms=S.DEFAULT_MS, kernels=BM.KER
 def _good(kern, shape, m):
     if kern == "torch_int4":
         return 2.0 if m <= 16 else 0.5
-    return 3.6 if m <= 16 else 3.2 if m == 32 else 2.5 if m == 64 else 1.6 if m == 128 else 0.9
+    return 3.6 if m <= 16 else 3.2 if m == 32 else 2.5 if m == 64 else 1.6 if m == 128 else 0.95
 
 
 def test_targets_pass_and_fail():
@@ -176,6 +176,14 @@ def test_targets_pass_and_fail():
 
     res = {r["target"]: r for r in BM.evaluate_targets(_points(slow_big))}
     assert res["all 7B/70B/ideal layers, M>=256: every point"]["passed"] is False
+    assert res["all 7B/70B/ideal layers, M>=256: every point within 10% of FP16"]["passed"] is False
+
+    def near_fp16(kern, shape, m):  # above the 0.6 floor, below the prefill issue's 0.9
+        return 0.85 if m >= 256 else _good(kern, shape, m)
+
+    res = {r["target"]: r for r in BM.evaluate_targets(_points(near_fp16))}
+    assert res["all 7B/70B/ideal layers, M>=256: every point"]["passed"] is True
+    assert res["all 7B/70B/ideal layers, M>=256: every point within 10% of FP16"]["passed"] is False
 
     # no data: N/A, not a pass
     res = BM.evaluate_targets(_points(_good, shapes=("7B_o",), ms=(1,)))
