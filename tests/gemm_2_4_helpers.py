@@ -82,3 +82,8 @@ def assert_repeats_bit_identical(layer: Layer24, m: int) -> None:
     ws = marlin.make_workspace()
     assert torch.equal(marlin.gemm_2_4(a, layer.b_q, layer.b_meta, layer.b_s, ws, layer.b_z), c)
     assert int(ws.abs().sum()) == 0
+
+
+def plan_lines(capfd) -> list[str]:
+    """The 2:4 op's plan lines (MARLIN_LOG_PLAN=1) printed since capfd was last read."""
+    return [line for line in capfd.readouterr().err.splitlines() if line.startswith("marlin.gemm_2_4 plan:")]

@@ -18,7 +18,7 @@ import torch
 
 import marlin
 from conftest import poison_allocator, rel_err, requires_cuda_2_4, wgmma_device
-from gemm_2_4_helpers import assert_graph_replays, get_layer
+from gemm_2_4_helpers import assert_graph_replays, get_layer, plan_lines
 
 
 
@@ -45,17 +45,14 @@ def prefill_on(monkeypatch):
     return monkeypatch
 
 
-def _plans(capfd):
-    return [line for line in capfd.readouterr().err.splitlines() if line.startswith("marlin.gemm_2_4 plan:")]
-
 
 def _check(layer, m, capfd):
     a = torch.randn(m, layer.k, device="cuda", dtype=layer.dtype)
     ptr = poison_allocator(m * layer.n)
-    _plans(capfd)
+    plan_lines(capfd)
     c = marlin.gemm_2_4(a, layer.b_q, layer.b_meta, layer.b_s, b_zeros=layer.b_z)
     torch.cuda.synchronize()
-    lines = _plans(capfd)
+    lines = plan_lines(capfd)
     assert len(lines) == 1 and " kernel=prefill_wgmma " in lines[0], lines
     assert c.data_ptr() == ptr, "output did not land in the poisoned block; the NaN check would be void"
     ref = a.double() @ layer.w64

@@ -26,7 +26,7 @@ import torch
 
 import marlin
 from conftest import poison_allocator, rel_err, requires_cuda_2_4, wgmma_device
-from gemm_2_4_helpers import assert_graph_replays, assert_repeats_bit_identical, get_layer
+from gemm_2_4_helpers import assert_graph_replays, assert_repeats_bit_identical, get_layer, plan_lines
 
 
 
@@ -106,9 +106,6 @@ def wgmma_on(monkeypatch):
     monkeypatch.setenv("MARLIN_LOG_PLAN", "1")
     return monkeypatch
 
-
-def plan_lines(capfd):
-    return [line for line in capfd.readouterr().err.splitlines() if line.startswith("marlin.gemm_2_4 plan:")]
 
 
 def check(layer, m, capfd, wgmma=2):
