@@ -95,9 +95,10 @@ def test_prefill_2_4_graph(prefill_on):
 
 
 def test_default_rule_2_4():
-    """By default the 2:4 op takes the prefill kernel where the dense rule would (4096 x 12288: 96
-    column tiles, at 1024 rows 384 tiles), not at 128 rows, never with MARLIN_PREFILL=0, and per
-    column zero points never."""
+    """By default the 2:4 op takes the prefill kernel where its tiles fill the SMs (4096 x 12288: 96
+    column tiles, at 1024 rows 384 tiles), down to a lower fill than the dense rule's (8192 x 10240
+    at 256 rows: 80 tiles, 0.61 of 132 SMs, where dense keeps its wgmma variant), not at 128 rows,
+    never with MARLIN_PREFILL=0, and per column zero points never."""
     script = (
         "import torch, marlin\n"
         "from marlin import sparse\n"
@@ -107,13 +108,18 @@ def test_default_rule_2_4():
         "    marlin.gemm_2_4(torch.randn(m, 4096, device='cuda', dtype=torch.float16), b_q, b_meta, b_s)\n"
         "b_q, b_meta, b_s, b_z = sparse.quantize_and_pack_2_4(w, -1, sym=False)\n"
         "marlin.gemm_2_4(torch.randn(1024, 4096, device='cuda', dtype=torch.float16), b_q, b_meta, b_s, b_zeros=b_z)\n"
+        "w = sparse.prune_2_4(torch.randn(8192, 10240, device='cuda'))\n"
+        "b_q, b_meta, b_s = sparse.quantize_and_pack_2_4(w, 128)[:3]\n"
+        "marlin.gemm_2_4(torch.randn(256, 8192, device='cuda', dtype=torch.float16), b_q, b_meta, b_s)\n"
         "torch.cuda.synchronize()\n"
     )
-    for knob, expect in (("-1", ["1024"]), ("0", [])):
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    fills = 80 >= 0.5 * sms  # 80 tiles in one round: 0.61 of an H100's or H200's 132 SMs
+    for knob, expect in (("-1", ["1024"] + (["256"] if fills else [])), ("0", [])):
         env = {k: v for k, v in os.environ.items() if not k.startswith("MARLIN_")}
         env.update(MARLIN_LOG_PLAN="1", MARLIN_PREFILL=knob)
         r = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
         assert r.returncode == 0, r.stderr[-2000:]
         lines = [l for l in r.stderr.splitlines() if l.startswith("marlin.gemm_2_4 plan:")]
         got = [l.split()[2].split("=")[1] for l in lines if " kernel=prefill_wgmma " in l]
-        assert len(lines) == 3 and got == expect, (knob, lines)
+        assert len(lines) == 4 and got == expect, (knob, lines)

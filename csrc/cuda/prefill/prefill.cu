@@ -18,12 +18,11 @@ static_assert(PrefillShape<>::kTileN == kPrefillTileN && PrefillShape<>::kTileM 
 int prefill_smem_bytes(int bits) { return bits == 8 ? PrefillShape<8>::kSmemBytes : PrefillShape<4>::kSmemBytes; }
 
 constexpr long long kPrefillMinRows = 256;
-constexpr double kPrefillMinFill = 0.64;
 
-bool prefill_pays(long long m, long long n, int sms) {
+bool prefill_pays(long long m, long long n, int sms, double min_fill) {
   const long long tiles = (m + kPrefillTileM - 1) / kPrefillTileM * (n / kPrefillTileN);
   const long long rounds = (tiles + sms - 1) / sms;
-  return m >= kPrefillMinRows && static_cast<double>(tiles) >= kPrefillMinFill * static_cast<double>(rounds * sms);
+  return m >= kPrefillMinRows && static_cast<double>(tiles) >= min_fill * static_cast<double>(rounds * sms);
 }
 
 template <bool BF16, int W, bool GROUPED>

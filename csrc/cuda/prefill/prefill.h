@@ -22,9 +22,14 @@ int prefill_24_smem_bytes();       // the 2:4 instances'
 // 256-4096): faster (1.12-1.44x) at every point with a fill of 0.65 or more, even (0.94-1.01x) at
 // 0.61 (70B qkv at 256 and 512 rows), slower at 0.48 and below (0.49-0.81x: 32 or 64 column tiles
 // at 256 and 512 rows); on the 135168-deep ideal layer 1.10-1.28x at 256-4096 rows. From 256
-// rows: at 128 a 256-row tile is half empty and the decode kernels are far ahead. The 2:4
-// instances take the same rule.
-bool prefill_pays(long long m, long long n, int sms);
+// rows: at 128 a 256-row tile is half empty and the decode kernels are far ahead.
+// min_fill: 0.64 for the dense kernels' alternative (the wgmma variant); the 2:4 planner passes
+// kPrefill24MinFill, since its own alternative is slower (NOTES.md, 2:4 on the prefill kernel:
+// at a fill of 0.61, 70B qkv at 256 and 512 rows, the prefill kernel was 1.8x the older 2:4
+// path; at 0.48 even; at 0.24 slower).
+constexpr double kPrefillMinFill = 0.64;
+constexpr double kPrefill24MinFill = 0.5;
+bool prefill_pays(long long m, long long n, int sms, double min_fill = kPrefillMinFill);
 
 // BF16: bf16 activations, scales and output (else fp16). W: the weight type (dequant.cuh's WType:
 // kU4, kU4Zp with zero points per group, GROUPED only, or kU8). GROUPED: scales in groups of 32, 64

@@ -58,8 +58,8 @@ int strip_shift(const Args24& args) {
 // where 1-2 were faster (H100, forced parts: 70B gate_up M = 32 / 64 / 128 7 parts 137 / 209 /
 // 478 us, 2 parts 105 / 156 / 315; 7B qkv M = 32 8 parts 22.2, 4 parts 17.5; 70B o M = 32 / 64
 // 7 parts (one wave) 20.5 / 28.8, 4 parts 29.4 / 41.4, 8 (two waves of clusters) 30.6 / 42.7).
-// The prefill kernel's 2:4 instances (sm_90a) from 256 rows, by the dense kernel's rule
-// (prefill_pays): the same 128 x 256 tiles, persistent blocks, the sparse wgmma with its A operand
+// The prefill kernel's 2:4 instances (sm_90a) from 256 rows, by the dense kernel's rule with a
+// lower fill (prefill_pays, kPrefill24MinFill): the same 128 x 256 tiles, persistent blocks, the sparse wgmma with its A operand
 // (the compressed values) from registers. Every format but per-column zero points; not under the
 // knobs that force a plan of the kernel below (they measure that kernel).
 bool prefill_fits(const Args24& args) {
@@ -69,7 +69,7 @@ bool prefill_fits(const Args24& args) {
     return false;
   if (args.n % kPrefillTileN != 0 || args.k % kPrefillTileK != 0 || (args.z != nullptr && args.groups == 1)) return false;
   if (prefill_24_smem_bytes() > args.max_smem) return false;
-  return args.prefill == 1 || prefill_pays(args.m, args.n, args.sms);
+  return args.prefill == 1 || prefill_pays(args.m, args.n, args.sms, kPrefill24MinFill);
 }
 
 std::string plan_24(const Args24& args, Plan24* plan) {
