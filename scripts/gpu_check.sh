@@ -24,7 +24,7 @@ for step in $steps; do
     sanitize)
       # the base cases, the other formats' instances, the prefill kernel's and the 128-column tile's
       # (scripts/sanitize.py)
-      for mode in base formats prefill narrow; do
+      for mode in base formats prefill prefill-split narrow; do
         flag=$([ $mode = base ] || echo "--$mode")
         for tool in memcheck racecheck synccheck initcheck; do
           log="$OUT/sanitize-$mode-$tool.log"

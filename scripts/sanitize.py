@@ -1,9 +1,10 @@
 """A small-batch and a large-batch gemm for compute-sanitizer (memcheck, racecheck, ...).
 
-    compute-sanitizer --tool memcheck python scripts/sanitize.py [--formats | --prefill | --narrow]
+    compute-sanitizer --tool memcheck python scripts/sanitize.py [--formats | --prefill | --prefill-split | --narrow]
 Checks the results too, so a run that is clean but wrong still fails. --formats runs only the
 instances of the other weight formats (bf16, zero points, groups 32/64, 8-bit, partial N tiles);
---prefill only the prefill kernel (H100/H200, sm_90a build), one case per instance; --narrow only
+--prefill only the prefill kernel (H100/H200, sm_90a build), one case per instance (--prefill-split:
+the same with K in three parts, MARLIN_PREFILL_SPLIT=3); --narrow only
 the wgmma variant's 128-column tile (H100/H200).
 """
 
@@ -158,8 +159,10 @@ def main():
     os.environ.setdefault("MARLIN_WG_TILE_N", "128" if "--narrow" in sys.argv[1:] else "256")
     torch.manual_seed(0)
     ok = True
-    if "--prefill" in sys.argv[1:]:
+    if "--prefill" in sys.argv[1:] or "--prefill-split" in sys.argv[1:]:
         os.environ["MARLIN_PREFILL"] = "1"  # read at the first call
+        if "--prefill-split" in sys.argv[1:]:
+            os.environ["MARLIN_PREFILL_SPLIT"] = "3"  # K in three parts, partials and lock counters
         for m, k, n, fmt in PREFILL_CASES:
             ok &= run_format_case(m, k, n, fmt, None)
         for case in PREFILL_24_CASES:

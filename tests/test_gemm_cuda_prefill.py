@@ -101,6 +101,22 @@ def test_forced_prefill_runs_every_case():
     assert len(plans) > 50 and not [m for m in other if int(m) > 64], (len(plans), other[:5], log[-2000:])
 
 
+def test_split_k_runs_every_case():
+    """MARLIN_PREFILL=1 MARLIN_PREFILL_SPLIT=3 (a probe knob): the shape, format and graph cases
+    above with K in three parts (two where K has two 64-row stages), the parts' fp32 partials added
+    by each tile's last unit; layers with more tiles than the lock counters (2 per SM) stay whole.
+    Every case passes its bound and repeats bit for bit (the sum is in part order whichever unit
+    arrives last)."""
+    if not wgmma_device():
+        pytest.skip("the prefill kernel runs on compute capability 9.0 with an sm_90a build only")
+    path = "tests/test_gemm_cuda_prefill.py"
+    env = {"MARLIN_PREFILL": "1", "MARLIN_PREFILL_SPLIT": "3", "MARLIN_LOG_PLAN": "1"}
+    _, log = _pytest_subprocess(env, "test_prefill_shapes or test_prefill_formats or graph", path)
+    lines = [l for l in log.splitlines() if l.startswith("marlin.gemm plan:") and " kernel=prefill_wgmma " in l]
+    parts = [int(re.search(r" split_parts=(\d+)", l)[1]) for l in lines]
+    assert parts.count(3) > 50 and set(parts) <= {1, 2, 3}, (len(parts), sorted(set(parts)), log[-2000:])
+
+
 def test_default_rule():
     """By default: the prefill kernel where its tiles fill the device, else the other kernels; and
     never with MARLIN_PREFILL=0."""

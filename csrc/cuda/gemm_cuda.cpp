@@ -44,6 +44,7 @@ struct Knobs {
                               // (128 wherever it can run; 256: never the 128-column one)
   int prefill;                // MARLIN_PREFILL=0 keeps large batches off the prefill kernel; 1 runs it
                               // wherever it can above 64 rows (default -1: the planner's rule)
+  int prefill_split;          // MARLIN_PREFILL_SPLIT=P: the prefill kernel splits K in P parts (probes)
   bool log_plan;              // MARLIN_LOG_PLAN=1 prints each call's plan (kernel, tile, partition) to stderr
 };
 
@@ -60,6 +61,7 @@ const Knobs& knobs() {
                        env_int("MARLIN_SPLIT_PARTS", 0),
                        env_int("MARLIN_WG_TILE_N", 0),
                        env_int("MARLIN_PREFILL", -1),
+                       env_int("MARLIN_PREFILL_SPLIT", 0),
                        env_int("MARLIN_LOG_PLAN", 0) == 1};
   return k;
 }
@@ -120,6 +122,7 @@ at::Tensor gemm_cuda(const at::Tensor& a, const at::Tensor& b_q, const at::Tenso
   args.zp_sums = knobs().zp_sums;
   args.small_layer_clusters = knobs().small_layer_clusters;
   args.prefill = knobs().prefill;
+  args.prefill_split = knobs().prefill_split;
   TORCH_CHECK(reinterpret_cast<uintptr_t>(args.b_q) % 16 == 0 && reinterpret_cast<uintptr_t>(args.scales) % 16 == 0 &&
                   reinterpret_cast<uintptr_t>(args.zeros) % 16 == 0,
               "marlin.gemm: b_q, b_scales and b_zeros must be 16-byte aligned (got a view with an offset?)");

@@ -496,14 +496,20 @@ void plan_prefill(const GemmArgs& args, const Format& f, GemmPlan* plan) {
   plan->m_slices = (args.m + kPrefillTileM - 1) / kPrefillTileM;
   plan->blocks_per_sm = 1;
   // persistent: at most one block per SM, each taking every grid-th tile
-  plan->grid = static_cast<int>(std::min<long long>(static_cast<long long>(plan->m_slices) * (args.n / kPrefillTileN), args.sms));
-  plan->tiles_per_block = args.k / kPrefillTileK;
+  // K in parts (MARLIN_PREFILL_SPLIT, for probes): each (tile, part) a unit of work, the parts'
+  // fp32 partials added by the tile's last unit to arrive (one lock counter per tile)
+  const long long tiles = static_cast<long long>(plan->m_slices) * (args.n / kPrefillTileN);
+  const int k_tiles = args.k / kPrefillTileK;
+  int parts = std::max(1, std::min(args.prefill_split, k_tiles));
+  if (tiles > max_locks(args.sms)) parts = 1;
+  plan->grid = static_cast<int>(std::min<long long>(tiles * parts, args.sms));
+  plan->tiles_per_block = k_tiles;
   plan->smem_bytes = prefill_smem_bytes(args.bits);
-  plan->split_parts = 0;
+  plan->split_parts = parts;
   plan->cluster_reduce = false;
-  plan->needs_partial = false;
-  plan->partial_floats = 0;
-  plan->locks = 0;
+  plan->needs_partial = parts > 1;
+  plan->partial_floats = parts > 1 ? static_cast<std::size_t>(tiles) * parts * kPrefillTileN * kPrefillTileM : 0;
+  plan->locks = parts > 1 ? static_cast<int>(tiles) : 0;
   // one instance per element type, weight type and scale kind (the group size is a run-time shift)
   constexpr LaunchFn kInstances[2][3][2] = {
       {{&launch_prefill<false, kU4, false>, &launch_prefill<false, kU4, true>},

@@ -64,6 +64,7 @@ struct GemmArgs {
   // The warp-specialized prefill kernel (prefill/prefill_kernel.cuh; sm_90a, fp16 group 128 or per
   // column): -1 the planner's rule, 0 never, 1 wherever it can run above 64 rows (probes, tests).
   int prefill = -1;
+  int prefill_split = 0;  // > 0: the prefill kernel's K split in this many parts (MARLIN_PREFILL_SPLIT; probes)
 };
 
 // What plan() decided: printed in errors and benchmarks.

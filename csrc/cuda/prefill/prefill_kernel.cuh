@@ -82,7 +82,7 @@ struct PrefillShape {
   // the epilogue's staging, one buffer per consumer warpgroup: [128 m][64 n] of T (half a tile's
   // rows at a time), 128-byte rows, swizzled
   static constexpr int kEpiBytes = 128 * 64 * 2;
-  static constexpr int kBarrierBytes = 2 * kStages * 8;  // full[] and empty[] mbarriers
+  static constexpr int kBarrierBytes = 2 * kStages * 8 + 16;  // full[] and empty[] mbarriers, the split's flag
   static constexpr int kSmemBytes = kStages * kStageBytes + 2 * kEpiBytes + kBarrierBytes + 1024;  // + alignment slack
   static_assert(kStageBytes % 1024 == 0 && kEpiBytes % 1024 == 0 && kPackedBytes % 1024 == 0,
                 "parts must keep the 1024-byte alignment");
@@ -178,6 +178,11 @@ __global__ void __launch_bounds__(PrefillShape<>::kThreads, 1) marlin_prefill_ke
   const int m_tiles = (p.m + S::kTileM - 1) / S::kTileM;
   const int tiles = m_tiles * (p.n / S::kTileN);
   const int k_tiles = p.k / S::kTileK;
+  // K split (p.split_parts > 1): unit u is part u % parts of tile u / parts, stages
+  // [part * k_tiles / parts, (part + 1) * k_tiles / parts); the tile's last unit to arrive adds
+  // the parts' fp32 partials (p.partial) in part order and stores C
+  const int parts = max(1, p.split_parts);
+  const int units = tiles * parts;
   // log2 of the group size in rows of K (5, 6, 7)
   const int group_log2 = p.group_shift + 4;
 
@@ -201,14 +206,16 @@ __global__ void __launch_bounds__(PrefillShape<>::kThreads, 1) marlin_prefill_ke
     const int group_rows = GROUPED ? max(1, S::kTileK >> group_log2) : 0;
     const int bytes = S::kActBytes + S::kPackedBytes + S::kMetaBytes + group_rows * S::kScaleRowBytes * (ZP ? 2 : 1);
     int it = 0;
-    for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+    for (int unit = blockIdx.x; unit < units; unit += gridDim.x) {
+      const int tile = unit / parts, part = unit % parts;
       const int m0 = (tile % m_tiles) * S::kTileM;
       const int n0 = (tile / m_tiles) * S::kTileN;
       // the block's two 16 x 64 tiles of 4 k16 rows: one box of [4][256 words] (4-bit), or one per
       // tile (8-bit: a box row is at most 256 elements); 2:4: the two chunks' values of 2 strips,
       // a box of [2][256 words], and their metadata, [2][128 words]
       const int wx = 2 * S::kTileWords * (n0 / S::kTileN);
-      for (int kt = 0; kt < k_tiles; kt++, it++) {
+      const int kt_end = (part + 1) * k_tiles / parts;
+      for (int kt = part * k_tiles / parts; kt < kt_end; kt++, it++) {
         const int wy = SPARSE ? 2 * kt : 4 * kt;  // the stage's first row of b_q (and b_meta)
         const int slot = it % S::kStages;
         if (it >= S::kStages) mbar_wait(&empty[slot], (it / S::kStages - 1) & 1);  // both consumers are done with it
@@ -315,25 +322,57 @@ __global__ void __launch_bounds__(PrefillShape<>::kThreads, 1) marlin_prefill_ke
 
   T* cout = reinterpret_cast<T*>(p.c);
   uint8_t* stage_c = epi + cw * S::kEpiBytes;  // [128 m][64 n] of T, rows of 128 bytes, swizzled
+  int* last_flag = reinterpret_cast<int*>(empty + S::kStages);
+  const int ct = tid - 128;  // consumer thread 0..255
   int it = 0;
-  for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+  for (int unit = blockIdx.x; unit < units; unit += gridDim.x) {
+    const int tile = unit / parts, part = unit % parts;
     const int m0 = (tile % m_tiles) * S::kTileM;
     const int n0 = (tile / m_tiles) * S::kTileN;
+    const int n_k = (part + 1) * k_tiles / parts - part * k_tiles / parts;  // stages of this unit, >= 1
 #pragma unroll
     for (int i = 0; i < 128; i++) acc[i] = 0.f;
     mbar_wait(&full[it % S::kStages], (it / S::kStages) & 1);
     dequant_stage(smem + (it % S::kStages) * S::kStageBytes, frag[0], meta[0]);
     int kt = 0;
-    for (; kt + 2 <= k_tiles; kt += 2, it += 2) {
+    for (; kt + 2 <= n_k; kt += 2, it += 2) {
       step(std::integral_constant<int, 0>{}, it, true);
-      step(std::integral_constant<int, 1>{}, it + 1, kt + 2 < k_tiles);
+      step(std::integral_constant<int, 1>{}, it + 1, kt + 2 < n_k);
     }
-    if (kt < k_tiles) {
+    if (kt < n_k) {
       step(std::integral_constant<int, 0>{}, it, false);
       it++;
     }
 #pragma unroll
     for (int i = 0; i < 128; i++) fence_operand(acc[i]);
+
+    if (parts > 1) {
+      // This unit's partial, float4 i of consumer thread ct at [i][ct] (a warp's stores are 512
+      // contiguous bytes), past L1; then the tile's arrival counter. The last to arrive reads
+      // every part's partial, its own included, and adds them in part order: the sum does not
+      // depend on which unit came last.
+      float4* const tile_partial = reinterpret_cast<float4*>(p.partial) + static_cast<long long>(tile) * parts * 8192;
+      float4* const mine = tile_partial + part * 8192;
+#pragma unroll
+      for (int i = 0; i < 32; i++) __stcg(mine + i * 256 + ct, make_float4(acc[4 * i], acc[4 * i + 1], acc[4 * i + 2], acc[4 * i + 3]));
+      named_barrier(3, S::kConsumers);  // every consumer thread's share is stored
+      if (ct == 0) {
+        const int arrived = arrive_acq_rel_gpu(p.locks + tile);  // publishes the shares (release)
+        if (arrived == parts - 1) p.locks[tile] = 0;           // left at zero for the next call
+        *last_flag = arrived;
+      }
+      named_barrier(3, S::kConsumers);  // after thread 0's acquire: the other units' partials are visible
+      if (*last_flag != parts - 1) continue;
+#pragma unroll
+      for (int i = 0; i < 128; i++) acc[i] = 0.f;
+      for (int j = 0; j < parts; j++) {
+#pragma unroll
+        for (int i = 0; i < 32; i++) {
+          const float4 v = __ldcg(tile_partial + j * 8192 + i * 256 + ct);
+          acc[4 * i] += v.x, acc[4 * i + 1] += v.y, acc[4 * i + 2] += v.z, acc[4 * i + 3] += v.w;
+        }
+      }
+    }
 
     // ---------------- epilogue: T through shared memory, then 16-byte stores along N, 128 rows
     // at a time; the producer meanwhile fills the ring with the next tile's first stages
