@@ -91,7 +91,7 @@ FORMAT_CASES = [
 # points in groups of 32 (two group rows per stage), fp16 zero points in groups of 64, bf16 per
 # column, 8-bit bf16 group 128 and fp16 per column; more stages than the ring in all but two; and
 # more tiles than an H100 or H200 has SMs (fp16 per column, 2100 x 192 x 2048: 144 tiles), so that
-# blocks take a second tile
+# blocks take a second tile; and two cases of the default K split
 PREFILL_CASES = [
     (300, 1024, 256, (torch.float16, 4, True, 128)),
     (257, 192, 384, (torch.float16, 4, True, -1)),
@@ -101,6 +101,10 @@ PREFILL_CASES = [
     (300, 512, 256, (torch.bfloat16, 8, True, 128)),  # 8-bit: two boxes per stage, a 4-stage ring
     (257, 192, 384, (torch.float16, 8, True, -1)),
     (2100, 192, 2048, (torch.float16, 4, True, -1)),
+    # the default K split of the last round's tiles (prefill_split): every tile of 4 in 2 parts;
+    # 133 tiles on 132 SMs, the last one in 2 parts
+    (257, 2048, 256, (torch.float16, 4, True, 128)),
+    (1793, 2048, 2432, (torch.bfloat16, 4, True, 128)),
 ]
 
 

@@ -117,6 +117,54 @@ def test_split_k_runs_every_case():
     assert parts.count(3) > 50 and set(parts) <= {1, 2, 3}, (len(parts), sorted(set(parts)), log[-2000:])
 
 
+def _expected_split(m, k, n, sms):
+    """prefill.cu's prefill_split, restated: the last round's tiles in K parts where they fill at
+    most half the SMs."""
+    tiles = (m + 255) // 256 * (n // 128)
+    left = tiles % sms
+    parts = min(4, sms // left, k // 64 // 16) if left and 2 * left <= sms else 1
+    return (parts, tiles - left) if parts > 1 else (1, tiles)
+
+
+def test_default_split_plans():
+    """By default the last round's few tiles are split in K (1, 2 or 4 parts here, on the whole
+    grid or only its tail); each case passes its bound and repeats bit for bit, and the plan log
+    shows the split the rule asks for."""
+    if not wgmma_device():
+        pytest.skip("the prefill kernel runs on compute capability 9.0 with an sm_90a build only")
+    import os
+    import subprocess
+    import sys
+
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    # (M, K, N): 32 tiles (4 parts), 64 tiles of a deep layer (2 parts), 4 rounds and a tail of 16
+    # (4097 x 4096 x 4096 on 132 SMs), one round of full tiles and a tail of one (1793 x 2432)
+    cases = [(256, 4096, 4096), (257, 11008, 4096), (4097, 4096, 4096), (1793, 2048, 2432), (1000, 4096, 4096)]
+    script = (
+        "import sys, torch, marlin\n"
+        "sys.path.insert(0, 'tests')\n"
+        "from test_gemm_cuda import check, get_layer\n"
+        f"for m, k, n in {cases!r}:\n"
+        "    c, a = check(get_layer(k, n, 128), m)\n"
+        "    layer = get_layer(k, n, 128)\n"
+        "    assert torch.equal(c, marlin.gemm(a, layer.b_q, layer.b_s)), (m, k, n)\n"
+        "torch.cuda.synchronize()\n"
+    )
+    env = dict(os.environ, MARLIN_LOG_PLAN="1")
+    env.pop("MARLIN_PREFILL", None), env.pop("MARLIN_PREFILL_SPLIT", None)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    r = subprocess.run([sys.executable, "-c", script], env=env, cwd=root, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    got = {}
+    for line in r.stderr.splitlines():
+        if line.startswith("marlin.gemm plan:") and " kernel=prefill_wgmma " in line:
+            mm = re.search(r"m=(\d+) n=(\d+) k=(\d+) .* split_parts=(\d+) split_first=(\d+)", line)
+            got[tuple(int(x) for x in mm.groups()[:3])] = (int(mm[4]), int(mm[5]))
+    for m, k, n in cases:
+        assert got.get((m, n, k)) == _expected_split(m, k, n, sms), (m, k, n, got)
+    assert {p for p, _ in got.values()} >= {2, 4}, got
+
+
 def test_default_rule():
     """By default: the prefill kernel where its tiles fill the device, else the other kernels; and
     never with MARLIN_PREFILL=0."""

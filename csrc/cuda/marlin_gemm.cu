@@ -484,7 +484,9 @@ bool prefill_format(const Format& f) { return !(f.w == kU4Zp && f.group_mode == 
 bool prefill_fits(const GemmArgs& a, const Format& f) {
   if (!a.wgmma || a.prefill == 0 || !prefill_format(f) || a.m <= kWgSliceRows) return false;
   if (a.n % kPrefillTileN != 0 || a.k % kPrefillTileK != 0 || prefill_smem_bytes(a.bits) > a.max_smem) return false;
-  return a.prefill == 1 || prefill_pays(a.m, a.n, a.sms);
+  if (a.prefill == 1) return true;
+  const long long tiles = static_cast<long long>((a.m + kPrefillTileM - 1) / kPrefillTileM) * (a.n / kPrefillTileN);
+  return prefill_pays(a.m, a.n, a.sms, kPrefillMinFill, prefill_split(tiles, a.k / kPrefillTileK, a.sms, 0).parts);
 }
 
 void plan_prefill(const GemmArgs& args, const Format& f, GemmPlan* plan) {
@@ -495,21 +497,24 @@ void plan_prefill(const GemmArgs& args, const Format& f, GemmPlan* plan) {
   plan->m_blocks = kPrefillTileM / 16;
   plan->m_slices = (args.m + kPrefillTileM - 1) / kPrefillTileM;
   plan->blocks_per_sm = 1;
-  // persistent: at most one block per SM, each taking every grid-th tile
-  // K in parts (MARLIN_PREFILL_SPLIT, for probes): each (tile, part) a unit of work, the parts'
-  // fp32 partials added by the tile's last unit to arrive (one lock counter per tile)
+  // persistent: at most one block per SM, each taking every grid-th unit of work; the last
+  // round's tiles in K parts where few (prefill_split), the parts' fp32 partials added by the
+  // tile's last unit to arrive (one lock counter per split tile)
   const long long tiles = static_cast<long long>(plan->m_slices) * (args.n / kPrefillTileN);
   const int k_tiles = args.k / kPrefillTileK;
-  int parts = std::max(1, std::min(args.prefill_split, k_tiles));
-  if (tiles > max_locks(args.sms)) parts = 1;
-  plan->grid = static_cast<int>(std::min<long long>(tiles * parts, args.sms));
+  PrefillSplit split = prefill_split(tiles, k_tiles, args.sms, args.prefill_split);
+  if (tiles - split.first > max_locks(args.sms)) split = PrefillSplit{};
+  const long long split_tiles = split.parts > 1 ? tiles - split.first : 0;
+  const long long units = split_tiles > 0 ? split.first + split_tiles * split.parts : tiles;
+  plan->grid = static_cast<int>(std::min<long long>(units, args.sms));
   plan->tiles_per_block = k_tiles;
   plan->smem_bytes = prefill_smem_bytes(args.bits);
-  plan->split_parts = parts;
+  plan->split_parts = split.parts;
+  plan->split_first = static_cast<int>(split.parts > 1 ? split.first : tiles);
   plan->cluster_reduce = false;
-  plan->needs_partial = parts > 1;
-  plan->partial_floats = parts > 1 ? static_cast<std::size_t>(tiles) * parts * kPrefillTileN * kPrefillTileM : 0;
-  plan->locks = parts > 1 ? static_cast<int>(tiles) : 0;
+  plan->needs_partial = split.parts > 1;
+  plan->partial_floats = static_cast<std::size_t>(split_tiles) * split.parts * kPrefillTileN * kPrefillTileM;
+  plan->locks = static_cast<int>(split_tiles);
   // one instance per element type, weight type and scale kind (the group size is a run-time shift)
   constexpr LaunchFn kInstances[2][3][2] = {
       {{&launch_prefill<false, kU4, false>, &launch_prefill<false, kU4, true>},
@@ -654,6 +659,7 @@ std::string describe_plan(const GemmArgs& args, const GemmPlan& plan) {
   return describe(args, plan.tile, plan.m_blocks) + " kernel=" + kernel + " m_slices=" + std::to_string(plan.m_slices) +
          " grid=" + std::to_string(plan.grid) + " blocks_per_sm=" + std::to_string(plan.blocks_per_sm) +
          " tiles_per_block=" + std::to_string(plan.tiles_per_block) + " split_parts=" + std::to_string(plan.split_parts) +
+         (plan.prefill ? " split_first=" + std::to_string(plan.split_first) : "") +
          " clusters=" + (plan.cluster_reduce ? "1" : "0") + " global_reduction=" + (plan.needs_partial ? "1" : "0") +
          (plan.zp_sums ? " zp_sums=1" : "");
 }
@@ -675,6 +681,7 @@ std::string launch_gemm(const GemmArgs& args, const GemmPlan& plan, cudaStream_t
   p.tiles_per_block = plan.tiles_per_block;
   p.prefetch = args.pdl;
   p.split_parts = plan.split_parts;
+  p.split_first = plan.split_first;
   p.cluster_reduce = plan.cluster_reduce;
   Format f;
   const std::string bad = format_of(args, &f);

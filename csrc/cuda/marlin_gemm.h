@@ -85,6 +85,7 @@ struct GemmPlan {
   int tiles_per_block = 0;
   int smem_bytes = 0;
   int split_parts = 0;          // small_m: > 0 = each column in this many parts, one block each
+  int split_first = 0;          // prefill: the tiles from this one on are split in split_parts
   bool cluster_reduce = false;  // ... one cluster per column, reduced in distributed shared memory
   bool needs_partial = false;  // some column of tiles is split over blocks, reduced through global memory
   std::size_t partial_floats = 0;

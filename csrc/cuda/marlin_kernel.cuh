@@ -64,6 +64,7 @@ struct KernelParams {
   // parts, one per block; cluster_reduce: the parts of a column are one thread-block cluster
   // (sm_90+) and add their partials through distributed shared memory
   int split_parts;
+  int split_first;  // prefill_kernel.cuh only: its tiles from this one on are split in split_parts
   bool cluster_reduce;
   int group_shift;  // GROUP_BLOCKS == 0: log2 of the group size in k16 blocks (1, 2 or 3)
 };

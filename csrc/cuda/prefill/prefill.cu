@@ -2,6 +2,8 @@
 // points; 8-bit in groups or per column), their tensor maps and their launch.
 #include "prefill.h"
 
+#include <algorithm>
+
 #include "prefill_launch.cuh"
 
 namespace marlin {
@@ -14,10 +16,25 @@ int prefill_smem_bytes(int bits) { return bits == 8 ? PrefillShape<8>::kSmemByte
 
 constexpr long long kPrefillMinRows = 256;
 
-bool prefill_pays(long long m, long long n, int sms, double min_fill) {
+bool prefill_pays(long long m, long long n, int sms, double min_fill, int tail_parts) {
   const long long tiles = (m + kPrefillTileM - 1) / kPrefillTileM * (n / kPrefillTileN);
-  const long long rounds = (tiles + sms - 1) / sms;
-  return m >= kPrefillMinRows && static_cast<double>(tiles) >= min_fill * static_cast<double>(rounds * sms);
+  const double rounds = static_cast<double>(tiles / sms) + (tiles % sms != 0 ? 1.0 / std::max(1, tail_parts) : 0.0);
+  return m >= kPrefillMinRows && static_cast<double>(tiles) >= min_fill * rounds * sms;
+}
+
+PrefillSplit prefill_split(long long tiles, int k_tiles, int sms, int forced_parts) {
+  PrefillSplit split;
+  if (forced_parts > 0) {
+    split.parts = std::max(1, std::min(forced_parts, k_tiles));
+    return split;
+  }
+  const long long left = tiles % sms;  // tiles of the last round (all of them below one round)
+  if (left == 0 || 2 * left > sms) return split;
+  const long long parts = std::min<long long>({kPrefillMaxParts, sms / left, k_tiles / kPrefillMinPartStages});
+  if (parts < 2) return split;
+  split.first = tiles - left;
+  split.parts = static_cast<int>(parts);
+  return split;
 }
 
 template <bool BF16, int W, bool GROUPED>

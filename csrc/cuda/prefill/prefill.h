@@ -15,8 +15,8 @@ int prefill_smem_bytes(int bits);  // bits of the packed weights: 4 or 8
 int prefill_24_smem_bytes();       // the 2:4 instances'
 
 // Whether the kernel pays for an M x N product on `sms` SMs (N a multiple of the tile): from 256
-// rows where its 128 x 256 output tiles keep the SMs busy, tiles / (rounds x SMs) >= 0.64,
-// rounds = ceil(tiles / SMs). A block owns each of its tiles for the whole K (at most one block
+// rows where its 128 x 256 output tiles keep the SMs busy, tiles / (rounds x SMs) >= 0.6,
+// rounds = ceil(tiles / SMs) (a split last round counting 1 / its parts). A block owns each of its tiles for the whole K (at most one block
 // per SM, persistent), so few tiles leave SMs idle. Measured on an H100 against the wgmma variant
 // in one process (benchmarks/NOTES.md, 2026-11-27 (night); probe_prefill, eight layers, M =
 // 256-4096): faster (1.12-1.44x) at every point with a fill of 0.65 or more, even (0.94-1.01x) at
@@ -27,9 +27,28 @@ int prefill_24_smem_bytes();       // the 2:4 instances'
 // kPrefill24MinFill, since its own alternative is slower (NOTES.md, 2:4 on the prefill kernel:
 // at a fill of 0.61, 70B qkv at 256 and 512 rows, the prefill kernel was 1.8x the older 2:4
 // path; at 0.48 even; at 0.24 slower).
-constexpr double kPrefillMinFill = 0.64;
+constexpr double kPrefillMinFill = 0.6;
 constexpr double kPrefill24MinFill = 0.5;
-bool prefill_pays(long long m, long long n, int sms, double min_fill = kPrefillMinFill);
+// tail_parts: the K parts of the last round's tiles (prefill_split), which shorten that round.
+bool prefill_pays(long long m, long long n, int sms, double min_fill = kPrefillMinFill, int tail_parts = 1);
+
+// K split of the dense instances: where the last round of the persistent schedule has at most
+// half the SMs' worth of tiles (every tile, if there is only that round), those tiles run in
+// parts = min(4, SMs / tiles left, stages / 16) units each, one per idle SM, their fp32 partials
+// added by the tile's last unit (prefill_kernel.cuh). Only that round: a split spread over
+// several rounds lost to the partials' traffic. H100 probe (benchmarks/NOTES.md, "K in parts"),
+// against FP16, unsplit -> parts: 7B down at 256 rows (32 tiles) 0.45 -> 1.18x (4 parts), at 512
+// (64) 0.61 -> 0.93x (2), 7B o at 256 0.43 -> 0.83x (4), 70B o / 70B down at 256 (64 tiles)
+// 0.57 / 0.60 -> 0.93 / 1.00x (2); spread over 2-3 rounds instead: 7B o at 512 in 4 parts
+// 0.56x, 70B qkv at 512 in 4 parts 0.63x. forced_parts > 0 (MARLIN_PREFILL_SPLIT; probes):
+// every tile in that many parts; 1: none.
+struct PrefillSplit {
+  long long first = 0;  // the first split tile
+  int parts = 1;        // 1: none
+};
+constexpr int kPrefillMaxParts = 4;
+constexpr int kPrefillMinPartStages = 16;
+PrefillSplit prefill_split(long long tiles, int k_tiles, int sms, int forced_parts);
 
 // BF16: bf16 activations, scales and output (else fp16). W: the weight type (dequant.cuh's WType:
 // kU4, kU4Zp with zero points per group, GROUPED only, or kU8). GROUPED: scales in groups of 32, 64

@@ -178,11 +178,23 @@ __global__ void __launch_bounds__(PrefillShape<>::kThreads, 1) marlin_prefill_ke
   const int m_tiles = (p.m + S::kTileM - 1) / S::kTileM;
   const int tiles = m_tiles * (p.n / S::kTileN);
   const int k_tiles = p.k / S::kTileK;
-  // K split (p.split_parts > 1): unit u is part u % parts of tile u / parts, stages
-  // [part * k_tiles / parts, (part + 1) * k_tiles / parts); the tile's last unit to arrive adds
-  // the parts' fp32 partials (p.partial) in part order and stores C
+  // K split (p.split_parts > 1): the tiles from p.split_first on (the last, partial round of a
+  // persistent schedule, or every tile) in `parts` units each, part j taking stages
+  // [j * k_tiles / parts, (j + 1) * k_tiles / parts); the tile's last unit to arrive adds the
+  // parts' fp32 partials (p.partial) in part order and stores C. Tiles before split_first are
+  // one unit each: unit u < split_first is tile u.
   const int parts = max(1, p.split_parts);
-  const int units = tiles * parts;
+  const int split_first = parts > 1 ? p.split_first : tiles;
+  const int units = split_first + (tiles - split_first) * parts;
+  // unit -> its tile, its part and the tile's parts
+  auto unit_tile = [&](int u, int& tile, int& part) -> int {
+    if (u < split_first) {
+      tile = u, part = 0;
+      return 1;
+    }
+    tile = split_first + (u - split_first) / parts, part = (u - split_first) % parts;
+    return parts;
+  };
   // log2 of the group size in rows of K (5, 6, 7)
   const int group_log2 = p.group_shift + 4;
 
@@ -207,15 +219,16 @@ __global__ void __launch_bounds__(PrefillShape<>::kThreads, 1) marlin_prefill_ke
     const int bytes = S::kActBytes + S::kPackedBytes + S::kMetaBytes + group_rows * S::kScaleRowBytes * (ZP ? 2 : 1);
     int it = 0;
     for (int unit = blockIdx.x; unit < units; unit += gridDim.x) {
-      const int tile = unit / parts, part = unit % parts;
+      int tile, part;
+      const int tile_parts = unit_tile(unit, tile, part);
       const int m0 = (tile % m_tiles) * S::kTileM;
       const int n0 = (tile / m_tiles) * S::kTileN;
       // the block's two 16 x 64 tiles of 4 k16 rows: one box of [4][256 words] (4-bit), or one per
       // tile (8-bit: a box row is at most 256 elements); 2:4: the two chunks' values of 2 strips,
       // a box of [2][256 words], and their metadata, [2][128 words]
       const int wx = 2 * S::kTileWords * (n0 / S::kTileN);
-      const int kt_end = (part + 1) * k_tiles / parts;
-      for (int kt = part * k_tiles / parts; kt < kt_end; kt++, it++) {
+      const int kt_end = (part + 1) * k_tiles / tile_parts;
+      for (int kt = part * k_tiles / tile_parts; kt < kt_end; kt++, it++) {
         const int wy = SPARSE ? 2 * kt : 4 * kt;  // the stage's first row of b_q (and b_meta)
         const int slot = it % S::kStages;
         if (it >= S::kStages) mbar_wait(&empty[slot], (it / S::kStages - 1) & 1);  // both consumers are done with it
@@ -326,10 +339,11 @@ __global__ void __launch_bounds__(PrefillShape<>::kThreads, 1) marlin_prefill_ke
   const int ct = tid - 128;  // consumer thread 0..255
   int it = 0;
   for (int unit = blockIdx.x; unit < units; unit += gridDim.x) {
-    const int tile = unit / parts, part = unit % parts;
+    int tile, part;
+    const int tile_parts = unit_tile(unit, tile, part);
     const int m0 = (tile % m_tiles) * S::kTileM;
     const int n0 = (tile / m_tiles) * S::kTileN;
-    const int n_k = (part + 1) * k_tiles / parts - part * k_tiles / parts;  // stages of this unit, >= 1
+    const int n_k = (part + 1) * k_tiles / tile_parts - part * k_tiles / tile_parts;  // stages of this unit, >= 1
 #pragma unroll
     for (int i = 0; i < 128; i++) acc[i] = 0.f;
     mbar_wait(&full[it % S::kStages], (it / S::kStages) & 1);
@@ -346,19 +360,20 @@ __global__ void __launch_bounds__(PrefillShape<>::kThreads, 1) marlin_prefill_ke
 #pragma unroll
     for (int i = 0; i < 128; i++) fence_operand(acc[i]);
 
-    if (parts > 1) {
+    if (tile_parts > 1) {
       // This unit's partial, float4 i of consumer thread ct at [i][ct] (a warp's stores are 512
       // contiguous bytes), past L1; then the tile's arrival counter. The last to arrive reads
       // every part's partial, its own included, and adds them in part order: the sum does not
       // depend on which unit came last.
-      float4* const tile_partial = reinterpret_cast<float4*>(p.partial) + static_cast<long long>(tile) * parts * 8192;
+      const int split_tile = tile - split_first;  // its partials' slots and its lock counter
+      float4* const tile_partial = reinterpret_cast<float4*>(p.partial) + static_cast<long long>(split_tile) * parts * 8192;
       float4* const mine = tile_partial + part * 8192;
 #pragma unroll
       for (int i = 0; i < 32; i++) __stcg(mine + i * 256 + ct, make_float4(acc[4 * i], acc[4 * i + 1], acc[4 * i + 2], acc[4 * i + 3]));
       named_barrier(3, S::kConsumers);  // every consumer thread's share is stored
       if (ct == 0) {
-        const int arrived = arrive_acq_rel_gpu(p.locks + tile);  // publishes the shares (release)
-        if (arrived == parts - 1) p.locks[tile] = 0;           // left at zero for the next call
+        const int arrived = arrive_acq_rel_gpu(p.locks + split_tile);  // publishes the shares (release)
+        if (arrived == parts - 1) p.locks[split_tile] = 0;           // left at zero for the next call
         *last_flag = arrived;
       }
       named_barrier(3, S::kConsumers);  // after thread 0's acquire: the other units' partials are visible
