@@ -424,7 +424,9 @@ def main(argv=None) -> int:
     p.add_argument("results", nargs="*", help="results JSON files (default: benchmarks/results/*.json)")
     p.add_argument("--outdir", help="where to write (default: benchmarks/results/)")
     args = p.parse_args(argv)
-    paths = [Path(x) for x in args.results] or sorted(BM.RESULTS_DIR.glob("*.json"))
+    # by default every GEMM, whole-model and serving result; the accuracy files are benchmarks/accuracy.py's
+    paths = [Path(x) for x in args.results] or sorted(
+        f for f in BM.RESULTS_DIR.glob("*.json") if not f.name.startswith("accuracy-"))
     if not paths:
         print(f"no results files given and none in {BM.RESULTS_DIR}", file=sys.stderr)
         return 1
