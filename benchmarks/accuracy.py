@@ -25,6 +25,11 @@ labels it. With 2:4, rtn is magnitude pruning then round to nearest (MarlinLinea
 ``--any-shape`` also quantizes layers whose shapes the kernel refuses (the method's accuracy on a
 model the kernel cannot run, e.g. 2:4 on SmolLM2's layers of 576 inputs); such points say so.
 
+``--rotate`` rotates the residual stream (and each value head) of the full-precision model by an
+orthogonal matrix folded into the weights before rtn or GPTQ (marlin.quantize.rotate); its
+points say ``"rotate": true`` and the table labels them "rotated"; the rotation's seconds count
+in ``seconds_quantize``.
+
 Evaluation runs on the CPU in float32 with the dequantized weights in the model's Linear layers
 (exactly the weights the checkpoint stores); ``--kernel-check N`` also writes the gptq_variant
 checkpoint, loads it with marlin.load_quantized (MarlinLinear, fp16, the CPU reference op) and
@@ -59,6 +64,7 @@ from marlin.convert.staging import replace_file  # noqa: E402
 from marlin.quantize.calib import CalibrationSpec, draw_samples  # noqa: E402
 from marlin.quantize.evaluate import perplexity  # noqa: E402
 from marlin.quantize.gptq import resolve_clip_objective, rtn_quantize  # noqa: E402
+from marlin.quantize.rotate import rotate_model  # noqa: E402
 from marlin.quantize.runner import QuantizeConfig, find_blocks, quantize_model  # noqa: E402
 from marlin.sparse import check_shape_2_4  # noqa: E402
 
@@ -201,10 +207,10 @@ def _seed(point: dict):
 
 
 def _key(point: dict) -> tuple:
-    """Points differ by method, group size, weight format and, for GPTQ, act-order, sample count,
-    calibration seed and the GPTQ settings."""
+    """Points differ by method, group size, weight format, rotation and, for GPTQ, act-order, sample
+    count, calibration seed and the GPTQ settings."""
     return (point["method"], point["group_size"], point.get("act_order", False), point.get("nsamples"), _format(point),
-            _gptq_settings(point), _seed(point))
+            _gptq_settings(point), _seed(point), point.get("rotate", False))
 
 
 def merge_point(points: list, point: dict) -> list:
@@ -222,6 +228,8 @@ def _label(point: dict, main_nsamples, main_gptq: tuple = (), main_seed: int = 0
         extra.append("asym")
     if any_shape:
         extra.append("incl. shapes the kernel refuses")
+    if point.get("rotate"):
+        extra.append("rotated")
     if point.get("act_order"):
         extra.append("act-order")
     if point["method"] in GPTQ_VARIANTS and _gptq_settings(point) != main_gptq:
@@ -330,6 +338,8 @@ def main(argv=None) -> int:
     p.add_argument("--asym", action="store_true", help="4-bit weights with zero points")
     p.add_argument("--sparsity", choices=["2:4"], default=None, help="2:4 joint pruning (rtn: magnitude pruning)")
     p.add_argument("--any-shape", action="store_true", help="also quantize layers whose shapes the kernel refuses")
+    p.add_argument("--rotate", action="store_true", help="rotate the residual stream and value heads (folded into "
+                   "the weights, marlin.quantize.rotate) before rtn or GPTQ")
     p.add_argument("--context", type=int, default=512)
     p.add_argument("--eval-tokens", type=int, default=16384, help="first N tokens of the held-out plays")
     p.add_argument("--kernel-check", type=int, default=0, metavar="N", help="also run the gptq_variant checkpoint "
@@ -404,10 +414,14 @@ def main(argv=None) -> int:
             point = {"method": method, "group_size": group_size}
             if method != "fp16":
                 point.update(fmt_fields)
+                if args.rotate:
+                    point["rotate"] = True
             # each point says which code and libraries made it (a file gathers runs of several days)
             point.update(git_revision=prov["revision"], csrc_tree=prov["csrc_tree"], torch=torch.__version__,
                          transformers=transformers_version())
             t0 = time.perf_counter()
+            if args.rotate and method != "fp16":
+                rotate_model(net)
             if method == "rtn":
                 done, kept = apply_rtn(net, group_size, fmt, args.any_shape)
                 point.update(layers_quantized=done, layers_kept=len(kept))
@@ -446,7 +460,8 @@ def main(argv=None) -> int:
             point["seconds_eval"] = round(time.perf_counter() - t0, 1)
             point["peak_rss_mb"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
             if method == "gptq_variant" and args.kernel_check and group_size in (64, -1) and not args.any_shape:
-                settings = {"group_size": group_size, "act_order": args.act_order, "method": method, **fmt}
+                settings = {"group_size": group_size, "act_order": args.act_order, "method": method, **fmt,
+                            "rotate": args.rotate}
                 point["kernel_check"] = kernel_check(net, tokenizer, eval_ids, args, settings)
             points = merge_point(points, point)
             save(args.out, meta, points)

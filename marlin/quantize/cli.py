@@ -143,6 +143,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="4-bit weights with a zero point per group, the clip search shrinking min and max (default for 4-bit "
         "dense weights; with --sparsity 2:4 on request)",
     )
+    p.add_argument(
+        "--rotate",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="rotate the residual stream and the value heads by orthogonal matrices folded into the weights before "
+        "quantizing (spreads outlier channels; Llama, Mistral, Qwen2; unties tied embeddings; default off)",
+    )
     p.add_argument("--overwrite", action="store_true", help="replace OUT if it exists")
     p.add_argument("--no-resume", action="store_true", help="discard the finished blocks of an interrupted run")
     _add_run_options(p, "where a block and its Hessians are computed: cpu (default) or cuda", "no progress bar and no summary")
@@ -185,6 +192,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         sparsity=args.sparsity,
         bits=args.bits,
         sym=args.sym,
+        rotate=args.rotate,
         overwrite=args.overwrite,
         resume=not args.no_resume,
     )

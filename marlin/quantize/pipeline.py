@@ -20,6 +20,7 @@ from ..convert.device import parse_device
 from .calib import CalibrationSpec, draw_samples, read_texts
 from .clip import DEFAULT_GRID
 from .gptq import resolve_clip_objective
+from .rotate import rotate_model
 from .runner import QuantizeConfig, find_blocks, quantize_model
 from .source import load_model, load_tokenizer, resolve_source
 from .writer import REPORT_FILE, ResumeStore, samples_fingerprint, write_checkpoint
@@ -88,6 +89,7 @@ def quantize_checkpoint(
     sparsity: Optional[str] = None,
     bits: int = 4,
     sym: Optional[bool] = None,
+    rotate: bool = False,
     device: Union[str, torch.device] = "cpu",
     gguf_file: Optional[str] = None,
     overwrite: bool = False,
@@ -108,6 +110,8 @@ def quantize_checkpoint(
     the format that loses least, symmetric for 8-bit, which has no zero points, and for 2:4, whose
     zero points are taken on request, sym=False): the weight format. ``sparsity``
     "2:4": prune to 2:4 jointly with the quantization (2:4 Marlin layers; group 128, 64, 32 or -1).
+    ``rotate``: first rotate the residual stream and the value heads by orthogonal matrices folded
+    into the weights (marlin.quantize.rotate; Llama, Mistral, Qwen2), which unties tied embeddings.
     Layers whose shapes the kernel does not take stay in full precision (listed in the report).
     Raises ValueError for bad input, before anything is loaded or written.
     """
@@ -140,6 +144,8 @@ def quantize_checkpoint(
     tokenizer = load_tokenizer(source)
     net = load_model(source, dtype=torch.float32 if dev.type == "cpu" else torch.float16)
     find_blocks(net)  # an unsupported architecture fails here, before the calibration runs
+    if rotate:
+        rotate_model(net)
     ids = tokenizer(text, return_tensors="pt", add_special_tokens=False).input_ids[0]
     samples = draw_samples(ids, spec)
 
@@ -147,6 +153,7 @@ def quantize_checkpoint(
         "bits": bits,
         "sym": sym,
         "sparsity": sparsity,
+        "rotate": rotate,
         "group_size": group_size,
         "act_order": act_order,
         "clip_search": clip,

@@ -5,10 +5,11 @@ Output directory DST (what marlin.load_quantized reads, the same layout as marli
     ``<name>.b_scales``, ``<name>.b_zeros`` with zero points, ``<name>.perm`` with act-order
     groups, ``<name>.bias`` if any) or, with 2:4 sparsity, its MarlinLinear24 state dict
     (``b_q``, ``b_meta``, ``b_scales``, ``b_zeros`` with zero points, ``bias``); every other tensor of the model's state dict
-    in fp16 (embeddings, norms, head, layers kept in full precision); tied tensors once;
+    in fp16 (embeddings, norms, head, layers kept in full precision); tied tensors once (a
+    rotated model, marlin.quantize.rotate, is untied: its embedding and lm_head both stored);
   * ``config.json`` with ``quantization_config`` (quant_method and checkpoint_format "marlin",
     so that transformers' from_pretrained loads it too; bits, sym, sparsity, group_size,
-    desc_act, and how it was made), tokenizer files, generation_config.json;
+    desc_act, rotated, and how it was made), tokenizer files, generation_config.json;
   * ``quantize_report.json`` and ``quantize_report.md``: every layer's relative output error on
     the calibration data (and round to nearest's, for comparison; with 2:4, magnitude pruning
     then round to nearest, and the share of the weight norm the pruning removed), or why it was
@@ -237,6 +238,9 @@ def write_checkpoint(
         "sparsity": settings.get("sparsity"),
         "group_size": settings["group_size"],
         "desc_act": bool(settings.get("act_order", False)),
+        # the weights act on a rotated residual stream (marlin.quantize.rotate); the model needs
+        # nothing at run time (the rotation is in the weights), but its tensors are not the source's
+        "rotated": bool(settings.get("rotate", False)),
         "quantizer": "marlin-quantize",
         "settings": settings,
     }

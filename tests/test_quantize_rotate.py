@@ -1,0 +1,126 @@
+"""marlin.quantize.rotate: the residual-stream rotation folded into the weights (incoherence processing).
+
+The rotated full-precision model must compute the original's logits (float64: up to the float32
+that LlamaRMSNorm computes in, ~1e-7 relative), tied embeddings get untied, and a model the
+rotation does not handle is refused before anything changes. End to end on the tiny random Llama:
+a rotated, quantized, written checkpoint loads (marlin.load_quantized and transformers'
+from_pretrained) with the rotated embedding, norms of ones and its own lm_head, and reproduces the
+quantizer's own outputs. Whether the rotation helps is measured on the real model
+(benchmarks/accuracy.py --rotate): the tiny model's random weights have no outlier columns to spread.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+import marlin  # noqa: E402
+from marlin.nn import MarlinLinear  # noqa: E402
+from marlin.quantize import cli  # noqa: E402
+from marlin.quantize.rotate import random_hadamard, rotate_model  # noqa: E402
+from marlin.quantize.runner import QuantizeConfig, quantize_model  # noqa: E402
+from marlin.quantize.writer import REPORT_FILE, write_checkpoint  # noqa: E402
+
+from quantize_fixtures import make_tiny, marlin_layer_weight, model_and_samples, output_errors  # noqa: E402
+
+MODEL_TOL = 1e-2
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return make_tiny(tmp_path_factory.mktemp("rotate"))
+
+
+def small_llama(tied: bool = True, bias: bool = False, kv_heads: int = 2) -> torch.nn.Module:
+    """A float64 random Llama with non-trivial norms (and biases): folding them must matter."""
+    config = transformers.LlamaConfig(
+        hidden_size=96, intermediate_size=128, num_hidden_layers=2, num_attention_heads=6, num_key_value_heads=kv_heads,
+        vocab_size=100, tie_word_embeddings=tied, attention_bias=bias, mlp_bias=bias,
+    )
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).eval().double()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 3.0)
+            elif name.endswith("bias"):
+                p.normal_()
+    return model
+
+
+@pytest.mark.parametrize("n", [1, 9, 64, 96, 576])
+def test_random_hadamard_is_orthogonal_and_seeded(n):
+    q = random_hadamard(n)
+    assert torch.allclose(q @ q.t(), torch.eye(n, dtype=torch.float64), atol=1e-12)
+    assert torch.equal(q, random_hadamard(n)) and (n == 1 or not torch.equal(q, random_hadamard(n, seed=1)))
+
+
+@pytest.mark.parametrize("tied, bias, kv_heads, heads", [(True, False, 2, True), (False, True, 3, True), (True, True, 6, False)])
+def test_rotated_model_computes_the_same_logits(tied, bias, kv_heads, heads):
+    model = small_llama(tied, bias, kv_heads)
+    rotated = copy.deepcopy(model)
+    rotate_model(rotated, heads=heads)
+    x = torch.randint(0, 100, (2, 24), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        ref, got = model(x).logits, rotated(x).logits
+    assert float((got - ref).norm() / ref.norm()) < 1e-5
+    # the weights did change (a no-op would pass the check above), and the model is untied
+    assert not torch.allclose(rotated.model.layers[0].self_attn.q_proj.weight, model.model.layers[0].self_attn.q_proj.weight)
+    assert rotated.lm_head.weight.data_ptr() != rotated.model.embed_tokens.weight.data_ptr()
+    assert rotated.config.tie_word_embeddings is False
+    norms = [m.weight for n, m in rotated.named_modules() if n.endswith("norm")]
+    assert len(norms) == 5 and all(torch.equal(w, torch.ones_like(w)) for w in norms)
+
+
+def test_unsupported_models_are_refused_unchanged():
+    gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_embd=64, n_layer=1, n_head=2, vocab_size=50))
+    with pytest.raises(ValueError, match="model_type = 'gpt2'.*not supported"):
+        rotate_model(gpt2)
+    model = small_llama()
+    before = copy.deepcopy(model.state_dict())
+    model.model.layers[1].self_attn.o_proj = torch.nn.Linear(95, 96)  # does not match the heads: refused up front
+    with pytest.raises(ValueError, match="per-head rotation"):
+        rotate_model(model)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items() if k in before and "layers.1.self_attn.o_proj" not in k)
+
+
+def test_rotated_checkpoint_loads_and_reproduces_the_quantizer(tiny, tmp_path):
+    _, src, calib = tiny
+    model, tokenizer, samples = model_and_samples(src, calib, nsamples=4, max_len=64)
+    fp_model = copy.deepcopy(model)
+    rotate_model(model)
+    results, reports = quantize_model(model, samples, QuantizeConfig(group_size=-1, act_order=True, sym=False), progress=False)
+    out = tmp_path / "rot"
+    write_checkpoint(model, results, reports, out, settings={"group_size": -1, "act_order": True, "sym": False,
+                                                             "rotate": True}, tokenizer=tokenizer)
+    config = json.loads((out / "config.json").read_text())
+    assert config["tie_word_embeddings"] is False and config["quantization_config"]["rotated"] is True
+
+    for loaded in (marlin.load_quantized(out, device="cpu"), transformers.AutoModelForCausalLM.from_pretrained(out)):
+        assert loaded.lm_head.weight.data_ptr() != loaded.model.embed_tokens.weight.data_ptr()
+        for name in ("model.embed_tokens.weight", "lm_head.weight", "model.norm.weight", "model.layers.1.input_layernorm.weight"):
+            want = model.get_parameter(name).detach().to(torch.float16)
+            assert torch.equal(loaded.get_parameter(name).detach().cpu().to(torch.float16), want), name
+        for name, res in results.items():
+            layer = loaded.get_submodule(name)
+            assert isinstance(layer, MarlinLinear) and torch.equal(marlin_layer_weight(layer), res.dequantized())
+        loaded = loaded.float() if loaded.dtype != torch.float16 else loaded
+        err, moved = output_errors(model, loaded, fp_model, samples[0])
+        assert err < MODEL_TOL, f"loaded rotated checkpoint vs the quantizer's model: {err:.2e}"
+        assert moved > 3 * err
+
+
+def test_cli_rotate_flag_records_it(tiny, tmp_path, capsys):
+    _, src, calib = tiny
+    out = tmp_path / "q"
+    argv = [str(src), str(out), "--calib", str(calib), "--nsamples", "4", "--seqlen-range", "16:48", "--rotate"]
+    assert cli.main(argv) == 0
+    assert "14 layers quantized" in capsys.readouterr().out
+    assert json.loads((out / REPORT_FILE).read_text())["settings"]["rotate"] is True
+    assert json.loads((out / "config.json").read_text())["quantization_config"]["rotated"] is True
+    assert cli.build_parser().parse_args([str(src), str(out), "--calib", str(calib)]).rotate is False
