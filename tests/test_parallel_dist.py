@@ -8,8 +8,10 @@ and off)."""
 
 from __future__ import annotations
 
+import os
 import sys
 import time
+import warnings
 
 import pytest
 import torch.distributed as dist
@@ -26,13 +28,26 @@ WORLD = 2  # each spawn costs a few seconds of start-up (torch, transformers): f
 
 def spawn(tmp_path, scenario: str, arg) -> None:
     """Runs the scenario on WORLD ranks; a rank's exception or signal fails the test (spawn raises it
-    with the rank's traceback), and so do ranks still running after JOIN_TIMEOUT_S."""
+    with the rank's traceback), and so do ranks still running after JOIN_TIMEOUT_S. The one signal
+    that does not: every rank wrote its passed marker (tp_workers.run, after all its checks and
+    before the final barrier) and a rank died by a signal after that, i.e. in gloo's teardown,
+    which the product does not use (marlin.parallel runs on NCCL); the test warns instead."""
     init_file = tmp_path / "pg-init"  # FileStore rendezvous, private to this test (tp_workers.run)
     ctx = mp.start_processes(
         tp_workers.run, args=(WORLD, str(init_file), scenario, arg), nprocs=WORLD, join=False, start_method="spawn"
     )
     deadline = time.monotonic() + JOIN_TIMEOUT_S
-    while not ctx.join(timeout=1.0):
+    while True:
+        try:
+            if ctx.join(timeout=1.0):
+                return
+        except mp.ProcessExitedException as exc:
+            passed = all(os.path.exists(tp_workers.passed_marker(str(init_file), r)) for r in range(WORLD))
+            if exc.signal_name is None or not passed:
+                raise
+            warnings.warn(f"{scenario}: every rank passed its checks; rank {exc.error_index} then died "
+                          f"with {exc.signal_name} while leaving gloo (not a failure of the code under test)")
+            return
         if time.monotonic() > deadline:
             alive = [rank for rank, p in enumerate(ctx.processes) if p.is_alive()]
             for p in ctx.processes:
@@ -64,6 +79,13 @@ def test_a_failing_rank_fails_the_test_at_once(tmp_path):
     with pytest.raises(mp.ProcessRaisedException, match="rank 1 fails on purpose"):
         spawn(tmp_path, "failing", 1)
     assert time.monotonic() - start < 120  # not the peer's 300 s
+
+
+def test_a_rank_aborting_during_its_checks_fails_the_test(tmp_path):
+    """A signal before a rank's checks passed fails the test (only a teardown abort is tolerated)."""
+    with pytest.raises(mp.ProcessExitedException, match="SIGABRT"):
+        spawn(tmp_path, "aborting", 1)
+    assert not os.path.exists(tp_workers.passed_marker(str(tmp_path / "pg-init"), 1))
 
 
 def test_hung_ranks_are_killed_at_the_deadline(tmp_path, monkeypatch):

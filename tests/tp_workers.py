@@ -51,15 +51,27 @@ def run(rank: int, world_size: int, init_file: str, scenario: str, arg) -> None:
         # process exit: tearing it down while the peer waits in a collective can block or abort
         traceback.print_exc()
         raise
-    # both ranks finish their collectives before either tears gloo down: a rank that destroys
-    # its group (or exits) while the peer's last send is in flight aborts the peer ("terminate
-    # called without an active exception", SIGABRT), which a loaded CI machine hit even after a
-    # barrier; so the ranks also meet through the file store, outside gloo's sockets, once every
-    # rank is past the barrier
+    # this rank's checks all passed: say so outside gloo (a file beside the rendezvous), so that
+    # the parent can tell a teardown abort from a failed check (tests/test_parallel_dist.spawn)
+    with open(passed_marker(init_file, rank), "w") as f:
+        f.write("passed\n")
+    # both ranks finish their collectives before either leaves: a rank that tore its group down
+    # (or exited) while the peer's last send was in flight aborted the peer ("terminate called
+    # without an active exception", SIGABRT), which a loaded CI machine hit even after a barrier
+    # and a meeting through the file store; so the ranks meet through the file store once every
+    # rank is past the barrier, and then leave without tearing gloo down at all: os._exit skips
+    # the group's destructors and the interpreter's teardown, where the abort came from
     dist.barrier()
     store.set(f"exit-{rank}", "1")
     store.wait([f"exit-{r}" for r in range(world_size)])
-    dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+def passed_marker(init_file: str, rank: int) -> str:
+    """The file a rank writes once all its checks passed, next to the rendezvous file."""
+    return f"{init_file}.passed-{rank}"
 
 
 def marlin_from_seed(k: int, n: int, seed: int, group_size: int = 128, bias: bool = True) -> MarlinLinear:
@@ -340,7 +352,16 @@ def failing_scenario(rank: int, world_size: int, arg) -> None:
     time.sleep(300)  # (not a collective: a peer's lost connection would race the failure to the parent)
 
 
+def aborting_scenario(rank: int, world_size: int, arg) -> None:
+    """Rank `arg` dies by SIGABRT before its checks pass (no passed marker): the test must fail, the
+    parent's allowance for an abort while leaving gloo must not cover it."""
+    if rank == arg:
+        os.abort()
+    time.sleep(300)
+
+
 SCENARIOS = {
+    "aborting": aborting_scenario,
     "failing": failing_scenario,
     "layers": layers_scenario,
     "llama": llama_scenario,
