@@ -25,10 +25,13 @@ labels it. With 2:4, rtn is magnitude pruning then round to nearest (MarlinLinea
 ``--any-shape`` also quantizes layers whose shapes the kernel refuses (the method's accuracy on a
 model the kernel cannot run, e.g. 2:4 on SmolLM2's layers of 576 inputs); such points say so.
 
-``--rotate`` rotates the residual stream (and each value head) of the full-precision model by an
-orthogonal matrix folded into the weights before rtn or GPTQ (marlin.quantize.rotate); its
-points say ``"rotate": true`` and the table labels them "rotated"; the rotation's seconds count
-in ``seconds_quantize``.
+``--rotate`` rotates the residual stream of the full-precision model by an orthogonal matrix
+folded into the weights before rtn or GPTQ (marlin.quantize.rotate, as ``marlin-quantize
+--rotate``); its points say ``"rotate": "residual"`` and the table labels them "rotated".
+``--rotate residual+heads`` also rotates each value head (``rotate_model(heads=True)``); those
+points, and the points written as ``"rotate": true`` before the value-head rotation became
+optional (it was always on then), are labelled "rotated with value heads". The rotation's
+seconds count in ``seconds_quantize``.
 
 Evaluation runs on the CPU in float32 with the dequantized weights in the model's Linear layers
 (exactly the weights the checkpoint stores); ``--kernel-check N`` also writes the gptq_variant
@@ -206,11 +209,18 @@ def _seed(point: dict):
     return point.get("seed", 0) if point["method"] in GPTQ_VARIANTS else None
 
 
+def _rotation(point: dict):
+    """None, "residual" or "residual+heads" (``true``: a point from before the value-head rotation
+    became optional, when --rotate always applied it)."""
+    rot = point.get("rotate")
+    return "residual+heads" if rot is True else (rot or None)
+
+
 def _key(point: dict) -> tuple:
     """Points differ by method, group size, weight format, rotation and, for GPTQ, act-order, sample
     count, calibration seed and the GPTQ settings."""
     return (point["method"], point["group_size"], point.get("act_order", False), point.get("nsamples"), _format(point),
-            _gptq_settings(point), _seed(point), point.get("rotate", False))
+            _gptq_settings(point), _seed(point), _rotation(point))
 
 
 def merge_point(points: list, point: dict) -> list:
@@ -228,8 +238,8 @@ def _label(point: dict, main_nsamples, main_gptq: tuple = (), main_seed: int = 0
         extra.append("asym")
     if any_shape:
         extra.append("incl. shapes the kernel refuses")
-    if point.get("rotate"):
-        extra.append("rotated")
+    if _rotation(point):
+        extra.append("rotated" if _rotation(point) == "residual" else "rotated with value heads")
     if point.get("act_order"):
         extra.append("act-order")
     if point["method"] in GPTQ_VARIANTS and _gptq_settings(point) != main_gptq:
@@ -338,8 +348,9 @@ def main(argv=None) -> int:
     p.add_argument("--asym", action="store_true", help="4-bit weights with zero points")
     p.add_argument("--sparsity", choices=["2:4"], default=None, help="2:4 joint pruning (rtn: magnitude pruning)")
     p.add_argument("--any-shape", action="store_true", help="also quantize layers whose shapes the kernel refuses")
-    p.add_argument("--rotate", action="store_true", help="rotate the residual stream and value heads (folded into "
-                   "the weights, marlin.quantize.rotate) before rtn or GPTQ")
+    p.add_argument("--rotate", nargs="?", const="residual", choices=("residual", "residual+heads"), default=None,
+                   help="rotate the residual stream (folded into the weights, marlin.quantize.rotate) before rtn or "
+                   "GPTQ, as marlin-quantize --rotate; residual+heads: each value head too")
     p.add_argument("--context", type=int, default=512)
     p.add_argument("--eval-tokens", type=int, default=16384, help="first N tokens of the held-out plays")
     p.add_argument("--kernel-check", type=int, default=0, metavar="N", help="also run the gptq_variant checkpoint "
@@ -415,13 +426,13 @@ def main(argv=None) -> int:
             if method != "fp16":
                 point.update(fmt_fields)
                 if args.rotate:
-                    point["rotate"] = True
+                    point["rotate"] = args.rotate
             # each point says which code and libraries made it (a file gathers runs of several days)
             point.update(git_revision=prov["revision"], csrc_tree=prov["csrc_tree"], torch=torch.__version__,
                          transformers=transformers_version())
             t0 = time.perf_counter()
             if args.rotate and method != "fp16":
-                rotate_model(net)
+                rotate_model(net, heads=args.rotate == "residual+heads")
             if method == "rtn":
                 done, kept = apply_rtn(net, group_size, fmt, args.any_shape)
                 point.update(layers_quantized=done, layers_kept=len(kept))

@@ -85,6 +85,9 @@ def test_unsupported_models_are_refused_unchanged():
     before = copy.deepcopy(model.state_dict())
     model.model.layers[1].self_attn.o_proj = torch.nn.Linear(95, 96)  # does not match the heads: refused up front
     with pytest.raises(ValueError, match="per-head rotation"):
+        rotate_model(model, heads=True)
+    model.model.layers[1].self_attn.o_proj = torch.nn.Linear(96, 95)  # writes a residual of the wrong width
+    with pytest.raises(ValueError, match=r"block 1: o_proj.out_features = 95, expected the residual width 96"):
         rotate_model(model)
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items() if k in before and "layers.1.self_attn.o_proj" not in k)
 

@@ -147,7 +147,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--rotate",
         action=argparse.BooleanOptionalAction,
         default=False,
-        help="rotate the residual stream and the value heads by orthogonal matrices folded into the weights before "
+        help="rotate the residual stream by an orthogonal matrix folded into the weights before "
         "quantizing (spreads outlier channels; Llama, Mistral, Qwen2; unties tied embeddings; default off)",
     )
     p.add_argument("--overwrite", action="store_true", help="replace OUT if it exists")

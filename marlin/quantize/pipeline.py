@@ -110,8 +110,8 @@ def quantize_checkpoint(
     the format that loses least, symmetric for 8-bit, which has no zero points, and for 2:4, whose
     zero points are taken on request, sym=False): the weight format. ``sparsity``
     "2:4": prune to 2:4 jointly with the quantization (2:4 Marlin layers; group 128, 64, 32 or -1).
-    ``rotate``: first rotate the residual stream and the value heads by orthogonal matrices folded
-    into the weights (marlin.quantize.rotate; Llama, Mistral, Qwen2), which unties tied embeddings.
+    ``rotate``: first rotate the residual stream by an orthogonal matrix folded into the weights
+    (marlin.quantize.rotate; Llama, Mistral, Qwen2), which unties tied embeddings.
     Layers whose shapes the kernel does not take stay in full precision (listed in the report).
     Raises ValueError for bad input, before anything is loaded or written.
     """

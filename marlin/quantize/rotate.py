@@ -11,10 +11,12 @@ and they quantize with less error. The full-precision model computes the same fu
     to 1; then RMSNorm(x Q) = RMSNorm(x) Q, because ||x Q|| = ||x||;
   * the embedding E -> E Q; readers W -> W Q (nn.Linear's [out, in]: the input dim); writers of
     the residual (o_proj, down_proj) W -> Q^T W and their bias b -> Q^T b (the output dim);
-  * optionally (``heads``) each KV head's value vectors are rotated by their own orthogonal
-    R_j (v_proj's rows of head j: R_j^T W; o_proj's columns of every query head that reads
-    head j: W R_j), since attention mixes value vectors of tokens with scalar weights, which
-    commutes with a right multiplication; this flattens o_proj's input too.
+  * optionally (``heads``, off by default) each KV head's value vectors are rotated by their own
+    orthogonal R_j (v_proj's rows of head j: R_j^T W; o_proj's columns of every query head that
+    reads head j: W R_j), since attention mixes value vectors of tokens with scalar weights, which
+    commutes with a right multiplication; this flattens o_proj's input too. It is off because
+    GPTQ per column did better without it on SmolLM2-135M at both calibration seeds measured
+    (benchmarks/NOTES.md, 2026-11-27 late night).
 
 down_proj's input (after SiLU(gate) * up) cannot be rotated offline and is left alone.
 Tied embeddings are untied: after the final norm is folded into lm_head, lm_head and the
@@ -157,7 +159,7 @@ def _rotate_heads(attn: nn.Module, config, seed: int) -> None:
 
 
 @torch.no_grad()
-def rotate_model(model: nn.Module, *, heads: bool = True, seed: int = ROTATION_SEED) -> None:
+def rotate_model(model: nn.Module, *, heads: bool = False, seed: int = ROTATION_SEED) -> None:
     """Fold the norms into their readers and rotate the residual stream (and, with ``heads``, each
     value head) of a Llama-style causal LM, in place; its outputs stay the same up to rounding.
     Unties tied embeddings. ValueError for an architecture it does not handle (before any change)."""
@@ -165,9 +167,20 @@ def rotate_model(model: nn.Module, *, heads: bool = True, seed: int = ROTATION_S
     q = random_hadamard(model.config.hidden_size, seed)
     if embed.weight.shape[1] != q.shape[0]:
         raise ValueError(f"rotate: embedding width {embed.weight.shape[1]} != hidden_size {q.shape[0]}")
-    if heads:
-        for block in blocks:  # every check before the first change
-            _head_shape(block.self_attn, model.config)
+    hidden = q.shape[0]
+    for i, block in enumerate(blocks):  # every check before the first change
+        attn, mlp = block.self_attn, block.mlp
+        readers = {n: getattr(attn, n) for n in ("q_proj", "k_proj", "v_proj")} | {
+            n: getattr(mlp, n) for n in ("gate_proj", "up_proj")}
+        writers = {"o_proj": attn.o_proj, "down_proj": mlp.down_proj}
+        bad = [f"{n}.in_features = {m.in_features}" for n, m in readers.items() if m.in_features != hidden] + [
+            f"{n}.out_features = {m.out_features}" for n, m in writers.items() if m.out_features != hidden]
+        if bad:
+            raise ValueError(f"rotate: block {i}: {', '.join(bad)}, expected the residual width {hidden} (hidden_size)")
+        if heads:
+            _head_shape(attn, model.config)
+    if head.in_features != hidden:
+        raise ValueError(f"rotate: lm_head.in_features = {head.in_features}, expected the residual width {hidden}")
     if head.weight is embed.weight or head.weight.data_ptr() == embed.weight.data_ptr():
         head.weight = nn.Parameter(head.weight.detach().clone(), requires_grad=False)
     for config in (model.config, getattr(model.config, "get_text_config", lambda: None)()):
