@@ -26,12 +26,13 @@ labels it. With 2:4, rtn is magnitude pruning then round to nearest (MarlinLinea
 model the kernel cannot run, e.g. 2:4 on SmolLM2's layers of 576 inputs); such points say so.
 
 ``--rotate`` rotates the residual stream of the full-precision model by an orthogonal matrix
-folded into the weights before rtn or GPTQ (marlin.quantize.rotate, as ``marlin-quantize
---rotate``); its points say ``"rotate": "residual"`` and the table labels them "rotated".
-``--rotate residual+heads`` also rotates each value head (``rotate_model(heads=True)``); those
-points, and the points written as ``"rotate": true`` before the value-head rotation became
-optional (it was always on then), are labelled "rotated with value heads". The rotation's
-seconds count in ``seconds_quantize``.
+folded into the weights, and down_proj's input online in blocks of 64, before rtn or GPTQ
+(marlin.quantize.rotate, as ``marlin-quantize --rotate``); its points say ``"rotate":
+"residual+down"`` and the table labels them "rotated". ``--rotate residual`` leaves down_proj's
+input alone ("rotated residual only"); ``--rotate residual+heads`` rotates the residual and each
+value head (``rotate_model(heads=True, down_block=None)``); those points, and the points written
+as ``"rotate": true`` when --rotate meant that, are labelled "rotated with value heads". The
+rotation's seconds count in ``seconds_quantize``.
 
 Evaluation runs on the CPU in float32 with the dequantized weights in the model's Linear layers
 (exactly the weights the checkpoint stores); ``--kernel-check N`` also writes the gptq_variant
@@ -67,7 +68,7 @@ from marlin.convert.staging import replace_file  # noqa: E402
 from marlin.quantize.calib import CalibrationSpec, draw_samples  # noqa: E402
 from marlin.quantize.evaluate import perplexity  # noqa: E402
 from marlin.quantize.gptq import resolve_clip_objective, rtn_quantize  # noqa: E402
-from marlin.quantize.rotate import rotate_model  # noqa: E402
+from marlin.quantize.rotate import DOWN_BLOCK, rotate_model  # noqa: E402
 from marlin.quantize.runner import QuantizeConfig, find_blocks, quantize_model  # noqa: E402
 from marlin.sparse import check_shape_2_4  # noqa: E402
 
@@ -209,9 +210,13 @@ def _seed(point: dict):
     return point.get("seed", 0) if point["method"] in GPTQ_VARIANTS else None
 
 
+ROTATION_LABELS = {"residual+down": "rotated", "residual": "rotated residual only",
+                   "residual+heads": "rotated with value heads"}
+
+
 def _rotation(point: dict):
-    """None, "residual" or "residual+heads" (``true``: a point from before the value-head rotation
-    became optional, when --rotate always applied it)."""
+    """None or a key of ROTATION_LABELS (``true``: a point from when --rotate meant the residual
+    and the value heads)."""
     rot = point.get("rotate")
     return "residual+heads" if rot is True else (rot or None)
 
@@ -239,7 +244,7 @@ def _label(point: dict, main_nsamples, main_gptq: tuple = (), main_seed: int = 0
     if any_shape:
         extra.append("incl. shapes the kernel refuses")
     if _rotation(point):
-        extra.append("rotated" if _rotation(point) == "residual" else "rotated with value heads")
+        extra.append(ROTATION_LABELS[_rotation(point)])
     if point.get("act_order"):
         extra.append("act-order")
     if point["method"] in GPTQ_VARIANTS and _gptq_settings(point) != main_gptq:
@@ -348,9 +353,10 @@ def main(argv=None) -> int:
     p.add_argument("--asym", action="store_true", help="4-bit weights with zero points")
     p.add_argument("--sparsity", choices=["2:4"], default=None, help="2:4 joint pruning (rtn: magnitude pruning)")
     p.add_argument("--any-shape", action="store_true", help="also quantize layers whose shapes the kernel refuses")
-    p.add_argument("--rotate", nargs="?", const="residual", choices=("residual", "residual+heads"), default=None,
-                   help="rotate the residual stream (folded into the weights, marlin.quantize.rotate) before rtn or "
-                   "GPTQ, as marlin-quantize --rotate; residual+heads: each value head too")
+    p.add_argument("--rotate", nargs="?", const="residual+down", choices=tuple(ROTATION_LABELS), default=None,
+                   help="rotate the residual stream (folded into the weights) and down_proj's input (online) before "
+                   "rtn or GPTQ, as marlin-quantize --rotate (marlin.quantize.rotate); residual: the residual "
+                   "only; residual+heads: the residual and each value head")
     p.add_argument("--context", type=int, default=512)
     p.add_argument("--eval-tokens", type=int, default=16384, help="first N tokens of the held-out plays")
     p.add_argument("--kernel-check", type=int, default=0, metavar="N", help="also run the gptq_variant checkpoint "
@@ -432,7 +438,8 @@ def main(argv=None) -> int:
                          transformers=transformers_version())
             t0 = time.perf_counter()
             if args.rotate and method != "fp16":
-                rotate_model(net, heads=args.rotate == "residual+heads")
+                down = args.rotate == "residual+down" and not args.sparsity  # 2:4 layers take no input rotation
+                rotate_model(net, heads=args.rotate == "residual+heads", down_block=DOWN_BLOCK if down else None)
             if method == "rtn":
                 done, kept = apply_rtn(net, group_size, fmt, args.any_shape)
                 point.update(layers_quantized=done, layers_kept=len(kept))

@@ -141,6 +141,8 @@ def _why_not(parts: Sequence[nn.Module]) -> Optional[str]:
                 return f"{name}: {ref.dtype} {tuple(ref.shape)} on {ref.device} vs {b.dtype} {tuple(b.shape)} on {b.device}"
     if any(p.bias is not None and p.bias.dtype != p.b_scales.dtype for p in parts):
         return "a bias dtype differs from its scales"
+    if any(getattr(p, "input_rotation", None) is not None for p in parts):
+        return "an input rotation (marlin-quantize --rotate) on a part"
     perm = getattr(first, "perm", None)  # MarlinLinear24 has no act-order permutation
     if perm is not None and not all(torch.equal(p.perm, perm) for p in parts[1:]):
         return "different act-order permutations (each part permutes its input its own way)"

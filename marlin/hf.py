@@ -62,9 +62,10 @@ def _dtype_kwargs(dtype: torch.dtype) -> dict:
 
 
 def _marlin_layers(ckpt: SafetensorsDir) -> dict:
-    """{prefix: dict(k, n, group_size, bias, act_order, dtype, bits, zero_points[, sparsity])} from
-    the checkpoint's headers, checked. The format of each layer follows from its tensors: the dtype
-    from b_scales, the width from b_q's columns (2 N: 4 bits, 4 N: 8 bits), zero points from b_zeros,
+    """{prefix: dict(k, n, group_size, bias, act_order, dtype, bits, zero_points, input_rotation[,
+    sparsity])} from the checkpoint's headers, checked. The format of each layer follows from its
+    tensors: the dtype from b_scales, the width from b_q's columns (2 N: 4 bits, 4 N: 8 bits), zero
+    points from b_zeros, the input rotation's block from input_rotation [r, r] (None without it),
     2:4 sparsity (MarlinLinear24, sparsity "2:4") from b_meta."""
     from . import packing
 
@@ -74,6 +75,8 @@ def _marlin_layers(ckpt: SafetensorsDir) -> dict:
             continue
         prefix = name[: -len(".b_q")]
         if f"{prefix}.b_meta" in ckpt.tensors:
+            if f"{prefix}.input_rotation" in ckpt.tensors:
+                raise ConversionError(f"{prefix}: a 2:4 layer (b_meta) with input_rotation, which 2:4 layers do not take")
             layers[prefix] = _sparse_layer(ckpt, prefix)
             continue
         scales = ckpt.tensors.get(f"{prefix}.b_scales")
@@ -108,10 +111,25 @@ def _marlin_layers(ckpt: SafetensorsDir) -> dict:
             dtype=scales.dtype,
             bits=bits,
             zero_points=zeros is not None,
+            input_rotation=_rotation_block(ckpt, prefix, k, scales.dtype),
         )
     if not layers:
         raise ConversionError(f"{ckpt.directory}: no Marlin layers ('*.b_q' tensors) in the checkpoint")
     return layers
+
+
+def _rotation_block(ckpt: SafetensorsDir, prefix: str, k: int, dtype: torch.dtype) -> Optional[int]:
+    """r of the layer's input_rotation [r, r] (of the layer's dtype, r dividing K), None without one."""
+    rot = ckpt.tensors.get(f"{prefix}.input_rotation")
+    if rot is None:
+        return None
+    shape = tuple(rot.shape)
+    if len(shape) != 2 or shape[0] != shape[1] or shape[0] <= 0 or k % shape[0] or rot.dtype != dtype:
+        raise ConversionError(
+            f"{prefix}.input_rotation: dtype {rot.dtype} shape {list(shape)}, expected {dtype} [r, r] with r dividing "
+            f"K = {k}"
+        )
+    return shape[0]
 
 
 def _sparse_layer(ckpt: SafetensorsDir, prefix: str) -> dict:
@@ -210,7 +228,8 @@ def _new_marlin_layer(spec: dict, device: torch.device) -> nn.Module:
         return MarlinLinear24(spec["k"], spec["n"], **common)
     from .nn import MarlinLinear
 
-    return MarlinLinear(spec["k"], spec["n"], act_order=spec["act_order"], bits=spec.get("bits", 4), **common)
+    return MarlinLinear(spec["k"], spec["n"], act_order=spec["act_order"], bits=spec.get("bits", 4),
+                        input_rotation=spec.get("input_rotation"), **common)
 
 
 def load_quantized(

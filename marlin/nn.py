@@ -51,6 +51,10 @@ class MarlinLinear(QuantizedLinearBase):
       * ``bias``      dtype [out_features], or None;
       * ``perm``      int32 [in_features], or None: act-order checkpoints store the rows of B
                       sorted by group; the layer then computes x[..., perm] @ B;
+      * ``input_rotation``  dtype [r, r], or None: an orthogonal matrix R applied to every block of
+                      r consecutive inputs before the product (before ``perm``): the layer computes
+                      (x blockdiag(R, ..., R)) @ B. ``marlin-quantize --rotate`` writes it for
+                      down_proj, whose input cannot be rotated offline (marlin.quantize.rotate);
       * ``workspace`` int32, non-persistent: the kernel's lock buffer, zeroed, one per layer
                       (so one layer must not run on two CUDA streams at the same time).
 
@@ -66,7 +70,8 @@ class MarlinLinear(QuantizedLinearBase):
     # Of the state_dict layout; _load_from_state_dict refuses newer versions. 1: fp16, 4-bit
     # symmetric, group 128 or -1. 2: adds bf16, 8 bits, zero points (b_zeros), groups 32 and 64;
     # a version-1 state dict is a valid version-2 one (same keys, fp16, 4-bit symmetric).
-    _version = 2
+    # 3: adds the optional input_rotation; a version-2 state dict is a valid version-3 one.
+    _version = 3
 
     def __init__(
         self,
@@ -80,6 +85,7 @@ class MarlinLinear(QuantizedLinearBase):
         *,
         bits: int = 4,
         zero_points: bool = False,
+        input_rotation: Optional[int] = None,
     ):
         super().__init__()
         if dtype not in packing.SUPPORTED_DTYPES:
@@ -112,6 +118,12 @@ class MarlinLinear(QuantizedLinearBase):
         self.register_buffer("b_zeros", torch.full((groups, out_features), 8.0, dtype=dtype, device=dev) if zero_points else None)
         self.register_buffer("bias", torch.zeros(out_features, dtype=dtype, device=dev) if bias else None)
         self.register_buffer("perm", torch.arange(in_features, dtype=torch.int32, device=dev) if act_order else None)
+        if input_rotation is not None:
+            _check_rotation_block(input_rotation, in_features, "MarlinLinear: input_rotation")
+        self.register_buffer(
+            "input_rotation",
+            torch.eye(input_rotation, dtype=dtype, device=dev) if input_rotation is not None else None,
+        )
         self.register_buffer("workspace", _new_workspace(dev), persistent=False)
 
     @property
@@ -150,7 +162,18 @@ class MarlinLinear(QuantizedLinearBase):
         if not sym:
             layer.b_zeros.copy_(packed[2])
         layer._copy_bias(linear)
+        rotation = getattr(linear, "input_rotation", None)
+        if isinstance(rotation, torch.Tensor):
+            # a Linear of a rotated model (marlin.quantize.rotate) computes (x R) W^T: keep R
+            layer._set_input_rotation(rotation)
         return layer
+
+    def _set_input_rotation(self, rotation: torch.Tensor) -> None:
+        """Give the layer the input rotation ``rotation`` ([r, r], r dividing in_features)."""
+        if rotation.dim() != 2 or rotation.shape[0] != rotation.shape[1]:
+            raise ValueError(f"MarlinLinear: input_rotation of shape {tuple(rotation.shape)}, expected a square [r, r]")
+        _check_rotation_block(rotation.shape[0], self.in_features, "MarlinLinear: input_rotation")
+        self.input_rotation = rotation.detach().to(device=self.b_q.device, dtype=self.dtype).clone()
 
     @classmethod
     def from_gptq(
@@ -220,6 +243,9 @@ class MarlinLinear(QuantizedLinearBase):
     # -- compute ------------------------------------------------------------------------------
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         a = self._flat_input(x, self.dtype)
+        if self.input_rotation is not None:
+            r = self.input_rotation.shape[0]
+            a = torch.matmul(a.reshape(a.shape[0], -1, r), self.input_rotation).reshape(a.shape[0], -1)
         if self.perm is not None:
             a = a.index_select(1, self.perm)
         y = ops.gemm(a, self.b_q, self.b_scales, self.workspace, b_zeros=self.b_zeros, bits=self.bits)
@@ -236,6 +262,7 @@ class MarlinLinear(QuantizedLinearBase):
             f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
             f"group_size={self.group_size}, act_order={self.perm is not None}, dtype={self.dtype}, "
             f"bits={self.bits}, zero_points={self.zero_points}"
+            + (f", input_rotation={self.input_rotation.shape[0]}" if self.input_rotation is not None else "")
         )
 
     # -- state_dict (device moves: QuantizedLinearBase._apply) ----------------------------------
@@ -249,6 +276,19 @@ class MarlinLinear(QuantizedLinearBase):
             # An act-order checkpoint: take its permutation (built without act_order=True, the
             # layer has no perm buffer yet; ignoring the key would give wrong outputs).
             self.perm = torch.empty(self.in_features, dtype=torch.int32, device=self.b_q.device)
+        rot_key = prefix + "input_rotation"
+        rot = state_dict.get(rot_key)
+        if isinstance(rot, torch.Tensor):
+            # a rotated checkpoint's layer (marlin-quantize --rotate): the rotation is part of what
+            # the layer computes, so it is taken as the permutation is (ignoring it: wrong outputs)
+            if rot.dim() != 2 or rot.shape[0] != rot.shape[1] or _rotation_block_problem(rot.shape[0], self.in_features):
+                error_msgs.append(
+                    f"{rot_key}: shape {list(rot.shape)}, expected a square [r, r] with r dividing in_features = "
+                    f"{self.in_features}"
+                )
+                return
+            if self.input_rotation is None or self.input_rotation.shape != rot.shape:
+                self.input_rotation = torch.empty(rot.shape, dtype=self.dtype, device=self.b_q.device)
         self._check_format(state_dict, prefix, error_msgs)
         super()._load_from_state_dict(
             state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
@@ -264,7 +304,7 @@ class MarlinLinear(QuantizedLinearBase):
         """The checkpoint's format (group size, dtype, bits, zero points) must be the layer's:
         load_state_dict copies values and would cast a dtype silently."""
         self._check_scale_rows(state_dict, prefix, error_msgs)
-        for name in ("b_scales", "b_zeros", "bias"):
+        for name in ("b_scales", "b_zeros", "bias", "input_rotation"):
             t = state_dict.get(prefix + name)
             if isinstance(t, torch.Tensor) and t.dtype != self.dtype:
                 error_msgs.append(f"{prefix}{name}: dtype {t.dtype}, but this layer computes in {self.dtype}")
@@ -284,6 +324,20 @@ class MarlinLinear(QuantizedLinearBase):
                 f"{prefix}b_zeros: the checkpoint {'has' if has_zeros else 'has no'} zero points, but this layer was "
                 f"built with zero_points={self.zero_points}"
             )
+
+
+def _rotation_block_problem(r, in_features: int) -> Optional[str]:
+    if isinstance(r, bool) or not isinstance(r, int) or r <= 0:
+        return f"{r!r} is not a positive block size"
+    if in_features % r:
+        return f"{r} does not divide in_features = {in_features}"
+    return None
+
+
+def _check_rotation_block(r, in_features: int, what: str) -> None:
+    problem = _rotation_block_problem(r, in_features)
+    if problem is not None:
+        raise ValueError(f"{what}: {problem}; expected a block size r dividing in_features (an [r, r] rotation)")
 
 
 # -- replace_linear ---------------------------------------------------------------------------

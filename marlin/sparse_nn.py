@@ -126,6 +126,11 @@ class MarlinLinear24(QuantizedLinearBase):
         ValueError naming the columns that are not. ``dtype`` (default: the weight's dtype if it is
         bfloat16 or float16, else float16) is the layer's compute dtype.
         """
+        if isinstance(getattr(linear, "input_rotation", None), torch.Tensor):
+            raise ValueError(
+                "MarlinLinear24.from_linear: the Linear rotates its input online (input_rotation, marlin.quantize.rotate), "
+                "which 2:4 layers do not take; use MarlinLinear, or rotate with down_block=None"
+            )
         layer, weight = cls._empty_for(linear, group_size, dtype, zero_points=not sym)
         w = weight.detach().t()  # B = weight^T [K, N]; groups of 4 run along K
         if prune:

@@ -97,17 +97,22 @@ def test_format_points_are_kept_apart_and_labelled():
 
 
 def test_rotation_points_are_kept_apart_and_labelled():
-    """Points written as "rotate": true (when --rotate always rotated the value heads too) and
-    "residual+heads" are one kind; "residual" (today's --rotate) is another, and so is no rotation."""
+    """Points written as "rotate": true (when --rotate rotated the value heads too) and
+    "residual+heads" are one kind; "residual", "residual+down" (today's --rotate) and no rotation
+    are three others."""
     base = {"method": "gptq_variant", "group_size": -1, "ppl": 10.5, "act_order": False, "nsamples": 32}
     old = dict(base, rotate=True, ppl=10.4)
     residual = dict(base, rotate="residual", ppl=10.2)
-    points = A.merge_point(A.merge_point(A.merge_point([], base), old), residual)
-    assert len(points) == 3
-    assert len(A.merge_point(points, dict(base, rotate="residual+heads", ppl=10.3))) == 3  # replaces `old`
+    down = dict(base, rotate="residual+down", ppl=10.1)
+    points = []
+    for p in (base, old, residual, down):
+        points = A.merge_point(points, p)
+    assert len(points) == 4
+    assert len(A.merge_point(points, dict(base, rotate="residual+heads", ppl=10.3))) == 4  # replaces `old`
     doc = {"meta": {"nsamples": 32}, "points": [{"method": "fp16", "group_size": None, "ppl": 10.0}] + points}
     table = A.markdown_table(doc)
-    assert "| gptq_variant (rotated) | 10.200 (+2.0%) |" in table
+    assert "| gptq_variant (rotated) | 10.100 (+1.0%) |" in table
+    assert "| gptq_variant (rotated residual only) | 10.200 (+2.0%) |" in table
     assert "| gptq_variant (rotated with value heads) | 10.400 (+4.0%) |" in table
     assert "| gptq_variant | 10.500 (+5.0%) |" in table
 

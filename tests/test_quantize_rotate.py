@@ -75,6 +75,49 @@ def test_rotated_model_computes_the_same_logits(tied, bias, kv_heads, heads):
     assert rotated.config.tie_word_embeddings is False
     norms = [m.weight for n, m in rotated.named_modules() if n.endswith("norm")]
     assert len(norms) == 5 and all(torch.equal(w, torch.ones_like(w)) for w in norms)
+    # down_proj's input is rotated online (default block 64): a buffer and its pre-hook
+    for i, block in enumerate(rotated.model.layers):
+        assert torch.equal(block.mlp.down_proj.input_rotation, random_hadamard(64, 1000 + i))
+
+
+def test_down_rotation_is_what_moves_down_proj():
+    """down_block=None leaves down_proj's input alone; with it, the hook is what keeps the function:
+    without the hook the outputs move (the rotation is not a no-op)."""
+    model = small_llama()
+    plain, online = copy.deepcopy(model), copy.deepcopy(model)
+    rotate_model(plain, down_block=None)
+    rotate_model(online)
+    assert not hasattr(plain.model.layers[0].mlp.down_proj, "input_rotation")
+    x = torch.randint(0, 100, (2, 24), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        ref = model(x).logits
+        assert float((online(x).logits - ref).norm() / ref.norm()) < 1e-5
+        for block in online.model.layers:
+            block.mlp.down_proj._forward_pre_hooks.clear()
+        assert float((online(x).logits - ref).norm() / ref.norm()) > 1e-2
+    for bad in (48, 0, 3, True):
+        with pytest.raises(ValueError, match="down_block"):
+            rotate_model(copy.deepcopy(model), down_block=bad)
+    with pytest.raises(ValueError, match="already has an input_rotation"):
+        rotate_model(online)
+
+
+def test_kept_layer_is_written_with_its_rotation_folded_back():
+    """A down_proj left in full precision is written as a plain Linear computing the same function
+    (transformers' nn.Linear would ignore an input_rotation key)."""
+    from marlin.quantize.writer import _state_tensors
+
+    model = small_llama()
+    plain, online = copy.deepcopy(model), copy.deepcopy(model)
+    rotate_model(plain, down_block=None)
+    rotate_model(online)
+    tensors = _state_tensors(online, {})
+    assert not any(k.endswith("input_rotation") for k in tensors)
+    for i in range(2):
+        key = f"model.layers.{i}.mlp.down_proj.weight"
+        want = plain.get_parameter(key).detach().to(torch.float16)
+        assert not torch.equal(online.get_parameter(key).detach().to(torch.float16), want)
+        assert torch.allclose(tensors[key].float(), want.float(), atol=2e-3, rtol=0)
 
 
 def test_unsupported_models_are_refused_unchanged():
@@ -112,6 +155,11 @@ def test_rotated_checkpoint_loads_and_reproduces_the_quantizer(tiny, tmp_path):
         for name, res in results.items():
             layer = loaded.get_submodule(name)
             assert isinstance(layer, MarlinLinear) and torch.equal(marlin_layer_weight(layer), res.dequantized())
+            rot = model.get_submodule(name).get_buffer("input_rotation") if name.endswith("down_proj") else None
+            if rot is None:
+                assert layer.input_rotation is None, name
+            else:
+                assert torch.equal(layer.input_rotation.cpu(), rot.to(torch.float16)), name
         loaded = loaded.float() if loaded.dtype != torch.float16 else loaded
         err, moved = output_errors(model, loaded, fp_model, samples[0])
         assert err < MODEL_TOL, f"loaded rotated checkpoint vs the quantizer's model: {err:.2e}"
@@ -124,6 +172,7 @@ def test_cli_rotate_flag_records_it(tiny, tmp_path, capsys):
     argv = [str(src), str(out), "--calib", str(calib), "--nsamples", "4", "--seqlen-range", "16:48", "--rotate"]
     assert cli.main(argv) == 0
     assert "14 layers quantized" in capsys.readouterr().out
-    assert json.loads((out / REPORT_FILE).read_text())["settings"]["rotate"] is True
+    settings = json.loads((out / REPORT_FILE).read_text())["settings"]
+    assert settings["rotate"] is True and settings["rotate_down_block"] == 64
     assert json.loads((out / "config.json").read_text())["quantization_config"]["rotated"] is True
     assert cli.build_parser().parse_args([str(src), str(out), "--calib", str(calib)]).rotate is False

@@ -85,9 +85,18 @@ def local_linear(layer: nn.Linear, in_features: int, out_features: int, weight: 
     return new
 
 
+def _refuse_input_rotation(template: nn.Module, name: str) -> None:
+    if getattr(template, "input_rotation", None) is not None:
+        raise ValueError(
+            f"{name}: the layer rotates its input online (input_rotation, from marlin-quantize --rotate), which "
+            "tensor parallelism does not shard yet; quantize without --rotate to run it on several GPUs"
+        )
+
+
 def marlin_column_shard(template: MarlinLinear, name: str, take: sh.Take, has, rank: int, world_size: int) -> MarlinLinear:
     """Rank ``rank``'s column shard of the layer ``template`` describes (it may live on the meta
     device), its tensors read with ``take(buffer, index)`` (buffers or a checkpoint)."""
+    _refuse_input_rotation(template, name)
     k, n = template.in_features, template.out_features
     plan = sh.plan_column(name, k, n, template.b_scales.shape[0], rank, world_size, _bits(template), _is_2_4(template))
     tensors = sh.column_tensors(plan, take, _words_per_column(template), has)
@@ -99,6 +108,7 @@ def marlin_row_shard(
 ) -> tuple:
     """(rank ``rank``'s row shard, its gather index or None); ``perm`` the layer's act-order
     permutation (a real tensor; the template's may be on the meta device)."""
+    _refuse_input_rotation(template, name)
     k, n = template.in_features, template.out_features
     scale_rows = template.b_scales.shape[0]
     plan = sh.plan_row(name, k, n, scale_rows, perm, rank, world_size, _bits(template), _is_2_4(template))

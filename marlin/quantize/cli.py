@@ -147,8 +147,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--rotate",
         action=argparse.BooleanOptionalAction,
         default=False,
-        help="rotate the residual stream by an orthogonal matrix folded into the weights before "
-        "quantizing (spreads outlier channels; Llama, Mistral, Qwen2; unties tied embeddings; default off)",
+        help="rotate the residual stream by an orthogonal matrix folded into the weights, and down_proj's input "
+        "online in blocks of 64 (dense layers), before quantizing (spreads outlier channels; Llama, Mistral, Qwen2; "
+        "unties tied embeddings; default off)",
     )
     p.add_argument("--overwrite", action="store_true", help="replace OUT if it exists")
     p.add_argument("--no-resume", action="store_true", help="discard the finished blocks of an interrupted run")

@@ -20,7 +20,7 @@ from ..convert.device import parse_device
 from .calib import CalibrationSpec, draw_samples, read_texts
 from .clip import DEFAULT_GRID
 from .gptq import resolve_clip_objective
-from .rotate import rotate_model
+from .rotate import DOWN_BLOCK, rotate_model
 from .runner import QuantizeConfig, find_blocks, quantize_model
 from .source import load_model, load_tokenizer, resolve_source
 from .writer import REPORT_FILE, ResumeStore, samples_fingerprint, write_checkpoint
@@ -111,7 +111,8 @@ def quantize_checkpoint(
     zero points are taken on request, sym=False): the weight format. ``sparsity``
     "2:4": prune to 2:4 jointly with the quantization (2:4 Marlin layers; group 128, 64, 32 or -1).
     ``rotate``: first rotate the residual stream by an orthogonal matrix folded into the weights
-    (marlin.quantize.rotate; Llama, Mistral, Qwen2), which unties tied embeddings.
+    and down_proj's input online in blocks of 64 (without ``sparsity``: MarlinLinear's
+    input_rotation; marlin.quantize.rotate; Llama, Mistral, Qwen2), which unties tied embeddings.
     Layers whose shapes the kernel does not take stay in full precision (listed in the report).
     Raises ValueError for bad input, before anything is loaded or written.
     """
@@ -144,8 +145,10 @@ def quantize_checkpoint(
     tokenizer = load_tokenizer(source)
     net = load_model(source, dtype=torch.float32 if dev.type == "cpu" else torch.float16)
     find_blocks(net)  # an unsupported architecture fails here, before the calibration runs
+    # down_proj's online rotation needs MarlinLinear's input_rotation, which 2:4 layers do not have
+    down_block = DOWN_BLOCK if rotate and sparsity is None else None
     if rotate:
-        rotate_model(net)
+        rotate_model(net, down_block=down_block)
     ids = tokenizer(text, return_tensors="pt", add_special_tokens=False).input_ids[0]
     samples = draw_samples(ids, spec)
 
@@ -154,6 +157,7 @@ def quantize_checkpoint(
         "sym": sym,
         "sparsity": sparsity,
         "rotate": rotate,
+        "rotate_down_block": down_block,
         "group_size": group_size,
         "act_order": act_order,
         "clip_search": clip,

@@ -18,7 +18,14 @@ and they quantize with less error. The full-precision model computes the same fu
     GPTQ per column did better without it on SmolLM2-135M at both calibration seeds measured
     (benchmarks/NOTES.md, 2026-11-27 late night).
 
-down_proj's input (after SiLU(gate) * up) cannot be rotated offline and is left alone.
+down_proj's input (after SiLU(gate) * up) cannot be rotated offline: with ``down_block`` r (64 by
+default) it is rotated online instead. Block i's down_proj gets W -> W blockdiag(R_i, ..., R_i)
+with R_i = random_hadamard(r, seed + 1000 + i), and an ``input_rotation`` buffer R_i with a
+forward pre-hook that computes x blockdiag(R_i, ...) (x viewed as [..., K / r, r] times R_i), so
+the float model still computes the same function; MarlinLinear keeps R_i (its input_rotation)
+and applies it the same way, a small batched product per call (r = 64: 64 multiply-adds per
+input, about a 1/N-th of the layer's own work). Per column on SmolLM2-135M it took GPTQ's
+perplexity increase from +5.2% to +4.5% (benchmarks/NOTES.md, 2026-11-28).
 Tied embeddings are untied: after the final norm is folded into lm_head, lm_head and the
 embedding differ, so the model's config says ``tie_word_embeddings = False`` and lm_head gets
 its own weight (the checkpoint then stores both, about vocab x hidden fp16 more).
@@ -33,15 +40,20 @@ rotated weight best); the small random factor covers a dimension that is not a p
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 from torch import nn
 
-__all__ = ["rotate_model", "random_hadamard", "SUPPORTED_MODEL_TYPES", "ROTATION_SEED"]
+__all__ = ["rotate_model", "random_hadamard", "rotate_input", "SUPPORTED_MODEL_TYPES", "ROTATION_SEED", "DOWN_BLOCK"]
 
 # Llama-style decoders with plain RMSNorm (x / rms * g; Gemma's (1 + g) and LayerNorm's mean and
 # bias are not handled) and q/k/v/o + gate/up/down projections.
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 ROTATION_SEED = 0
+# down_proj's online rotation block: a power of two (a Hadamard factor with random signs), small
+# enough that the product costs little beside the layer (SmolLM2: 1536 = 24 x 64)
+DOWN_BLOCK = 64
 
 
 def _hadamard(n: int) -> torch.Tensor:
@@ -117,6 +129,25 @@ def _read_rotated(layer: nn.Linear, q: torch.Tensor) -> None:
     _set(layer.weight, layer.weight.detach().to(torch.float64) @ q.to(layer.weight.device))
 
 
+def rotate_input(module: nn.Module, args: tuple):
+    """Forward pre-hook of a Linear with an ``input_rotation`` R [r, r]: its input x becomes
+    x blockdiag(R, ..., R) (as MarlinLinear.forward computes it)."""
+    x, *rest = args
+    r = module.input_rotation
+    y = torch.matmul(x.reshape(*x.shape[:-1], x.shape[-1] // r.shape[0], r.shape[0]), r.to(x.dtype))
+    return (y.reshape(x.shape), *rest)
+
+
+def _rotate_input_online(layer: nn.Linear, r: torch.Tensor) -> None:
+    """W -> W blockdiag(R, ...), and the layer's input is rotated by R (buffer + pre-hook), so that
+    (x blockdiag(R)) (W blockdiag(R))^T = x W^T."""
+    k = layer.in_features
+    w = layer.weight.detach().to(torch.float64).reshape(layer.out_features, k // r.shape[0], r.shape[0])
+    _set(layer.weight, (w @ r.to(w.device)).reshape(layer.out_features, k))
+    layer.register_buffer("input_rotation", r.to(dtype=layer.weight.dtype, device=layer.weight.device))
+    layer.register_forward_pre_hook(rotate_input)
+
+
 def _write_rotated(layer: nn.Linear, q: torch.Tensor) -> None:
     q = q.to(layer.weight.device)
     _set(layer.weight, q.t() @ layer.weight.detach().to(torch.float64))
@@ -159,10 +190,13 @@ def _rotate_heads(attn: nn.Module, config, seed: int) -> None:
 
 
 @torch.no_grad()
-def rotate_model(model: nn.Module, *, heads: bool = False, seed: int = ROTATION_SEED) -> None:
-    """Fold the norms into their readers and rotate the residual stream (and, with ``heads``, each
-    value head) of a Llama-style causal LM, in place; its outputs stay the same up to rounding.
-    Unties tied embeddings. ValueError for an architecture it does not handle (before any change)."""
+def rotate_model(
+    model: nn.Module, *, heads: bool = False, down_block: Optional[int] = DOWN_BLOCK, seed: int = ROTATION_SEED
+) -> None:
+    """Fold the norms into their readers and rotate the residual stream (with ``heads``, each
+    value head too; with ``down_block`` r, down_proj's input online in blocks of r, None: not) of
+    a Llama-style causal LM, in place; its outputs stay the same up to rounding. Unties tied
+    embeddings. ValueError for an architecture or shape it does not handle (before any change)."""
     embed, blocks, final_norm, head = _decoder_parts(model)
     q = random_hadamard(model.config.hidden_size, seed)
     if embed.weight.shape[1] != q.shape[0]:
@@ -179,6 +213,16 @@ def rotate_model(model: nn.Module, *, heads: bool = False, seed: int = ROTATION_
             raise ValueError(f"rotate: block {i}: {', '.join(bad)}, expected the residual width {hidden} (hidden_size)")
         if heads:
             _head_shape(attn, model.config)
+        if down_block is not None and (
+            isinstance(down_block, bool) or not isinstance(down_block, int) or down_block <= 0
+            or (down_block & (down_block - 1)) or mlp.down_proj.in_features % down_block
+        ):
+            raise ValueError(
+                f"rotate: down_block = {down_block!r}, expected a power of two dividing down_proj.in_features = "
+                f"{mlp.down_proj.in_features} (block {i}), or None"
+            )
+        if down_block is not None and hasattr(mlp.down_proj, "input_rotation"):
+            raise ValueError(f"rotate: block {i}'s down_proj already has an input_rotation (rotated twice?)")
     if head.in_features != hidden:
         raise ValueError(f"rotate: lm_head.in_features = {head.in_features}, expected the residual width {hidden}")
     if head.weight is embed.weight or head.weight.data_ptr() == embed.weight.data_ptr():
@@ -188,7 +232,7 @@ def rotate_model(model: nn.Module, *, heads: bool = False, seed: int = ROTATION_
             config.tie_word_embeddings = False
 
     _set(embed.weight, embed.weight.detach().to(torch.float64) @ q.to(embed.weight.device))
-    for block in blocks:
+    for i, block in enumerate(blocks):
         attn, mlp = block.self_attn, block.mlp
         _fold_norm(block.input_layernorm, (attn.q_proj, attn.k_proj, attn.v_proj))
         _fold_norm(block.post_attention_layernorm, (mlp.gate_proj, mlp.up_proj))
@@ -198,5 +242,7 @@ def rotate_model(model: nn.Module, *, heads: bool = False, seed: int = ROTATION_
             _write_rotated(layer, q)
         if heads:
             _rotate_heads(attn, model.config, seed)
+        if down_block is not None:
+            _rotate_input_online(mlp.down_proj, random_hadamard(down_block, seed + 1000 + i))
     _fold_norm(final_norm, (head,))
     _read_rotated(head, q)

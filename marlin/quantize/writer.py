@@ -162,6 +162,16 @@ def _state_tensors(model: nn.Module, results: dict) -> dict:
     quantized_keys = {f"{name}.{s}" for name in results for s in ("weight", "bias")}
     for name, res in results.items():
         out.update(_marlin_tensors(name, res, state.get(f"{name}.bias")))
+    # a layer kept in full precision whose input is rotated online (marlin.quantize.rotate) is
+    # written as a plain Linear: the rotation folded back into its weight, W blockdiag(R)^T, since
+    # transformers' nn.Linear would ignore an input_rotation key
+    for name, module in model.named_modules():
+        rot = getattr(module, "input_rotation", None)
+        if name not in results and isinstance(module, nn.Linear) and isinstance(rot, torch.Tensor):
+            r = rot.detach().to(torch.float64)
+            w = module.weight.detach().to(torch.float64).reshape(module.out_features, -1, r.shape[0])
+            out[f"{name}.weight"] = (w @ r.t()).reshape(module.out_features, module.in_features).to(torch.float16)
+            quantized_keys |= {f"{name}.weight", f"{name}.input_rotation"}
     for key, tensor in state.items():
         if key in quantized_keys:
             continue
