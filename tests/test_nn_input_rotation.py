@@ -97,3 +97,16 @@ def test_layers_that_cannot_carry_it_refuse_it():
 
 def test_cpu_reference_op_is_what_runs():
     assert ops.check_shape(K, N, 64, 4) is None  # the shapes above are ones the kernel takes
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_forward_eager_and_compiled_match_the_cpu_layer():
+    layer = MarlinLinear.from_linear(rotated_linear(), group_size=64, sym=False)
+    x = torch.randn(9, K, generator=torch.Generator().manual_seed(6)).half()
+    y_cpu = layer(x).double()
+    layer.cuda()
+    y = layer(x.cuda())
+    assert float((y.cpu().double() - y_cpu).abs().max() / y_cpu.abs().max()) < 2e-3
+    compiled = torch.compile(layer, fullgraph=True)
+    got = compiled(x.cuda()).double()  # inductor may run the small product its own way: one rounding apart
+    assert float((got - y.double()).abs().max() / y.double().abs().max()) < 2e-3
