@@ -83,16 +83,49 @@ def test_layers_that_cannot_carry_it_refuse_it():
     with pytest.raises(ValueError, match="MarlinLinear24.from_linear: the Linear rotates its input online"):
         MarlinLinear24.from_linear(lin, group_size=128)
     layer = MarlinLinear.from_linear(lin, group_size=64)
-    for shard in (lambda: marlin_column_shard(layer, "mlp.down_proj", None, None, 0, 2),
-                  lambda: marlin_row_shard(layer, "mlp.down_proj", None, None, None, 0, 2)):
-        with pytest.raises(ValueError, match="mlp.down_proj: the layer rotates its input online"):
-            shard()
     parent = nn.Module()
     parent.gate_proj = layer
     parent.up_proj = MarlinLinear.from_linear(rotated_linear(1), group_size=64)
     report = fuse_projections(parent)
     assert any("input rotation" in why for _, why in report.skipped), report.skipped
     assert isinstance(parent.gate_proj, MarlinLinear)
+
+
+@pytest.mark.parametrize("act_order", [None, "aligned"])
+def test_tensor_parallel_shards_keep_the_rotation(act_order):
+    """Column shards keep R (the whole input); row shards rotate their own slice of whole blocks:
+    the ranks' partial sums add up to the full layer (no process group needed for the shards)."""
+    layer = MarlinLinear.from_linear(rotated_linear(), group_size=64, sym=False)
+    if act_order == "aligned":  # each group's rows inside one rank's half of K, groups interleaved
+        gen = torch.Generator().manual_seed(3)
+        halves = [torch.randperm(K // 2, generator=gen) + h * K // 2 for h in range(2)]
+        groups = [halves[g % 2][(g // 2) * 64:(g // 2 + 1) * 64] for g in range(K // 64)]
+        layer.perm = torch.cat(groups).to(torch.int32)
+    x = torch.randn(5, K, generator=torch.Generator().manual_seed(4)).half()
+    full = layer(x).double()
+    take, has = (lambda name, index: getattr(layer, name)[index]), (lambda name: getattr(layer, name, None) is not None)
+    cols = [marlin_column_shard(layer, "up", take, has, r, 2) for r in range(2)]
+    assert all(torch.equal(c.input_rotation, layer.input_rotation) for c in cols)
+    got = torch.cat([c(x) for c in cols], dim=-1).double()
+    assert float((got - full).abs().max() / full.abs().max()) < 2e-3
+    total = layer.bias.double().clone()
+    for r in range(2):
+        local, gather = marlin_row_shard(layer, "down", take, has, layer.perm, r, 2)
+        assert gather is None and torch.equal(local.input_rotation, layer.input_rotation)
+        total = total + local(x[:, r * K // 2:(r + 1) * K // 2].contiguous()).double()
+    assert float((total - full).abs().max() / full.abs().max()) < 3e-3
+
+
+def test_row_shards_that_cannot_rotate_their_slice_are_refused():
+    layer = MarlinLinear.from_linear(rotated_linear(r=128), group_size=64)
+    take, has = (lambda name, index: getattr(layer, name)[index]), (lambda name: getattr(layer, name, None) is not None)
+    with pytest.raises(ValueError, match=r"down: the rank's input slice \[64, 128\) is not made of whole blocks"):
+        marlin_row_shard(layer, "down", take, has, None, 1, 4)
+    layer = MarlinLinear.from_linear(rotated_linear(), group_size=64)
+    straddling = torch.randperm(K, generator=torch.Generator().manual_seed(5)).to(torch.int32)
+    layer.perm = straddling
+    with pytest.raises(ValueError, match="down: the layer rotates its input online .* act-order groups straddle"):
+        marlin_row_shard(layer, "down", take, has, straddling, 0, 2)
 
 
 def test_cpu_reference_op_is_what_runs():

@@ -124,9 +124,10 @@ def layers_scenario(rank: int, world_size: int, group_size: int) -> None:
         assert rel_err(split(h_full), down(h_full)) < TOL, f"row-parallel on the full input, act-order {what}"
 
 
-def tiny_llama(world_size: int, act_order: bool, dtype: torch.dtype = torch.float16):
+def tiny_llama(world_size: int, act_order: bool, dtype: torch.dtype = torch.float16, rotate: bool = False):
     """The same random tiny Llama with Marlin layers on every rank (seeded), in ``dtype``; with
-    act-order, o_proj of layer 0 gets an aligned permutation and every other layer a straddling one."""
+    act-order, o_proj of layer 0 gets an aligned permutation and every other layer a straddling one;
+    with ``rotate``, rotated first as marlin-quantize --rotate does (down_proj keeps an input_rotation)."""
     import transformers
 
     config = transformers.LlamaConfig(
@@ -140,6 +141,10 @@ def tiny_llama(world_size: int, act_order: bool, dtype: torch.dtype = torch.floa
     )
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(config).to(dtype).eval()
+    if rotate:
+        from marlin.quantize.rotate import rotate_model
+
+        rotate_model(model)
     marlin.replace_linear(model, group_size=128)
     model.to(DEVICE)
     if act_order:
@@ -305,6 +310,34 @@ def all_models_scenario(rank: int, world_size: int, directory: str) -> None:
     # the other GPTQ formats load_sharded converts per rank: zero points in groups of 64, 8 bits with act-order
     load_gptq_scenario(rank, world_size, (str(Path(directory) / "gptq-zp"), False, 4, False, 64))
     load_gptq_scenario(rank, world_size, (str(Path(directory) / "gptq-u8"), True, 8, True, 128))
+    rotated_scenario(rank, world_size, str(Path(directory) / "marlin-rotated"))
+
+
+def rotated_scenario(rank: int, world_size: int, directory: str) -> None:
+    """A rotated tiny Llama (marlin-quantize --rotate's layers: down_proj rotates its input online):
+    tensor_parallel of the model and load_sharded of its checkpoint give the unsharded logits, each
+    row shard of down_proj rotating its own slice of whole 64-input blocks."""
+    from marlin.parallel.loader import load_sharded
+
+    model = tiny_llama(world_size, False, rotate=True)
+    assert model.model.layers[1].mlp.down_proj.input_rotation is not None
+    ref_prompt, ref_step = prompt_and_step(model)
+    if rank == 0:
+        save_marlin_checkpoint(model, directory)
+    dist.barrier()
+    for what in ("load_sharded", "tensor_parallel"):
+        if what == "load_sharded":
+            m = load_sharded(directory, device=DEVICE, plan=LLAMA_PLAN)
+        else:
+            m = tiny_llama(world_size, False, rotate=True)
+            marlin.tensor_parallel(m, LLAMA_PLAN)
+        down = m.model.layers[1].mlp.down_proj
+        assert isinstance(down, RowParallelLinear) and down.local.input_rotation is not None, what
+        want = model.model.layers[1].mlp.down_proj.input_rotation
+        assert torch.equal(down.local.input_rotation.to(want.device), want), what
+        prompt, step = prompt_and_step(m)
+        err_prompt, err_step = rel_err(prompt, ref_prompt), rel_err(step, ref_step)
+        assert err_prompt < MODEL_TOL and err_step < MODEL_TOL, (what, err_prompt, err_step)
 
 
 def sparse_scenario(rank: int, world_size: int, directory: str) -> None:
@@ -367,6 +400,7 @@ SCENARIOS = {
     "llama": llama_scenario,
     "load": load_scenario,
     "load_gptq": load_gptq_scenario,
+    "rotated": rotated_scenario,
     "all_layers": all_layers_scenario,
     "all_models": all_models_scenario,
     "sparse": sparse_scenario,

@@ -85,21 +85,44 @@ def local_linear(layer: nn.Linear, in_features: int, out_features: int, weight: 
     return new
 
 
-def _refuse_input_rotation(template: nn.Module, name: str) -> None:
-    if getattr(template, "input_rotation", None) is not None:
+def _rotation_tensor(template: nn.Module, take: sh.Take, has) -> dict:
+    """{"input_rotation": R} where the layer rotates its input online (marlin-quantize --rotate),
+    else {}. R [r, r] acts on each block of r inputs, so every rank keeps all of it: a column
+    shard has the whole input, a row shard a slice of whole blocks (_check_row_rotation)."""
+    if getattr(template, "input_rotation", None) is None:
+        return {}
+    if not has("input_rotation"):
+        raise ValueError("the layer has an input_rotation but its source has no input_rotation tensor")
+    return {"input_rotation": take("input_rotation", (slice(None), slice(None)))}
+
+
+def _check_row_rotation(template: nn.Module, name: str, plan: sh.RowShard) -> None:
+    """A row shard of a layer with an input rotation: the rank's input slice [k0, k1) must be made of
+    whole rotation blocks, and the rank must rotate its own slice (not a gathered, permuted input)."""
+    rot = getattr(template, "input_rotation", None)
+    if rot is None:
+        return
+    r = rot.shape[0]
+    if plan.gather_index is not None:
         raise ValueError(
-            f"{name}: the layer rotates its input online (input_rotation, from marlin-quantize --rotate), which "
-            "tensor parallelism does not shard yet; quantize without --rotate to run it on several GPUs"
+            f"{name}: the layer rotates its input online (input_rotation, marlin-quantize --rotate) and its act-order "
+            "groups straddle the ranks' input slices (the rank would need the rotated full input); not supported: "
+            "quantize it without --act-order or --rotate, or use fewer ranks"
+        )
+    if plan.k0 % r or plan.k1 % r:
+        raise ValueError(
+            f"{name}: the rank's input slice [{plan.k0}, {plan.k1}) is not made of whole blocks of the layer's "
+            f"{r}-wide input rotation; use a world size that splits in_features = {plan.k} into multiples of {r}"
         )
 
 
 def marlin_column_shard(template: MarlinLinear, name: str, take: sh.Take, has, rank: int, world_size: int) -> MarlinLinear:
     """Rank ``rank``'s column shard of the layer ``template`` describes (it may live on the meta
     device), its tensors read with ``take(buffer, index)`` (buffers or a checkpoint)."""
-    _refuse_input_rotation(template, name)
     k, n = template.in_features, template.out_features
     plan = sh.plan_column(name, k, n, template.b_scales.shape[0], rank, world_size, _bits(template), _is_2_4(template))
     tensors = sh.column_tensors(plan, take, _words_per_column(template), has)
+    tensors.update(_rotation_tensor(template, take, has))
     return local_marlin(template, k, plan.out_features, tensors)
 
 
@@ -108,11 +131,12 @@ def marlin_row_shard(
 ) -> tuple:
     """(rank ``rank``'s row shard, its gather index or None); ``perm`` the layer's act-order
     permutation (a real tensor; the template's may be on the meta device)."""
-    _refuse_input_rotation(template, name)
     k, n = template.in_features, template.out_features
     scale_rows = template.b_scales.shape[0]
     plan = sh.plan_row(name, k, n, scale_rows, perm, rank, world_size, _bits(template), _is_2_4(template))
+    _check_row_rotation(template, name, plan)
     tensors = sh.row_tensors(plan, take, scale_rows, has)
+    tensors.update(_rotation_tensor(template, take, has))
     local = local_marlin(template, plan.in_features, n, tensors)
     if sh.single_group(plan, template.group_size):
         local.group_size = -1  # one group per shard: stored as per-column scales
