@@ -128,6 +128,14 @@ def test_row_shards_that_cannot_rotate_their_slice_are_refused():
         marlin_row_shard(layer, "down", take, has, straddling, 0, 2)
 
 
+def test_torch_compile_fullgraph_traces_the_rotation():
+    """No graph break from the rotation (aot_eager on the CPU: the tracing, as test_nn's)."""
+    layer = MarlinLinear.from_linear(rotated_linear(), group_size=64)
+    x = torch.randn(2, 3, K, generator=torch.Generator().manual_seed(7)).half()
+    compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")
+    assert torch.equal(compiled(x), layer(x))
+
+
 def test_cpu_reference_op_is_what_runs():
     assert ops.check_shape(K, N, 64, 4) is None  # the shapes above are ones the kernel takes
 
