@@ -24,6 +24,14 @@ def new_workspace(device: torch.device) -> torch.Tensor:
     return torch.zeros(1, dtype=torch.int32, device=device)
 
 
+def rotate_blocks(x: torch.Tensor, rotation: torch.Tensor) -> torch.Tensor:
+    """x [..., K] with every block of r consecutive features multiplied by ``rotation`` [r, r]:
+    x blockdiag(R, ..., R), one batched product (MarlinLinear's input_rotation and the float
+    model's pre-hook of marlin.quantize.rotate compute it alike)."""
+    r = rotation.shape[0]
+    return torch.matmul(x.reshape(*x.shape[:-1], x.shape[-1] // r, r), rotation.to(x.dtype)).reshape(x.shape)
+
+
 def float_weight(linear: nn.Module) -> torch.Tensor:
     """The weight of the nn.Linear that from_linear quantizes; TypeError / ValueError when there is none to read."""
     if not isinstance(linear, nn.Linear):

@@ -123,8 +123,10 @@ def _rotation_block(ckpt: SafetensorsDir, prefix: str, k: int, dtype: torch.dtyp
     rot = ckpt.tensors.get(f"{prefix}.input_rotation")
     if rot is None:
         return None
+    from .nn import _rotation_block_problem
+
     shape = tuple(rot.shape)
-    if len(shape) != 2 or shape[0] != shape[1] or shape[0] <= 0 or k % shape[0] or rot.dtype != dtype:
+    if len(shape) != 2 or shape[0] != shape[1] or _rotation_block_problem(shape[0], k) or rot.dtype != dtype:
         raise ConversionError(
             f"{prefix}.input_rotation: dtype {rot.dtype} shape {list(shape)}, expected {dtype} [r, r] with r dividing "
             f"K = {k}"

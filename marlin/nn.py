@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from . import ops, packing
-from ._layer_common import QuantizedLinearBase
+from ._layer_common import QuantizedLinearBase, rotate_blocks
 from ._layer_common import new_workspace as _new_workspace  # noqa: F401  (also imported from here by other modules)
 from .hf import load_quantized
 
@@ -244,8 +244,7 @@ class MarlinLinear(QuantizedLinearBase):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         a = self._flat_input(x, self.dtype)
         if self.input_rotation is not None:
-            r = self.input_rotation.shape[0]
-            a = torch.matmul(a.reshape(a.shape[0], -1, r), self.input_rotation).reshape(a.shape[0], -1)
+            a = rotate_blocks(a, self.input_rotation)
         if self.perm is not None:
             a = a.index_select(1, self.perm)
         y = ops.gemm(a, self.b_q, self.b_scales, self.workspace, b_zeros=self.b_zeros, bits=self.bits)

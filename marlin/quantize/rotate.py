@@ -45,6 +45,8 @@ from typing import Optional
 import torch
 from torch import nn
 
+from .._layer_common import rotate_blocks
+
 __all__ = ["rotate_model", "random_hadamard", "rotate_input", "SUPPORTED_MODEL_TYPES", "ROTATION_SEED", "DOWN_BLOCK"]
 
 # Llama-style decoders with plain RMSNorm (x / rms * g; Gemma's (1 + g) and LayerNorm's mean and
@@ -133,9 +135,7 @@ def rotate_input(module: nn.Module, args: tuple):
     """Forward pre-hook of a Linear with an ``input_rotation`` R [r, r]: its input x becomes
     x blockdiag(R, ..., R) (as MarlinLinear.forward computes it)."""
     x, *rest = args
-    r = module.input_rotation
-    y = torch.matmul(x.reshape(*x.shape[:-1], x.shape[-1] // r.shape[0], r.shape[0]), r.to(x.dtype))
-    return (y.reshape(x.shape), *rest)
+    return (rotate_blocks(x, module.input_rotation), *rest)
 
 
 def _rotate_input_online(layer: nn.Linear, r: torch.Tensor) -> None:
