@@ -116,16 +116,31 @@ def test_tensor_parallel_shards_keep_the_rotation(act_order):
     assert float((total - full).abs().max() / full.abs().max()) < 3e-3
 
 
-def test_row_shards_that_cannot_rotate_their_slice_are_refused():
+def test_row_shards_of_blocks_the_rank_does_not_hold_whole_are_refused():
     layer = MarlinLinear.from_linear(rotated_linear(r=128), group_size=64)
     take, has = (lambda name, index: getattr(layer, name)[index]), (lambda name: getattr(layer, name, None) is not None)
     with pytest.raises(ValueError, match=r"down: the rank's input slice \[64, 128\) is not made of whole blocks"):
         marlin_row_shard(layer, "down", take, has, None, 1, 4)
-    layer = MarlinLinear.from_linear(rotated_linear(), group_size=64)
-    straddling = torch.randperm(K, generator=torch.Generator().manual_seed(5)).to(torch.int32)
-    layer.perm = straddling
-    with pytest.raises(ValueError, match="down: the layer rotates its input online .* act-order groups straddle"):
-        marlin_row_shard(layer, "down", take, has, straddling, 0, 2)
+
+
+def test_gathering_row_shards_rotate_the_full_input(monkeypatch):
+    """Act-order groups straddling the ranks: each rank gathers the full input and picks its rows;
+    the RowParallelLinear rotates the gathered input first (its local layer does not), and the
+    ranks' partial sums add up to the full layer (the all-reduce replaced by a sum here)."""
+    import marlin.parallel.layers as L
+
+    monkeypatch.setattr(L, "all_reduce_sum", lambda y, group, world_size: y)
+    layer = MarlinLinear.from_linear(rotated_linear(), group_size=64, sym=False)
+    layer.perm = torch.randperm(K, generator=torch.Generator().manual_seed(5)).to(torch.int32)
+    x = torch.randn(4, K, generator=torch.Generator().manual_seed(6)).half()
+    full = layer(x).double()
+    total = torch.zeros_like(full)
+    for r in range(2):
+        row = L.RowParallelLinear.from_layer(layer, "down", input_is_parallel=False, rank=r, world_size=2)
+        assert row.gather_index is not None and row.local.input_rotation is None
+        assert torch.equal(row.input_rotation, layer.input_rotation)
+        total += row(x).double() - (layer.bias.double() if r else 0)  # the bias is added on every rank
+    assert float((total - full).abs().max() / full.abs().max()) < 3e-3
 
 
 def test_torch_compile_fullgraph_traces_the_rotation():

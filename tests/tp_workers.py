@@ -315,29 +315,38 @@ def all_models_scenario(rank: int, world_size: int, directory: str) -> None:
 
 def rotated_scenario(rank: int, world_size: int, directory: str) -> None:
     """A rotated tiny Llama (marlin-quantize --rotate's layers: down_proj rotates its input online):
-    tensor_parallel of the model and load_sharded of its checkpoint give the unsharded logits, each
-    row shard of down_proj rotating its own slice of whole 64-input blocks."""
+    tensor_parallel of the model and load_sharded of its checkpoint give the unsharded logits.
+    Without act-order each row shard of down_proj rotates its own slice of whole 64-input blocks;
+    with (straddling groups) the RowParallelLinear rotates the gathered full input."""
+    from pathlib import Path
+
     from marlin.parallel.loader import load_sharded
 
-    model = tiny_llama(world_size, False, rotate=True)
-    assert model.model.layers[1].mlp.down_proj.input_rotation is not None
-    ref_prompt, ref_step = prompt_and_step(model)
-    if rank == 0:
-        save_marlin_checkpoint(model, directory)
-    dist.barrier()
-    for what in ("load_sharded", "tensor_parallel"):
-        if what == "load_sharded":
-            m = load_sharded(directory, device=DEVICE, plan=LLAMA_PLAN)
-        else:
-            m = tiny_llama(world_size, False, rotate=True)
-            marlin.tensor_parallel(m, LLAMA_PLAN)
-        down = m.model.layers[1].mlp.down_proj
-        assert isinstance(down, RowParallelLinear) and down.local.input_rotation is not None, what
+    for act_order in (False, True):
+        model = tiny_llama(world_size, act_order, rotate=True)
         want = model.model.layers[1].mlp.down_proj.input_rotation
-        assert torch.equal(down.local.input_rotation.to(want.device), want), what
-        prompt, step = prompt_and_step(m)
-        err_prompt, err_step = rel_err(prompt, ref_prompt), rel_err(step, ref_step)
-        assert err_prompt < MODEL_TOL and err_step < MODEL_TOL, (what, err_prompt, err_step)
+        assert want is not None
+        ref_prompt, ref_step = prompt_and_step(model)
+        where = Path(directory) / f"act-order-{act_order}"
+        if rank == 0:
+            save_marlin_checkpoint(model, where)
+        dist.barrier()
+        for what in ("load_sharded", "tensor_parallel"):
+            if what == "load_sharded":
+                m = load_sharded(where, device=DEVICE, plan=LLAMA_PLAN)
+            else:
+                m = tiny_llama(world_size, act_order, rotate=True)
+                marlin.tensor_parallel(m, LLAMA_PLAN)
+            down = m.model.layers[1].mlp.down_proj
+            gathers = act_order and world_size > 1
+            assert isinstance(down, RowParallelLinear) and (down.gather_index is not None) == gathers, what
+            holder = down if gathers else down.local  # who rotates: the wrapper (gathered input) or the shard
+            other = down.local if gathers else down
+            assert torch.equal(holder.input_rotation.to(want.device), want) and other.input_rotation is None, what
+            prompt, step = prompt_and_step(m)
+            err_prompt, err_step = rel_err(prompt, ref_prompt), rel_err(step, ref_step)
+            assert err_prompt < MODEL_TOL and err_step < MODEL_TOL, (what, act_order, err_prompt, err_step)
+
 
 
 def sparse_scenario(rank: int, world_size: int, directory: str) -> None:

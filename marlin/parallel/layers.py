@@ -26,7 +26,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from .._layer_common import new_workspace
+from .._layer_common import new_workspace, rotate_blocks
 from ..nn import MarlinLinear
 from ..sparse_nn import MarlinLinear24
 from . import shard as sh
@@ -97,18 +97,13 @@ def _rotation_tensor(template: nn.Module, take: sh.Take, has) -> dict:
 
 
 def _check_row_rotation(template: nn.Module, name: str, plan: sh.RowShard) -> None:
-    """A row shard of a layer with an input rotation: the rank's input slice [k0, k1) must be made of
-    whole rotation blocks, and the rank must rotate its own slice (not a gathered, permuted input)."""
+    """A row shard of a layer with an input rotation that rotates its own input slice [k0, k1) (no
+    gather): the slice must be made of whole rotation blocks. (A gathering shard rotates the
+    gathered full input: RowParallelLinear.)"""
     rot = getattr(template, "input_rotation", None)
-    if rot is None:
+    if rot is None or plan.gather_index is not None:
         return
     r = rot.shape[0]
-    if plan.gather_index is not None:
-        raise ValueError(
-            f"{name}: the layer rotates its input online (input_rotation, marlin-quantize --rotate) and its act-order "
-            "groups straddle the ranks' input slices (the rank would need the rotated full input); not supported: "
-            "quantize it without --act-order or --rotate, or use fewer ranks"
-        )
     if plan.k0 % r or plan.k1 % r:
         raise ValueError(
             f"{name}: the rank's input slice [{plan.k0}, {plan.k1}) is not made of whole blocks of the layer's "
@@ -271,6 +266,13 @@ class RowParallelLinear(_ShardedLinear):
         # Indices into the full input (act-order groups straddling the slices), or None.
         idx = None if gather_index is None else gather_index.to(device=_device_of(local), dtype=torch.int64)
         self.register_buffer("gather_index", idx)
+        # A local layer with an input rotation (marlin-quantize --rotate) whose rows are gathered
+        # from anywhere in K: the rotation acts on the full input's blocks, so this wrapper rotates
+        # the gathered input before picking the rows, and the local layer does not.
+        rot = getattr(local, "input_rotation", None) if idx is not None else None
+        if rot is not None:
+            local.input_rotation = None
+        self.register_buffer("input_rotation", rot)
 
     @classmethod
     def from_layer(
@@ -310,6 +312,8 @@ class RowParallelLinear(_ShardedLinear):
         if self.gather_index is not None:
             if self.input_is_parallel:
                 x = all_gather_last(x, self.group, self.world_size)
+            if self.input_rotation is not None:
+                x = rotate_blocks(x, self.input_rotation)
             x = x.index_select(-1, self.gather_index)
         elif not self.input_is_parallel and self.world_size > 1:
             x = x[..., self.k0 : self.k1]
