@@ -141,9 +141,7 @@ def rotate_input(module: nn.Module, args: tuple):
 def _rotate_input_online(layer: nn.Linear, r: torch.Tensor) -> None:
     """W -> W blockdiag(R, ...), and the layer's input is rotated by R (buffer + pre-hook), so that
     (x blockdiag(R)) (W blockdiag(R))^T = x W^T."""
-    k = layer.in_features
-    w = layer.weight.detach().to(torch.float64).reshape(layer.out_features, k // r.shape[0], r.shape[0])
-    _set(layer.weight, (w @ r.to(w.device)).reshape(layer.out_features, k))
+    _set(layer.weight, rotate_blocks(layer.weight.detach().to(torch.float64), r.to(layer.weight.device)))
     layer.register_buffer("input_rotation", r.to(dtype=layer.weight.dtype, device=layer.weight.device))
     layer.register_forward_pre_hook(rotate_input)
 
@@ -202,6 +200,10 @@ def rotate_model(
     if embed.weight.shape[1] != q.shape[0]:
         raise ValueError(f"rotate: embedding width {embed.weight.shape[1]} != hidden_size {q.shape[0]}")
     hidden = q.shape[0]
+    if down_block is not None and (
+        isinstance(down_block, bool) or not isinstance(down_block, int) or down_block <= 0 or down_block & (down_block - 1)
+    ):
+        raise ValueError(f"rotate: down_block = {down_block!r}, expected a power of two dividing down_proj's in_features, or None")
     for i, block in enumerate(blocks):  # every check before the first change
         attn, mlp = block.self_attn, block.mlp
         readers = {n: getattr(attn, n) for n in ("q_proj", "k_proj", "v_proj")} | {
@@ -213,13 +215,10 @@ def rotate_model(
             raise ValueError(f"rotate: block {i}: {', '.join(bad)}, expected the residual width {hidden} (hidden_size)")
         if heads:
             _head_shape(attn, model.config)
-        if down_block is not None and (
-            isinstance(down_block, bool) or not isinstance(down_block, int) or down_block <= 0
-            or (down_block & (down_block - 1)) or mlp.down_proj.in_features % down_block
-        ):
+        if down_block is not None and mlp.down_proj.in_features % down_block:
             raise ValueError(
-                f"rotate: down_block = {down_block!r}, expected a power of two dividing down_proj.in_features = "
-                f"{mlp.down_proj.in_features} (block {i}), or None"
+                f"rotate: down_block = {down_block} does not divide block {i}'s down_proj.in_features = "
+                f"{mlp.down_proj.in_features}"
             )
         if down_block is not None and hasattr(mlp.down_proj, "input_rotation"):
             raise ValueError(f"rotate: block {i}'s down_proj already has an input_rotation (rotated twice?)")

@@ -37,6 +37,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from .. import ops, packing, sparse
+from .._layer_common import rotate_blocks
 from ..convert.checkpoint import write_json
 from ..convert.converter import MARLIN_FORMAT
 from ..convert.staging import replace_file, staged_directory
@@ -168,9 +169,8 @@ def _state_tensors(model: nn.Module, results: dict) -> dict:
     for name, module in model.named_modules():
         rot = getattr(module, "input_rotation", None)
         if name not in results and isinstance(module, nn.Linear) and isinstance(rot, torch.Tensor):
-            r = rot.detach().to(torch.float64)
-            w = module.weight.detach().to(torch.float64).reshape(module.out_features, -1, r.shape[0])
-            out[f"{name}.weight"] = (w @ r.t()).reshape(module.out_features, module.in_features).to(torch.float16)
+            w = rotate_blocks(module.weight.detach().to(torch.float64), rot.detach().to(torch.float64).t())
+            out[f"{name}.weight"] = w.to(torch.float16)
             quantized_keys |= {f"{name}.weight", f"{name}.input_rotation"}
     for key, tensor in state.items():
         if key in quantized_keys:
@@ -248,8 +248,8 @@ def write_checkpoint(
         "sparsity": settings.get("sparsity"),
         "group_size": settings["group_size"],
         "desc_act": bool(settings.get("act_order", False)),
-        # the weights act on a rotated residual stream (marlin.quantize.rotate); the model needs
-        # nothing at run time (the rotation is in the weights), but its tensors are not the source's
+        # the weights act on a rotated residual stream (marlin.quantize.rotate): folded into the
+        # weights, except down_proj's input, which its layers rotate at run time (input_rotation)
         "rotated": bool(settings.get("rotate", False)),
         "quantizer": "marlin-quantize",
         "settings": settings,
