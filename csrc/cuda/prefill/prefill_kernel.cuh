@@ -186,14 +186,22 @@ __global__ void __launch_bounds__(PrefillShape<>::kThreads, 1) marlin_prefill_ke
   const int parts = max(1, p.split_parts);
   const int split_first = parts > 1 ? p.split_first : tiles;
   const int units = split_first + (tiles - split_first) * parts;
-  // unit -> its tile, its part and the tile's parts
-  auto unit_tile = [&](int u, int& tile, int& part) -> int {
-    if (u < split_first) {
-      tile = u, part = 0;
-      return 1;
+  // unit u: its tile's origin, its stages [kt0, kt1), and for a tile in parts its index among the
+  // split tiles (its lock counter and partial slots) and its part (split_tile < 0: a whole tile)
+  struct Unit {
+    int m0, n0, kt0, kt1, split_tile, part;
+  };
+  auto unit_at = [&](int u) {
+    Unit w{0, 0, 0, k_tiles, -1, 0};
+    int tile = u;
+    if (u >= split_first) {
+      w.split_tile = (u - split_first) / parts, w.part = (u - split_first) % parts;
+      tile = split_first + w.split_tile;
+      w.kt0 = w.part * k_tiles / parts, w.kt1 = (w.part + 1) * k_tiles / parts;
     }
-    tile = split_first + (u - split_first) / parts, part = (u - split_first) % parts;
-    return parts;
+    w.m0 = (tile % m_tiles) * S::kTileM;
+    w.n0 = (tile / m_tiles) * S::kTileN;
+    return w;
   };
   // log2 of the group size in rows of K (5, 6, 7)
   const int group_log2 = p.group_shift + 4;
@@ -219,16 +227,13 @@ __global__ void __launch_bounds__(PrefillShape<>::kThreads, 1) marlin_prefill_ke
     const int bytes = S::kActBytes + S::kPackedBytes + S::kMetaBytes + group_rows * S::kScaleRowBytes * (ZP ? 2 : 1);
     int it = 0;
     for (int unit = blockIdx.x; unit < units; unit += gridDim.x) {
-      int tile, part;
-      const int tile_parts = unit_tile(unit, tile, part);
-      const int m0 = (tile % m_tiles) * S::kTileM;
-      const int n0 = (tile / m_tiles) * S::kTileN;
+      const Unit w = unit_at(unit);
+      const int m0 = w.m0, n0 = w.n0;
       // the block's two 16 x 64 tiles of 4 k16 rows: one box of [4][256 words] (4-bit), or one per
       // tile (8-bit: a box row is at most 256 elements); 2:4: the two chunks' values of 2 strips,
       // a box of [2][256 words], and their metadata, [2][128 words]
       const int wx = 2 * S::kTileWords * (n0 / S::kTileN);
-      const int kt_end = (part + 1) * k_tiles / tile_parts;
-      for (int kt = part * k_tiles / tile_parts; kt < kt_end; kt++, it++) {
+      for (int kt = w.kt0; kt < w.kt1; kt++, it++) {
         const int wy = SPARSE ? 2 * kt : 4 * kt;  // the stage's first row of b_q (and b_meta)
         const int slot = it % S::kStages;
         if (it >= S::kStages) mbar_wait(&empty[slot], (it / S::kStages - 1) & 1);  // both consumers are done with it
@@ -339,11 +344,9 @@ __global__ void __launch_bounds__(PrefillShape<>::kThreads, 1) marlin_prefill_ke
   const int ct = tid - 128;  // consumer thread 0..255
   int it = 0;
   for (int unit = blockIdx.x; unit < units; unit += gridDim.x) {
-    int tile, part;
-    const int tile_parts = unit_tile(unit, tile, part);
-    const int m0 = (tile % m_tiles) * S::kTileM;
-    const int n0 = (tile / m_tiles) * S::kTileN;
-    const int n_k = (part + 1) * k_tiles / tile_parts - part * k_tiles / tile_parts;  // stages of this unit, >= 1
+    const Unit w = unit_at(unit);
+    const int m0 = w.m0, n0 = w.n0;
+    const int n_k = w.kt1 - w.kt0;  // stages of this unit, >= 1
 #pragma unroll
     for (int i = 0; i < 128; i++) acc[i] = 0.f;
     mbar_wait(&full[it % S::kStages], (it / S::kStages) & 1);
@@ -360,14 +363,14 @@ __global__ void __launch_bounds__(PrefillShape<>::kThreads, 1) marlin_prefill_ke
 #pragma unroll
     for (int i = 0; i < 128; i++) fence_operand(acc[i]);
 
-    if (tile_parts > 1) {
+    if (w.split_tile >= 0) {
       // This unit's partial, float4 i of consumer thread ct at [i][ct] (a warp's stores are 512
       // contiguous bytes), past L1; then the tile's arrival counter. The last to arrive reads
       // every part's partial, its own included, and adds them in part order: the sum does not
       // depend on which unit came last.
-      const int split_tile = tile - split_first;  // its partials' slots and its lock counter
+      const int split_tile = w.split_tile;
       float4* const tile_partial = reinterpret_cast<float4*>(p.partial) + static_cast<long long>(split_tile) * parts * 8192;
-      float4* const mine = tile_partial + part * 8192;
+      float4* const mine = tile_partial + w.part * 8192;
 #pragma unroll
       for (int i = 0; i < 32; i++) __stcg(mine + i * 256 + ct, make_float4(acc[4 * i], acc[4 * i + 1], acc[4 * i + 2], acc[4 * i + 3]));
       named_barrier(3, S::kConsumers);  // every consumer thread's share is stored
