@@ -132,9 +132,10 @@ def run_format_case(m, k, n, fmt, tile):
 
 # (M, K, N, dtype, group, zero points): the prefill kernel's 2:4 instances (--prefill too): fp16
 # group 128 with a partial last row tile and more tiles than SMs (2100 x 1152 x 2048: 144 tiles),
-# bf16 per column, fp16 zero points in groups of 32 (two group rows per stage)
+# bf16 per column, fp16 zero points in groups of 32 (two group rows per stage); a split one
 PREFILL_24_CASES = [
     (2100, 1152, 2048, torch.float16, 128, False),
+    (257, 2048, 256, torch.float16, 128, False),  # the default K split: 4 tiles in 2 parts
     (257, 256, 384, torch.bfloat16, -1, False),
     (300, 512, 256, torch.float16, 32, True),
 ]

@@ -10,6 +10,7 @@ torch.matmul's own error on the rounded dequantized weights (the weights are sca
 element type, as there)."""
 
 import os
+import re
 import subprocess
 import sys
 
@@ -60,6 +61,7 @@ def _check(layer, m, capfd):
     err = rel_err(c, ref)
     assert err <= ALLOWED * base + 1e-7, f"M={m} K={layer.k} N={layer.n}: error {err:.3g} vs matmul {base:.3g} ({lines[0]})"
     assert torch.equal(c, marlin.gemm_2_4(a, layer.b_q, layer.b_meta, layer.b_s, b_zeros=layer.b_z)), "repeat differs"
+    return lines[0]
 
 
 def _cases():
@@ -94,10 +96,40 @@ def test_prefill_2_4_graph(prefill_on):
     assert_graph_replays(lambda: marlin.gemm_2_4(a, layer.b_q, layer.b_meta, layer.b_s), want)
 
 
+def _split_of(line):
+    m = re.search(r" parts=(\d+) split_first=(\d+)", line)
+    return int(m[1]), int(m[2])
+
+
+@pytest.mark.parametrize(
+    "m,k,n,env,want",
+    [
+        # the default split of a last round of few tiles (prefill.cu's prefill_split, on 132 SMs):
+        # 32 tiles in 4 parts, 64 tiles of an 11008-deep layer in 2, 152 tiles with 20 left in 2
+        pytest.param(256, 4096, 4096, {}, (4, 0), id="32tiles"),
+        pytest.param(257, 11008, 4096, {}, (2, 0), id="64tiles-deep"),
+        pytest.param(1793, 2048, 2432, {}, (2, 132), id="tail20"),
+        # MARLIN_PREFILL_SPLIT=3: every tile in 3 parts (12 tiles of 18 stages)
+        pytest.param(1000, 1152, 384, {"MARLIN_PREFILL": "1", "MARLIN_PREFILL_SPLIT": "3"}, (3, 0), id="forced3"),
+    ],
+)
+def test_prefill_2_4_split(m, k, n, env, want, monkeypatch, capfd):
+    """The 2:4 instances with K in parts: bounds, NaN-poisoned output, bit-identical repeats (the
+    parts are added in part order), and the plan's parts."""
+    if torch.cuda.get_device_properties(0).multi_processor_count != 132 and not env:
+        pytest.skip("the expected splits are those of a 132-SM H100 / H200")
+    monkeypatch.delenv("MARLIN_PREFILL", raising=False)
+    monkeypatch.delenv("MARLIN_PREFILL_SPLIT", raising=False)
+    monkeypatch.setenv("MARLIN_LOG_PLAN", "1")
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    assert _split_of(_check(get_layer(k, n, 128), m, capfd)) == want
+
+
 def test_default_rule_2_4():
     """By default the 2:4 op takes the prefill kernel where its tiles fill the SMs (4096 x 12288: 96
-    column tiles, at 1024 rows 384 tiles), down to a lower fill than the dense rule's (8192 x 10240
-    at 256 rows: 80 tiles, 0.61 of 132 SMs, where dense keeps its wgmma variant), not at 128 rows,
+    column tiles, at 1024 rows 384 tiles), down to a fill of 0.5 (8192 x 10240 at 256 rows: 80
+    tiles, 0.61 of 132 SMs), not at 128 rows,
     never with MARLIN_PREFILL=0, and per column zero points never."""
     script = (
         "import torch, marlin\n"

@@ -109,6 +109,7 @@ at::Tensor gemm_2_4_cuda(const at::Tensor& a, const at::Tensor& b_q, const at::T
   args.force_stages = env_or("MARLIN_2_4_STAGES", 0);
   args.force_kw = env_or("MARLIN_2_4_KW", 0);
   args.prefill = env_or("MARLIN_PREFILL", -1);
+  args.prefill_split = env_or("MARLIN_PREFILL_SPLIT", 0);
   TORCH_CHECK(args.force_kw == 0 || args.force_kw == 1 || args.force_kw == 2,
               "marlin.gemm_2_4: MARLIN_2_4_KW = ", num(args.force_kw), ", expected 1 or 2 (unset: the planner's choice)");
 

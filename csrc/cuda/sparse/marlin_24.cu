@@ -3,6 +3,7 @@
 
 #include "../dequant.cuh"
 #include "../marlin_kernel.cuh"  // KernelParams, for the prefill kernel's launch
+#include "../marlin_gemm.h"     // max_locks
 #include "../prefill/prefill.h"
 #include "marlin_24.h"
 #include "marlin_24_launch.h"
@@ -69,7 +70,9 @@ bool prefill_fits(const Args24& args) {
     return false;
   if (args.n % kPrefillTileN != 0 || args.k % kPrefillTileK != 0 || (args.z != nullptr && args.groups == 1)) return false;
   if (prefill_24_smem_bytes() > args.max_smem) return false;
-  return args.prefill == 1 || prefill_pays(args.m, args.n, args.sms, kPrefill24MinFill);
+  if (args.prefill == 1) return true;
+  const long long tiles = static_cast<long long>((args.m + kPrefillTileM - 1) / kPrefillTileM) * (args.n / kPrefillTileN);
+  return prefill_pays(args.m, args.n, args.sms, kPrefill24MinFill, prefill_split(tiles, args.k / kPrefillTileK, args.sms, 0).parts);
 }
 
 std::string plan_24(const Args24& args, Plan24* plan) {
@@ -78,9 +81,17 @@ std::string plan_24(const Args24& args, Plan24* plan) {
   if (prefill_fits(args)) {
     const long long tiles = static_cast<long long>((args.m + kPrefillTileM - 1) / kPrefillTileM) * (args.n / kPrefillTileN);
     plan->prefill = true;
-    plan->grid = static_cast<int>(std::min<long long>(tiles, args.sms));
+    // the dense instances' K split of a last round of few tiles (prefill_split), the same kernel
+    PrefillSplit split = prefill_split(tiles, args.k / kPrefillTileK, args.sms, args.prefill_split);
+    if (tiles - split.first > max_locks(args.sms)) split = PrefillSplit{};
+    const long long split_tiles = split.parts > 1 ? tiles - split.first : 0;
+    const long long units = split_tiles > 0 ? split.first + split_tiles * split.parts : tiles;
+    plan->grid = static_cast<int>(std::min<long long>(units, args.sms));
     plan->smem = prefill_24_smem_bytes();
-    plan->parts = 1;
+    plan->parts = split.parts;
+    plan->split_first = static_cast<int>(split_tiles > 0 ? split.first : tiles);
+    plan->partial_floats = split_tiles * split.parts * kPrefillTileN * kPrefillTileM;
+    plan->locks = static_cast<int>(split_tiles);
     plan->strip_shift = strip_shift(args);
     plan->fine = plan->strip_shift < 2 || args.z != nullptr;
     return "";
@@ -202,6 +213,7 @@ std::string describe_24(const Args24& args, const Plan24& plan) {
   if (plan.prefill)
     return "m=" + std::to_string(args.m) + " n=" + std::to_string(args.n) + " k=" + std::to_string(args.k) +
            " groups=" + std::to_string(args.groups) + " kernel=prefill_wgmma grid=" + std::to_string(plan.grid) +
+           " parts=" + std::to_string(plan.parts) + " split_first=" + std::to_string(plan.split_first) +
            " zeros=" + (args.z != nullptr ? "1" : "0");
   return "m=" + std::to_string(args.m) + " n=" + std::to_string(args.n) + " k=" + std::to_string(args.k) +
          " groups=" + std::to_string(args.groups) + " slice_rows=" + std::to_string(8 * plan.mb * plan.ms) +
@@ -223,6 +235,10 @@ cudaError_t launch_24(const Args24& args, const Plan24& plan, cudaStream_t strea
     kp.n = args.n;
     kp.k = args.k;
     kp.lda_int4 = args.lda / 8;
+    kp.split_parts = plan.parts;
+    kp.split_first = plan.split_first;
+    kp.partial = reinterpret_cast<float4*>(args.partial);
+    kp.locks = args.locks;
     // log2 of the group size in k16 blocks (as gemm's): group = K / groups of 32, 64 or 128 rows
     int group_shift = 3;
     if (args.groups > 1)

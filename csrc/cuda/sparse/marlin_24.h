@@ -49,6 +49,7 @@ struct Args24 {
   // the prefill kernel's 2:4 instances (MARLIN_PREFILL, as for gemm): -1 its rule, 0 never, 1
   // wherever it can run (above 64 rows; for tests)
   int prefill = -1;
+  int prefill_split = 0;  // MARLIN_PREFILL_SPLIT, as for gemm: > 0 every prefill tile in that many K parts
 };
 
 struct Plan24 {
@@ -68,8 +69,10 @@ struct Plan24 {
   long long partial_floats;  // parts * M * N when reduced through global memory, else 0
   int locks;                 // arrival counters needed (column tiles x slices) then, else 0
   // the prefill kernel (prefill/prefill_kernel.cuh, sm_90a) instead: grid persistent blocks,
-  // smem bytes; no parts, partials or locks (the fields above other than grid and smem unused)
+  // smem bytes, and where a last round of few tiles runs in K parts (prefill_split) `parts`,
+  // partial_floats and locks as above, for the tiles from split_first on
   bool prefill = false;
+  int split_first = 0;
 };
 
 // Picks the slice size and the K split; an empty string, or why the shape cannot run.
