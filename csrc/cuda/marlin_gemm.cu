@@ -498,8 +498,8 @@ void plan_prefill(const GemmArgs& args, const Format& f, GemmPlan* plan) {
   plan->m_slices = (args.m + kPrefillTileM - 1) / kPrefillTileM;
   plan->blocks_per_sm = 1;
   // persistent: at most one block per SM, each taking every grid-th unit of work; the last
-  // round's tiles in K parts where few (prefill_split), the parts' fp32 partials added by the
-  // tile's last unit to arrive (one lock counter per split tile)
+  // round's tiles in K parts where few (prefill_split), the parts' fp32 partials added by each
+  // part for its share of the rows once all have arrived (one lock counter per split tile)
   const long long tiles = static_cast<long long>(plan->m_slices) * (args.n / kPrefillTileN);
   const int k_tiles = args.k / kPrefillTileK;
   PrefillSplit split = prefill_split(tiles, k_tiles, args.sms, args.prefill_split);
