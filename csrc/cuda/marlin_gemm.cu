@@ -484,9 +484,7 @@ bool prefill_format(const Format& f) { return !(f.w == kU4Zp && f.group_mode == 
 bool prefill_fits(const GemmArgs& a, const Format& f) {
   if (!a.wgmma || a.prefill == 0 || !prefill_format(f) || a.m <= kWgSliceRows) return false;
   if (a.n % kPrefillTileN != 0 || a.k % kPrefillTileK != 0 || prefill_smem_bytes(a.bits) > a.max_smem) return false;
-  if (a.prefill == 1) return true;
-  const long long tiles = static_cast<long long>((a.m + kPrefillTileM - 1) / kPrefillTileM) * (a.n / kPrefillTileN);
-  return prefill_pays(a.m, a.n, a.sms, kPrefillMinFill, prefill_split(tiles, a.k / kPrefillTileK, a.sms, 0).parts);
+  return a.prefill == 1 || prefill_pays(a.m, a.n, a.k, a.sms, kPrefillMinFill);
 }
 
 void plan_prefill(const GemmArgs& args, const Format& f, GemmPlan* plan) {
@@ -498,23 +496,18 @@ void plan_prefill(const GemmArgs& args, const Format& f, GemmPlan* plan) {
   plan->m_slices = (args.m + kPrefillTileM - 1) / kPrefillTileM;
   plan->blocks_per_sm = 1;
   // persistent: at most one block per SM, each taking every grid-th unit of work; the last
-  // round's tiles in K parts where few (prefill_split), the parts' fp32 partials added by each
+  // round's tiles in K parts where few (prefill_schedule), the parts' fp32 partials added by each
   // part for its share of the rows once all have arrived (one lock counter per split tile)
-  const long long tiles = static_cast<long long>(plan->m_slices) * (args.n / kPrefillTileN);
-  const int k_tiles = args.k / kPrefillTileK;
-  PrefillSplit split = prefill_split(tiles, k_tiles, args.sms, args.prefill_split);
-  if (tiles - split.first > max_locks(args.sms)) split = PrefillSplit{};
-  const long long split_tiles = split.parts > 1 ? tiles - split.first : 0;
-  const long long units = split_tiles > 0 ? split.first + split_tiles * split.parts : tiles;
-  plan->grid = static_cast<int>(std::min<long long>(units, args.sms));
-  plan->tiles_per_block = k_tiles;
+  const PrefillSchedule ps = prefill_schedule(args.m, args.n, args.k, args.sms, args.prefill_split);
+  plan->grid = ps.grid;
+  plan->tiles_per_block = args.k / kPrefillTileK;
   plan->smem_bytes = prefill_smem_bytes(args.bits);
-  plan->split_parts = split.parts;
-  plan->split_first = static_cast<int>(split.parts > 1 ? split.first : tiles);
+  plan->split_parts = ps.parts;
+  plan->split_first = ps.split_first;
   plan->cluster_reduce = false;
-  plan->needs_partial = split.parts > 1;
-  plan->partial_floats = static_cast<std::size_t>(split_tiles) * split.parts * kPrefillTileN * kPrefillTileM;
-  plan->locks = static_cast<int>(split_tiles);
+  plan->needs_partial = ps.parts > 1;
+  plan->partial_floats = static_cast<std::size_t>(ps.partial_floats);
+  plan->locks = ps.locks;
   // one instance per element type, weight type and scale kind (the group size is a run-time shift)
   constexpr LaunchFn kInstances[2][3][2] = {
       {{&launch_prefill<false, kU4, false>, &launch_prefill<false, kU4, true>},

@@ -3,7 +3,9 @@
 #include "prefill.h"
 
 #include <algorithm>
+#include <utility>
 
+#include "../marlin_gemm.h"  // max_locks
 #include "prefill_launch.cuh"
 
 namespace marlin {
@@ -16,25 +18,42 @@ int prefill_smem_bytes(int bits) { return bits == 8 ? PrefillShape<8>::kSmemByte
 
 constexpr long long kPrefillMinRows = 256;
 
-bool prefill_pays(long long m, long long n, int sms, double min_fill, int tail_parts) {
-  const long long tiles = (m + kPrefillTileM - 1) / kPrefillTileM * (n / kPrefillTileN);
-  const double rounds = static_cast<double>(tiles / sms) + (tiles % sms != 0 ? 1.0 / std::max(1, tail_parts) : 0.0);
+namespace {
+
+long long prefill_tiles(long long m, long long n) { return (m + kPrefillTileM - 1) / kPrefillTileM * (n / kPrefillTileN); }
+
+// The last round's split (prefill.h): its first tile and parts; {0, 1} for none.
+std::pair<long long, int> tail_split(long long tiles, long long k, int sms, int forced_parts) {
+  const long long k_tiles = k / kPrefillTileK;
+  if (forced_parts > 0) return {0, static_cast<int>(std::max(1LL, std::min<long long>(forced_parts, k_tiles)))};
+  const long long left = tiles % sms;  // tiles of the last round (all of them below one round)
+  if (left == 0 || 2 * left > sms) return {0, 1};
+  const long long parts = std::min<long long>({kPrefillMaxParts, sms / left, k_tiles / kPrefillMinPartStages});
+  return parts < 2 ? std::pair<long long, int>{0, 1} : std::pair<long long, int>{tiles - left, static_cast<int>(parts)};
+}
+
+}  // namespace
+
+bool prefill_pays(long long m, long long n, long long k, int sms, double min_fill) {
+  const long long tiles = prefill_tiles(m, n);
+  const int tail_parts = tail_split(tiles, k, sms, 0).second;
+  const double rounds = static_cast<double>(tiles / sms) + (tiles % sms != 0 ? 1.0 / tail_parts : 0.0);
   return m >= kPrefillMinRows && static_cast<double>(tiles) >= min_fill * rounds * sms;
 }
 
-PrefillSplit prefill_split(long long tiles, int k_tiles, int sms, int forced_parts) {
-  PrefillSplit split;
-  if (forced_parts > 0) {
-    split.parts = std::max(1, std::min(forced_parts, k_tiles));
-    return split;
-  }
-  const long long left = tiles % sms;  // tiles of the last round (all of them below one round)
-  if (left == 0 || 2 * left > sms) return split;
-  const long long parts = std::min<long long>({kPrefillMaxParts, sms / left, k_tiles / kPrefillMinPartStages});
-  if (parts < 2) return split;
-  split.first = tiles - left;
-  split.parts = static_cast<int>(parts);
-  return split;
+PrefillSchedule prefill_schedule(long long m, long long n, long long k, int sms, int forced_parts) {
+  const long long tiles = prefill_tiles(m, n);
+  auto [first, parts] = tail_split(tiles, k, sms, forced_parts);
+  if (tiles - first > max_locks(sms)) first = 0, parts = 1;
+  PrefillSchedule s;
+  const long long split_tiles = parts > 1 ? tiles - first : 0;
+  const long long units = split_tiles > 0 ? first + split_tiles * parts : tiles;
+  s.grid = static_cast<int>(std::min<long long>(units, sms));
+  s.parts = parts;
+  s.split_first = static_cast<int>(split_tiles > 0 ? first : tiles);
+  s.partial_floats = split_tiles * parts * kPrefillTileN * kPrefillTileM;
+  s.locks = static_cast<int>(split_tiles);
+  return s;
 }
 
 template <bool BF16, int W, bool GROUPED>

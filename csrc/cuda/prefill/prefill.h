@@ -29,26 +29,33 @@ int prefill_24_smem_bytes();       // the 2:4 instances'
 // path; at 0.48 even; at 0.24 slower).
 constexpr double kPrefillMinFill = 0.6;
 constexpr double kPrefill24MinFill = 0.5;
-// tail_parts: the K parts of the last round's tiles (prefill_split), which shorten that round.
-bool prefill_pays(long long m, long long n, int sms, double min_fill = kPrefillMinFill, int tail_parts = 1);
+// The fill counts a last round split in K (prefill_schedule) as 1 / its parts of a round.
+bool prefill_pays(long long m, long long n, long long k, int sms, double min_fill);
 
-// K split of the dense instances: where the last round of the persistent schedule has at most
+// K split (dense and 2:4 instances): where the last round of the persistent schedule has at most
 // half the SMs' worth of tiles (every tile, if there is only that round), those tiles run in
 // parts = min(4, SMs / tiles left, stages / 16) units each, one per idle SM, each part adding
-// the fp32 partials of its share of the tile's rows once all have stored theirs (prefill_kernel.cuh). Only that round: a split spread over
-// several rounds lost to the partials' traffic. H100 probe (benchmarks/NOTES.md, "K in parts"),
+// the fp32 partials of its share of the tile's rows once all have stored theirs
+// (prefill_kernel.cuh). Only that round: a split spread over several rounds lost to the
+// partials' traffic. H100 probe (benchmarks/NOTES.md, "K in parts"),
 // against FP16, unsplit -> parts: 7B down at 256 rows (32 tiles) 0.45 -> 1.18x (4 parts), at 512
 // (64) 0.61 -> 0.93x (2), 7B o at 256 0.43 -> 0.83x (4), 70B o / 70B down at 256 (64 tiles)
 // 0.57 / 0.60 -> 0.93 / 1.00x (2); spread over 2-3 rounds instead: 7B o at 512 in 4 parts
 // 0.56x, 70B qkv at 512 in 4 parts 0.63x. forced_parts > 0 (MARLIN_PREFILL_SPLIT; probes):
 // every tile in that many parts; 1: none.
-struct PrefillSplit {
-  long long first = 0;  // the first split tile
-  int parts = 1;        // 1: none
-};
 constexpr int kPrefillMaxParts = 4;
 constexpr int kPrefillMinPartStages = 16;
-PrefillSplit prefill_split(long long tiles, int k_tiles, int sms, int forced_parts);
+// The persistent grid of an M x N x K call and its K split, for the dense and the 2:4 planners:
+// units = whole tiles before split_first, then `parts` units per tile; lock counters (one per
+// split tile, at most marlin_gemm.h's max_locks, else no split) and fp32 partials to allocate.
+struct PrefillSchedule {
+  int grid = 0;
+  int parts = 1;             // 1: no split
+  int split_first = 0;       // the first split tile (the tile count if none)
+  long long partial_floats = 0;
+  int locks = 0;
+};
+PrefillSchedule prefill_schedule(long long m, long long n, long long k, int sms, int forced_parts);
 
 // BF16: bf16 activations, scales and output (else fp16). W: the weight type (dequant.cuh's WType:
 // kU4, kU4Zp with zero points per group, GROUPED only, or kU8). GROUPED: scales in groups of 32, 64

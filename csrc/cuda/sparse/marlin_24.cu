@@ -3,7 +3,6 @@
 
 #include "../dequant.cuh"
 #include "../marlin_kernel.cuh"  // KernelParams, for the prefill kernel's launch
-#include "../marlin_gemm.h"     // max_locks
 #include "../prefill/prefill.h"
 #include "marlin_24.h"
 #include "marlin_24_launch.h"
@@ -70,28 +69,22 @@ bool prefill_fits(const Args24& args) {
     return false;
   if (args.n % kPrefillTileN != 0 || args.k % kPrefillTileK != 0 || (args.z != nullptr && args.groups == 1)) return false;
   if (prefill_24_smem_bytes() > args.max_smem) return false;
-  if (args.prefill == 1) return true;
-  const long long tiles = static_cast<long long>((args.m + kPrefillTileM - 1) / kPrefillTileM) * (args.n / kPrefillTileN);
-  return prefill_pays(args.m, args.n, args.sms, kPrefill24MinFill, prefill_split(tiles, args.k / kPrefillTileK, args.sms, 0).parts);
+  return args.prefill == 1 || prefill_pays(args.m, args.n, args.k, args.sms, kPrefill24MinFill);
 }
 
 std::string plan_24(const Args24& args, Plan24* plan) {
   if (args.n % 64 != 0) return "marlin.gemm_2_4: N = " + std::to_string(args.n) + " is not a multiple of 64";
   *plan = Plan24{};
   if (prefill_fits(args)) {
-    const long long tiles = static_cast<long long>((args.m + kPrefillTileM - 1) / kPrefillTileM) * (args.n / kPrefillTileN);
     plan->prefill = true;
-    // the dense instances' K split of a last round of few tiles (prefill_split), the same kernel
-    PrefillSplit split = prefill_split(tiles, args.k / kPrefillTileK, args.sms, args.prefill_split);
-    if (tiles - split.first > max_locks(args.sms)) split = PrefillSplit{};
-    const long long split_tiles = split.parts > 1 ? tiles - split.first : 0;
-    const long long units = split_tiles > 0 ? split.first + split_tiles * split.parts : tiles;
-    plan->grid = static_cast<int>(std::min<long long>(units, args.sms));
+    // the dense instances' schedule and K split of a last round of few tiles, the same kernel
+    const PrefillSchedule ps = prefill_schedule(args.m, args.n, args.k, args.sms, args.prefill_split);
+    plan->grid = ps.grid;
     plan->smem = prefill_24_smem_bytes();
-    plan->parts = split.parts;
-    plan->split_first = static_cast<int>(split_tiles > 0 ? split.first : tiles);
-    plan->partial_floats = split_tiles * split.parts * kPrefillTileN * kPrefillTileM;
-    plan->locks = static_cast<int>(split_tiles);
+    plan->parts = ps.parts;
+    plan->split_first = ps.split_first;
+    plan->partial_floats = ps.partial_floats;
+    plan->locks = ps.locks;
     plan->strip_shift = strip_shift(args);
     plan->fine = plan->strip_shift < 2 || args.z != nullptr;
     return "";

@@ -69,7 +69,7 @@ struct Plan24 {
   long long partial_floats;  // parts * M * N when reduced through global memory, else 0
   int locks;                 // arrival counters needed (column tiles x slices) then, else 0
   // the prefill kernel (prefill/prefill_kernel.cuh, sm_90a) instead: grid persistent blocks,
-  // smem bytes, and where a last round of few tiles runs in K parts (prefill_split) `parts`,
+  // smem bytes, and where a last round of few tiles runs in K parts (prefill_schedule) `parts`,
   // partial_floats and locks as above, for the tiles from split_first on
   bool prefill = false;
   int split_first = 0;
