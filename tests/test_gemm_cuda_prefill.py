@@ -103,11 +103,10 @@ def test_forced_prefill_runs_every_case():
 
 def test_split_k_runs_every_case():
     """MARLIN_PREFILL=1 MARLIN_PREFILL_SPLIT=3 (a probe knob): the shape, format and graph cases
-    above with K in three parts (two where K has two 64-row stages), each part adding the fp32
-    partials of its share of the rows once all three have stored theirs (a wait that must not
-    deadlock with more units than blocks: 192 x 384 at 4097 rows, 153 units on 132 blocks); layers with more tiles than the lock
-    counters (2 per SM) stay whole. Every case passes its bound and repeats bit for bit (the sum
-    is in part order whichever unit arrives last)."""
+    above with K in three parts (two where K has two 64-row stages), the parts' fp32 partials added
+    by each tile's last unit; layers with more tiles than the lock counters (2 per SM) stay whole.
+    Every case passes its bound and repeats bit for bit (the sum is in part order whichever unit
+    arrives last)."""
     if not wgmma_device():
         pytest.skip("the prefill kernel runs on compute capability 9.0 with an sm_90a build only")
     path = "tests/test_gemm_cuda_prefill.py"

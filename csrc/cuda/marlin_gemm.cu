@@ -496,8 +496,8 @@ void plan_prefill(const GemmArgs& args, const Format& f, GemmPlan* plan) {
   plan->m_slices = (args.m + kPrefillTileM - 1) / kPrefillTileM;
   plan->blocks_per_sm = 1;
   // persistent: at most one block per SM, each taking every grid-th unit of work; the last
-  // round's tiles in K parts where few (prefill_schedule), the parts' fp32 partials added by each
-  // part for its share of the rows once all have arrived (one lock counter per split tile)
+  // round's tiles in K parts where few (prefill_schedule), the parts' fp32 partials added by the
+  // tile's last unit to arrive (one lock counter per split tile)
   const PrefillSchedule ps = prefill_schedule(args.m, args.n, args.k, args.sms, args.prefill_split);
   plan->grid = ps.grid;
   plan->tiles_per_block = args.k / kPrefillTileK;

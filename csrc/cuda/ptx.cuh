@@ -76,15 +76,6 @@ __device__ __forceinline__ int arrive_acq_rel_gpu(int* counter) {
   return old;
 }
 
-// Reads a counter with acquire semantics at GPU scope: once it shows every other block's
-// release-ordered arrival, their stores before it are visible to this thread (and, after a
-// barrier, to its block). For spin waits on blocks that are known to be resident.
-__device__ __forceinline__ int ld_acquire_gpu(const int* counter) {
-  int v;
-  asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(v) : "l"(counter) : "memory");
-  return v;
-}
-
 // The end of a split column's arrival, for the whole block: every thread has stored its share of
 // the block's fp32 partial. Returns, in every thread, whether this block is the last of `parts`
 // to arrive on `counter`; if so its reads after the call see every other block's partial, and it

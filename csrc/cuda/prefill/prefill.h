@@ -34,10 +34,9 @@ bool prefill_pays(long long m, long long n, long long k, int sms, double min_fil
 
 // K split (dense and 2:4 instances): where the last round of the persistent schedule has at most
 // half the SMs' worth of tiles (every tile, if there is only that round), those tiles run in
-// parts = min(4, SMs / tiles left, stages / 16) units each, one per idle SM, each part adding
-// the fp32 partials of its share of the tile's rows once all have stored theirs
-// (prefill_kernel.cuh). Only that round: a split spread over several rounds lost to the
-// partials' traffic. H100 probe (benchmarks/NOTES.md, "K in parts"),
+// parts = min(4, SMs / tiles left, stages / 16) units each, one per idle SM, their fp32 partials
+// added by the tile's last unit (prefill_kernel.cuh). Only that round: a split spread over
+// several rounds lost to the partials' traffic. H100 probe (benchmarks/NOTES.md, "K in parts"),
 // against FP16, unsplit -> parts: 7B down at 256 rows (32 tiles) 0.45 -> 1.18x (4 parts), at 512
 // (64) 0.61 -> 0.93x (2), 7B o at 256 0.43 -> 0.83x (4), 70B o / 70B down at 256 (64 tiles)
 // 0.57 / 0.60 -> 0.93 / 1.00x (2); spread over 2-3 rounds instead: 7B o at 512 in 4 parts

@@ -82,7 +82,7 @@ struct PrefillShape {
   // the epilogue's staging, one buffer per consumer warpgroup: [128 m][64 n] of T (half a tile's
   // rows at a time), 128-byte rows, swizzled
   static constexpr int kEpiBytes = 128 * 64 * 2;
-  static constexpr int kBarrierBytes = 2 * kStages * 8;  // full[] and empty[] mbarriers
+  static constexpr int kBarrierBytes = 2 * kStages * 8 + 16;  // full[] and empty[] mbarriers, the split's flag
   static constexpr int kSmemBytes = kStages * kStageBytes + 2 * kEpiBytes + kBarrierBytes + 1024;  // + alignment slack
   static_assert(kStageBytes % 1024 == 0 && kEpiBytes % 1024 == 0 && kPackedBytes % 1024 == 0,
                 "parts must keep the 1024-byte alignment");
@@ -180,9 +180,9 @@ __global__ void __launch_bounds__(PrefillShape<>::kThreads, 1) marlin_prefill_ke
   const int k_tiles = p.k / S::kTileK;
   // K split (p.split_parts > 1): the tiles from p.split_first on (the last, partial round of a
   // persistent schedule, or every tile) in `parts` units each, part j taking stages
-  // [j * k_tiles / parts, (j + 1) * k_tiles / parts); once all of a tile's parts have stored
-  // their fp32 partials (p.partial), each adds them in part order for its share of the rows and
-  // stores those. Tiles before split_first are one unit each: unit u < split_first is tile u.
+  // [j * k_tiles / parts, (j + 1) * k_tiles / parts); the tile's last unit to arrive adds the
+  // parts' fp32 partials (p.partial) in part order and stores C. Tiles before split_first are
+  // one unit each: unit u < split_first is tile u.
   const int parts = max(1, p.split_parts);
   const int split_first = parts > 1 ? p.split_first : tiles;
   const int units = split_first + (tiles - split_first) * parts;
@@ -340,6 +340,7 @@ __global__ void __launch_bounds__(PrefillShape<>::kThreads, 1) marlin_prefill_ke
 
   T* cout = reinterpret_cast<T*>(p.c);
   uint8_t* stage_c = epi + cw * S::kEpiBytes;  // [128 m][64 n] of T, rows of 128 bytes, swizzled
+  int* last_flag = reinterpret_cast<int*>(empty + S::kStages);
   const int ct = tid - 128;  // consumer thread 0..255
   int it = 0;
   for (int unit = blockIdx.x; unit < units; unit += gridDim.x) {
@@ -362,45 +363,33 @@ __global__ void __launch_bounds__(PrefillShape<>::kThreads, 1) marlin_prefill_ke
 #pragma unroll
     for (int i = 0; i < 128; i++) fence_operand(acc[i]);
 
-    // The tile's rows this unit stores: all 256, or for a tile in parts this part's share.
-    int row_lo = 0, row_hi = S::kTileM;
     if (w.split_tile >= 0) {
-      // Every part stores its fp32 partial (float4 i of consumer thread ct at [i][ct]: a warp's
-      // stores are 512 contiguous bytes, past L1) and arrives on the tile's counter, then waits
-      // until all `parts` have arrived, then adds every part's partial in part order for its own
-      // share of the rows (float4 i holds rows 8i..8i+7: part j takes i in [32j/parts,
-      // 32(j+1)/parts)) and stores those rows. Each part reads 1/parts of the partials instead of
-      // one part reading all of them; the sum is the same whichever part comes last. The wait
-      // cannot deadlock: the split units are the last round's (all resident: grid = SMs, one
-      // block per SM) or, with every tile split (MARLIN_PREFILL_SPLIT), a tile's parts are
-      // consecutive units and a block only ever waits on units that blocks not waiting reach.
-      float4* const tile_partial = reinterpret_cast<float4*>(p.partial) + static_cast<long long>(w.split_tile) * parts * 8192;
+      // This unit's partial, float4 i of consumer thread ct at [i][ct] (a warp's stores are 512
+      // contiguous bytes), past L1; then the tile's arrival counter. The last to arrive reads
+      // every part's partial, its own included, and adds them in part order: the sum does not
+      // depend on which unit came last.
+      const int split_tile = w.split_tile;
+      float4* const tile_partial = reinterpret_cast<float4*>(p.partial) + static_cast<long long>(split_tile) * parts * 8192;
       float4* const mine = tile_partial + w.part * 8192;
 #pragma unroll
       for (int i = 0; i < 32; i++) __stcg(mine + i * 256 + ct, make_float4(acc[4 * i], acc[4 * i + 1], acc[4 * i + 2], acc[4 * i + 3]));
-      int* const lock = p.locks + w.split_tile;
       named_barrier(3, S::kConsumers);  // every consumer thread's share is stored
       if (ct == 0) {
-        arrive_acq_rel_gpu(lock);  // publishes the shares (release)
-        while (ld_acquire_gpu(lock) < parts) {
-        }
+        const int arrived = arrive_acq_rel_gpu(p.locks + split_tile);  // publishes the shares (release)
+        if (arrived == parts - 1) p.locks[split_tile] = 0;           // left at zero for the next call
+        *last_flag = arrived;
       }
-      named_barrier(3, S::kConsumers);  // after thread 0's acquire: every part's partial is visible
-      const int i0 = w.part * 32 / parts, i1 = (w.part + 1) * 32 / parts;
+      named_barrier(3, S::kConsumers);  // after thread 0's acquire: the other units' partials are visible
+      if (*last_flag != parts - 1) continue;
 #pragma unroll
-      for (int i = 0; i < 32; i++) {
-        if (i < i0 || i >= i1) continue;
-        float4 sum = __ldcg(tile_partial + i * 256 + ct);
-        for (int j = 1; j < parts; j++) {
+      for (int i = 0; i < 128; i++) acc[i] = 0.f;
+      for (int j = 0; j < parts; j++) {
+#pragma unroll
+        for (int i = 0; i < 32; i++) {
           const float4 v = __ldcg(tile_partial + j * 8192 + i * 256 + ct);
-          sum.x += v.x, sum.y += v.y, sum.z += v.z, sum.w += v.w;
+          acc[4 * i] += v.x, acc[4 * i + 1] += v.y, acc[4 * i + 2] += v.z, acc[4 * i + 3] += v.w;
         }
-        acc[4 * i] = sum.x, acc[4 * i + 1] = sum.y, acc[4 * i + 2] = sum.z, acc[4 * i + 3] = sum.w;
       }
-      row_lo = 8 * i0, row_hi = 8 * i1;
-      named_barrier(3, S::kConsumers);  // this unit's reads of the partials are done
-      // the second arrival: the last part to finish reading leaves the counter at zero
-      if (ct == 0 && arrive_acq_rel_gpu(lock) == 2 * parts - 1) *lock = 0;
     }
 
     // ---------------- epilogue: T through shared memory, then 16-byte stores along N, 128 rows
@@ -420,7 +409,6 @@ __global__ void __launch_bounds__(PrefillShape<>::kThreads, 1) marlin_prefill_ke
     const int t = tid % 128, chunk = t % 8;
 #pragma unroll
     for (int h = 0; h < 2; h++) {
-      if (128 * h >= row_hi || 128 * h + 128 <= row_lo) continue;  // none of this unit's rows (uniform)
       named_barrier(1 + cw, 128);  // the buffer's previous rows are stored
 #pragma unroll
       for (int t8 = 0; t8 < 16; t8++) {
@@ -437,7 +425,7 @@ __global__ void __launch_bounds__(PrefillShape<>::kThreads, 1) marlin_prefill_ke
       for (int i = 0; i < 8; i++) {
         const int r = t / 8 + 16 * i;
         const int row = m0 + 128 * h + r;
-        if (row < p.m && 128 * h + r >= row_lo && 128 * h + r < row_hi)
+        if (row < p.m)
           *reinterpret_cast<int4*>(cout + static_cast<long long>(row) * p.n + n0 + 64 * cw + 8 * chunk) =
               *reinterpret_cast<const int4*>(stage_c + sw128(r, chunk));
       }
