@@ -1,10 +1,11 @@
 """A small-batch and a large-batch gemm for compute-sanitizer (memcheck, racecheck, ...).
 
-    compute-sanitizer --tool memcheck python scripts/sanitize.py [--formats | --prefill | --prefill-split | --narrow]
+    compute-sanitizer --tool memcheck python scripts/sanitize.py [--formats | --prefill | --prefill-split | --prefill-24 | --narrow]
 Checks the results too, so a run that is clean but wrong still fails. --formats runs only the
 instances of the other weight formats (bf16, zero points, groups 32/64, 8-bit, partial N tiles);
 --prefill only the prefill kernel (H100/H200, sm_90a build), one case per instance (--prefill-split:
-the same with K in three parts, MARLIN_PREFILL_SPLIT=3); --narrow only
+the same with K in three parts, MARLIN_PREFILL_SPLIT=3; --prefill-24 with either, or alone: only
+its 2:4 cases, short enough for racecheck); --narrow only
 the wgmma variant's 128-column tile (H100/H200).
 """
 
@@ -164,12 +165,13 @@ def main():
     os.environ.setdefault("MARLIN_WG_TILE_N", "128" if "--narrow" in sys.argv[1:] else "256")
     torch.manual_seed(0)
     ok = True
-    if "--prefill" in sys.argv[1:] or "--prefill-split" in sys.argv[1:]:
+    if any(f in sys.argv[1:] for f in ("--prefill", "--prefill-split", "--prefill-24")):
         os.environ["MARLIN_PREFILL"] = "1"  # read at the first call
         if "--prefill-split" in sys.argv[1:]:
             os.environ["MARLIN_PREFILL_SPLIT"] = "3"  # K in three parts, partials and lock counters
-        for m, k, n, fmt in PREFILL_CASES:
-            ok &= run_format_case(m, k, n, fmt, None)
+        if "--prefill-24" not in sys.argv[1:]:  # --prefill-24: only the 2:4 cases (racecheck's time)
+            for m, k, n, fmt in PREFILL_CASES:
+                ok &= run_format_case(m, k, n, fmt, None)
         for case in PREFILL_24_CASES:
             ok &= run_2_4_case(*case)
         torch.cuda.synchronize()
