@@ -1,11 +1,12 @@
 """A small-batch and a large-batch gemm for compute-sanitizer (memcheck, racecheck, ...).
 
-    compute-sanitizer --tool memcheck python scripts/sanitize.py [--formats | --prefill | --prefill-split | --prefill-24 | --narrow]
+    compute-sanitizer --tool memcheck python scripts/sanitize.py [--formats | --prefill | --prefill-split | --prefill-24 | --narrow] [--small]
 Checks the results too, so a run that is clean but wrong still fails. --formats runs only the
 instances of the other weight formats (bf16, zero points, groups 32/64, 8-bit, partial N tiles);
 --prefill only the prefill kernel (H100/H200, sm_90a build), one case per instance (--prefill-split:
 the same with K in three parts, MARLIN_PREFILL_SPLIT=3; --prefill-24 with either, or alone: only
-its 2:4 cases, short enough for racecheck); --narrow only
+its 2:4 cases; --small with any of them: only the cases of at most 2^20 outputs, short enough for
+racecheck); --narrow only
 the wgmma variant's 128-column tile (H100/H200).
 """
 
@@ -169,11 +170,16 @@ def main():
         os.environ["MARLIN_PREFILL"] = "1"  # read at the first call
         if "--prefill-split" in sys.argv[1:]:
             os.environ["MARLIN_PREFILL_SPLIT"] = "3"  # K in three parts, partials and lock counters
-        if "--prefill-24" not in sys.argv[1:]:  # --prefill-24: only the 2:4 cases (racecheck's time)
+        # --small: only the cases of at most 2^20 outputs (racecheck serialises the persistent
+        # blocks' shared-memory traffic: a 2100 x 2048 case in parts runs for minutes)
+        small = "--small" in sys.argv[1:]
+        if "--prefill-24" not in sys.argv[1:]:  # --prefill-24: only the 2:4 cases
             for m, k, n, fmt in PREFILL_CASES:
-                ok &= run_format_case(m, k, n, fmt, None)
+                if not (small and m * n > 1 << 20):
+                    ok &= run_format_case(m, k, n, fmt, None)
         for case in PREFILL_24_CASES:
-            ok &= run_2_4_case(*case)
+            if not (small and case[0] * case[2] > 1 << 20):
+                ok &= run_2_4_case(*case)
         torch.cuda.synchronize()
         return 0 if ok else 1
     if "--formats" in sys.argv[1:]:
