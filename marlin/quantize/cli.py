@@ -149,7 +149,8 @@ def build_parser() -> argparse.ArgumentParser:
         default=False,
         help="rotate the residual stream by an orthogonal matrix folded into the weights, and down_proj's input "
         "online in blocks of 64 (dense layers), before quantizing (spreads outlier channels; Llama, Mistral, Qwen2; "
-        "unties tied embeddings; default off)",
+        "unties tied embeddings; default off; recommended with --group-size -1: on SmolLM2-135M per column it "
+        "took GPTQ from 6.1-6.9%% to 4.3-4.5%% over fp16, docs/QUANTIZE.md)",
     )
     p.add_argument("--overwrite", action="store_true", help="replace OUT if it exists")
     p.add_argument("--no-resume", action="store_true", help="discard the finished blocks of an interrupted run")
