@@ -79,3 +79,37 @@ def test_cli_pipeline_on_cuda(tmp_path):
     f = evaluate_path(src, calib, context=64, max_tokens=400, device="cuda", progress=False)
     assert q["kind"] == "marlin" and q["tokens"] == f["tokens"]
     assert abs(q["ppl"] / f["ppl"] - 1) < 0.2  # a random model: quantization moves it a little, not a lot
+
+
+def test_rotated_quantize_on_cuda_runs_through_the_kernel(tmp_path):
+    """--rotate with --device cuda: the down_proj layers of the checkpoint carry their
+    input_rotation, and on the GPU (CUDA kernel, the rotation applied before it) the model keeps
+    the fp16 model's perplexity within 20% (a random model: quantization moves it a little) and
+    its logits near the original's; the same layers without their rotation move the logits at
+    least twice as far (the test would catch a rotation dropped or applied twice)."""
+    _, src, calib = make_tiny(tmp_path)
+    summary = quantize_checkpoint(
+        src, tmp_path / "out", calib=calib, nsamples=8, seqlen_range=(16, 64), group_size=-1, act_order=True,
+        sym=False, rotate=True, device="cuda", progress=False,
+    )
+    assert summary.quantized == 14
+    from marlin.quantize.evaluate import evaluate_path
+
+    q = evaluate_path(tmp_path / "out", calib, context=64, max_tokens=400, device="cuda", progress=False)
+    f = evaluate_path(src, calib, context=64, max_tokens=400, device="cuda", progress=False)
+    assert abs(q["ppl"] / f["ppl"] - 1) < 0.2
+
+    loaded = marlin.load_quantized(tmp_path / "out", device="cuda")
+    downs = [m for n, m in loaded.named_modules() if n.endswith("down_proj")]
+    assert downs and all(isinstance(m, MarlinLinear) and m.input_rotation is not None for m in downs)
+    model, _, samples = model_and_samples(src, calib)
+    x = samples[0]
+    with torch.no_grad():
+        want = model(x).logits.double()
+        on = loaded(x.cuda()).logits.double().cpu()
+        for m in downs:
+            m.input_rotation = None  # the weights stay rotated
+        off = loaded(x.cuda()).logits.double().cpu()
+    err_on = float((on - want).norm() / want.norm())
+    err_off = float((off - want).norm() / want.norm())
+    assert err_off > 2 * err_on, f"rotation on {err_on:.2e}, off {err_off:.2e}"
