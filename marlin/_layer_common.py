@@ -32,6 +32,28 @@ def rotate_blocks(x: torch.Tensor, rotation: torch.Tensor) -> torch.Tensor:
     return torch.matmul(x.reshape(*x.shape[:-1], x.shape[-1] // r, r), rotation.to(x.dtype)).reshape(x.shape)
 
 
+def rotation_block_problem(r, in_features: int) -> Optional[str]:
+    """Why ``r`` cannot be the block of an input rotation of a layer with ``in_features`` inputs, or None."""
+    if isinstance(r, bool) or not isinstance(r, int) or r <= 0:
+        return f"{r!r} is not a positive block size"
+    if in_features % r:
+        return f"{r} does not divide in_features = {in_features}"
+    return None
+
+
+def is_rotation_shape(shape, in_features: int) -> bool:
+    """Whether ``shape`` is an input rotation's [r, r], r a block size dividing ``in_features``."""
+    shape = tuple(shape)
+    return len(shape) == 2 and shape[0] == shape[1] and rotation_block_problem(shape[0], in_features) is None
+
+
+def check_rotation_block(r, in_features: int, what: str) -> None:
+    """ValueError naming ``what`` unless ``r`` is a block size dividing ``in_features``."""
+    problem = rotation_block_problem(r, in_features)
+    if problem is not None:
+        raise ValueError(f"{what}: {problem}; expected a block size r dividing in_features (an [r, r] rotation)")
+
+
 def float_weight(linear: nn.Module) -> torch.Tensor:
     """The weight of the nn.Linear that from_linear quantizes; TypeError / ValueError when there is none to read."""
     if not isinstance(linear, nn.Linear):

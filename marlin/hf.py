@@ -21,6 +21,7 @@ from torch import nn
 
 from .convert.checkpoint import SafetensorsDir, read_json
 from .convert.converter import MARLIN_FORMAT
+from ._layer_common import is_rotation_shape
 from .convert.errors import ConversionError
 
 __all__ = ["load_quantized"]
@@ -123,10 +124,8 @@ def _rotation_block(ckpt: SafetensorsDir, prefix: str, k: int, dtype: torch.dtyp
     rot = ckpt.tensors.get(f"{prefix}.input_rotation")
     if rot is None:
         return None
-    from .nn import _rotation_block_problem
-
     shape = tuple(rot.shape)
-    if len(shape) != 2 or shape[0] != shape[1] or _rotation_block_problem(shape[0], k) or rot.dtype != dtype:
+    if not is_rotation_shape(shape, k) or rot.dtype != dtype:
         raise ConversionError(
             f"{prefix}.input_rotation: dtype {rot.dtype} shape {list(shape)}, expected {dtype} [r, r] with r dividing "
             f"K = {k}"

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from . import ops, packing
-from ._layer_common import QuantizedLinearBase, rotate_blocks
+from ._layer_common import QuantizedLinearBase, check_rotation_block, is_rotation_shape, rotate_blocks
 from ._layer_common import new_workspace as _new_workspace  # noqa: F401  (also imported from here by other modules)
 from .hf import load_quantized
 
@@ -119,7 +119,7 @@ class MarlinLinear(QuantizedLinearBase):
         self.register_buffer("bias", torch.zeros(out_features, dtype=dtype, device=dev) if bias else None)
         self.register_buffer("perm", torch.arange(in_features, dtype=torch.int32, device=dev) if act_order else None)
         if input_rotation is not None:
-            _check_rotation_block(input_rotation, in_features, "MarlinLinear: input_rotation")
+            check_rotation_block(input_rotation, in_features, "MarlinLinear: input_rotation")
         self.register_buffer(
             "input_rotation",
             torch.eye(input_rotation, dtype=dtype, device=dev) if input_rotation is not None else None,
@@ -172,7 +172,7 @@ class MarlinLinear(QuantizedLinearBase):
         """Give the layer the input rotation ``rotation`` ([r, r], r dividing in_features)."""
         if rotation.dim() != 2 or rotation.shape[0] != rotation.shape[1]:
             raise ValueError(f"MarlinLinear: input_rotation of shape {tuple(rotation.shape)}, expected a square [r, r]")
-        _check_rotation_block(rotation.shape[0], self.in_features, "MarlinLinear: input_rotation")
+        check_rotation_block(rotation.shape[0], self.in_features, "MarlinLinear: input_rotation")
         self.input_rotation = rotation.detach().to(device=self.b_q.device, dtype=self.dtype).clone()
 
     @classmethod
@@ -280,7 +280,7 @@ class MarlinLinear(QuantizedLinearBase):
         if isinstance(rot, torch.Tensor):
             # a rotated checkpoint's layer (marlin-quantize --rotate): the rotation is part of what
             # the layer computes, so it is taken as the permutation is (ignoring it: wrong outputs)
-            if rot.dim() != 2 or rot.shape[0] != rot.shape[1] or _rotation_block_problem(rot.shape[0], self.in_features):
+            if not is_rotation_shape(rot.shape, self.in_features):
                 error_msgs.append(
                     f"{rot_key}: shape {list(rot.shape)}, expected a square [r, r] with r dividing in_features = "
                     f"{self.in_features}"
@@ -323,20 +323,6 @@ class MarlinLinear(QuantizedLinearBase):
                 f"{prefix}b_zeros: the checkpoint {'has' if has_zeros else 'has no'} zero points, but this layer was "
                 f"built with zero_points={self.zero_points}"
             )
-
-
-def _rotation_block_problem(r, in_features: int) -> Optional[str]:
-    if isinstance(r, bool) or not isinstance(r, int) or r <= 0:
-        return f"{r!r} is not a positive block size"
-    if in_features % r:
-        return f"{r} does not divide in_features = {in_features}"
-    return None
-
-
-def _check_rotation_block(r, in_features: int, what: str) -> None:
-    problem = _rotation_block_problem(r, in_features)
-    if problem is not None:
-        raise ValueError(f"{what}: {problem}; expected a block size r dividing in_features (an [r, r] rotation)")
 
 
 # -- replace_linear ---------------------------------------------------------------------------
