@@ -4,7 +4,8 @@
 Checks the results too, so a run that is clean but wrong still fails. --formats runs only the
 instances of the other weight formats (bf16, zero points, groups 32/64, 8-bit, partial N tiles);
 --prefill only the prefill kernel (H100/H200, sm_90a build), one case per instance (--prefill-split:
-the same with K in three parts, MARLIN_PREFILL_SPLIT=3; --prefill-24 with either, or alone: only
+the same with K in three parts, MARLIN_PREFILL_SPLIT=3; the 2:4 cases on both tile heights, 256 and
+128 rows; --prefill-24 with either, or alone: only
 its 2:4 cases; --small with any of them: only the cases of at most 2^20 outputs, short enough for
 racecheck); --narrow only
 the wgmma variant's 128-column tile (H100/H200).
@@ -143,6 +144,14 @@ PREFILL_24_CASES = [
 ]
 
 
+# the same on the 128-row tiles (MARLIN_PREFILL_ROWS=128): a partial tile after a whole one with
+# zero points in groups of 64; 2 x 2 tiles of a 2048-deep layer, the default split in 2 parts
+PREFILL_24_ROWS128_CASES = [
+    (200, 1152, 384, torch.float16, 64, True),
+    (129, 2048, 256, torch.bfloat16, 128, False),
+]
+
+
 def run_2_4_case(m, k, n, dtype, g, zp):
     from marlin import sparse
 
@@ -180,6 +189,10 @@ def main():
         for case in PREFILL_24_CASES:
             if not (small and case[0] * case[2] > 1 << 20):
                 ok &= run_2_4_case(*case)
+        os.environ["MARLIN_PREFILL_ROWS"] = "128"  # the 128-row tiles (read per call by the 2:4 op)
+        for case in PREFILL_24_ROWS128_CASES:
+            ok &= run_2_4_case(*case)
+        del os.environ["MARLIN_PREFILL_ROWS"]
         torch.cuda.synchronize()
         return 0 if ok else 1
     if "--formats" in sys.argv[1:]:

@@ -126,6 +126,91 @@ def test_prefill_2_4_split(m, k, n, env, want, monkeypatch, capfd):
     assert _split_of(_check(get_layer(k, n, 128), m, capfd)) == want
 
 
+# MARLIN_PREFILL_ROWS=128: the 128-row tiles (the wgmma N = 128, an 8-stage ring), opt-in until
+# measured; M below, at and past one tile, a partial tile after whole ones, many tiles
+M_ROWS128 = [65, 127, 128, 129, 255, 1000]
+
+
+@pytest.fixture
+def rows128(prefill_on):
+    prefill_on.setenv("MARLIN_PREFILL_ROWS", "128")
+    return prefill_on
+
+
+def _cases128():
+    for name, (k, n) in SHAPES.items():
+        for g in GROUPS:
+            if g > 0 and k % g:
+                continue
+            for m in M_ROWS128:
+                if name == "4096x12288" and m != 129:
+                    continue
+                for zp in (False, True):
+                    if zp and not 0 < g < k:  # zero points in groups only (as above)
+                        continue
+                    yield pytest.param(k, n, g, m, zp, id=f"{name}-g{g}-m{m}" + ("-zp" if zp else ""))
+
+
+@pytest.mark.parametrize("k,n,g,m,zp", list(_cases128()))
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_prefill_2_4_rows128(k, n, g, m, zp, dtype, rows128, capfd):
+    line = _check(get_layer(k, n, g, dtype=dtype, zp=zp), m, capfd)
+    assert " tile_m=128 " in line, line
+
+
+@pytest.mark.parametrize(
+    "m,k,n,env,want",
+    [
+        # 128-row tiles: 32 tiles in 4 parts (7B o at 128 rows), 32 tiles of an 11008-deep layer
+        # in 4, 15 x 19 = 285 tiles with 21 left in 2 (K of 32 stages), forced 3 parts
+        pytest.param(128, 4096, 4096, {}, (4, 0), id="32tiles"),
+        pytest.param(100, 11008, 4096, {}, (4, 0), id="32tiles-deep"),
+        pytest.param(1793, 2048, 2432, {}, (2, 264), id="tail21"),
+        pytest.param(1000, 1152, 384, {"MARLIN_PREFILL_SPLIT": "3"}, (3, 0), id="forced3"),
+    ],
+)
+def test_prefill_2_4_rows128_split(m, k, n, env, want, monkeypatch, capfd):
+    """The 128-row tiles with K in parts: bounds, NaN-poisoned output, bit-identical repeats and
+    the plan's parts (the partials are half a 256-row tile's)."""
+    if torch.cuda.get_device_properties(0).multi_processor_count != 132 and not env:
+        pytest.skip("the expected splits are those of a 132-SM H100 / H200")
+    monkeypatch.delenv("MARLIN_PREFILL_SPLIT", raising=False)
+    for key, value in {"MARLIN_PREFILL": "1", "MARLIN_PREFILL_ROWS": "128", "MARLIN_LOG_PLAN": "1", **env}.items():
+        monkeypatch.setenv(key, value)
+    line = _check(get_layer(k, n, 128), m, capfd)
+    assert " tile_m=128 " in line and _split_of(line) == want, line
+
+
+def test_prefill_2_4_rows128_graph(rows128):
+    layer = get_layer(1152, 384, 64, zp=True)
+    a = torch.randn(200, 1152, device="cuda", dtype=torch.float16)
+    want = marlin.gemm_2_4(a, layer.b_q, layer.b_meta, layer.b_s, b_zeros=layer.b_z)
+    assert_graph_replays(lambda: marlin.gemm_2_4(a, layer.b_q, layer.b_meta, layer.b_s, b_zeros=layer.b_z), want)
+
+
+def test_rows128_rule_and_bad_value(monkeypatch, capfd):
+    """MARLIN_PREFILL_ROWS=128 without MARLIN_PREFILL: the rule takes 65-255 rows where the 128-row
+    tiles fill the SMs (4096 x 12288 at 128 rows: 96 tiles), not 64 rows; another value is refused."""
+    monkeypatch.delenv("MARLIN_PREFILL", raising=False)
+    monkeypatch.delenv("MARLIN_PREFILL_SPLIT", raising=False)
+    monkeypatch.setenv("MARLIN_LOG_PLAN", "1")
+    monkeypatch.setenv("MARLIN_PREFILL_ROWS", "128")
+    layer = get_layer(4096, 12288, 128)
+    plan_lines(capfd)
+    for m in (64, 128):
+        marlin.gemm_2_4(torch.randn(m, 4096, device="cuda", dtype=torch.float16), layer.b_q, layer.b_meta, layer.b_s)
+    torch.cuda.synchronize()
+    lines = plan_lines(capfd)
+    assert len(lines) == 2 and " kernel=prefill_wgmma " not in lines[0], lines
+    if torch.cuda.get_device_properties(0).multi_processor_count >= 96 / 0.5:
+        assert " kernel=prefill_wgmma " not in lines[1], lines  # more SMs than 96 tiles fill
+    else:
+        assert " kernel=prefill_wgmma tile_m=128 " in lines[1], lines
+    monkeypatch.setenv("MARLIN_PREFILL_ROWS", "100")
+    with pytest.raises(RuntimeError, match="MARLIN_PREFILL_ROWS = 100, expected 128 or 256"):
+        marlin.gemm_2_4(torch.randn(128, 4096, device="cuda", dtype=torch.float16), layer.b_q, layer.b_meta, layer.b_s)
+
+
 def test_default_rule_2_4():
     """By default the 2:4 op takes the prefill kernel where its tiles fill the SMs (4096 x 12288: 96
     column tiles, at 1024 rows 384 tiles), down to a fill of 0.5 (8192 x 10240 at 256 rows: 80

@@ -13,14 +13,17 @@ namespace marlin {
 static_assert(PrefillShape<>::kTileN == kPrefillTileN && PrefillShape<>::kTileM == kPrefillTileM &&
                   PrefillShape<>::kTileK == kPrefillTileK,
               "prefill.h and prefill_kernel.cuh disagree on the tile");
+static_assert(PrefillShape<4, true, kPrefillTileMShort>::kTileM == kPrefillTileMShort, "the short tile");
 
 int prefill_smem_bytes(int bits) { return bits == 8 ? PrefillShape<8>::kSmemBytes : PrefillShape<4>::kSmemBytes; }
 
-constexpr long long kPrefillMinRows = 256;
-
 namespace {
 
-long long prefill_tiles(long long m, long long n) { return (m + kPrefillTileM - 1) / kPrefillTileM * (n / kPrefillTileN); }
+// The fewest rows the kernel takes: 256 with 256-row tiles (at 128 rows such a tile is half empty
+// and the decode kernels are far ahead), more than the wgmma variant's 64-row slice with 128-row ones.
+long long prefill_min_rows(int tile_m) { return tile_m == kPrefillTileMShort ? 65 : 256; }
+
+long long prefill_tiles(long long m, long long n, int tile_m) { return (m + tile_m - 1) / tile_m * (n / kPrefillTileN); }
 
 // The last round's split (prefill.h): its first tile and parts; {0, 1} for none.
 std::pair<long long, int> tail_split(long long tiles, long long k, int sms, int forced_parts) {
@@ -34,15 +37,15 @@ std::pair<long long, int> tail_split(long long tiles, long long k, int sms, int 
 
 }  // namespace
 
-bool prefill_pays(long long m, long long n, long long k, int sms, double min_fill) {
-  const long long tiles = prefill_tiles(m, n);
+bool prefill_pays(long long m, long long n, long long k, int sms, double min_fill, int tile_m) {
+  const long long tiles = prefill_tiles(m, n, tile_m);
   const int tail_parts = tail_split(tiles, k, sms, 0).second;
   const double rounds = static_cast<double>(tiles / sms) + (tiles % sms != 0 ? 1.0 / tail_parts : 0.0);
-  return m >= kPrefillMinRows && static_cast<double>(tiles) >= min_fill * rounds * sms;
+  return m >= prefill_min_rows(tile_m) && static_cast<double>(tiles) >= min_fill * rounds * sms;
 }
 
-PrefillSchedule prefill_schedule(long long m, long long n, long long k, int sms, int forced_parts) {
-  const long long tiles = prefill_tiles(m, n);
+PrefillSchedule prefill_schedule(long long m, long long n, long long k, int sms, int forced_parts, int tile_m) {
+  const long long tiles = prefill_tiles(m, n, tile_m);
   auto [first, parts] = tail_split(tiles, k, sms, forced_parts);
   if (tiles - first > max_locks(sms)) first = 0, parts = 1;
   PrefillSchedule s;
@@ -51,7 +54,7 @@ PrefillSchedule prefill_schedule(long long m, long long n, long long k, int sms,
   s.grid = static_cast<int>(std::min<long long>(units, sms));
   s.parts = parts;
   s.split_first = static_cast<int>(split_tiles > 0 ? first : tiles);
-  s.partial_floats = split_tiles * parts * kPrefillTileN * kPrefillTileM;
+  s.partial_floats = split_tiles * parts * kPrefillTileN * tile_m;
   s.locks = static_cast<int>(split_tiles);
   return s;
 }

@@ -11,8 +11,12 @@ struct KernelParams;
 constexpr int kPrefillTileN = 128;
 constexpr int kPrefillTileM = 256;
 constexpr int kPrefillTileK = 64;
-int prefill_smem_bytes(int bits);  // bits of the packed weights: 4 or 8
-int prefill_24_smem_bytes();       // the 2:4 instances'
+// The 2:4 instances also come with tiles of 128 activation rows (the wgmma N), for 65-255 rows
+// where a 256-row tile is half empty: MARLIN_PREFILL_ROWS=128 takes them (marlin_24.h); not the
+// default until measured.
+constexpr int kPrefillTileMShort = 128;
+int prefill_smem_bytes(int bits);        // bits of the packed weights: 4 or 8
+int prefill_24_smem_bytes(int tile_m);   // the 2:4 instances' (tile_m: 256 or 128)
 
 // Whether the kernel pays for an M x N product on `sms` SMs (N a multiple of the tile): from 256
 // rows where its 128 x 256 output tiles keep the SMs busy, tiles / (rounds x SMs) >= 0.6,
@@ -29,8 +33,9 @@ int prefill_24_smem_bytes();       // the 2:4 instances'
 // path; at 0.48 even; at 0.24 slower).
 constexpr double kPrefillMinFill = 0.6;
 constexpr double kPrefill24MinFill = 0.5;
-// The fill counts a last round split in K (prefill_schedule) as 1 / its parts of a round.
-bool prefill_pays(long long m, long long n, long long k, int sms, double min_fill);
+// The fill counts a last round split in K (prefill_schedule) as 1 / its parts of a round. tile_m:
+// the tile's rows (kPrefillTileMShort: from 65 rows instead of 256).
+bool prefill_pays(long long m, long long n, long long k, int sms, double min_fill, int tile_m = kPrefillTileM);
 
 // K split (dense and 2:4 instances): where the last round of the persistent schedule has at most
 // half the SMs' worth of tiles (every tile, if there is only that round), those tiles run in
@@ -54,7 +59,8 @@ struct PrefillSchedule {
   long long partial_floats = 0;
   int locks = 0;
 };
-PrefillSchedule prefill_schedule(long long m, long long n, long long k, int sms, int forced_parts);
+PrefillSchedule prefill_schedule(long long m, long long n, long long k, int sms, int forced_parts,
+                                 int tile_m = kPrefillTileM);
 
 // BF16: bf16 activations, scales and output (else fp16). W: the weight type (dequant.cuh's WType:
 // kU4, kU4Zp with zero points per group, GROUPED only, or kU8). GROUPED: scales in groups of 32, 64
@@ -62,9 +68,10 @@ PrefillSchedule prefill_schedule(long long m, long long n, long long k, int sms,
 template <bool BF16, int W, bool GROUPED>
 cudaError_t launch_prefill(const KernelParams& p, int grid, int smem, cudaStream_t stream, bool pdl, int cluster);
 
-// The 2:4 instances (prefill_24.cu): p.b is marlin.gemm_2_4's b_q, b_meta its metadata; 4-bit
-// weights (W: kU4, or kU4Zp with zero points in groups), group scales (GROUPED) or per column.
-template <bool BF16, int W, bool GROUPED>
+// The 2:4 instances (prefill_24.cu, prefill_24_m128.cu): p.b is marlin.gemm_2_4's b_q, b_meta its
+// metadata; 4-bit weights (W: kU4, or kU4Zp with zero points in groups), group scales (GROUPED)
+// or per column; TILE_M activation rows per tile (256 or 128).
+template <bool BF16, int W, bool GROUPED, int TILE_M>
 cudaError_t launch_prefill_24(const KernelParams& p, const void* b_meta, int grid, int smem, cudaStream_t stream, bool pdl);
 
 }  // namespace marlin

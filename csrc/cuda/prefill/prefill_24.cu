@@ -1,26 +1,16 @@
-// The prefill kernel's 2:4 instances (fp16 / bf16; 4-bit in groups, per column, or in groups
-// with zero points): the dense kernel's template with SPARSE (prefill_kernel.cuh), launched by the
-// 2:4 planner (sparse/marlin_24.cu) from 256 rows where prefill_pays.
+// The prefill kernel's 2:4 instances with 256-row tiles (fp16 / bf16; 4-bit in groups, per
+// column, or in groups with zero points): the dense kernel's template with SPARSE
+// (prefill_kernel.cuh), launched by the 2:4 planner (sparse/marlin_24.cu) where prefill_pays.
+// The 128-row ones are in prefill_24_m128.cu (a second object, built in parallel).
 #include "prefill.h"
 #include "prefill_launch.cuh"
 
 namespace marlin {
 
-int prefill_24_smem_bytes() { return PrefillShape<4, true>::kSmemBytes; }
-
-template <bool BF16, int W, bool GROUPED>
-cudaError_t launch_prefill_24(const KernelParams& p, const void* b_meta, int grid, int smem, cudaStream_t stream, bool pdl) {
-  return launch_prefill_kernel<BF16, W, GROUPED, true>(p, b_meta, grid, smem, stream, pdl);
+int prefill_24_smem_bytes(int tile_m) {
+  return tile_m == 128 ? PrefillShape<4, true, 128>::kSmemBytes : PrefillShape<4, true>::kSmemBytes;
 }
 
-#define MARLIN_PREFILL_24_INSTANCE(BF16, W, GROUPED) \
-  template cudaError_t launch_prefill_24<BF16, W, GROUPED>(const KernelParams&, const void*, int, int, cudaStream_t, bool);
-MARLIN_PREFILL_24_INSTANCE(false, kU4, true)
-MARLIN_PREFILL_24_INSTANCE(false, kU4, false)
-MARLIN_PREFILL_24_INSTANCE(false, kU4Zp, true)
-MARLIN_PREFILL_24_INSTANCE(true, kU4, true)
-MARLIN_PREFILL_24_INSTANCE(true, kU4, false)
-MARLIN_PREFILL_24_INSTANCE(true, kU4Zp, true)
-#undef MARLIN_PREFILL_24_INSTANCE
+MARLIN_PREFILL_24_INSTANCES(256)
 
 }  // namespace marlin

@@ -25,8 +25,9 @@
 // memory and read both operands from there; the per-stage proxy fence and warpgroup barrier
 // between dequantization and wgmma were its top stall.)
 //
-// A block owns each of its 128 x 256 tiles of C^T (128 weight columns, 256 rows of M) for the
-// whole K: no partial sums, no locks. Rows of M past the end are zero-filled by the tensor copy and
+// A block owns each of its 128 x 256 tiles of C^T (128 weight columns, 256 rows of M; the 2:4
+// instances also come with 128-row tiles, TILE_M, the wgmma N = 128 and half the accumulators)
+// for the whole K, but for a split last round (below). Rows of M past the end are zero-filled by the tensor copy and
 // never stored. The weights are the published Marlin format (docs/FORMAT.md): a lane's word of a
 // 16 x 64 tile dequantizes (dequant_u4 / dequant_u8 of dequant.cuh, with the zero points of kU4Zp)
 // into the A fragment of 16 weight columns and one k16 step. Groups (32, 64, 128: the run-time
@@ -50,12 +51,17 @@ namespace marlin {
 // BITS: 4 or 8 (the packed weights of a stage; 8-bit ones leave room for 4 stages, 4-bit for 5).
 // SPARSE: 2:4 weights (marlin/sparse.py's format, 4-bit): a stage holds the compressed values and
 // the metadata of its two 32-row strips, and each wgmma step is a sparse k32 one.
-template <int BITS = 4, bool SPARSE = false>
+// TILE_M: activation rows per tile, 256 or 128 (the wgmma N; 128: for 65-255 rows, where a
+// 256-row tile would be half empty; half the accumulators and activation bytes per stage, so
+// the ring has room for more stages to cover the copies' latency behind half the math).
+template <int BITS = 4, bool SPARSE = false, int TILE_M = 256>
 struct PrefillShape {
   static constexpr int kTileN = 128;   // weight columns per block: 2 consumer warpgroups x wgmma M = 64
-  static constexpr int kTileM = 256;   // activation rows per block: the wgmma N
+  static constexpr int kTileM = TILE_M;  // activation rows per block: the wgmma N
   static constexpr int kTileK = 64;    // K per stage: one 128-byte row of halves (one swizzle atom row)
-  static constexpr int kStages = BITS == 8 ? 4 : 5;
+  static constexpr int kStages = TILE_M == 128 ? (BITS == 8 ? 7 : 8) : (BITS == 8 ? 4 : 5);
+  static constexpr int kAcc = TILE_M / 2;  // fp32 accumulators per consumer thread (m64 x TILE_M per warpgroup)
+  static constexpr int kPartialF4 = kTileN * kTileM / 4;  // float4 of one tile's fp32 partial (K split)
   static constexpr int kThreads = 384;  // one producer and two consumer warpgroups
   static constexpr int kConsumers = 256;
   // registers per thread after the hand-over (setmaxnreg; 128 x 40 + 256 x 232 <= 64 K): the
@@ -63,7 +69,7 @@ struct PrefillShape {
   static constexpr int kProducerRegs = 40;
   static constexpr int kConsumerRegs = 232;
   // bytes of one stage; every part starts on a 1024-byte boundary (the swizzle atom)
-  static constexpr int kActBytes = kTileM * kTileK * 2;            // 32 KB: activations [256 m][64 k]
+  static constexpr int kActBytes = kTileM * kTileK * 2;            // activations [TILE_M m][64 k]: 32 (16) KB
   // dense: 4 k16 rows x 2 tiles of 512 (1024) bytes; 2:4: 2 strips x 2 chunks of 512 bytes
   static constexpr int kPackedBytes = kTileN * kTileK * BITS / 8 / (SPARSE ? 2 : 1);
   static constexpr int kTileWords = 16 * 64 * BITS / 32;           // int32 of one packed 16 x 64 tile (dense)
@@ -87,6 +93,7 @@ struct PrefillShape {
   static_assert(kStageBytes % 1024 == 0 && kEpiBytes % 1024 == 0 && kPackedBytes % 1024 == 0,
                 "parts must keep the 1024-byte alignment");
   static_assert(!SPARSE || BITS == 4, "2:4 weights are 4-bit");
+  static_assert(TILE_M == 256 || TILE_M == 128, "tiles of 256 or 128 activation rows");
   static_assert(kSmemBytes <= 227 * 1024, "more shared memory than an sm_90 block may have");
 };
 
@@ -159,12 +166,12 @@ __device__ __forceinline__ void regs_inc() {
 // T: half or nv_bfloat16; W: the weight type (kU4, kU4Zp: zero points, grouped only; kU8);
 // GROUPED: group scales (else per column); SPARSE: 2:4 weights (b_q of marlin.gemm_2_4, and
 // pp.meta), 4-bit.
-template <typename T, int W, bool GROUPED, bool SPARSE = false>
+template <typename T, int W, bool GROUPED, bool SPARSE = false, int TILE_M = 256>
 __global__ void __launch_bounds__(PrefillShape<>::kThreads, 1) marlin_prefill_kernel(const __grid_constant__ PrefillParams pp) {
 #if !MARLIN_HAS_WGMMA
   __trap();  // built for another target than sm_90a: never launched (planner)
 #else
-  using S = PrefillShape<W == kU8 ? 8 : 4, SPARSE>;
+  using S = PrefillShape<W == kU8 ? 8 : 4, SPARSE, TILE_M>;
   constexpr bool ZP = W == kU4Zp;
   static_assert(GROUPED || !ZP, "zero points come in groups here (per-column ones run on the tiled kernel)");
   const KernelParams& p = pp.p;
@@ -302,7 +309,7 @@ __global__ void __launch_bounds__(PrefillShape<>::kThreads, 1) marlin_prefill_ke
     }
   };
 
-  float acc[128];
+  float acc[S::kAcc];
   uint32_t frag[2][S::kSteps][4];  // A fragments of two stages: one in the wgmma, one being made
   uint32_t meta[2][S::kSteps];     // 2:4: their metadata words
   // Stage `it` (the kt-th of the tile) from fragments frag[B]: issue its wgmma, make the next
@@ -323,10 +330,14 @@ __global__ void __launch_bounds__(PrefillShape<>::kThreads, 1) marlin_prefill_ke
     for (int ks = 0; ks < S::kSteps; ks++) {
       // step ks: its rows of K are 2 x kStepK bytes into the activations' 128-byte rows
       const uint64_t desc = smem_desc_sw128(sa + 2 * S::kStepK * ks);
-      if constexpr (SPARSE)
+      if constexpr (SPARSE && TILE_M == 256)
         wgmma_sp_m64n256k32_rs<kIsBf16<T>>(acc, frag[B][ks], desc, meta[B][ks]);
-      else
+      else if constexpr (SPARSE)
+        wgmma_sp_m64k32_rs<128, kIsBf16<T>>(acc, frag[B][ks], desc, meta[B][ks]);
+      else if constexpr (TILE_M == 256)
         wgmma_m64n256k16_rs<kIsBf16<T>>(acc, frag[B][ks], desc);
+      else
+        wgmma_m64k16_rs<128, true, kIsBf16<T>>(acc, frag[B][ks], desc);
     }
     wgmma_commit();
     if (next) {
@@ -348,7 +359,7 @@ __global__ void __launch_bounds__(PrefillShape<>::kThreads, 1) marlin_prefill_ke
     const int m0 = w.m0, n0 = w.n0;
     const int n_k = w.kt1 - w.kt0;  // stages of this unit, >= 1
 #pragma unroll
-    for (int i = 0; i < 128; i++) acc[i] = 0.f;
+    for (int i = 0; i < S::kAcc; i++) acc[i] = 0.f;
     mbar_wait(&full[it % S::kStages], (it / S::kStages) & 1);
     dequant_stage(smem + (it % S::kStages) * S::kStageBytes, frag[0], meta[0]);
     int kt = 0;
@@ -361,7 +372,7 @@ __global__ void __launch_bounds__(PrefillShape<>::kThreads, 1) marlin_prefill_ke
       it++;
     }
 #pragma unroll
-    for (int i = 0; i < 128; i++) fence_operand(acc[i]);
+    for (int i = 0; i < S::kAcc; i++) fence_operand(acc[i]);
 
     if (w.split_tile >= 0) {
       // This unit's partial, float4 i of consumer thread ct at [i][ct] (a warp's stores are 512
@@ -369,10 +380,10 @@ __global__ void __launch_bounds__(PrefillShape<>::kThreads, 1) marlin_prefill_ke
       // every part's partial, its own included, and adds them in part order: the sum does not
       // depend on which unit came last.
       const int split_tile = w.split_tile;
-      float4* const tile_partial = reinterpret_cast<float4*>(p.partial) + static_cast<long long>(split_tile) * parts * 8192;
-      float4* const mine = tile_partial + w.part * 8192;
+      float4* const tile_partial = reinterpret_cast<float4*>(p.partial) + static_cast<long long>(split_tile) * parts * S::kPartialF4;
+      float4* const mine = tile_partial + w.part * S::kPartialF4;
 #pragma unroll
-      for (int i = 0; i < 32; i++) __stcg(mine + i * 256 + ct, make_float4(acc[4 * i], acc[4 * i + 1], acc[4 * i + 2], acc[4 * i + 3]));
+      for (int i = 0; i < S::kAcc / 4; i++) __stcg(mine + i * 256 + ct, make_float4(acc[4 * i], acc[4 * i + 1], acc[4 * i + 2], acc[4 * i + 3]));
       named_barrier(3, S::kConsumers);  // every consumer thread's share is stored
       if (ct == 0) {
         const int arrived = arrive_acq_rel_gpu(p.locks + split_tile);  // publishes the shares (release)
@@ -382,18 +393,19 @@ __global__ void __launch_bounds__(PrefillShape<>::kThreads, 1) marlin_prefill_ke
       named_barrier(3, S::kConsumers);  // after thread 0's acquire: the other units' partials are visible
       if (*last_flag != parts - 1) continue;
 #pragma unroll
-      for (int i = 0; i < 128; i++) acc[i] = 0.f;
+      for (int i = 0; i < S::kAcc; i++) acc[i] = 0.f;
       for (int j = 0; j < parts; j++) {
 #pragma unroll
-        for (int i = 0; i < 32; i++) {
-          const float4 v = __ldcg(tile_partial + j * 8192 + i * 256 + ct);
+        for (int i = 0; i < S::kAcc / 4; i++) {
+          const float4 v = __ldcg(tile_partial + j * S::kPartialF4 + i * 256 + ct);
           acc[4 * i] += v.x, acc[4 * i + 1] += v.y, acc[4 * i + 2] += v.z, acc[4 * i + 3] += v.w;
         }
       }
     }
 
     // ---------------- epilogue: T through shared memory, then 16-byte stores along N, 128 rows
-    // at a time; the producer meanwhile fills the ring with the next tile's first stages
+    // at a time (TILE_M / 128 halves); the producer meanwhile fills the ring with the next tile's
+    // first stages
     const int n_lo = n0 + 64 * cw + 16 * wq + g;  // this thread's two weight columns: n_lo, n_lo + 8
     float s_lo, s_hi;
     if constexpr (GROUPED) {
@@ -408,7 +420,7 @@ __global__ void __launch_bounds__(PrefillShape<>::kThreads, 1) marlin_prefill_ke
     const int nl = 16 * wq + g;  // column in the warpgroup's 64
     const int t = tid % 128, chunk = t % 8;
 #pragma unroll
-    for (int h = 0; h < 2; h++) {
+    for (int h = 0; h < S::kTileM / 128; h++) {
       named_barrier(1 + cw, 128);  // the buffer's previous rows are stored
 #pragma unroll
       for (int t8 = 0; t8 < 16; t8++) {

@@ -11,11 +11,11 @@
 
 namespace marlin {
 
-// b_meta: the 2:4 metadata (SPARSE only, else unused).
-template <bool BF16, int W, bool GROUPED, bool SPARSE>
+// b_meta: the 2:4 metadata (SPARSE only, else unused). TILE_M: activation rows per tile (256 or 128).
+template <bool BF16, int W, bool GROUPED, bool SPARSE, int TILE_M = 256>
 cudaError_t launch_prefill_kernel(const KernelParams& p, const void* b_meta, int grid, int smem, cudaStream_t stream,
                                   bool pdl) {
-  using S = PrefillShape<W == kU8 ? 8 : 4, SPARSE>;
+  using S = PrefillShape<W == kU8 ? 8 : 4, SPARSE, TILE_M>;
   using T = std::conditional_t<BF16, nv_bfloat16, half>;
   static SmemAttrCache cache;  // one shared-memory opt-in per instance and device
   const CUtensorMapDataType type = BF16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
@@ -49,7 +49,23 @@ cudaError_t launch_prefill_kernel(const KernelParams& p, const void* b_meta, int
         encode_2d(&pp.sc, type, p.s, p.n, groups, 2LL * p.n, S::kTileN, group_box, CU_TENSOR_MAP_SWIZZLE_NONE)) &&
        (W != kU4Zp || encode_2d(&pp.zp, type, p.z, p.n, groups, 2LL * p.n, S::kTileN, group_box, CU_TENSOR_MAP_SWIZZLE_NONE));
   if (!ok) return cudaErrorInvalidValue;  // reported by the caller as a failed launch, with the shape
-  return launch_kernel(marlin_prefill_kernel<T, W, GROUPED, SPARSE>, cache, pp, grid, S::kThreads, smem, stream, pdl, 1);
+  return launch_kernel(marlin_prefill_kernel<T, W, GROUPED, SPARSE, TILE_M>, cache, pp, grid, S::kThreads, smem, stream, pdl, 1);
 }
+
+// The 2:4 launch entry point of prefill.h, and its six formats' instances for one tile height.
+template <bool BF16, int W, bool GROUPED, int TILE_M>
+cudaError_t launch_prefill_24(const KernelParams& p, const void* b_meta, int grid, int smem, cudaStream_t stream, bool pdl) {
+  return launch_prefill_kernel<BF16, W, GROUPED, true, TILE_M>(p, b_meta, grid, smem, stream, pdl);
+}
+
+#define MARLIN_PREFILL_24_INSTANCE(BF16, W, GROUPED, TILE_M) \
+  template cudaError_t launch_prefill_24<BF16, W, GROUPED, TILE_M>(const KernelParams&, const void*, int, int, cudaStream_t, bool);
+#define MARLIN_PREFILL_24_INSTANCES(TILE_M)              \
+  MARLIN_PREFILL_24_INSTANCE(false, kU4, true, TILE_M)   \
+  MARLIN_PREFILL_24_INSTANCE(false, kU4, false, TILE_M)  \
+  MARLIN_PREFILL_24_INSTANCE(false, kU4Zp, true, TILE_M) \
+  MARLIN_PREFILL_24_INSTANCE(true, kU4, true, TILE_M)    \
+  MARLIN_PREFILL_24_INSTANCE(true, kU4, false, TILE_M)   \
+  MARLIN_PREFILL_24_INSTANCE(true, kU4Zp, true, TILE_M)
 
 }  // namespace marlin

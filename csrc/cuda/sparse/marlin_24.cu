@@ -62,14 +62,18 @@ int strip_shift(const Args24& args) {
 // lower fill (prefill_pays, kPrefill24MinFill): the same 128 x 256 tiles, persistent blocks, the sparse wgmma with its A operand
 // (the compressed values) from registers. Every format but per-column zero points; not under the
 // knobs that force a plan of the kernel below (they measure that kernel).
+// MARLIN_PREFILL_ROWS=128 (Args24::prefill_rows): its 128-row tiles, and the rule from 65 rows.
+int prefill_tile_m(const Args24& args) { return args.prefill_rows == kPrefillTileMShort ? kPrefillTileMShort : kPrefillTileM; }
+
 bool prefill_fits(const Args24& args) {
   if (!args.wgmma || args.prefill == 0 || args.legacy || args.m <= 64) return false;
   if (args.force_parts || args.force_tile_n || args.force_ms || args.force_stages || args.force_kw || args.wgmma_force ||
       args.cluster_mode != -1)
     return false;
   if (args.n % kPrefillTileN != 0 || args.k % kPrefillTileK != 0 || (args.z != nullptr && args.groups == 1)) return false;
-  if (prefill_24_smem_bytes() > args.max_smem) return false;
-  return args.prefill == 1 || prefill_pays(args.m, args.n, args.k, args.sms, kPrefill24MinFill);
+  const int tile_m = prefill_tile_m(args);
+  if (prefill_24_smem_bytes(tile_m) > args.max_smem) return false;
+  return args.prefill == 1 || prefill_pays(args.m, args.n, args.k, args.sms, kPrefill24MinFill, tile_m);
 }
 
 std::string plan_24(const Args24& args, Plan24* plan) {
@@ -78,9 +82,10 @@ std::string plan_24(const Args24& args, Plan24* plan) {
   if (prefill_fits(args)) {
     plan->prefill = true;
     // the dense instances' schedule and K split of a last round of few tiles, the same kernel
-    const PrefillSchedule ps = prefill_schedule(args.m, args.n, args.k, args.sms, args.prefill_split);
+    plan->tile_m = prefill_tile_m(args);
+    const PrefillSchedule ps = prefill_schedule(args.m, args.n, args.k, args.sms, args.prefill_split, plan->tile_m);
     plan->grid = ps.grid;
-    plan->smem = prefill_24_smem_bytes();
+    plan->smem = prefill_24_smem_bytes(plan->tile_m);
     plan->parts = ps.parts;
     plan->split_first = ps.split_first;
     plan->partial_floats = ps.partial_floats;
@@ -205,7 +210,8 @@ std::string plan_24(const Args24& args, Plan24* plan) {
 std::string describe_24(const Args24& args, const Plan24& plan) {
   if (plan.prefill)
     return "m=" + std::to_string(args.m) + " n=" + std::to_string(args.n) + " k=" + std::to_string(args.k) +
-           " groups=" + std::to_string(args.groups) + " kernel=prefill_wgmma grid=" + std::to_string(plan.grid) +
+           " groups=" + std::to_string(args.groups) + " kernel=prefill_wgmma tile_m=" + std::to_string(plan.tile_m) +
+           " grid=" + std::to_string(plan.grid) +
            " parts=" + std::to_string(plan.parts) + " split_first=" + std::to_string(plan.split_first) +
            " zeros=" + (args.z != nullptr ? "1" : "0");
   return "m=" + std::to_string(args.m) + " n=" + std::to_string(args.n) + " k=" + std::to_string(args.k) +
@@ -239,13 +245,17 @@ cudaError_t launch_24(const Args24& args, const Plan24& plan, cudaStream_t strea
       }
     kp.group_shift = group_shift;
     using Launch = cudaError_t (*)(const KernelParams&, const void*, int, int, cudaStream_t, bool);
-    // [bf16][zero points][grouped]; per-column zero points never come here (prefill_fits)
-    constexpr Launch kInstances[2][2][2] = {
-        {{&launch_prefill_24<false, kU4, false>, &launch_prefill_24<false, kU4, true>},
-         {nullptr, &launch_prefill_24<false, kU4Zp, true>}},
-        {{&launch_prefill_24<true, kU4, false>, &launch_prefill_24<true, kU4, true>},
-         {nullptr, &launch_prefill_24<true, kU4Zp, true>}}};
-    const Launch launch = kInstances[args.bf16][args.z != nullptr][args.groups > 1];
+    // [128-row tiles][bf16][zero points][grouped]; per-column zero points never come here (prefill_fits)
+    constexpr Launch kInstances[2][2][2][2] = {
+        {{{&launch_prefill_24<false, kU4, false, 256>, &launch_prefill_24<false, kU4, true, 256>},
+          {nullptr, &launch_prefill_24<false, kU4Zp, true, 256>}},
+         {{&launch_prefill_24<true, kU4, false, 256>, &launch_prefill_24<true, kU4, true, 256>},
+          {nullptr, &launch_prefill_24<true, kU4Zp, true, 256>}}},
+        {{{&launch_prefill_24<false, kU4, false, 128>, &launch_prefill_24<false, kU4, true, 128>},
+          {nullptr, &launch_prefill_24<false, kU4Zp, true, 128>}},
+         {{&launch_prefill_24<true, kU4, false, 128>, &launch_prefill_24<true, kU4, true, 128>},
+          {nullptr, &launch_prefill_24<true, kU4Zp, true, 128>}}}};
+    const Launch launch = kInstances[plan.tile_m == kPrefillTileMShort][args.bf16][args.z != nullptr][args.groups > 1];
     return launch(kp, args.b_meta, plan.grid, plan.smem, stream, args.pdl);
   }
   Params p;

@@ -50,6 +50,9 @@ struct Args24 {
   // wherever it can run (above 64 rows; for tests)
   int prefill = -1;
   int prefill_split = 0;  // MARLIN_PREFILL_SPLIT, as for gemm: > 0 every prefill tile in that many K parts
+  // MARLIN_PREFILL_ROWS: 128 runs the prefill kernel on its 128-row tiles wherever it runs, and
+  // lets its rule take 65-255 rows too; 0 or 256 (default) the 256-row tiles from 256 rows
+  int prefill_rows = 0;
 };
 
 struct Plan24 {
@@ -73,6 +76,7 @@ struct Plan24 {
   // partial_floats and locks as above, for the tiles from split_first on
   bool prefill = false;
   int split_first = 0;
+  int tile_m = 256;  // the prefill kernel's activation rows per tile: 256 or 128
 };
 
 // Picks the slice size and the K split; an empty string, or why the shape cannot run.

@@ -1,0 +1,10 @@
+// The prefill kernel's 2:4 instances with 128-row tiles (for 65-255 rows, prefill.h's
+// prefill_tile_m): the same six formats as prefill_24.cu's.
+#include "prefill.h"
+#include "prefill_launch.cuh"
+
+namespace marlin {
+
+MARLIN_PREFILL_24_INSTANCES(128)
+
+}  // namespace marlin
