@@ -1,13 +1,14 @@
 """A small-batch and a large-batch gemm for compute-sanitizer (memcheck, racecheck, ...).
 
-    compute-sanitizer --tool memcheck python scripts/sanitize.py [--formats | --prefill | --prefill-split | --prefill-24 | --narrow] [--small]
+    compute-sanitizer --tool memcheck python scripts/sanitize.py [--formats | --prefill | --prefill-split | --prefill-24 | --narrow] [--small] [--rows128]
 Checks the results too, so a run that is clean but wrong still fails. --formats runs only the
 instances of the other weight formats (bf16, zero points, groups 32/64, 8-bit, partial N tiles);
 --prefill only the prefill kernel (H100/H200, sm_90a build), one case per instance (--prefill-split:
 the same with K in three parts, MARLIN_PREFILL_SPLIT=3; the 2:4 cases on both tile heights, 256 and
 128 rows; --prefill-24 with either, or alone: only
 its 2:4 cases; --small with any of them: only the cases of at most 2^20 outputs, short enough for
-racecheck); --narrow only
+racecheck; --rows128 with any of them: every case on the 128-row tiles, MARLIN_PREFILL_ROWS=128);
+--narrow only
 the wgmma variant's 128-column tile (H100/H200).
 """
 
@@ -177,6 +178,9 @@ def main():
     ok = True
     if any(f in sys.argv[1:] for f in ("--prefill", "--prefill-split", "--prefill-24")):
         os.environ["MARLIN_PREFILL"] = "1"  # read at the first call
+        rows128 = "--rows128" in sys.argv[1:]
+        if rows128:  # every prefill case on the 128-row tiles (gemm reads it at its first call)
+            os.environ["MARLIN_PREFILL_ROWS"] = "128"
         if "--prefill-split" in sys.argv[1:]:
             os.environ["MARLIN_PREFILL_SPLIT"] = "3"  # K in three parts, partials and lock counters
         # --small: only the cases of at most 2^20 outputs (racecheck serialises the persistent
@@ -192,7 +196,8 @@ def main():
         os.environ["MARLIN_PREFILL_ROWS"] = "128"  # the 128-row tiles (read per call by the 2:4 op)
         for case in PREFILL_24_ROWS128_CASES:
             ok &= run_2_4_case(*case)
-        del os.environ["MARLIN_PREFILL_ROWS"]
+        if not rows128:
+            del os.environ["MARLIN_PREFILL_ROWS"]
         torch.cuda.synchronize()
         return 0 if ok else 1
     if "--formats" in sys.argv[1:]:

@@ -117,6 +117,23 @@ def test_split_k_runs_every_case():
     assert parts.count(3) > 50 and set(parts) <= {1, 2, 3}, (len(parts), sorted(set(parts)), log[-2000:])
 
 
+def test_forced_rows128_runs_every_case():
+    """MARLIN_PREFILL=1 MARLIN_PREFILL_ROWS=128 (a knob until measured): the shape, format and graph
+    cases above on the prefill kernel's 128-row tiles (m_blocks=8 in the plan: the wgmma N = 128),
+    whole and with K in three parts; every case passes its bound and repeats bit for bit."""
+    if not wgmma_device():
+        pytest.skip("the prefill kernel runs on compute capability 9.0 with an sm_90a build only")
+    path = "tests/test_gemm_cuda_prefill.py"
+    for extra in ({}, {"MARLIN_PREFILL_SPLIT": "3"}):
+        env = {"MARLIN_PREFILL": "1", "MARLIN_PREFILL_ROWS": "128", "MARLIN_LOG_PLAN": "1", **extra}
+        _, log = _pytest_subprocess(env, "test_prefill_shapes or test_prefill_formats or graph", path)
+        lines = [l for l in log.splitlines() if l.startswith("marlin.gemm plan:") and " kernel=prefill_wgmma " in l]
+        assert len(lines) > 50 and all(" m_blocks=8 kernel=prefill_wgmma " in l for l in lines), (len(lines), lines[:3])
+        if extra:
+            parts = [int(re.search(r" split_parts=(\d+)", l)[1]) for l in lines]
+            assert parts.count(3) > 50 and set(parts) <= {1, 2, 3}, sorted(set(parts))
+
+
 def _expected_split(m, k, n, sms):
     """prefill.cu's prefill_split, restated: the last round's tiles in K parts where they fill at
     most half the SMs."""

@@ -481,10 +481,14 @@ int max_locks(int sms) { return 2 * std::max(sms, 1); }
 // multiple of its 128 columns, K of its 64-row stage; where prefill_pays (prefill.h: the measured rule).
 bool prefill_format(const Format& f) { return !(f.w == kU4Zp && f.group_mode == kPerColumn); }
 
+// MARLIN_PREFILL_ROWS=128 (GemmArgs::prefill_rows): the 128-row tiles, and the rule from 65 rows.
+int prefill_tile_m(const GemmArgs& a) { return a.prefill_rows == kPrefillTileMShort ? kPrefillTileMShort : kPrefillTileM; }
+
 bool prefill_fits(const GemmArgs& a, const Format& f) {
   if (!a.wgmma || a.prefill == 0 || !prefill_format(f) || a.m <= kWgSliceRows) return false;
-  if (a.n % kPrefillTileN != 0 || a.k % kPrefillTileK != 0 || prefill_smem_bytes(a.bits) > a.max_smem) return false;
-  return a.prefill == 1 || prefill_pays(a.m, a.n, a.k, a.sms, kPrefillMinFill);
+  const int tile_m = prefill_tile_m(a);
+  if (a.n % kPrefillTileN != 0 || a.k % kPrefillTileK != 0 || prefill_smem_bytes(a.bits, tile_m) > a.max_smem) return false;
+  return a.prefill == 1 || prefill_pays(a.m, a.n, a.k, a.sms, kPrefillMinFill, tile_m);
 }
 
 void plan_prefill(const GemmArgs& args, const Format& f, GemmPlan* plan) {
@@ -492,31 +496,40 @@ void plan_prefill(const GemmArgs& args, const Format& f, GemmPlan* plan) {
   plan->wgmma = true;
   plan->prefill = true;
   plan->tile = TileConfig{kPrefillTileK, kPrefillTileN};
-  plan->m_blocks = kPrefillTileM / 16;
-  plan->m_slices = (args.m + kPrefillTileM - 1) / kPrefillTileM;
+  const int tile_m = prefill_tile_m(args);
+  plan->m_blocks = tile_m / 16;
+  plan->m_slices = (args.m + tile_m - 1) / tile_m;
   plan->blocks_per_sm = 1;
   // persistent: at most one block per SM, each taking every grid-th unit of work; the last
   // round's tiles in K parts where few (prefill_schedule), the parts' fp32 partials added by the
   // tile's last unit to arrive (one lock counter per split tile)
-  const PrefillSchedule ps = prefill_schedule(args.m, args.n, args.k, args.sms, args.prefill_split);
+  const PrefillSchedule ps = prefill_schedule(args.m, args.n, args.k, args.sms, args.prefill_split, tile_m);
   plan->grid = ps.grid;
   plan->tiles_per_block = args.k / kPrefillTileK;
-  plan->smem_bytes = prefill_smem_bytes(args.bits);
+  plan->smem_bytes = prefill_smem_bytes(args.bits, tile_m);
   plan->split_parts = ps.parts;
   plan->split_first = ps.split_first;
   plan->cluster_reduce = false;
   plan->needs_partial = ps.parts > 1;
   plan->partial_floats = static_cast<std::size_t>(ps.partial_floats);
   plan->locks = ps.locks;
-  // one instance per element type, weight type and scale kind (the group size is a run-time shift)
-  constexpr LaunchFn kInstances[2][3][2] = {
-      {{&launch_prefill<false, kU4, false>, &launch_prefill<false, kU4, true>},
-       {nullptr, &launch_prefill<false, kU4Zp, true>},
-       {&launch_prefill<false, kU8, false>, &launch_prefill<false, kU8, true>}},
-      {{&launch_prefill<true, kU4, false>, &launch_prefill<true, kU4, true>},
-       {nullptr, &launch_prefill<true, kU4Zp, true>},
-       {&launch_prefill<true, kU8, false>, &launch_prefill<true, kU8, true>}}};
-  plan->launch = kInstances[f.bf16][f.w][f.group_mode != kPerColumn];  // prefill_format excludes the nullptr
+  // one instance per tile height, element type, weight type and scale kind (the group size is a
+  // run-time shift)
+  constexpr LaunchFn kInstances[2][2][3][2] = {
+      {{{&launch_prefill<false, kU4, false, 256>, &launch_prefill<false, kU4, true, 256>},
+        {nullptr, &launch_prefill<false, kU4Zp, true, 256>},
+        {&launch_prefill<false, kU8, false, 256>, &launch_prefill<false, kU8, true, 256>}},
+       {{&launch_prefill<true, kU4, false, 256>, &launch_prefill<true, kU4, true, 256>},
+        {nullptr, &launch_prefill<true, kU4Zp, true, 256>},
+        {&launch_prefill<true, kU8, false, 256>, &launch_prefill<true, kU8, true, 256>}}},
+      {{{&launch_prefill<false, kU4, false, 128>, &launch_prefill<false, kU4, true, 128>},
+        {nullptr, &launch_prefill<false, kU4Zp, true, 128>},
+        {&launch_prefill<false, kU8, false, 128>, &launch_prefill<false, kU8, true, 128>}},
+       {{&launch_prefill<true, kU4, false, 128>, &launch_prefill<true, kU4, true, 128>},
+        {nullptr, &launch_prefill<true, kU4Zp, true, 128>},
+        {&launch_prefill<true, kU8, false, 128>, &launch_prefill<true, kU8, true, 128>}}}};
+  // prefill_format excludes the nullptr
+  plan->launch = kInstances[tile_m == kPrefillTileMShort][f.bf16][f.w][f.group_mode != kPerColumn];
 }
 
 // Replans the small-batch call with `variant` (the same call, one planner knob set) and takes

@@ -15,7 +15,10 @@ static_assert(PrefillShape<>::kTileN == kPrefillTileN && PrefillShape<>::kTileM 
               "prefill.h and prefill_kernel.cuh disagree on the tile");
 static_assert(PrefillShape<4, true, kPrefillTileMShort>::kTileM == kPrefillTileMShort, "the short tile");
 
-int prefill_smem_bytes(int bits) { return bits == 8 ? PrefillShape<8>::kSmemBytes : PrefillShape<4>::kSmemBytes; }
+int prefill_smem_bytes(int bits, int tile_m) {
+  if (tile_m == kPrefillTileMShort) return bits == 8 ? PrefillShape<8, false, 128>::kSmemBytes : PrefillShape<4, false, 128>::kSmemBytes;
+  return bits == 8 ? PrefillShape<8>::kSmemBytes : PrefillShape<4>::kSmemBytes;
+}
 
 namespace {
 
@@ -59,23 +62,6 @@ PrefillSchedule prefill_schedule(long long m, long long n, long long k, int sms,
   return s;
 }
 
-template <bool BF16, int W, bool GROUPED>
-cudaError_t launch_prefill(const KernelParams& p, int grid, int smem, cudaStream_t stream, bool pdl, int /*cluster*/) {
-  return launch_prefill_kernel<BF16, W, GROUPED, false>(p, nullptr, grid, smem, stream, pdl);
-}
-
-#define MARLIN_PREFILL_INSTANCE(BF16, W, GROUPED) \
-  template cudaError_t launch_prefill<BF16, W, GROUPED>(const KernelParams&, int, int, cudaStream_t, bool, int);
-MARLIN_PREFILL_INSTANCE(false, kU4, true)
-MARLIN_PREFILL_INSTANCE(false, kU4, false)
-MARLIN_PREFILL_INSTANCE(false, kU4Zp, true)
-MARLIN_PREFILL_INSTANCE(false, kU8, true)
-MARLIN_PREFILL_INSTANCE(false, kU8, false)
-MARLIN_PREFILL_INSTANCE(true, kU4, true)
-MARLIN_PREFILL_INSTANCE(true, kU4, false)
-MARLIN_PREFILL_INSTANCE(true, kU4Zp, true)
-MARLIN_PREFILL_INSTANCE(true, kU8, true)
-MARLIN_PREFILL_INSTANCE(true, kU8, false)
-#undef MARLIN_PREFILL_INSTANCE
+MARLIN_PREFILL_INSTANCES(256)  // the 128-row ones: prefill_m128.cu
 
 }  // namespace marlin

@@ -11,11 +11,11 @@ struct KernelParams;
 constexpr int kPrefillTileN = 128;
 constexpr int kPrefillTileM = 256;
 constexpr int kPrefillTileK = 64;
-// The 2:4 instances also come with tiles of 128 activation rows (the wgmma N), for 65-255 rows
-// where a 256-row tile is half empty: MARLIN_PREFILL_ROWS=128 takes them (marlin_24.h); not the
-// default until measured.
+// Every instance also comes with tiles of 128 activation rows (the wgmma N), for 65-255 rows
+// where a 256-row tile is half empty: MARLIN_PREFILL_ROWS=128 takes them (gemm_cuda.cpp's knobs,
+// marlin_24.h); not the default until measured.
 constexpr int kPrefillTileMShort = 128;
-int prefill_smem_bytes(int bits);        // bits of the packed weights: 4 or 8
+int prefill_smem_bytes(int bits, int tile_m = kPrefillTileM);  // bits of the packed weights: 4 or 8
 int prefill_24_smem_bytes(int tile_m);   // the 2:4 instances' (tile_m: 256 or 128)
 
 // Whether the kernel pays for an M x N product on `sms` SMs (N a multiple of the tile): from 256
@@ -64,8 +64,9 @@ PrefillSchedule prefill_schedule(long long m, long long n, long long k, int sms,
 
 // BF16: bf16 activations, scales and output (else fp16). W: the weight type (dequant.cuh's WType:
 // kU4, kU4Zp with zero points per group, GROUPED only, or kU8). GROUPED: scales in groups of 32, 64
-// or 128 along K (p.group_shift); else per column. cluster is ignored (1).
-template <bool BF16, int W, bool GROUPED>
+// or 128 along K (p.group_shift); else per column. TILE_M: activation rows per tile (256 or 128;
+// prefill.cu, prefill_m128.cu). cluster is ignored (1).
+template <bool BF16, int W, bool GROUPED, int TILE_M>
 cudaError_t launch_prefill(const KernelParams& p, int grid, int smem, cudaStream_t stream, bool pdl, int cluster);
 
 // The 2:4 instances (prefill_24.cu, prefill_24_m128.cu): p.b is marlin.gemm_2_4's b_q, b_meta its

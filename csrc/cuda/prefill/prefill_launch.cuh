@@ -52,6 +52,26 @@ cudaError_t launch_prefill_kernel(const KernelParams& p, const void* b_meta, int
   return launch_kernel(marlin_prefill_kernel<T, W, GROUPED, SPARSE, TILE_M>, cache, pp, grid, S::kThreads, smem, stream, pdl, 1);
 }
 
+// The dense launch entry point of prefill.h, and its ten formats' instances for one tile height.
+template <bool BF16, int W, bool GROUPED, int TILE_M>
+cudaError_t launch_prefill(const KernelParams& p, int grid, int smem, cudaStream_t stream, bool pdl, int /*cluster*/) {
+  return launch_prefill_kernel<BF16, W, GROUPED, false, TILE_M>(p, nullptr, grid, smem, stream, pdl);
+}
+
+#define MARLIN_PREFILL_INSTANCE(BF16, W, GROUPED, TILE_M) \
+  template cudaError_t launch_prefill<BF16, W, GROUPED, TILE_M>(const KernelParams&, int, int, cudaStream_t, bool, int);
+#define MARLIN_PREFILL_INSTANCES(TILE_M)               \
+  MARLIN_PREFILL_INSTANCE(false, kU4, true, TILE_M)    \
+  MARLIN_PREFILL_INSTANCE(false, kU4, false, TILE_M)   \
+  MARLIN_PREFILL_INSTANCE(false, kU4Zp, true, TILE_M)  \
+  MARLIN_PREFILL_INSTANCE(false, kU8, true, TILE_M)    \
+  MARLIN_PREFILL_INSTANCE(false, kU8, false, TILE_M)   \
+  MARLIN_PREFILL_INSTANCE(true, kU4, true, TILE_M)     \
+  MARLIN_PREFILL_INSTANCE(true, kU4, false, TILE_M)    \
+  MARLIN_PREFILL_INSTANCE(true, kU4Zp, true, TILE_M)   \
+  MARLIN_PREFILL_INSTANCE(true, kU8, true, TILE_M)     \
+  MARLIN_PREFILL_INSTANCE(true, kU8, false, TILE_M)
+
 // The 2:4 launch entry point of prefill.h, and its six formats' instances for one tile height.
 template <bool BF16, int W, bool GROUPED, int TILE_M>
 cudaError_t launch_prefill_24(const KernelParams& p, const void* b_meta, int grid, int smem, cudaStream_t stream, bool pdl) {
