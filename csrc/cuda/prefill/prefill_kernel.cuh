@@ -25,10 +25,10 @@
 // memory and read both operands from there; the per-stage proxy fence and warpgroup barrier
 // between dequantization and wgmma were its top stall.)
 //
-// A block owns each of its 128 x 256 tiles of C^T (128 weight columns, 256 rows of M; the 2:4
-// instances also come with 128-row tiles, TILE_M, the wgmma N = 128 and half the accumulators)
-// for the whole K, but for a split last round (below). Rows of M past the end are zero-filled by the tensor copy and
-// never stored. The weights are the published Marlin format (docs/FORMAT.md): a lane's word of a
+// A block owns each of its 128 x 256 tiles of C^T (128 weight columns, 256 rows of M; every
+// instance also comes with 128-row tiles, TILE_M: the wgmma N = 128 and half the accumulators)
+// for the whole K, but for a split last round (below). Rows of M past the end are zero-filled by
+// the tensor copy and never stored. The weights are the published Marlin format (docs/FORMAT.md): a lane's word of a
 // 16 x 64 tile dequantizes (dequant_u4 / dequant_u8 of dequant.cuh, with the zero points of kU4Zp)
 // into the A fragment of 16 weight columns and one k16 step. Groups (32, 64, 128: the run-time
 // group_shift): fragments scaled in the element type before the wgmma (as the small-batch
