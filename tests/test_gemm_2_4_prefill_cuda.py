@@ -18,6 +18,7 @@ import pytest
 import torch
 
 import marlin
+import prefill_rule
 from conftest import poison_allocator, rel_err, requires_cuda_2_4, wgmma_device
 from gemm_2_4_helpers import assert_graph_replays, get_layer, plan_lines
 
@@ -101,33 +102,46 @@ def _split_of(line):
     return int(m[1]), int(m[2])
 
 
+def _tile_m_of(line):
+    return int(re.search(r" tile_m=(\d+) ", line)[1])
+
+
 @pytest.mark.parametrize(
-    "m,k,n,env,want",
+    "m,k,n,env,want,tile_m",
     [
-        # the default split of a last round of few tiles (prefill.cu's prefill_split, on 132 SMs):
-        # 32 tiles in 4 parts, 64 tiles of an 11008-deep layer in 2, 152 tiles with 20 left in 2
-        pytest.param(256, 4096, 4096, {}, (4, 0), id="32tiles"),
-        pytest.param(257, 11008, 4096, {}, (2, 0), id="64tiles-deep"),
-        pytest.param(1793, 2048, 2432, {}, (2, 132), id="tail20"),
-        # MARLIN_PREFILL_SPLIT=3: every tile in 3 parts (12 tiles of 18 stages)
-        pytest.param(1000, 1152, 384, {"MARLIN_PREFILL": "1", "MARLIN_PREFILL_SPLIT": "3"}, (3, 0), id="forced3"),
+        # the default tile height and split of a last round of few tiles (prefill.cu's
+        # prefill_pick_tile_m and tail split, on 132 SMs): 7B o at 256 rows on 64 tiles of 128 rows
+        # in 2 parts; 64 256-row tiles of an 11008-deep layer in 2; 266 128-row tiles with 2 left in 2
+        pytest.param(256, 4096, 4096, {}, (2, 0), 128, id="7Bo-256rows"),
+        pytest.param(257, 11008, 4096, {}, (2, 0), 256, id="64tiles-deep"),
+        pytest.param(1793, 2048, 2432, {}, (2, 264), 128, id="tail2"),
+        # MARLIN_PREFILL_ROWS=256 (forced height): 32 tiles in 4 parts
+        pytest.param(256, 4096, 4096, {"MARLIN_PREFILL_ROWS": "256"}, (4, 0), 256, id="32tiles-rows256"),
+        # MARLIN_PREFILL_SPLIT=3: every tile in 3 parts (3 column tiles of 18 stages)
+        pytest.param(1000, 1152, 384, {"MARLIN_PREFILL": "1", "MARLIN_PREFILL_SPLIT": "3"}, (3, 0), None, id="forced3"),
     ],
 )
-def test_prefill_2_4_split(m, k, n, env, want, monkeypatch, capfd):
+def test_prefill_2_4_split(m, k, n, env, want, tile_m, monkeypatch, capfd):
     """The 2:4 instances with K in parts: bounds, NaN-poisoned output, bit-identical repeats (the
-    parts are added in part order), and the plan's parts."""
-    if torch.cuda.get_device_properties(0).multi_processor_count != 132 and not env:
+    parts are added in part order), and the plan's parts and tile height."""
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    if sms != 132 and "MARLIN_PREFILL_SPLIT" not in env:
         pytest.skip("the expected splits are those of a 132-SM H100 / H200")
-    monkeypatch.delenv("MARLIN_PREFILL", raising=False)
-    monkeypatch.delenv("MARLIN_PREFILL_SPLIT", raising=False)
+    if tile_m is not None:  # the pinned cases agree with the rule's restatement (prefill_rule.py)
+        assert prefill_rule.tile_m(m, k, n, sms) == tile_m or "MARLIN_PREFILL_ROWS" in env
+        assert prefill_rule.split(m, k, n, sms, tile_m) == want
+    for key in ("MARLIN_PREFILL", "MARLIN_PREFILL_SPLIT", "MARLIN_PREFILL_ROWS"):
+        monkeypatch.delenv(key, raising=False)
     monkeypatch.setenv("MARLIN_LOG_PLAN", "1")
     for key, value in env.items():
         monkeypatch.setenv(key, value)
-    assert _split_of(_check(get_layer(k, n, 128), m, capfd)) == want
+    line = _check(get_layer(k, n, 128), m, capfd)
+    assert _split_of(line) == want and (tile_m is None or _tile_m_of(line) == tile_m), line
 
 
-# MARLIN_PREFILL_ROWS=128: the 128-row tiles (the wgmma N = 128, an 8-stage ring), opt-in until
-# measured; M below, at and past one tile, a partial tile after whole ones, many tiles
+# MARLIN_PREFILL_ROWS=128: every call on the 128-row tiles (the wgmma N = 128, an 8-stage ring;
+# by default below 256 rows and where prefill_pick_tile_m rates them faster); M below, at and past
+# one tile, a partial tile after whole ones, many tiles
 M_ROWS128 = [65, 127, 128, 129, 255, 1000]
 
 
@@ -188,34 +202,36 @@ def test_prefill_2_4_rows128_graph(rows128):
     assert_graph_replays(lambda: marlin.gemm_2_4(a, layer.b_q, layer.b_meta, layer.b_s, b_zeros=layer.b_z), want)
 
 
-def test_rows128_rule_and_bad_value(monkeypatch, capfd):
-    """MARLIN_PREFILL_ROWS=128 without MARLIN_PREFILL: the rule takes 65-255 rows where the 128-row
-    tiles fill the SMs (4096 x 12288 at 128 rows: 96 tiles), not 64 rows; another value is refused."""
-    monkeypatch.delenv("MARLIN_PREFILL", raising=False)
-    monkeypatch.delenv("MARLIN_PREFILL_SPLIT", raising=False)
+def test_tile_height_rule_knob_and_bad_value(monkeypatch, capfd):
+    """By default the rule takes 65-255 rows on 128-row tiles where they fill the SMs (4096 x 12288
+    at 128 rows: 96 tiles), not 64 rows, and 256-row tiles at 1024 rows; MARLIN_PREFILL_ROWS=256
+    keeps 128 rows off the kernel (its 256-row tiles start at 256 rows) and =128 takes 1024 rows
+    on 128-row tiles; another value is refused."""
+    for key in ("MARLIN_PREFILL", "MARLIN_PREFILL_SPLIT", "MARLIN_PREFILL_ROWS"):
+        monkeypatch.delenv(key, raising=False)
     monkeypatch.setenv("MARLIN_LOG_PLAN", "1")
-    monkeypatch.setenv("MARLIN_PREFILL_ROWS", "128")
     layer = get_layer(4096, 12288, 128)
-    plan_lines(capfd)
-    for m in (64, 128):
-        marlin.gemm_2_4(torch.randn(m, 4096, device="cuda", dtype=torch.float16), layer.b_q, layer.b_meta, layer.b_s)
-    torch.cuda.synchronize()
-    lines = plan_lines(capfd)
-    assert len(lines) == 2 and " kernel=prefill_wgmma " not in lines[0], lines
-    if torch.cuda.get_device_properties(0).multi_processor_count >= 96 / 0.5:
-        assert " kernel=prefill_wgmma " not in lines[1], lines  # more SMs than 96 tiles fill
-    else:
-        assert " kernel=prefill_wgmma tile_m=128 " in lines[1], lines
+    fills = torch.cuda.get_device_properties(0).multi_processor_count < 96 / 0.5  # 96 tiles fill half the SMs
+    for rows, want in (("", ["-", "128" if fills else "-", "256"]), ("256", ["-", "-", "256"]), ("128", ["-", "128" if fills else "-", "128"])):
+        if rows:
+            monkeypatch.setenv("MARLIN_PREFILL_ROWS", rows)
+        plan_lines(capfd)
+        for m in (64, 128, 1024):
+            marlin.gemm_2_4(torch.randn(m, 4096, device="cuda", dtype=torch.float16), layer.b_q, layer.b_meta, layer.b_s)
+        torch.cuda.synchronize()
+        lines = plan_lines(capfd)
+        got = [str(_tile_m_of(l)) if " kernel=prefill_wgmma " in l else "-" for l in lines]
+        assert got == want, (rows, lines)
     monkeypatch.setenv("MARLIN_PREFILL_ROWS", "100")
     with pytest.raises(RuntimeError, match="MARLIN_PREFILL_ROWS = 100, expected 128 or 256"):
         marlin.gemm_2_4(torch.randn(128, 4096, device="cuda", dtype=torch.float16), layer.b_q, layer.b_meta, layer.b_s)
 
 
 def test_default_rule_2_4():
-    """By default the 2:4 op takes the prefill kernel where its tiles fill the SMs (4096 x 12288: 96
-    column tiles, at 1024 rows 384 tiles), down to a fill of 0.5 (8192 x 10240 at 256 rows: 80
-    tiles, 0.61 of 132 SMs), not at 128 rows,
-    never with MARLIN_PREFILL=0, and per column zero points never."""
+    """By default the 2:4 op takes the prefill kernel where its tiles fill the SMs, down to a fill
+    of 0.5 (4096 x 12288: 96 column tiles, at 128 rows 96 tiles of 128 rows, at 1024 rows 384 of
+    256; 8192 x 10240 at 256 rows: 160 tiles of 128 rows, split), never with MARLIN_PREFILL=0, and
+    per column zero points never."""
     script = (
         "import torch, marlin\n"
         "from marlin import sparse\n"
@@ -231,12 +247,15 @@ def test_default_rule_2_4():
         "torch.cuda.synchronize()\n"
     )
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    fills = 80 >= 0.5 * sms  # 80 tiles in one round: 0.61 of an H100's or H200's 132 SMs
-    for knob, expect in (("-1", ["1024"] + (["256"] if fills else [])), ("0", [])):
+    calls = [(128, 4096, 12288), (1024, 4096, 12288), (256, 8192, 10240)]  # the per column zero points' call never
+    want = [f"{m}/{prefill_rule.tile_m(m, k, n, sms)}" for m, k, n in calls if prefill_rule.pays(m, k, n, sms, 0.5)]
+    if sms == 132:
+        assert want == ["128/128", "1024/256", "256/128"], want
+    for knob, expect in (("-1", want), ("0", [])):
         env = {k: v for k, v in os.environ.items() if not k.startswith("MARLIN_")}
         env.update(MARLIN_LOG_PLAN="1", MARLIN_PREFILL=knob)
         r = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
         assert r.returncode == 0, r.stderr[-2000:]
         lines = [l for l in r.stderr.splitlines() if l.startswith("marlin.gemm_2_4 plan:")]
-        got = [l.split()[2].split("=")[1] for l in lines if " kernel=prefill_wgmma " in l]
+        got = [l.split()[2].split("=")[1] + f"/{_tile_m_of(l)}" for l in lines if " kernel=prefill_wgmma " in l]
         assert len(lines) == 4 and got == expect, (knob, lines)

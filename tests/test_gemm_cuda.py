@@ -298,7 +298,7 @@ from marlin import packing
 
 torch.manual_seed(0)
 # (M, K, N): the small-batch kernel reduced in clusters, the tiled kernel, the wgmma variant at 16
-# rows and above 64 rows, the prefill kernel (H100/H200; its tensor maps are made per call); each
+# rows, the prefill kernel on 128- and 256-row tiles (H100/H200; its tensor maps are made per call); each
 # plan's kernel instance is first used inside the capture
 for m, k, n in [(1, 4096, 12288), (16, 4096, 4096), (16, 8192, 10240), (200, 4096, 12288), (1000, 4096, 12288)]:
     q, s = packing.quantize(torch.randn(k, n, device="cuda"), 128)
@@ -491,8 +491,10 @@ def test_small_layers_take_the_128_column_tile():
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     shapes = [(4096, 4096), (2048, 4096), (11008, 4096), (4096, 12288), (28672, 8192)]
     ms = [13, 16, 32, 64, 100, 128]
-    default, _ = _default_and_forced_plans(shapes, ms, {})
-    wide, _ = _default_and_forced_plans(shapes, ms, {"MARLIN_WG_TILE_N": "256"})
+    # the prefill kernel kept off (MARLIN_PREFILL=0): it takes some of these layers above 64 rows,
+    # and this is the wgmma variant's rule
+    default, _ = _default_and_forced_plans(shapes, ms, {"MARLIN_PREFILL": "0"})
+    wide, _ = _default_and_forced_plans(shapes, ms, {"MARLIN_WG_TILE_N": "256", "MARLIN_PREFILL": "0"})
     narrow_seen = 0
     for d, w in zip(default, wide):
         m, n, k = (int(re.search(key + r"=(\d+) ", d)[1]) for key in ("m", "n", "k"))
@@ -506,7 +508,8 @@ def test_small_layers_take_the_128_column_tile():
     if sms == 132:  # 4096 x 4096 and 2048 x 4096 at 32-128 rows (H100 probe: 10-21% faster)
         assert narrow_seen >= 8, narrow_seen
     for slice_rows in ("0", "128"):
-        forced, _ = _default_and_forced_plans(shapes, ms, {"MARLIN_WG_TILE_N": "128", "MARLIN_WG_SLICE": slice_rows})
+        forced, _ = _default_and_forced_plans(
+            shapes, ms, {"MARLIN_WG_TILE_N": "128", "MARLIN_WG_SLICE": slice_rows, "MARLIN_PREFILL": "0"})
         assert sum(_narrow_wgmma(f) for f in forced) >= 16, forced
         if slice_rows == "128":
             assert any(" tile_n=128 m_blocks=16 " in f for f in forced), forced

@@ -292,7 +292,8 @@ def test_wgmma_default_plan(fmt):
 def test_plans_of_the_wgmma_format_tests(rows):
     """The two tests above in a subprocess with the plan log (MARLIN_LOG_PLAN=1) and the slices above
     64 rows forced to 64 or 128 rows (MARLIN_WG_SLICE): every call with M > 8 ran the wgmma variant
-    with the slice the M class asks for (m_blocks = rows / 8), on every format."""
+    with the slice the M class asks for (m_blocks = rows / 8), on every format. The prefill kernel,
+    which takes the default plan's 96 and 128 rows by default, is kept off (MARLIN_PREFILL=0)."""
     import os
     import re
     import subprocess
@@ -301,7 +302,7 @@ def test_plans_of_the_wgmma_format_tests(rows):
     if not wgmma_device():
         pytest.skip("the wgmma variant runs on compute capability 9.0 only")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ, MARLIN_LOG_PLAN="1", MARLIN_WG_SLICE=rows)
+    env = dict(os.environ, MARLIN_LOG_PLAN="1", MARLIN_WG_SLICE=rows, MARLIN_PREFILL="0")
     cmd = [sys.executable, "-m", "pytest", __file__, "-q", "-s", "-p", "no:cacheprovider", "-k",
            "test_wgmma_formats or test_wgmma_default_plan"]
     r = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=900)

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import marlin
+import prefill_rule
 from marlin import packing
 from conftest import requires_cuda, wgmma_device
 from test_gemm_cuda import _pytest_subprocess, check, get_layer
@@ -118,7 +119,7 @@ def test_split_k_runs_every_case():
 
 
 def test_forced_rows128_runs_every_case():
-    """MARLIN_PREFILL=1 MARLIN_PREFILL_ROWS=128 (a knob until measured): the shape, format and graph
+    """MARLIN_PREFILL=1 MARLIN_PREFILL_ROWS=128 (the height forced): the shape, format and graph
     cases above on the prefill kernel's 128-row tiles (m_blocks=8 in the plan: the wgmma N = 128),
     whole and with K in three parts; every case passes its bound and repeats bit for bit."""
     if not wgmma_device():
@@ -134,19 +135,11 @@ def test_forced_rows128_runs_every_case():
             assert parts.count(3) > 50 and set(parts) <= {1, 2, 3}, sorted(set(parts))
 
 
-def _expected_split(m, k, n, sms):
-    """prefill.cu's prefill_split, restated: the last round's tiles in K parts where they fill at
-    most half the SMs."""
-    tiles = (m + 255) // 256 * (n // 128)
-    left = tiles % sms
-    parts = min(4, sms // left, k // 64 // 16) if left and 2 * left <= sms else 1
-    return (parts, tiles - left) if parts > 1 else (1, tiles)
-
-
 def test_default_split_plans():
     """By default the last round's few tiles are split in K (1, 2 or 4 parts here, on the whole
-    grid or only its tail); each case passes its bound and repeats bit for bit, and the plan log
-    shows the split the rule asks for."""
+    grid or only its tail) on the tile height the rule picks; each case passes its bound and
+    repeats bit for bit, and the plan log shows the height and split the rules ask for
+    (prefill_rule.py restates them)."""
     if not wgmma_device():
         pytest.skip("the prefill kernel runs on compute capability 9.0 with an sm_90a build only")
     import os
@@ -154,9 +147,12 @@ def test_default_split_plans():
     import sys
 
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    # (M, K, N): 32 tiles (4 parts), 64 tiles of a deep layer (2 parts), 4 rounds and a tail of 16
-    # (4097 x 4096 x 4096 on 132 SMs), one round of full tiles and a tail of one (1793 x 2432)
+    # (M, K, N) on 132 SMs: 7B o at 256 rows (64 tiles of 128 rows, 2 parts), 64 256-row tiles of a
+    # deep layer (2 parts), 4 rounds and a tail of 16 (4097 x 4096 x 4096: 4 parts), 266 128-row
+    # tiles with a tail of 2 (1793 x 2432), 128 tiles in one round (1000 x 4096 x 4096)
     cases = [(256, 4096, 4096), (257, 11008, 4096), (4097, 4096, 4096), (1793, 2048, 2432), (1000, 4096, 4096)]
+    if sms == 132:
+        assert [prefill_rule.tile_m(m, k, n, sms) for m, k, n in cases] == [128, 256, 256, 128, 256]
     script = (
         "import sys, torch, marlin\n"
         "sys.path.insert(0, 'tests')\n"
@@ -175,11 +171,12 @@ def test_default_split_plans():
     got = {}
     for line in r.stderr.splitlines():
         if line.startswith("marlin.gemm plan:") and " kernel=prefill_wgmma " in line:
-            mm = re.search(r"m=(\d+) n=(\d+) k=(\d+) .* split_parts=(\d+) split_first=(\d+)", line)
-            got[tuple(int(x) for x in mm.groups()[:3])] = (int(mm[4]), int(mm[5]))
+            mm = re.search(r"m=(\d+) n=(\d+) k=(\d+) .* m_blocks=(\d+) .* split_parts=(\d+) split_first=(\d+)", line)
+            got[tuple(int(x) for x in mm.groups()[:3])] = (16 * int(mm[4]), int(mm[5]), int(mm[6]))
     for m, k, n in cases:
-        assert got.get((m, n, k)) == _expected_split(m, k, n, sms), (m, k, n, got)
-    assert {p for p, _ in got.values()} >= {2, 4}, got
+        tile_m = prefill_rule.tile_m(m, k, n, sms)
+        assert got.get((m, n, k)) == (tile_m, *prefill_rule.split(m, k, n, sms, tile_m)), (m, k, n, got)
+    assert {p for _, p, _ in got.values()} >= {2, 4}, got
 
 
 def test_default_rule():
@@ -205,8 +202,11 @@ def test_default_rule():
         "torch.cuda.synchronize()\n"
     )
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    # 4096 x 12288: 96 column tiles, times 16 (4096 rows) or 8 (2048 rows) row tiles
-    want = [m for m, tiles in (("4096", 16 * 96), ("2048", 8 * 96)) if tiles >= sms]
+    # 4096 x 12288: 96 column tiles, at 128 rows on 128-row tiles (fill 0.73 of 132 SMs), at
+    # 2048 / 4096 rows times 8 / 16 row tiles of 256
+    want = [str(m) for m in (128, 4096, 128, 2048) if prefill_rule.pays(m, 4096, 12288, sms, 0.6)]
+    if sms == 132:
+        assert want == ["128", "4096", "128", "2048"], want
     for knob, expect in (("-1", want), ("0", [])):
         env = dict(os.environ, MARLIN_LOG_PLAN="1", MARLIN_PREFILL=knob)
         r = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)

@@ -45,7 +45,7 @@ struct Knobs {
   int prefill;                // MARLIN_PREFILL=0 keeps large batches off the prefill kernel; 1 runs it
                               // wherever it can above 64 rows (default -1: the planner's rule)
   int prefill_split;          // MARLIN_PREFILL_SPLIT=P: the prefill kernel splits K in P parts (probes)
-  int prefill_rows;           // MARLIN_PREFILL_ROWS=128: the prefill kernel's 128-row tiles, from 65 rows
+  int prefill_rows;           // MARLIN_PREFILL_ROWS=128 or 256 forces the prefill kernel's tile height (probes)
   bool log_plan;              // MARLIN_LOG_PLAN=1 prints each call's plan (kernel, tile, partition) to stderr
 };
 
@@ -127,7 +127,7 @@ at::Tensor gemm_cuda(const at::Tensor& a, const at::Tensor& b_q, const at::Tenso
   args.prefill_split = knobs().prefill_split;
   args.prefill_rows = knobs().prefill_rows;
   TORCH_CHECK(args.prefill_rows == 0 || args.prefill_rows == 128 || args.prefill_rows == 256,
-              "marlin.gemm: MARLIN_PREFILL_ROWS = ", num(args.prefill_rows), ", expected 128 or 256 (unset: 256)");
+              "marlin.gemm: MARLIN_PREFILL_ROWS = ", num(args.prefill_rows), ", expected 128 or 256 (unset: the planner's rule)");
   TORCH_CHECK(reinterpret_cast<uintptr_t>(args.b_q) % 16 == 0 && reinterpret_cast<uintptr_t>(args.scales) % 16 == 0 &&
                   reinterpret_cast<uintptr_t>(args.zeros) % 16 == 0,
               "marlin.gemm: b_q, b_scales and b_zeros must be 16-byte aligned (got a view with an offset?)");

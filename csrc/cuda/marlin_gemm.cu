@@ -481,8 +481,8 @@ int max_locks(int sms) { return 2 * std::max(sms, 1); }
 // multiple of its 128 columns, K of its 64-row stage; where prefill_pays (prefill.h: the measured rule).
 bool prefill_format(const Format& f) { return !(f.w == kU4Zp && f.group_mode == kPerColumn); }
 
-// MARLIN_PREFILL_ROWS=128 (GemmArgs::prefill_rows): the 128-row tiles, and the rule from 65 rows.
-int prefill_tile_m(const GemmArgs& a) { return a.prefill_rows == kPrefillTileMShort ? kPrefillTileMShort : kPrefillTileM; }
+// The tile height: prefill_pick_tile_m's rule, or MARLIN_PREFILL_ROWS (GemmArgs::prefill_rows).
+int prefill_tile_m(const GemmArgs& a) { return prefill_pick_tile_m(a.m, a.n, a.k, a.sms, a.prefill_rows); }
 
 bool prefill_fits(const GemmArgs& a, const Format& f) {
   if (!a.wgmma || a.prefill == 0 || !prefill_format(f) || a.m <= kWgSliceRows) return false;

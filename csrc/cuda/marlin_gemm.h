@@ -65,8 +65,8 @@ struct GemmArgs {
   // column): -1 the planner's rule, 0 never, 1 wherever it can run above 64 rows (probes, tests).
   int prefill = -1;
   int prefill_split = 0;  // > 0: the prefill kernel's K split in this many parts (MARLIN_PREFILL_SPLIT; probes)
-  // 128: the prefill kernel's 128-row tiles wherever it runs, its rule from 65 rows (MARLIN_PREFILL_ROWS;
-  // probes until measured); 0 or 256: 256-row tiles from 256 rows
+  // MARLIN_PREFILL_ROWS: 128 or 256 forces the prefill kernel's tile height (probes); 0 its rule
+  // (prefill.h's prefill_pick_tile_m)
   int prefill_rows = 0;
 };
 

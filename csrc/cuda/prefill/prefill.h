@@ -11,9 +11,9 @@ struct KernelParams;
 constexpr int kPrefillTileN = 128;
 constexpr int kPrefillTileM = 256;
 constexpr int kPrefillTileK = 64;
-// Every instance also comes with tiles of 128 activation rows (the wgmma N), for 65-255 rows
-// where a 256-row tile is half empty: MARLIN_PREFILL_ROWS=128 takes them (gemm_cuda.cpp's knobs,
-// marlin_24.h); not the default until measured.
+// Every instance also comes with tiles of 128 activation rows (the wgmma N): for 65-255 rows,
+// where a 256-row tile is half empty, and for layers whose 256-row tiles leave SMs idle
+// (prefill_pick_tile_m).
 constexpr int kPrefillTileMShort = 128;
 int prefill_smem_bytes(int bits, int tile_m = kPrefillTileM);  // bits of the packed weights: 4 or 8
 int prefill_24_smem_bytes(int tile_m);   // the 2:4 instances' (tile_m: 256 or 128)
@@ -34,8 +34,21 @@ int prefill_24_smem_bytes(int tile_m);   // the 2:4 instances' (tile_m: 256 or 1
 constexpr double kPrefillMinFill = 0.6;
 constexpr double kPrefill24MinFill = 0.5;
 // The fill counts a last round split in K (prefill_schedule) as 1 / its parts of a round. tile_m:
-// the tile's rows (kPrefillTileMShort: from 65 rows instead of 256).
+// the tile's rows (kPrefillTileMShort: from 65 rows instead of 256). With 128-row tiles at 96-192
+// rows against what ran there before (the decode kernels; H100, seven layers, NOTES.md "128-row
+// tiles"): dense group 128 0.96-1.23x (median 1.08), per column 0.96-1.27x (1.11), 2:4 0.94-1.71x (1.38).
 bool prefill_pays(long long m, long long n, long long k, int sms, double min_fill, int tile_m = kPrefillTileM);
+
+// The tile height of an M x N x K call on `sms` SMs: `forced` (MARLIN_PREFILL_ROWS, 128 or 256)
+// where set (0: the rule); 128 below 256 rows; from 256 rows the height whose persistent schedule
+// (prefill_schedule, with its K split) takes less time in a model of whole rounds: a unit costs a
+// fixed 4 stage times plus one per 64-deep stage, a 128-row stage 0.6 of a 256-row one (it loads
+// and dequantizes the same weights for half the MMAs), a split unit 16 stage times more for its
+// partials. Fitted to an H100 probe (benchmarks/NOTES.md, "128-row tiles"; seven layers at 256
+// and 512 rows, dense group 128, per column and 2:4): it picks the faster height at every point
+// that differs by more than 3%; 128 on 7B o (256 and 512 rows, 1.16-1.27x), 70B qkv and 70B o at
+// 256 (1.02-1.20x), 256 on the wide and deep ones (70B gate_up, 70B down: 128 0.77-0.96x).
+int prefill_pick_tile_m(long long m, long long n, long long k, int sms, int forced);
 
 // K split (dense and 2:4 instances): where the last round of the persistent schedule has at most
 // half the SMs' worth of tiles (every tile, if there is only that round), those tiles run in

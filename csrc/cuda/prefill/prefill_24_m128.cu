@@ -1,5 +1,5 @@
-// The prefill kernel's 2:4 instances with 128-row tiles (for 65-255 rows, prefill.h's
-// prefill_tile_m): the same six formats as prefill_24.cu's.
+// The prefill kernel's 2:4 instances with 128-row tiles (where prefill.h's prefill_pick_tile_m
+// takes them): the same six formats as prefill_24.cu's.
 #include "prefill.h"
 #include "prefill_launch.cuh"
 

@@ -1,4 +1,5 @@
-// The prefill kernel's dense instances with 128-row tiles (for 65-255 rows, MARLIN_PREFILL_ROWS=128):
+// The prefill kernel's dense instances with 128-row tiles (65-255 rows, and the layers where
+// prefill.h's prefill_pick_tile_m rates them faster):
 // the same ten formats as prefill.cu's 256-row ones.
 #include "prefill.h"
 #include "prefill_launch.cuh"

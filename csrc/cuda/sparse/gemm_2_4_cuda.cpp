@@ -112,7 +112,7 @@ at::Tensor gemm_2_4_cuda(const at::Tensor& a, const at::Tensor& b_q, const at::T
   args.prefill_split = env_or("MARLIN_PREFILL_SPLIT", 0);
   args.prefill_rows = env_or("MARLIN_PREFILL_ROWS", 0);
   TORCH_CHECK(args.prefill_rows == 0 || args.prefill_rows == 128 || args.prefill_rows == 256,
-              "marlin.gemm_2_4: MARLIN_PREFILL_ROWS = ", num(args.prefill_rows), ", expected 128 or 256 (unset: 256)");
+              "marlin.gemm_2_4: MARLIN_PREFILL_ROWS = ", num(args.prefill_rows), ", expected 128 or 256 (unset: the planner's rule)");
   TORCH_CHECK(args.force_kw == 0 || args.force_kw == 1 || args.force_kw == 2,
               "marlin.gemm_2_4: MARLIN_2_4_KW = ", num(args.force_kw), ", expected 1 or 2 (unset: the planner's choice)");
 

@@ -58,12 +58,12 @@ int strip_shift(const Args24& args) {
 // where 1-2 were faster (H100, forced parts: 70B gate_up M = 32 / 64 / 128 7 parts 137 / 209 /
 // 478 us, 2 parts 105 / 156 / 315; 7B qkv M = 32 8 parts 22.2, 4 parts 17.5; 70B o M = 32 / 64
 // 7 parts (one wave) 20.5 / 28.8, 4 parts 29.4 / 41.4, 8 (two waves of clusters) 30.6 / 42.7).
-// The prefill kernel's 2:4 instances (sm_90a) from 256 rows, by the dense kernel's rule with a
-// lower fill (prefill_pays, kPrefill24MinFill): the same 128 x 256 tiles, persistent blocks, the sparse wgmma with its A operand
+// The prefill kernel's 2:4 instances (sm_90a) above 64 rows, by the dense kernel's rule with a
+// lower fill (prefill_pays, kPrefill24MinFill): the same 128-column tiles of 256 or 128 rows, persistent blocks, the sparse wgmma with its A operand
 // (the compressed values) from registers. Every format but per-column zero points; not under the
 // knobs that force a plan of the kernel below (they measure that kernel).
-// MARLIN_PREFILL_ROWS=128 (Args24::prefill_rows): its 128-row tiles, and the rule from 65 rows.
-int prefill_tile_m(const Args24& args) { return args.prefill_rows == kPrefillTileMShort ? kPrefillTileMShort : kPrefillTileM; }
+// The tile height: prefill_pick_tile_m's rule, or MARLIN_PREFILL_ROWS (Args24::prefill_rows).
+int prefill_tile_m(const Args24& args) { return prefill_pick_tile_m(args.m, args.n, args.k, args.sms, args.prefill_rows); }
 
 bool prefill_fits(const Args24& args) {
   if (!args.wgmma || args.prefill == 0 || args.legacy || args.m <= 64) return false;

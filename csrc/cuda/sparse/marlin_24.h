@@ -50,8 +50,8 @@ struct Args24 {
   // wherever it can run (above 64 rows; for tests)
   int prefill = -1;
   int prefill_split = 0;  // MARLIN_PREFILL_SPLIT, as for gemm: > 0 every prefill tile in that many K parts
-  // MARLIN_PREFILL_ROWS: 128 runs the prefill kernel on its 128-row tiles wherever it runs, and
-  // lets its rule take 65-255 rows too; 0 or 256 (default) the 256-row tiles from 256 rows
+  // MARLIN_PREFILL_ROWS, as for gemm: 128 or 256 forces the prefill kernel's tile height; 0 its
+  // rule (prefill.h's prefill_pick_tile_m)
   int prefill_rows = 0;
 };
 
