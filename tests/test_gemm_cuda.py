@@ -262,11 +262,14 @@ def test_default_wgmma_slices_follow_the_columns():
     (32 columns of 128 rows x 256: 4 parts of 64 k-tiles) keeps 64-row slices; 70B qkv (40
     columns: 3 parts of 64), 7B qkv (48: 2 of 32) and 70B down (32: 4 of 224) take 128 rows. 7B down
     (16 columns: 8 parts of 86) takes 128 rows too, because its 64-row columns end through global
-    memory while its 128-row ones reduce in clusters."""
+    memory while its 128-row ones reduce in clusters. (By default the prefill kernel's 128-row
+    tiles take these layers at 128 rows; MARLIN_PREFILL=0 keeps it off, so that this is the wgmma
+    variant's rule.)"""
     if not wgmma_device() or torch.cuda.get_device_properties(0).multi_processor_count != 132:
         pytest.skip("the rule's example needs a 132-SM compute capability 9.0 device")
     _, log = _pytest_subprocess(
-        {"MARLIN_LOG_PLAN": "1"}, "test_llama_shapes and (70B_o or 70B_qkv or 7B_qkv or 70B_down or 7B_down)"
+        {"MARLIN_LOG_PLAN": "1", "MARLIN_PREFILL": "0"},
+        "test_llama_shapes and (70B_o or 70B_qkv or 7B_qkv or 70B_down or 7B_down)",
     )
     found = set(re.findall(r"^marlin\.gemm plan: m=128 n=(\d+) k=(\d+) .* m_blocks=(\d+) ", log, re.M))
     # (N, K, m_blocks) of both scale modes
