@@ -65,15 +65,21 @@ def _check(layer, m, capfd):
     return lines[0]
 
 
-def _cases():
+def _shape_group_m(m_values, large_layer_ms):
+    """(name, K, N, group, M) of every shape and group size that divides K; the large layer only at
+    `large_layer_ms`."""
     for name, (k, n) in SHAPES.items():
         for g in GROUPS:
             if g > 0 and k % g:
                 continue
-            for m in M_VALUES:
-                if name == "4096x12288" and m not in (257, 4097):
-                    continue
-                yield pytest.param(k, n, g, m, id=f"{name}-g{g}-m{m}")
+            for m in m_values:
+                if name != "4096x12288" or m in large_layer_ms:
+                    yield name, k, n, g, m
+
+
+def _cases():
+    for name, k, n, g, m in _shape_group_m(M_VALUES, (257, 4097)):
+        yield pytest.param(k, n, g, m, id=f"{name}-g{g}-m{m}")
 
 
 @pytest.mark.parametrize("k,n,g,m", list(_cases()))
@@ -152,17 +158,11 @@ def rows128(prefill_on):
 
 
 def _cases128():
-    for name, (k, n) in SHAPES.items():
-        for g in GROUPS:
-            if g > 0 and k % g:
+    for name, k, n, g, m in _shape_group_m(M_ROWS128, (129,)):
+        for zp in (False, True):
+            if zp and not 0 < g < k:  # zero points in groups only (as above)
                 continue
-            for m in M_ROWS128:
-                if name == "4096x12288" and m != 129:
-                    continue
-                for zp in (False, True):
-                    if zp and not 0 < g < k:  # zero points in groups only (as above)
-                        continue
-                    yield pytest.param(k, n, g, m, zp, id=f"{name}-g{g}-m{m}" + ("-zp" if zp else ""))
+            yield pytest.param(k, n, g, m, zp, id=f"{name}-g{g}-m{m}" + ("-zp" if zp else ""))
 
 
 @pytest.mark.parametrize("k,n,g,m,zp", list(_cases128()))
