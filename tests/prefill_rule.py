@@ -44,6 +44,5 @@ def pays(m: int, k: int, n: int, sms: int, min_fill: float) -> bool:
     """Whether the planner takes the prefill kernel by default (prefill_pays at the rule's height)."""
     tm = tile_m(m, k, n, sms)
     t = tiles(m, n, tm)
-    parts = split(m, k, n, sms, tm)[0] if t % sms else 1
-    rounds = t // sms + (1.0 / parts if t % sms else 0.0)
+    rounds = t // sms + (1.0 / split(m, k, n, sms, tm)[0] if t % sms else 0.0)  # a split last round: 1 / parts
     return m >= (65 if tm == 128 else 256) and t >= min_fill * rounds * sms
