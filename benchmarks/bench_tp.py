@@ -8,7 +8,9 @@ Protocol (the paper's end-to-end runs): a 64-token prompt already in the KV cach
 decode steps for every sequence of the batch; tokens/s = batch * 64 / time of the 64 steps.
 Each step (embedding, all layers with their all-reduces, norm, lm_head with its all-gather, argmax)
 is one CUDA graph, replayed 64 times (``--no-graph``: eager). Both sides run the same model code
-(benchmarks/tp_model.py) and differ only in the linear layers; lm_head is FP16 and vocabulary-
+(benchmarks/tp_model.py: q/k/v and gate/up fused per rank, the element-wise code between the GEMMs
+compiled with torch.compile on GPUs; ``--compile off`` runs it eagerly) and differ only in the
+linear layers; lm_head is FP16 and vocabulary-
 parallel on both. Each rank builds only its own shards. A point's time is the median over
 ``--repeats`` runs of the slowest rank. Results: ``benchmarks/results/<gpu>x<T>-tp.json``
 (``--out``), and a table on stdout.
@@ -42,6 +44,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=64, help="decode steps timed")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--no-graph", action="store_true", help="eager steps instead of one CUDA graph per step")
+    p.add_argument("--compile", choices=("auto", "on", "off"), default="auto",
+                   help="torch.compile the layers' element-wise code (auto: on GPUs, off on the CPU)")
     p.add_argument("--out", type=Path, default=None)
     p.add_argument("--dry-run", action="store_true", help="CPU, gloo, a 2-layer tiny shape; writes to the temp dir")
     return p.parse_args(argv)
@@ -75,9 +79,14 @@ def slowest(seconds: float, world: int, device) -> float:
     return float(t.item())
 
 
+def compiled(args, device) -> bool:
+    return args.compile == "on" or (args.compile == "auto" and device.type == "cuda")
+
+
 def make_runner(model: DecodeModel, graph: bool, device):
     """A function running one decode step: a CUDA graph replay, or the eager step."""
     if not graph or device.type != "cuda":
+        model.step()  # warm-up (and compilation) outside the timing
         return model.step
     stream = torch.cuda.Stream(device)
     stream.wait_stream(torch.cuda.current_stream(device))
@@ -125,7 +134,7 @@ def weight_bytes(model: DecodeModel) -> int:
 
 def run_kind(kind: str, shape: LlamaShape, args, batches, rank, world, device) -> dict:
     max_len = args.prompt + args.steps
-    model = DecodeModel(shape, kind, max_len, rank, world, device)
+    model = DecodeModel(shape, kind, max_len, rank, world, device, compile=compiled(args, device))
     out = {"kind": kind, "weight_bytes_per_rank": weight_bytes(model), "points": []}
     for batch in batches:
         point = time_point(model, args, batch, world, device)
@@ -155,7 +164,8 @@ def table(result: dict) -> str:
 
 def meta(device, world: int, shape: LlamaShape, args) -> dict:
     info = {"kind": "tp", "world_size": world, "shape": shape.__dict__, "prompt": args.prompt, "steps": args.steps,
-            "repeats": args.repeats, "torch": torch.__version__,
+            "repeats": args.repeats, "torch": torch.__version__, "fused_projections": True,
+            "compiled": compiled(args, device),
             "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     try:  # git revision and device facts, as in the other results files
         from .provenance import device_facts, git_info

@@ -52,6 +52,14 @@ def _siblings(path_stem: str, outdir: Path, here: Path) -> dict:
     return out
 
 
+def _model_code(meta: dict) -> str:
+    """How the model code around the linear layers ran (older results carry neither key)."""
+    if "compiled" not in meta:
+        return "Separate q/k/v and gate/up layers, element-wise code eager."
+    fused = "q/k/v and gate/up fused per rank" if meta.get("fused_projections") else "separate q/k/v and gate/up"
+    return f"{fused[0].upper()}{fused[1:]}, element-wise code {'compiled (torch.compile)' if meta['compiled'] else 'eager'}."
+
+
 def report_tp(data: dict, stem: str, outdir: Path, source_dir: Path | None = None) -> list:
     meta = data["meta"]
     world = meta.get("world_size", 1)
@@ -62,7 +70,7 @@ def report_tp(data: dict, stem: str, outdir: Path, source_dir: Path | None = Non
         "",
         f"Llama-2-70B shape, {layers} layers, random weights; {meta.get('prompt')} prompt tokens in the cache, "
         f"{meta.get('steps')} greedy decode steps, one CUDA graph per step; median of {meta.get('repeats')} runs "
-        "(slowest rank).",
+        "(slowest rank). " + _model_code(meta),
         "",
     ]
     lines += _table(tps, ("marlin", "fp16") if {"marlin", "fp16"} <= set(tps) else None)

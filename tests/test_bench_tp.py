@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from benchmarks import bench_tp
 
@@ -50,3 +51,50 @@ def test_report_tables_and_cross_world_comparison(tmp_path):
     assert "| 1 | 20.0 | 50.0 | 2.50x |" in md and "| 16 | 300.0 | 630.0 | 2.10x |" in md
     assert "marlin TP=1 / fp16 TP=2" in md and "| 1 | 30.0 | 20.0 | 50.0 | 1.50x |" in md
     assert (tmp_path / "h200x2-tp.png").stat().st_size > 0 and len(msgs) == 2
+
+
+@pytest.mark.parametrize("kind", ["fp16", "marlin"])
+def test_compiled_step_matches_the_eager_one(kind):
+    """The torch.compile'd element-wise code (fused residual add + norm, rotary, SiLU-mul) writes the
+    same cache entries and picks the same tokens as the eager functions."""
+    from benchmarks.tp_model import DecodeModel
+
+    models = [DecodeModel(bench_tp.TINY, kind, 8, 0, 1, torch.device("cpu"), compile=c) for c in (False, True)]
+    for m in models:
+        torch.manual_seed(0)  # the random "prompt" in the cache comes from the global generator
+        m.prepare(3)
+        m.pos.fill_(4)
+        m.step()
+        m.step()
+    eager, comp = models
+    assert comp.ops.compiled and not eager.ops.compiled
+    assert int(comp.pos) == int(eager.pos) == 6
+    written = slice(4, 6)  # the two positions the steps wrote; the rest is the random "prompt"
+    for a, b in ((eager.cache_k, comp.cache_k), (eager.cache_v, comp.cache_v)):
+        assert torch.isfinite(a[..., written, :]).all()
+        torch.testing.assert_close(b[..., written, :].float(), a[..., written, :].float(), atol=2e-2, rtol=2e-2)
+        assert not torch.equal(a[..., written, :], torch.zeros_like(a[..., written, :]))
+    assert torch.equal(comp.ids, eager.ids)
+
+
+def test_fused_qkv_layer_writes_the_rotated_k_of_its_k_rows():
+    """Layer 0's first cache write is rotary(RMSNorm(embedding) @ W_k), with W_k the k rows of the fused
+    q/k/v weight (after the q rows), recomputed here in float64: catches a wrong split or order."""
+    from benchmarks.tp_model import DecodeModel
+
+    s = bench_tp.TINY
+    m = DecodeModel(s, "fp16", 8, 0, 1, torch.device("cpu"))
+    m.prepare(2)
+    m.pos.fill_(3)
+    ids = m.ids.clone()
+    m.step()
+    x = m.embed[ids].double()
+    h = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + s.rms_eps)
+    w = m.layers[0].qkv.local.weight.double()
+    q_rows, kv_rows = s.heads * s.head_dim, s.kv_heads * s.head_dim
+    k = (h @ w[q_rows : q_rows + kv_rows].T).view(2, s.kv_heads, s.head_dim)
+    v = (h @ w[q_rows + kv_rows :].T).view(2, s.kv_heads, s.head_dim)
+    cos, sin = m.cos[3].double(), m.sin[3].double()
+    k = k * cos + torch.cat((-k[..., s.head_dim // 2 :], k[..., : s.head_dim // 2]), -1) * sin
+    torch.testing.assert_close(m.cache_k[0][:, :, 3].double(), k, atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(m.cache_v[0][:, :, 3].double(), v, atol=2e-2, rtol=2e-2)
