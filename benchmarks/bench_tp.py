@@ -168,10 +168,10 @@ def meta(device, world: int, shape: LlamaShape, args) -> dict:
             "compiled": compiled(args, device),
             "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     try:  # git revision and device facts, as in the other results files
-        from .provenance import device_facts, git_info
+        from .provenance import device_facts, git_info_here
 
         info.update(device_facts(device))
-        info["git"] = git_info()
+        info["git"] = git_info_here()  # MARLIN_GIT_REV / MARLIN_CSRC_TREE of the checkout win
     except Exception as e:  # noqa: BLE001  (provenance must not cost the measurement)
         info["provenance_error"] = repr(e)
         info.setdefault("gpu_slug", "cpu" if device.type == "cpu" else torch.cuda.get_device_name(device).replace(" ", "-").lower())

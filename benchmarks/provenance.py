@@ -227,8 +227,15 @@ def collect_meta(dev: torch.device, mode: str, kind: str = "gemm", expect_rev=No
             "fp16_reduced_precision_reduction": bool(torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction),
         }
     )
-    expect_rev = expect_rev or os.environ.get("MARLIN_GIT_REV") or None
-    expect_tree = expect_tree or os.environ.get("MARLIN_CSRC_TREE") or None
-    meta.update(git_info(expect_rev, expect_tree))
+    meta.update(git_info_here(expect_rev, expect_tree))
     meta["build_older_than_csrc"] = build_is_stale()
     return meta
+
+
+def git_info_here(expect_rev=None, expect_tree=None) -> dict:
+    """git_info with the caller's revision and csrc tree taken from MARLIN_GIT_REV / MARLIN_CSRC_TREE
+    when not passed: on a copy of the checkout (a GPU machine) whatever git it carries may be stale,
+    so the checkout's own values, passed in the environment, win."""
+    expect_rev = expect_rev or os.environ.get("MARLIN_GIT_REV") or None
+    expect_tree = expect_tree or os.environ.get("MARLIN_CSRC_TREE") or None
+    return git_info(expect_rev, expect_tree)

@@ -250,6 +250,23 @@ def test_given_tree_wins_over_a_copy_with_an_unrelated_git(monkeypatch):
     assert PV.git_info()["git_dirty_files"] == ["csrc/x.cu", "csrc/new.cu"]
 
 
+def test_tp_results_take_the_checkouts_revision_over_a_stale_git(monkeypatch):
+    # bench_tp once recorded the device copy's stale HEAD: its meta must read the environment too
+    import argparse
+
+    from benchmarks import bench_tp
+
+    work = PV.git_tree_hash(BM.REPO / "csrc")
+    monkeypatch.setattr(PV, "_git_usable", lambda: True)
+    monkeypatch.setattr(PV, "_git", lambda *a: "s" * 40 if a[:1] == ("rev-parse",) else None)
+    monkeypatch.setattr(PV, "_git_raw", lambda *a: "")
+    monkeypatch.setenv("MARLIN_GIT_REV", "abc1234")
+    monkeypatch.setenv("MARLIN_CSRC_TREE", work)
+    args = argparse.Namespace(prompt=4, steps=4, repeats=1, compile="off")
+    git = bench_tp.meta(torch.device("cpu"), 1, bench_tp.TINY, args)["git"]
+    assert git["git_rev"] == "abc1234" and git["provenance_source"] == "given" and git["git_dirty"] is False
+
+
 def test_git_in_an_empty_repository_is_not_trusted(monkeypatch):
     answers = {("rev-parse", "--show-toplevel"): str(BM.REPO), ("rev-parse", "--verify", "-q", "HEAD"): None}
     monkeypatch.setattr(PV, "_git", lambda *a: answers.get(a))
