@@ -16,8 +16,8 @@ group-128 scales ("marlin"); the rest (norms, attention, cache) is identical on 
 As a serving engine runs a decoder, q/k/v are one column-parallel layer per rank and gate/up
 another (each rank's q, k and v shards side by side), and the element-wise work between the
 GEMMs (residual add + RMSNorm, rotary, SiLU-mul) runs as torch.compile'd functions
-(``compile=True``), so that a step is about a dozen kernels per layer instead of ~45 small eager
-ones; attention (SDPA over the static cache), the cache writes and the collectives stay eager.
+(``compile=True``), so that a layer is a dozen or so kernels instead of several times as many small
+eager ones (counted from the code, not profiled); attention (SDPA over the static cache), the cache writes and the collectives stay eager.
 """
 
 from __future__ import annotations
