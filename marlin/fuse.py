@@ -26,6 +26,11 @@ Parts are fused only when they can share one GEMM: all MarlinLinear, or all 2:4-
 MarlinLinear24, with the same input size, the same weight format (buffers, dtypes, group size)
 and the same act-order permutation (or none). Everything else is left alone and listed in the report.
 
+On a tensor-parallel model (marlin.tensor_parallel or marlin.parallel.load_sharded first: shard,
+then fuse) the parts are ColumnParallelLinear shards of one rank; their local layers are fused
+as above into one ColumnParallelLinear holding this rank's q|k|v (or gate|up) columns side by
+side, split by the local widths. Shards that gather their output (lm_head-style) are not fused.
+
 A fused model's state_dict holds the fused names (``qkv_proj.b_q``). It loads back into a fused
 model (load_state_dict), and a fused model saved with save_pretrained loads with from_pretrained
 or marlin.load_quantized: the loaders see a ``qkv_proj`` layer where the model built from its
@@ -115,13 +120,41 @@ class FusedPart(nn.Module):
         return self._shared.part(x, self.index)
 
     def extra_repr(self) -> str:
-        start = sum(self._shared.sizes[: self.index])
-        return f"{self.fused_name}[..., {start}:{start + self.out_features}]"
+        start = sum(self._shared.sizes[: self.index])  # local widths: a column shard's columns on this rank
+        return f"{self.fused_name}[..., {start}:{start + self._shared.sizes[self.index]}]"
+
+
+def _column_shard_class():
+    # imported when used: marlin.parallel's loader imports this module's install_fused
+    from .parallel.layers import ColumnParallelLinear
+
+    return ColumnParallelLinear
+
+
+def _local_width(part: nn.Module) -> int:
+    """The columns a part computes on this rank (a column shard's local layer's, else its own)."""
+    return part.local.out_features if isinstance(part, _column_shard_class()) else part.out_features
+
+
+def _why_not_shards(parts: Sequence[nn.Module]) -> Optional[str]:
+    """_why_not for ColumnParallelLinear parts: one rank's shards that can share one local GEMM."""
+    first = parts[0]
+    if not all(type(p) is type(first) for p in parts):
+        return "not all parts are column-parallel shards (" + ", ".join(type(p).__name__ for p in parts) + ")"
+    if any(p.gather_output for p in parts):
+        return "a part gathers its output over the ranks (gather_output=True)"
+    if any((p.group, p.rank, p.world_size) != (first.group, first.rank, first.world_size) for p in parts):
+        return "the parts are shards of different ranks or process groups"
+    if any(p.in_features != first.in_features for p in parts):
+        return "different in_features " + str([p.in_features for p in parts])
+    return _why_not([p.local for p in parts])
 
 
 def _why_not(parts: Sequence[nn.Module]) -> Optional[str]:
     """None if the parts can share one GEMM, else the reason."""
     first = parts[0]
+    if any(isinstance(p, _column_shard_class()) for p in parts):
+        return _why_not_shards(parts)
     if type(first) not in _FUSIBLE or not all(type(p) is type(first) for p in parts):
         return "not all parts are MarlinLinear, or all MarlinLinear24 (" + ", ".join(type(p).__name__ for p in parts) + ")"
     if any(p.in_features != first.in_features for p in parts):
@@ -172,6 +205,11 @@ def fuse_group(parts: Sequence[nn.Module]) -> nn.Module:
     if why is not None:
         raise ValueError(f"fuse_group: cannot fuse these layers: {why}")
     first = parts[0]
+    column_shard = _column_shard_class()
+    if isinstance(first, column_shard):  # one rank's shards: fuse the local layers, wrap them again
+        local = fuse_group([p.local for p in parts])
+        return column_shard(local, first.in_features, sum(p.out_features for p in parts), gather_output=False,
+                            group=first.group, rank=first.rank, world_size=first.world_size)
     fused = _clone_with_own_state(first)
     fused.out_features = sum(p.out_features for p in parts)
     for name in _PER_COLUMN:
@@ -224,7 +262,7 @@ def fuse_projections(
                 continue
             parts = [parent._modules[n] for n in part_names]
             fused = fuse_group(parts)
-            shared = _SplitResult(fused, [p.out_features for p in parts])
+            shared = _SplitResult(fused, [_local_width(p) for p in parts])
             parent.add_module(fused_name, fused)
             for i, (name, p) in enumerate(zip(part_names, parts)):
                 parent._modules[name] = FusedPart(shared, i, fused_name, p.in_features, p.out_features)

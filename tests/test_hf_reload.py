@@ -175,5 +175,5 @@ def test_fused_checkpoint_is_refused_by_tensor_parallel_loading(fused_saved):
     from marlin.parallel.loader import load_sharded
 
     _, saved = fused_saved
-    with pytest.raises(ShardError, match="FusedPart .fused projections: shard first, fuse never"):
+    with pytest.raises(ShardError, match="FusedPart .fused projections: shard first, then fuse_projections"):
         load_sharded(saved, device="cpu")

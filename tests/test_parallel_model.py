@@ -86,6 +86,49 @@ def test_fused_projections_are_refused():
         marlin.tensor_parallel(model, rank=0, world_size=2)
 
 
+@pytest.mark.parametrize("rank", [0, 1])
+def test_shard_then_fuse_gives_each_rank_its_columns_side_by_side(rank):
+    """fuse_projections after tensor_parallel: one ColumnParallelLinear per group holding this rank's
+    q|k|v (gate|up) local columns; each part returns exactly what its shard returned."""
+    model = tiny_llama()
+    marlin.tensor_parallel(model, rank=rank, world_size=2)
+    attn, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
+    shards = {n: getattr(attn, n) for n in ("q_proj", "k_proj", "v_proj")} | {n: getattr(mlp, n) for n in ("gate_proj", "up_proj")}
+    x = torch.randn(3, 256, dtype=torch.float16)
+    want = {n: s(x) for n, s in shards.items()}
+    report = marlin.fuse_projections(model, strict=True)
+    assert [w for w, _ in report.fused] == ["model.layers.0.self_attn.qkv_proj", "model.layers.0.mlp.gate_up_proj"]
+    qkv = attn.qkv_proj
+    assert isinstance(qkv, ColumnParallelLinear) and not qkv.gather_output and qkv.rank == rank
+    assert qkv.out_features == 256 + 2 * 128 and qkv.local.out_features == 128 + 2 * 64
+    # the fused local b_q is the shards' b_q side by side (exact: no dequantization)
+    assert torch.equal(qkv.local.b_q, torch.cat([shards[n].local.b_q for n in ("q_proj", "k_proj", "v_proj")], -1))
+    assert torch.equal(mlp.gate_up_proj.local.b_scales,
+                       torch.cat([shards[n].local.b_scales for n in ("gate_proj", "up_proj")], -1))
+    for n, y in want.items():
+        part = getattr(attn if n in ("q_proj", "k_proj", "v_proj") else mlp, n)
+        assert type(part).__name__ == "FusedPart"
+        assert torch.equal(part(x), y), n
+    assert repr(attn.v_proj).endswith("qkv_proj[..., 192:256])")  # local widths 128, 64, 64
+
+
+def test_gathering_or_mixed_shards_are_not_fused():
+    from marlin.fuse import fuse_group
+
+    model = tiny_llama()
+    marlin.tensor_parallel(model, rank=0, world_size=2)
+    attn = model.model.layers[0].self_attn
+    other = tiny_llama()
+    marlin.tensor_parallel(other, rank=1, world_size=2)
+    with pytest.raises(ValueError, match="shards of different ranks"):
+        fuse_group([attn.q_proj, attn.k_proj, other.model.layers[0].self_attn.v_proj])
+    with pytest.raises(ValueError, match="not all parts are column-parallel shards"):
+        fuse_group([attn.q_proj, attn.k_proj.local])
+    attn.k_proj.gather_output = True
+    with pytest.raises(ValueError, match=r"gathers its output"):
+        fuse_group([attn.q_proj, attn.k_proj, attn.v_proj])
+
+
 def test_plan_keys_relative_to_the_base_model_match():
     model = tiny_llama()
     report = marlin.tensor_parallel(model, {"layers.*.mlp.up_proj": "colwise"}, rank=0, world_size=2)

@@ -183,6 +183,16 @@ def llama_scenario(rank: int, world_size: int, act_order: bool) -> None:
     prompt, step = prompt_and_step(model)
     err_prompt, err_step = rel_err(prompt, ref_prompt), rel_err(step, ref_step)
     assert err_prompt < MODEL_TOL and err_step < MODEL_TOL, (err_prompt, err_step)
+    # shard, then fuse: each rank's q|k|v and gate|up shards in one GEMM, the same logits
+    fused = marlin.fuse_projections(model)
+    if act_order:  # every layer here has its own permutation: nothing shares a GEMM, nothing changes
+        assert not fused.fused and all("permutations" in why for _, why in fused.skipped), fused
+    else:
+        assert len(fused.fused) == 2 * config.num_hidden_layers and not fused.skipped, fused
+        assert isinstance(model.model.layers[0].self_attn.qkv_proj, ColumnParallelLinear)
+    f_prompt, f_step = prompt_and_step(model)
+    err = (rel_err(f_prompt, ref_prompt), rel_err(f_step, ref_step), rel_err(f_prompt, prompt), rel_err(f_step, step))
+    assert max(err) < MODEL_TOL, err
 
 
 def save_marlin_checkpoint(model, directory) -> None:

@@ -17,7 +17,8 @@ to transformers' style names. The styles used here:
 Other styles (embeddings, packed projections, experts, sequence parallel) stay replicated and are
 listed in the report. A module under a column or row style that is not a MarlinLinear or
 nn.Linear (e.g. a projection fused by marlin.fuse_projections) is refused with ShardError: keeping
-it whole while its neighbours are split would give wrong answers. Sharding q/k/v by
+it whole while its neighbours are split would give wrong answers (shard first, then fuse: fuse_projections
+fuses each rank's column shards). Sharding q/k/v by
 columns gives each rank num_heads / T query heads and num_key_value_heads / T key-value heads, so
 both must divide by the world size (checked when the config has them).
 """
@@ -148,7 +149,7 @@ def planned_layers(model: nn.Module, compiled: list, report: TPReport, where: st
         else:
             # Keeping one projection whole while its neighbours are split would feed the row-parallel
             # layer full-width inputs: a wrong answer, so refuse.
-            hint = " (fused projections: shard first, fuse never)" if type(module).__name__ == "FusedPart" else ""
+            hint = " (fused projections: shard first, then fuse_projections)" if type(module).__name__ == "FusedPart" else ""
             raise ShardError(
                 f"{where}: {name} has style {style!r} but is a {type(module).__name__}{hint}; only "
                 "MarlinLinear, MarlinLinear24 and nn.Linear layers can be split"
