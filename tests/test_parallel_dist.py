@@ -73,6 +73,12 @@ def test_sparse_model_two_ranks(tmp_path):
     spawn(tmp_path, "sparse", str(tmp_path / "sparse-ckpt"))
 
 
+def test_compiled_decode_of_a_sharded_model_two_ranks(tmp_path):
+    """compile_for_decode after tensor_parallel: one graph per step with its collectives, same tokens."""
+    pytest.importorskip("transformers")
+    spawn(tmp_path, "compiled_decode", None)
+
+
 def test_a_failing_rank_fails_the_test_at_once(tmp_path):
     """A rank's exception reaches the parent with its message while its peer hangs."""
     start = time.monotonic()

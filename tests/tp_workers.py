@@ -396,6 +396,29 @@ def sparse_scenario(rank: int, world_size: int, directory: str) -> None:
         assert err_prompt < MODEL_TOL and err_step < MODEL_TOL, (what, err_prompt, err_step)
 
 
+def compiled_decode_scenario(rank: int, world_size: int, arg) -> None:
+    """marlin.compile_for_decode on a sharded model: the decode step (with its all-reduces and the
+    lm_head all-gather) compiles as one graph (fullgraph=True) and generate() gives the unsharded
+    model's greedy tokens. arg: torch.compile mode ("reduce-overhead" on GPUs; None on the CPU,
+    which has no CUDA graphs)."""
+    from torch._dynamo.utils import counters
+
+    model = tiny_llama(world_size, False)
+    ids = torch.randint(0, model.config.vocab_size, (2, 5), generator=torch.Generator().manual_seed(3)).to(DEVICE)
+    mask = torch.ones_like(ids)
+    with torch.no_grad():
+        ref = model.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False)
+    marlin.tensor_parallel(model, LLAMA_PLAN)
+    marlin.compile_for_decode(model, mode=arg, compile_on_cpu=DEVICE.type == "cpu")
+    assert len(model.marlin_decode.fused.fused) == 2 * model.config.num_hidden_layers
+    torch._dynamo.reset()
+    counters.clear()
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False)
+    assert counters["stats"]["unique_graphs"] >= 1, dict(counters["stats"])  # the step did compile
+    assert torch.equal(out, ref), (out, ref)
+
+
 def failing_scenario(rank: int, world_size: int, arg) -> None:
     """Rank `arg` fails at once and every other rank hangs (tests/test_parallel_dist.py checks that the
     failure reaches the parent at once, with its message); arg None: every rank hangs."""
@@ -417,6 +440,7 @@ SCENARIOS = {
     "failing": failing_scenario,
     "layers": layers_scenario,
     "llama": llama_scenario,
+    "compiled_decode": compiled_decode_scenario,
     "load": load_scenario,
     "load_gptq": load_gptq_scenario,
     "rotated": rotated_scenario,
