@@ -39,7 +39,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--layers", type=int, default=LLAMA2_70B.layers, help="decoder layers (default 80, the full model)")
     p.add_argument("--batches", default="1,2,4,8,16,32,64", help="comma-separated batch sizes")
-    p.add_argument("--kinds", default="fp16,marlin", help="fp16, marlin or both")
+    p.add_argument("--kinds", default="fp16,marlin", help="comma-separated: fp16, marlin, marlin_24 (2:4-sparse)")
     p.add_argument("--prompt", type=int, default=64, help="tokens already in the cache")
     p.add_argument("--steps", type=int, default=64, help="decode steps timed")
     p.add_argument("--repeats", type=int, default=5)
@@ -128,7 +128,7 @@ def time_point(model: DecodeModel, args, batch: int, world: int, device) -> dict
 def weight_bytes(model: DecodeModel) -> int:
     """This rank's bytes of layer weights (what a decode step reads), embeddings and lm_head excluded."""
     return sum(t.numel() * t.element_size() for t in model.layers.parameters()) + sum(
-        t.numel() * t.element_size() for name, t in model.layers.named_buffers() if name.endswith(("b_q", "b_scales"))
+        t.numel() * t.element_size() for name, t in model.layers.named_buffers() if name.endswith(("b_q", "b_meta", "b_scales"))
     )
 
 
@@ -149,15 +149,17 @@ def run_kind(kind: str, shape: LlamaShape, args, batches, rank, world, device) -
 
 
 def table(result: dict) -> str:
-    """Markdown: tokens/s per batch and kind, and Marlin over FP16."""
+    """Markdown: tokens/s per batch and kind, and each quantized kind over FP16."""
     kinds = {r["kind"]: {p["batch"]: p for p in r["points"]} for r in result["runs"]}
     batches = sorted({b for pts in kinds.values() for b in pts})
-    head = "| batch | " + " | ".join(f"{k} tok/s" for k in kinds) + (" | marlin / fp16 |" if len(kinds) == 2 else " |")
+    over = [k for k in kinds if k != "fp16"] if "fp16" in kinds else []
+    head = "| batch | " + " | ".join(f"{k} tok/s" for k in kinds) + "".join(f" | {k} / fp16" for k in over) + " |"
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for b in batches:
         cells = [f"{kinds[k][b]['tokens_per_s']:.1f}" if b in kinds[k] else "" for k in kinds]
-        if len(kinds) == 2 and all(b in kinds[k] for k in ("fp16", "marlin")):
-            cells.append(f"{kinds['marlin'][b]['tokens_per_s'] / kinds['fp16'][b]['tokens_per_s']:.2f}x")
+        for k in over:
+            both = b in kinds[k] and b in kinds["fp16"]
+            cells.append(f"{kinds[k][b]['tokens_per_s'] / kinds['fp16'][b]['tokens_per_s']:.2f}x" if both else "")
         lines.append(f"| {b} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

@@ -24,16 +24,16 @@ def tokens_per_s(data: dict) -> dict:
     return {r["kind"]: {p["batch"]: p["tokens_per_s"] for p in r["points"]} for r in data["runs"] if r.get("points")}
 
 
-def _table(rows: dict, ratio: tuple | None) -> list:
-    """rows: {column name: {batch: value}}; ratio (numerator column, denominator column) or None."""
+def _table(rows: dict, ratios: list) -> list:
+    """rows: {column name: {batch: value}}; ratios: [(numerator column, denominator column), ...]."""
     names = list(rows)
     batches = sorted({b for col in rows.values() for b in col})
-    head = "| batch | " + " | ".join(f"{n} tok/s" for n in names) + (f" | {ratio[0]} / {ratio[1]} |" if ratio else " |")
-    lines = [head, "|" + "---|" * (len(names) + 1 + (1 if ratio else 0))]
+    head = "| batch | " + " | ".join(f"{n} tok/s" for n in names) + "".join(f" | {a} / {b}" for a, b in ratios) + " |"
+    lines = [head, "|" + "---|" * (len(names) + 1 + len(ratios))]
     for b in batches:
         cells = [f"{rows[n][b]:.1f}" if b in rows[n] else "" for n in names]
-        if ratio:
-            num, den = rows[ratio[0]].get(b), rows[ratio[1]].get(b)
+        for num_col, den_col in ratios:
+            num, den = rows[num_col].get(b), rows[den_col].get(b)
             cells.append(f"{num / den:.2f}x" if num and den else "")
         lines.append(f"| {b} | " + " | ".join(cells) + " |")
     return lines
@@ -73,7 +73,7 @@ def report_tp(data: dict, stem: str, outdir: Path, source_dir: Path | None = Non
         "(slowest rank). " + _model_code(meta),
         "",
     ]
-    lines += _table(tps, ("marlin", "fp16") if {"marlin", "fp16"} <= set(tps) else None)
+    lines += _table(tps, [(k, "fp16") for k in tps if k != "fp16"] if "fp16" in tps else [])
     failed = [f"{r['kind']}: {r['error']}" for r in data["runs"] if r.get("error")]
     if failed:
         lines += ["", "Not measured: " + "; ".join(failed)]
@@ -84,8 +84,9 @@ def report_tp(data: dict, stem: str, outdir: Path, source_dir: Path | None = Non
             for kind, pts in kinds.items():
                 cross[f"{kind} TP={w}"] = pts
         lines += ["", "## Across world sizes", ""]
-        pair = ("marlin TP=1", "fp16 TP=2") if {"marlin TP=1", "fp16 TP=2"} <= set(cross) else None
-        lines += _table(cross, pair)
+        # each quantized kind on one GPU against FP16 on two (FP16 70B does not fit one GPU)
+        pairs = [(f"{k} TP=1", "fp16 TP=2") for k in ("marlin", "marlin_24") if {f"{k} TP=1", "fp16 TP=2"} <= set(cross)]
+        lines += _table(cross, pairs)
     md = outdir / f"{stem}.md"
     md.write_text("\n".join(lines) + "\n")
 

@@ -10,8 +10,9 @@ marlin.parallel around the local layers, the same code path as a sharded real mo
     intermediate / T per rank), o/down: RowParallelLinear (one all-reduce each);
   * lm_head: ColumnParallelLinear over the vocabulary, output gathered (FP16 on both sides, as in
     the paper's vLLM runs where lm_head stays in 16 bits); embeddings replicated.
-Linear layers are FP16 nn.Linear ("fp16") or MarlinLinear with random packed INT4 weights and
-group-128 scales ("marlin"); the rest (norms, attention, cache) is identical on both sides.
+Linear layers are FP16 nn.Linear ("fp16"), MarlinLinear with random packed INT4 weights and
+group-128 scales ("marlin") or 2:4-sparse MarlinLinear24 ("marlin_24", random values, every group
+of 4 keeping its first two); the rest (norms, attention, cache) is identical on both sides.
 
 As a serving engine runs a decoder, q/k/v are one column-parallel layer per rank and gate/up
 another (each rank's q, k and v shards side by side), and the element-wise work between the
@@ -29,6 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from marlin.nn import MarlinLinear
+from marlin.sparse_nn import MarlinLinear24
 from marlin.parallel import ColumnParallelLinear, RowParallelLinear
 
 
@@ -61,7 +63,13 @@ def random_linear(kind: str, k: int, n: int, device, gen: torch.Generator) -> nn
         # uniform nibbles in [-8, 7] have std ~4.6: scale so that outputs are ~ unit variance
         layer.b_scales.fill_(1.0 / (4.6 * k**0.5))
         return layer
-    raise ValueError(f"kind = {kind!r}, expected 'fp16' or 'marlin'")
+    if kind == "marlin_24":
+        layer = MarlinLinear24(k, n, bias=False, group_size=128, device=device)
+        layer.b_q.copy_(torch.randint(-(2**31), 2**31, layer.b_q.shape, device=device, dtype=torch.int64, generator=gen))
+        # b_meta keeps the empty layer's valid indices (the first two of every 4); k / 2 non-zeros
+        layer.b_scales.fill_(1.0 / (4.6 * (k / 2) ** 0.5))
+        return layer
+    raise ValueError(f"kind = {kind!r}, expected 'fp16', 'marlin' or 'marlin_24'")
 
 
 class RMSNorm(nn.Module):

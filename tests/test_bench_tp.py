@@ -10,22 +10,26 @@ import torch
 from benchmarks import bench_tp
 
 
-def test_dry_run_writes_both_kinds(tmp_path, monkeypatch, capsys):
+def test_dry_run_writes_every_kind(tmp_path, monkeypatch, capsys):
     for var in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):
         monkeypatch.delenv(var, raising=False)
     out = tmp_path / "tp.json"
-    assert bench_tp.main(["--dry-run", "--batches", "1,2", "--out", str(out)]) == 0
+    assert bench_tp.main(["--dry-run", "--batches", "1,2", "--kinds", "fp16,marlin,marlin_24", "--out", str(out)]) == 0
     result = json.loads(out.read_text())
     assert result["meta"]["world_size"] == 1 and result["meta"]["shape"]["layers"] == 2
     runs = {r["kind"]: r for r in result["runs"]}
-    assert set(runs) == {"fp16", "marlin"}
+    assert set(runs) == {"fp16", "marlin", "marlin_24"}
     for run in runs.values():
         assert [p["batch"] for p in run["points"]] == [1, 2]
         assert all(p["tokens_per_s"] > 0 and p["graph"] is False for p in run["points"])
     # 4-bit weights are about a quarter of the FP16 bytes (plus the group-128 scales)
     ratio = runs["marlin"]["weight_bytes_per_rank"] / runs["fp16"]["weight_bytes_per_rank"]
     assert 0.25 < ratio < 0.27
-    assert "marlin / fp16" in capsys.readouterr().out
+    # 2:4: 2 bits of values and 1 of indices per weight, plus the scales: 3.125 / 16 of FP16
+    ratio = runs["marlin_24"]["weight_bytes_per_rank"] / runs["fp16"]["weight_bytes_per_rank"]
+    assert 0.19 < ratio < 0.20
+    out = capsys.readouterr().out
+    assert "marlin / fp16" in out and "marlin_24 / fp16" in out
 
 
 def test_kinds_are_checked():
@@ -51,6 +55,13 @@ def test_report_tables_and_cross_world_comparison(tmp_path):
     assert "| 1 | 20.0 | 50.0 | 2.50x |" in md and "| 16 | 300.0 | 630.0 | 2.10x |" in md
     assert "marlin TP=1 / fp16 TP=2" in md and "| 1 | 30.0 | 20.0 | 50.0 | 1.50x |" in md
     assert (tmp_path / "h200x2-tp.png").stat().st_size > 0 and len(msgs) == 2
+    # a 2:4 run beside them: its own ratio columns in both tables
+    (tmp_path / "h200x2-tp.json").write_text(json.dumps(_result(2, {"fp16": {1: 20.0}, "marlin": {1: 50.0}, "marlin_24": {1: 60.0}})))
+    (tmp_path / "h200x1-tp.json").write_text(json.dumps(_result(1, {"marlin": {1: 30.0}, "marlin_24": {1: 36.0}})))
+    report.report(tmp_path / "h200x2-tp.json", tmp_path)
+    md = (tmp_path / "h200x2-tp.md").read_text()
+    assert "| 1 | 20.0 | 50.0 | 60.0 | 2.50x | 3.00x |" in md
+    assert "marlin_24 TP=1 / fp16 TP=2" in md and "| 1 | 30.0 | 36.0 | 20.0 | 50.0 | 60.0 | 1.50x | 1.80x |" in md
 
 
 @pytest.mark.parametrize("kind", ["fp16", "marlin"])
