@@ -17,8 +17,9 @@ of 4 keeping its first two); the rest (norms, attention, cache) is identical on 
 As a serving engine runs a decoder, q/k/v are one column-parallel layer per rank and gate/up
 another (each rank's q, k and v shards side by side), and the element-wise work between the
 GEMMs (residual add + RMSNorm, rotary, SiLU-mul) runs as torch.compile'd functions
-(``compile=True``), so that a layer is a dozen or so kernels instead of several times as many small
-eager ones (counted from the code, not profiled); attention (SDPA over the static cache), the cache writes and the collectives stay eager.
+(``compile=True``), so that a layer is a dozen or so kernels instead of several times as many
+small eager ones (counted from the code, not profiled); attention (SDPA over the static cache),
+the cache writes and the collectives stay eager.
 """
 
 from __future__ import annotations
@@ -30,8 +31,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from marlin.nn import MarlinLinear
-from marlin.sparse_nn import MarlinLinear24
 from marlin.parallel import ColumnParallelLinear, RowParallelLinear
+from marlin.sparse_nn import MarlinLinear24
 
 
 @dataclass(frozen=True)

@@ -125,7 +125,8 @@ class FusedPart(nn.Module):
 
 
 def _column_shard_class():
-    # imported when used: marlin.parallel's loader imports this module's install_fused
+    # imported at call time: marlin.parallel's loader reaches this module (marlin.hf's install_fused),
+    # so a module-level import here would close a cycle
     from .parallel.layers import ColumnParallelLinear
 
     return ColumnParallelLinear
@@ -145,9 +146,7 @@ def _why_not_shards(parts: Sequence[nn.Module]) -> Optional[str]:
         return "a part gathers its output over the ranks (gather_output=True)"
     if any((p.group, p.rank, p.world_size) != (first.group, first.rank, first.world_size) for p in parts):
         return "the parts are shards of different ranks or process groups"
-    if any(p.in_features != first.in_features for p in parts):
-        return "different in_features " + str([p.in_features for p in parts])
-    return _why_not([p.local for p in parts])
+    return _why_not([p.local for p in parts])  # column shards: local in_features = the full input's
 
 
 def _why_not(parts: Sequence[nn.Module]) -> Optional[str]:
