@@ -79,6 +79,12 @@ def test_compiled_decode_of_a_sharded_model_two_ranks(tmp_path):
     spawn(tmp_path, "compiled_decode", None)
 
 
+def test_transformers_tp_plan_is_refused_two_ranks(tmp_path):
+    """from_pretrained(tp_plan="auto") of a Marlin checkpoint: a clear ValueError on every rank."""
+    pytest.importorskip("transformers")
+    spawn(tmp_path, "hf_tp_plan", str(tmp_path / "ckpt"))
+
+
 def test_a_failing_rank_fails_the_test_at_once(tmp_path):
     """A rank's exception reaches the parent with its message while its peer hangs."""
     start = time.monotonic()

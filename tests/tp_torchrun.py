@@ -43,6 +43,7 @@ def main() -> int:
               ("load_gptq", (str(Path(shared[0]) / "gptq-u8"), True, 8, True, 128))]
     cases += [("sparse", str(Path(shared[0]) / "sparse"))]  # 2:4 layers: tensor_parallel and load_sharded
     cases += [("compiled_decode", "reduce-overhead")]  # compile_for_decode's default mode: CUDA graphs
+    cases += [("hf_tp_plan", str(Path(shared[0]) / "hf-tp"))]  # transformers' tp_plan: refused clearly
     for scenario, arg in cases:
         tp_workers.SCENARIOS[scenario](rank, world, arg)
         dist.barrier()

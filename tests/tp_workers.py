@@ -419,6 +419,26 @@ def compiled_decode_scenario(rank: int, world_size: int, arg) -> None:
     assert torch.equal(out, ref), (out, ref)
 
 
+def hf_tp_plan_scenario(rank: int, world_size: int, directory: str) -> None:
+    """transformers' own tensor parallelism (from_pretrained(..., tp_plan="auto")) on a Marlin
+    checkpoint: refused on every rank with a ValueError that names marlin.parallel.load_sharded,
+    instead of the op failing on DTensor inputs at the first forward."""
+    import transformers
+
+    model = tiny_llama(world_size, False)
+    if rank == 0:
+        save_marlin_checkpoint(model, directory)
+    dist.barrier()
+    # transformers takes its tensor-parallel layout from torchrun's variables (spawn sets none)
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+    try:
+        transformers.AutoModelForCausalLM.from_pretrained(directory, tp_plan="auto")
+    except ValueError as e:
+        assert "marlin.parallel.load_sharded" in str(e), e
+    else:
+        raise AssertionError("from_pretrained(tp_plan='auto') of a Marlin checkpoint was not refused")
+
+
 def failing_scenario(rank: int, world_size: int, arg) -> None:
     """Rank `arg` fails at once and every other rank hangs (tests/test_parallel_dist.py checks that the
     failure reaches the parent at once, with its message); arg None: every rank hangs."""
@@ -441,6 +461,7 @@ SCENARIOS = {
     "layers": layers_scenario,
     "llama": llama_scenario,
     "compiled_decode": compiled_decode_scenario,
+    "hf_tp_plan": hf_tp_plan_scenario,
     "load": load_scenario,
     "load_gptq": load_gptq_scenario,
     "rotated": rotated_scenario,

@@ -175,6 +175,8 @@ class MarlinHfQuantizer(HfQuantizer):
     def _process_model_before_weight_loading(self, model, checkpoint_files=None, **kwargs):
         from ..hf import _install_marlin_layers, _marlin_layers
 
+        _refuse_transformers_tp(model)
+
         directory = _checkpoint_dir(checkpoint_files)
         fmt = self.quantization_config.checkpoint_format
         with SafetensorsDir(directory) as ckpt:
@@ -199,6 +201,7 @@ class MarlinHfQuantizer(HfQuantizer):
         return model
 
     def _process_model_after_weight_loading(self, model, **kwargs):
+        _refuse_transformers_tp(model)
         if self.quantization_config.checkpoint_format != MARLIN_FORMAT:
             _repack_gptq(model, self._gptq)
             # The model now holds Marlin layers: save_pretrained writes a Marlin checkpoint.
@@ -220,6 +223,28 @@ class MarlinHfQuantizer(HfQuantizer):
     @property
     def is_compileable(self) -> bool:
         return True  # the op has a fake kernel; forward has no host sync (tests/test_decode.py)
+
+
+def _refuse_transformers_tp(model: nn.Module) -> None:
+    """transformers' own tensor parallelism (from_pretrained(..., tp_plan=...) or a distributed_config)
+    shards weights as DTensors along nn.Linear's layout, which cannot split Marlin's packed tensors:
+    the first forward would fail deep inside the op. Refuse it at load time and name the way that
+    works. (Checked before loading, where transformers has set the model's tensor-parallel size,
+    and after, where it has made its own weights DTensors.)"""
+    tp_size = getattr(model, "_tp_size", None)
+    sharded = tp_size not in (None, 1)
+    if not sharded:
+        try:
+            from torch.distributed.tensor import DTensor
+        except ImportError:  # a torch without distributed tensors cannot have made any
+            return
+        sharded = any(isinstance(t, DTensor) for t in model.parameters())
+    if sharded:
+        raise ValueError(
+            f"marlin: from_pretrained with transformers' tensor parallelism (tp_plan / distributed_config, "
+            f"tp size {tp_size}) cannot shard Marlin's packed layers; load the checkpoint with "
+            "marlin.parallel.load_sharded(model_dir) under torchrun instead (docs/PARALLEL.md)"
+        )
 
 
 def _follow_layer_dtype(model: nn.Module, layer_dtypes: set, built: Optional[torch.dtype]) -> None:
