@@ -46,6 +46,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--no-graph", action="store_true", help="eager steps instead of one CUDA graph per step")
     p.add_argument("--compile", choices=("auto", "on", "off"), default="auto",
                    help="torch.compile the layers' element-wise code (auto: on GPUs, off on the CPU)")
+    p.add_argument("--profile-batches", default="",
+                   help="comma-separated batches whose step is also profiled (torch.profiler over eager calls of the "
+                        "step, kernel time by category: GEMMs, collectives, attention, element-wise; rank 0's)")
     p.add_argument("--out", type=Path, default=None)
     p.add_argument("--dry-run", action="store_true", help="CPU, gloo, a 2-layer tiny shape; writes to the temp dir")
     return p.parse_args(argv)
@@ -116,13 +119,34 @@ def time_point(model: DecodeModel, args, batch: int, world: int, device) -> dict
         sync(device)
         times.append(slowest(time.perf_counter() - t0, world, device))
     sec = statistics.median(times)
-    return {
+    point = {
         "batch": batch,
         "seconds": sec,
         "ms_per_step": 1e3 * sec / args.steps,
         "tokens_per_s": batch * args.steps / sec,
         "graph": (not args.no_graph) and device.type == "cuda",
     }
+    if batch in profile_batches(args):
+        point["profile"] = profile_point(model, args, world, device, 1e3 * point["ms_per_step"])
+    return point
+
+
+def profile_batches(args) -> set:
+    return {int(b) for b in args.profile_batches.split(",") if b}
+
+
+def profile_point(model: DecodeModel, args, world: int, device, step_us: float) -> dict:
+    """The step's kernels by category (benchmarks/kernel_profile.py) from eager calls of the step
+    (the kernels the graph replays, each visible to the profiler); every rank steps (the
+    collectives need them all), rank 0's profile is kept. idle_us_per_step: the timed step
+    (graph replay) minus the kernels' sum."""
+    from .kernel_profile import profile_calls
+
+    prof = profile_calls(model.step, lambda: model.pos.fill_(args.prompt), device, steps=4)
+    prof["idle_us_per_step"] = round(step_us - prof["kernel_us_per_step"], 2)
+    if world > 1:
+        dist.barrier()
+    return prof
 
 
 def weight_bytes(model: DecodeModel) -> int:
@@ -142,6 +166,10 @@ def run_kind(kind: str, shape: LlamaShape, args, batches, rank, world, device) -
         if rank == 0:
             print(f"  {kind:6s} TP={world} batch {batch:3d}: {point['ms_per_step']:8.3f} ms/step  "
                   f"{point['tokens_per_s']:9.1f} tok/s", flush=True)
+            if "profile" in point:
+                cats = ", ".join(f"{c} {us / 1e3:.2f}" for c, us in point["profile"]["us_per_step_by_category"].items())
+                print(f"    ms per step by kernel category: {cats}; idle {point['profile']['idle_us_per_step'] / 1e3:.2f}",
+                      flush=True)
     del model
     if device.type == "cuda":
         torch.cuda.empty_cache()

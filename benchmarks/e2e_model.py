@@ -24,12 +24,12 @@ A decode step is one forward of ``batch`` new tokens against a transformers Stat
 from __future__ import annotations
 
 import gc
-import re
 from typing import Callable, Optional
 
 import torch
 
 from . import shapes as S
+from .kernel_profile import profile_calls
 
 __all__ = ["MODEL_SPECS", "build_model", "to_marlin", "fuse_fp16", "weight_bytes", "eager", "cache_kwarg", "decode_forward", "compile_decode", "compile_layers", "DecodeStep",
            "time_generate", "profile_step"]
@@ -384,71 +384,8 @@ def time_generate(model, batch: int, prompt_len: int, gen_len: int, dev, samples
 
 
 # -- profile ----------------------------------------------------------------------------------
-_CATEGORIES = (  # first match wins
-    # inductor names its kernels after the ops they fuse ("triton_red_fused_..._gemm_mean_..."), so
-    # they must be recognised before the name patterns below
-    ("fused elementwise (inductor)", re.compile(r"^triton_", re.I)),
-    ("marlin GEMM", re.compile(r"marlin", re.I)),
-    # attention kernels may have "cutlass" or "gemm" in their names
-    ("attention", re.compile(r"flash|fmha|attention|sdpa|efficient", re.I)),
-    ("FP16 GEMM", re.compile(r"gemm|gemv|cutlass|xmma|cublas|nvjet|splitk|^aten::(mm|addmm|bmm)$", re.I)),
-    ("cache write / index", re.compile(r"index|scatter", re.I)),
-    ("copy / cast / cat (aten)", re.compile(r"copy|cast|CatArray|cat_", re.I)),
-    ("elementwise / reduce (aten)", re.compile(r"elementwise|reduce_kernel|reduction", re.I)),
-)
-
-
-def _category(name: str) -> str:
-    for cat, rx in _CATEGORIES:
-        if rx.search(name):
-            return cat
-    return "other"
-
-
-@torch.no_grad()
 def profile_step(step_obj: DecodeStep, fn: Callable[[], torch.Tensor], steps: int = 8, rows: int = 20) -> dict:
-    """Kernel time per decode step by category, the top kernels, and their sum, from
-    torch.profiler over ``steps`` calls of ``fn`` (a decode step of ``step_obj``: the compiled
-    function itself, not its captured graph, so that the profiler sees each kernel). The caller
-    compares ``kernel_us_per_step`` with the graph's TPOT: the difference is idle time."""
-    from torch.profiler import ProfilerActivity, profile
-
-    for _ in range(2):
-        step_obj.reset(step_obj.prompt_len)
-        fn()
-    _sync(step_obj.dev)
-    on_cuda = step_obj.dev.type == "cuda"
-    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_cuda else [])
-    with profile(activities=acts) as prof:
-        for _ in range(steps):
-            step_obj.reset(step_obj.prompt_len)
-            fn()
-        _sync(step_obj.dev)
-    per_cat: dict[str, float] = {}
-    calls: dict[str, float] = {}
-    kernels = []
-    for ev in prof.key_averages():
-        if on_cuda:
-            # kernels only: CPU-side ops carry their kernels' time too and would count it twice
-            if "CUDA" not in str(getattr(ev, "device_type", "")):
-                continue
-            t = getattr(ev, "device_time_total", None)
-            if t is None:
-                t = getattr(ev, "cuda_time_total", 0)
-        else:
-            t = ev.self_cpu_time_total
-        if not t:
-            continue
-        us = t / steps
-        cat = _category(ev.key)
-        kernels.append((ev.key, us, ev.count / steps))
-        per_cat[cat] = per_cat.get(cat, 0.0) + us
-        calls[cat] = calls.get(cat, 0.0) + ev.count / steps
-    kernels.sort(key=lambda x: -x[1])
-    return {
-        "us_per_step_by_category": {k: round(v, 2) for k, v in sorted(per_cat.items(), key=lambda kv: -kv[1])},
-        "calls_per_step_by_category": {k: round(calls[k], 2) for k in per_cat},
-        "kernel_us_per_step": round(sum(per_cat.values()), 2),
-        "top_kernels": [{"name": k[:120], "us_per_step": round(us, 2), "calls_per_step": round(c, 2)}
-                        for k, us, c in kernels[:rows]],
-    }
+    """Kernel time per decode step by category (kernel_profile.profile_calls) over ``steps`` calls
+    of ``fn``, a decode step of ``step_obj``: the compiled function itself, not its captured graph,
+    so that the profiler sees each kernel; each call starts from the prompt's cache length."""
+    return profile_calls(fn, lambda: step_obj.reset(step_obj.prompt_len), step_obj.dev, steps, rows)

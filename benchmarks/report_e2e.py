@@ -135,9 +135,9 @@ def _profiles(data: dict) -> list[dict]:
     return list(profs)
 
 
-# stacking order and colours of the profile figure (categories of e2e_model._CATEGORIES)
-_PROFILE_ORDER = ("marlin GEMM", "FP16 GEMM", "attention", "fused elementwise (inductor)", "cache write / index",
-                  "copy / cast / cat (aten)", "elementwise / reduce (aten)", "other", "gaps")
+# stacking order and colours of the profile figure (categories of kernel_profile.CATEGORIES)
+_PROFILE_ORDER = ("marlin GEMM", "FP16 GEMM", "attention", "collectives (NCCL / gloo)", "fused elementwise (inductor)",
+                  "cache write / index", "copy / cast / cat (aten)", "elementwise / reduce (aten)", "other", "gaps")
 
 
 def plot_profiles(data: dict, out: Path) -> str:
@@ -154,7 +154,8 @@ def plot_profiles(data: dict, out: Path) -> str:
         vals = [max(0.0, p.get("idle_us_per_step", 0.0)) if cat == "gaps" else p["us_per_step_by_category"].get(cat, 0.0)
                 for p in profs]
         if any(vals):
-            ax.bar(labels, [v / 1e3 for v in vals], bottom=[b / 1e3 for b in bottom], label=cat, color=cmap(i % 10))
+            color = "lightgrey" if cat == "gaps" else cmap(i % 10)
+            ax.bar(labels, [v / 1e3 for v in vals], bottom=[b / 1e3 for b in bottom], label=cat, color=color)
             bottom = [b + v for b, v in zip(bottom, vals)]
     meta = data["meta"]
     ax.set_ylabel("ms per decode step")

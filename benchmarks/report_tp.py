@@ -60,6 +60,25 @@ def _model_code(meta: dict) -> str:
     return f"{fused[0].upper()}{fused[1:]}, element-wise code {'compiled (torch.compile)' if meta['compiled'] else 'eager'}."
 
 
+def _profile_lines(data: dict) -> list:
+    """Where a profiled step's time goes (bench_tp --profile-batches): ms per step by kernel category
+    (rank 0), and the idle rest of the timed step."""
+    rows = [(r["kind"], p) for r in data["runs"] for p in r.get("points", []) if "profile" in p]
+    if not rows:
+        return []
+    cats = []
+    for _, p in rows:
+        cats += [c for c in p["profile"]["us_per_step_by_category"] if c not in cats]
+    lines = ["", "## Where a step's time goes (ms per step, rank 0's kernels)", "",
+             "| kind | batch | step | " + " | ".join(cats) + " | idle |", "|" + "---|" * (len(cats) + 4)]
+    for kind, p in rows:
+        by = p["profile"]["us_per_step_by_category"]
+        cells = [f"{by[c] / 1e3:.2f}" if c in by else "" for c in cats]
+        lines.append(f"| {kind} | {p['batch']} | {p['ms_per_step']:.2f} | " + " | ".join(cells)
+                     + f" | {p['profile']['idle_us_per_step'] / 1e3:.2f} |")
+    return lines
+
+
 def report_tp(data: dict, stem: str, outdir: Path, source_dir: Path | None = None) -> list:
     meta = data["meta"]
     world = meta.get("world_size", 1)
@@ -87,6 +106,7 @@ def report_tp(data: dict, stem: str, outdir: Path, source_dir: Path | None = Non
         # each quantized kind on one GPU against FP16 on two (FP16 70B does not fit one GPU)
         pairs = [(f"{k} TP=1", "fp16 TP=2") for k in ("marlin", "marlin_24") if {f"{k} TP=1", "fp16 TP=2"} <= set(cross)]
         lines += _table(cross, pairs)
+    lines += _profile_lines(data)
     md = outdir / f"{stem}.md"
     md.write_text("\n".join(lines) + "\n")
 

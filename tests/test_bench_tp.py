@@ -109,3 +109,34 @@ def test_fused_qkv_layer_writes_the_rotated_k_of_its_k_rows():
     k = k * cos + torch.cat((-k[..., s.head_dim // 2 :], k[..., : s.head_dim // 2]), -1) * sin
     torch.testing.assert_close(m.cache_k[0][:, :, 3].double(), k, atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(m.cache_v[0][:, :, 3].double(), v, atol=2e-2, rtol=2e-2)
+
+
+def test_profiled_batches_carry_kernel_time_by_category(tmp_path, monkeypatch):
+    for var in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):
+        monkeypatch.delenv(var, raising=False)
+    out = tmp_path / "tp.json"
+    assert bench_tp.main(["--dry-run", "--batches", "1,2", "--kinds", "marlin", "--profile-batches", "2",
+                          "--out", str(out)]) == 0
+    points = {p["batch"]: p for p in json.loads(out.read_text())["runs"][0]["points"]}
+    assert "profile" not in points[1]
+    prof = points[2]["profile"]
+    cats = prof["us_per_step_by_category"]
+    # two layers: four Marlin GEMMs each (q|k|v, o, gate|up, down), lm_head FP16
+    assert cats["marlin GEMM"] > 0 and prof["calls_per_step_by_category"]["marlin GEMM"] >= 8
+    assert prof["kernel_us_per_step"] == pytest.approx(sum(cats.values()), abs=0.1)
+    assert "idle_us_per_step" in prof
+    from benchmarks import report
+
+    report.report(out, tmp_path)
+    md = (tmp_path / "tp.md").read_text()
+    assert "## Where a step's time goes" in md and "| marlin | 2 |" in md and "marlin GEMM" in md
+
+
+def test_kernel_categories():
+    from benchmarks.kernel_profile import category
+
+    assert category("ncclDevKernel_AllReduce_Sum_f16_RING_LL(ncclDevKernelArgsStorage<4096ul>)") == "collectives (NCCL / gloo)"
+    assert category("gloo:all_reduce") == "collectives (NCCL / gloo)"
+    assert category("triton_red_fused_add_mean_mul_pow_rsqrt_0") == "fused elementwise (inductor)"
+    assert category("void marlin::marlin_smallm_kernel<1, 8>") == "marlin GEMM"
+    assert category("nvjet_hsh_64x8_64x16_2x1_v_bz_splitK_TNT") == "FP16 GEMM"
