@@ -394,6 +394,13 @@ def sparse_scenario(rank: int, world_size: int, directory: str) -> None:
         prompt, step = prompt_and_step(m)
         err_prompt, err_step = rel_err(prompt, ref_prompt), rel_err(step, ref_step)
         assert err_prompt < MODEL_TOL and err_step < MODEL_TOL, (what, err_prompt, err_step)
+    # the loaded shards fused per rank (2:4 q|k|v and gate|up: values, metadata, scales, zero points)
+    report = marlin.fuse_projections(sharded, strict=True)
+    assert len(report.fused) == 2 * sharded.config.num_hidden_layers
+    assert isinstance(sharded.model.layers[0].self_attn.qkv_proj.local, MarlinLinear24)
+    prompt, step = prompt_and_step(sharded)
+    err_prompt, err_step = rel_err(prompt, ref_prompt), rel_err(step, ref_step)
+    assert err_prompt < MODEL_TOL and err_step < MODEL_TOL, ("load_sharded + fuse", err_prompt, err_step)
 
 
 def compiled_decode_scenario(rank: int, world_size: int, arg) -> None:
