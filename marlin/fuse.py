@@ -301,7 +301,16 @@ def install_fused(parent: nn.Module, fused_name: str, layer: nn.Module,
         )
     if any(o % _TILE_N for o in outs):
         raise ValueError(f"install_fused: the parts' out_features {outs} are not all multiples of {_TILE_N}")
-    shared = _SplitResult(layer, outs)
+    sizes = outs
+    if isinstance(layer, _column_shard_class()):  # one rank's columns of every part: split by local widths
+        world = layer.world_size
+        if any(o % world for o in outs) or sum(o // world for o in outs) != layer.local.out_features:
+            raise ValueError(
+                f"install_fused: {fused_name} holds {layer.local.out_features} columns on this rank, not the parts' "
+                f"{outs} over {world} ranks"
+            )
+        sizes = [o // world for o in outs]
+    shared = _SplitResult(layer, sizes)
     parent.add_module(fused_name, layer)
     for i, (name, p) in enumerate(zip(names, parts)):
         parent._modules[name] = FusedPart(shared, i, fused_name, p.in_features, p.out_features)

@@ -168,12 +168,24 @@ def test_replace_linear_keeps_an_existing_quantization_config():
     assert isinstance(plain[0], marlin.MarlinLinear)
 
 
-def test_fused_checkpoint_is_refused_by_tensor_parallel_loading(fused_saved):
-    # Column-sharding a fused qkv layer as one would hand each rank the wrong mix of q, k and v
-    # columns; load_sharded must refuse (it shards the parts, which a fused checkpoint lacks).
-    from marlin.parallel import ShardError
+def test_fused_checkpoint_loads_sharded_by_part(fused_saved):
+    # load_sharded splits a fused q|k|v layer by part, each rank reading q's, k's and v's own column
+    # slice (tests/tp_workers.py's load_fused checks two ranks); in one process the whole fused
+    # layer comes back, computing what the saved model computes. A plan that splits a fused part
+    # any other way than by columns is refused before anything is read.
+    from marlin.parallel import ColumnParallelLinear, ShardError
     from marlin.parallel.loader import load_sharded
+    from marlin.parallel.model import LLAMA_PLAN
 
-    _, saved = fused_saved
-    with pytest.raises(ShardError, match="FusedPart .fused projections: shard first, then fuse_projections"):
-        load_sharded(saved, device="cpu")
+    original, saved = fused_saved
+    model = load_sharded(saved, device="cpu", plan=LLAMA_PLAN)
+    attn = model.model.layers[0].self_attn
+    assert isinstance(attn.qkv_proj, ColumnParallelLinear) and isinstance(attn.q_proj, FusedPart)
+    assert torch.equal(attn.qkv_proj.local.b_q, original.model.layers[0].self_attn.qkv_proj.b_q)
+    x = ids(seed=3)
+    with torch.no_grad():
+        assert torch.equal(model(x).logits, original(x).logits)
+    with pytest.raises(ShardError, match=r"qkv_proj holds \['q_proj', 'k_proj', 'v_proj'\] fused"):
+        load_sharded(saved, device="cpu", plan={**LLAMA_PLAN, "model.layers.*.self_attn.k_proj": "rowwise"})
+
+

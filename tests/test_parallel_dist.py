@@ -62,7 +62,7 @@ def test_layers_two_ranks(tmp_path):
 
 
 def test_models_two_ranks(tmp_path):
-    """Tiny Llama via tensor_parallel, load_sharded of a Marlin and of a GPTQ checkpoint; act-order off and on; a rotated one."""
+    """Tiny Llama via tensor_parallel, load_sharded of a Marlin and of a GPTQ checkpoint; act-order off and on; a rotated one; a fused one."""
     pytest.importorskip("transformers")
     spawn(tmp_path, "all_models", str(tmp_path / "ckpts"))
 

@@ -42,6 +42,7 @@ def main() -> int:
     cases += [("load_gptq", (str(Path(shared[0]) / "gptq-zp"), False, 4, False, 64)),
               ("load_gptq", (str(Path(shared[0]) / "gptq-u8"), True, 8, True, 128))]
     cases += [("sparse", str(Path(shared[0]) / "sparse"))]  # 2:4 layers: tensor_parallel and load_sharded
+    cases += [("load_fused", str(Path(shared[0]) / "fused"))]  # a checkpoint saved after fuse_projections
     cases += [("compiled_decode", "reduce-overhead")]  # compile_for_decode's default mode: CUDA graphs
     cases += [("hf_tp_plan", str(Path(shared[0]) / "hf-tp"))]  # transformers' tp_plan: refused clearly
     for scenario, arg in cases:

@@ -17,7 +17,7 @@ from torch import nn
 
 import marlin
 from marlin.nn import MarlinLinear
-from marlin.parallel import ColumnParallelLinear, RowParallelLinear
+from marlin.parallel import ColumnParallelLinear, RowParallelLinear, ShardError
 from marlin.parallel.model import LLAMA_PLAN
 
 DEVICE = torch.device("cpu")  # tests/tp_torchrun.py sets each rank's GPU
@@ -240,6 +240,38 @@ def load_scenario(rank: int, world_size: int, arg) -> None:
     assert err_prompt < tol and err_step < tol, (err_prompt, err_step)
 
 
+def load_fused_scenario(rank: int, world_size: int, directory: str) -> None:
+    """A checkpoint saved after fuse_projections (qkv_proj, gate_up_proj) loads sharded: each rank
+    reads each part's own column slice from the fused tensors; logits equal the unsharded model's.
+    A plan that splits a fused part any other way is refused."""
+    from marlin.parallel.loader import load_sharded
+
+    model = tiny_llama(world_size, False)
+    ref_prompt, ref_step = prompt_and_step(model)
+    attn = model.model.layers[0].self_attn
+    parts = [attn.q_proj.b_q.clone(), attn.k_proj.b_q.clone(), attn.v_proj.b_q.clone()]
+    marlin.fuse_projections(model, strict=True)
+    if rank == 0:
+        save_marlin_checkpoint(model, directory)
+    dist.barrier()
+    sharded = load_sharded(directory, device=DEVICE, plan=LLAMA_PLAN)
+    qkv = sharded.model.layers[0].self_attn.qkv_proj
+    assert isinstance(qkv, ColumnParallelLinear) and qkv.local.out_features == (256 + 2 * 128) // world_size
+    # rank r holds q's r-th slice, then k's, then v's (2 words per 4-bit column)
+    want = torch.cat([b[:, rank * b.shape[1] // world_size : (rank + 1) * b.shape[1] // world_size] for b in parts], -1)
+    assert torch.equal(qkv.local.b_q, want)
+    assert len(sharded.tp_report.sharded) == 15, sharded.tp_report
+    prompt, step = prompt_and_step(sharded)
+    err_prompt, err_step = rel_err(prompt, ref_prompt), rel_err(step, ref_step)
+    assert err_prompt < MODEL_TOL and err_step < MODEL_TOL, (err_prompt, err_step)
+    try:
+        load_sharded(directory, device=DEVICE, plan={**LLAMA_PLAN, "model.layers.*.self_attn.k_proj": "rowwise"})
+    except ShardError as e:
+        assert "qkv_proj" in str(e) and "colwise" in str(e), e
+    else:
+        raise AssertionError("a fused part planned row-parallel was not refused")
+
+
 def write_tiny_gptq(directory, act_order: bool, bits: int = 4, sym: bool = True, group_size: int = 128) -> None:
     """A tiny Llama GPTQ checkpoint (gptq_writer), two shards with an index, bias-free projections;
     4- or 8-bit, symmetric or (4 bits) with zero points, in groups of ``group_size``."""
@@ -321,6 +353,7 @@ def all_models_scenario(rank: int, world_size: int, directory: str) -> None:
     load_gptq_scenario(rank, world_size, (str(Path(directory) / "gptq-zp"), False, 4, False, 64))
     load_gptq_scenario(rank, world_size, (str(Path(directory) / "gptq-u8"), True, 8, True, 128))
     rotated_scenario(rank, world_size, str(Path(directory) / "marlin-rotated"))
+    load_fused_scenario(rank, world_size, str(Path(directory) / "marlin-fused"))
 
 
 def rotated_scenario(rank: int, world_size: int, directory: str) -> None:
@@ -471,6 +504,7 @@ SCENARIOS = {
     "hf_tp_plan": hf_tp_plan_scenario,
     "load": load_scenario,
     "load_gptq": load_gptq_scenario,
+    "load_fused": load_fused_scenario,
     "rotated": rotated_scenario,
     "all_layers": all_layers_scenario,
     "all_models": all_models_scenario,

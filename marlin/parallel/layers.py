@@ -121,6 +121,25 @@ def marlin_column_shard(template: MarlinLinear, name: str, take: sh.Take, has, r
     return local_marlin(template, k, plan.out_features, tensors)
 
 
+def marlin_column_shards_of_parts(template: MarlinLinear, name: str, take: sh.Take, has, widths: list, rank: int,
+                                  world_size: int) -> list:
+    """For a layer holding fused parts side by side (``widths`` columns each, e.g. q|k|v of
+    marlin.fuse_projections): each part's rank-``rank`` column shard, as separate local layers
+    (in part order), read with ``take`` from the fused layer's tensors. Each part is split as that
+    projection alone would be (ShardError naming the part when it cannot)."""
+    k = template.in_features
+    shards, offset = [], 0
+    for i, width in enumerate(widths):
+        part = sh.plan_column(f"{name} (part {i}, {width} columns)", k, width, template.b_scales.shape[0], rank,
+                              world_size, _bits(template), _is_2_4(template))
+        plan = sh.ColumnShard(name, k, template.out_features, offset + part.n0, offset + part.n1)
+        tensors = sh.column_tensors(plan, take, _words_per_column(template), has)
+        tensors.update(_rotation_tensor(template, take, has))
+        shards.append(local_marlin(template, k, plan.out_features, tensors))
+        offset += width
+    return shards
+
+
 def marlin_row_shard(
     template: MarlinLinear, name: str, take: sh.Take, has, perm: Optional[torch.Tensor], rank: int, world_size: int
 ) -> tuple:

@@ -12,6 +12,10 @@ holds another rank's weights, on the GPU or in host memory. Everything else (emb
 layers outside the plan) is read whole on every rank. Act-order layers also read their full
 ``perm`` (K int32 values) to plan the split.
 
+A checkpoint saved after marlin.fuse_projections (q|k|v as ``qkv_proj``, gate|up as
+``gate_up_proj``) is split by part: each rank reads each projection's own column slice of the fused
+tensors and holds them side by side.
+
 GPTQ checkpoints load directly too: each rank converts only its slices of each GPTQ layer (exact;
 marlin.parallel.gptq_source says what is read). Converting once with ``marlin-convert`` and
 loading the result is faster when the model is loaded often.
@@ -44,6 +48,7 @@ from .layers import (
     linear_column_shard,
     linear_row_shard,
     marlin_column_shard,
+    marlin_column_shards_of_parts,
     marlin_row_shard,
 )
 from .model import (
@@ -55,6 +60,7 @@ from .model import (
     localize_attention,
     model_tp_plan,
     planned_layers,
+    style_of,
 )
 from .shard import ShardError
 
@@ -102,6 +108,49 @@ def _shard_marlin(module: nn.Module, name: str, style: str, reader: _SliceReader
     return RowParallelLinear(
         local, k, n, bias=bias, gather_index=gather_index, input_is_parallel=_ROW[style], **kw
     )
+
+
+def _shard_fused_groups(model: nn.Module, compiled: list, reader: _SliceReader, kw: dict, report: TPReport) -> set:
+    """A checkpoint saved after marlin.fuse_projections holds q|k|v (gate|up) as one layer, which
+    the loader installed with FusedParts in place of the parts. Where the plan splits every part by
+    columns, each rank reads each part's own column slice from the fused tensors and holds them side
+    by side (marlin_column_shards_of_parts, then fuse_group), split again by the local widths.
+    Returns the part names sharded this way; ShardError where the plan wants anything else of them."""
+    from ..fuse import DEFAULT_GROUPS, FusedPart, fuse_group, install_fused
+
+    base_prefix = getattr(model, "base_model_prefix", "")
+    done = set()
+    for parent_name, parent in list(model.named_modules()):
+        for fused_name, part_names in DEFAULT_GROUPS.items():
+            layer = parent._modules.get(fused_name)
+            if layer is None or not all(isinstance(parent._modules.get(n), FusedPart) for n in part_names):
+                continue
+            full = [f"{parent_name}.{n}" if parent_name else n for n in (fused_name, *part_names)]
+            styles = [style_of(n, compiled, base_prefix) for n in full[1:]]
+            if all(s is None for s in styles):
+                continue  # outside the plan: read whole like any other tensor
+            if any(s not in _COLUMN or _COLUMN[s] for s in styles):
+                raise ShardError(
+                    f"load_sharded: {full[0]} holds {list(part_names)} fused (a checkpoint saved after "
+                    f"fuse_projections) and the plan gives them {styles}; a fused layer is split only where every "
+                    "part is column-parallel without a gathered output ('colwise')"
+                )
+            if not isinstance(layer, MARLIN_LAYERS):
+                raise ShardError(f"load_sharded: {full[0]} is a {type(layer).__name__}, expected a Marlin layer")
+
+            def take(buffer: str, index: tuple, name=full[0]) -> torch.Tensor:
+                return reader.get(f"{name}.{buffer}", index)
+
+            def has(buffer: str, name=full[0]) -> bool:
+                return reader.has(f"{name}.{buffer}")
+
+            widths = [parent._modules[n].out_features for n in part_names]
+            parts = marlin_column_shards_of_parts(layer, full[0], take, has, widths, kw["rank"], kw["world_size"])
+            local = fuse_group(parts)
+            install_fused(parent, fused_name, ColumnParallelLinear(local, layer.in_features, layer.out_features, **kw))
+            report.sharded += list(zip(full[1:], styles))
+            done.update(full[1:])
+    return done
 
 
 def _shard_linear(module: nn.Linear, name: str, style: str, reader: _SliceReader, kw: dict, dtype) -> nn.Module:
@@ -212,7 +261,8 @@ def load_sharded(
                 return "weight not in the checkpoint (tied to another tensor): kept whole"
             return None
 
-        todo = planned_layers(model, compiled, report, "load_sharded", keep=tied)
+        done = _shard_fused_groups(model, compiled, reader, kw, report)
+        todo = planned_layers(model, compiled, report, "load_sharded", keep=tied, done=done)
         for name, module, style in todo:
             if isinstance(module, MarlinLinear) and gptq is not None:
                 new = _shard_gptq(module, name, style, gptq, kw, device)

@@ -129,16 +129,17 @@ def _check_heads(model: nn.Module, world_size: int, sharded_names: list) -> None
             )
 
 
-def planned_layers(model: nn.Module, compiled: list, report: TPReport, where: str, keep=None) -> list:
+def planned_layers(model: nn.Module, compiled: list, report: TPReport, where: str, keep=None, done=()) -> list:
     """(name, layer, style) of every layer of ``model`` that the compiled plan shards, checked
     against the model's head counts. A style this package does not apply, or a reason that
     ``keep(name, layer)`` gives (or None), keeps the layer whole, noted in ``report.kept``. A
-    planned layer that is neither MarlinLinear nor nn.Linear raises ShardError naming ``where``."""
+    planned layer that is neither MarlinLinear nor nn.Linear raises ShardError naming ``where``.
+    ``done``: names already sharded by the caller (the parts of a fused checkpoint layer), skipped."""
     base_prefix = getattr(model, "base_model_prefix", "")
     todo = []
     for name, module in model.named_modules():
         style = style_of(name, compiled, base_prefix)
-        if style is None:
+        if style is None or name in done:
             continue
         if style not in _COLUMN and style not in _ROW:
             report.kept.append((name, f"style {style!r} is not supported for a {type(module).__name__}"))
@@ -154,7 +155,7 @@ def planned_layers(model: nn.Module, compiled: list, report: TPReport, where: st
                 f"{where}: {name} has style {style!r} but is a {type(module).__name__}{hint}; only "
                 "MarlinLinear, MarlinLinear24 and nn.Linear layers can be split"
             )
-    _check_heads(model, report.world_size, [name for name, _, _ in todo])
+    _check_heads(model, report.world_size, [name for name, _, _ in todo] + list(done))
     return todo
 
 
@@ -206,7 +207,9 @@ def localize_attention(model: nn.Module, world_size: int) -> None:
         return
     for module in model.modules():
         q = getattr(module, "q_proj", None)
-        if not isinstance(q, ColumnParallelLinear) or q.gather_output or getattr(module, "_tp_localized", False):
+        # a fused checkpoint's q_proj is a FusedPart: its columns are sharded with its fused layer's
+        shard = getattr(module, q.fused_name, None) if type(q).__name__ == "FusedPart" else q
+        if not isinstance(shard, ColumnParallelLinear) or shard.gather_output or getattr(module, "_tp_localized", False):
             continue
         for attr in ("num_heads", "num_key_value_heads"):
             value = getattr(module, attr, None)
