@@ -90,13 +90,20 @@ class _SliceReader:
         return t.to(self.device)
 
 
-def _shard_marlin(module: nn.Module, name: str, style: str, reader: _SliceReader, kw: dict) -> nn.Module:
+def _layer_access(reader: _SliceReader, name: str) -> tuple:
+    """(take(buffer, index), has(buffer)) over the checkpoint tensors of the layer ``name``."""
+
     def take(buffer: str, index: tuple) -> torch.Tensor:
         return reader.get(f"{name}.{buffer}", index)
 
     def has(buffer: str) -> bool:
         return reader.has(f"{name}.{buffer}")
 
+    return take, has
+
+
+def _shard_marlin(module: nn.Module, name: str, style: str, reader: _SliceReader, kw: dict) -> nn.Module:
+    take, has = _layer_access(reader, name)
     k, n = module.in_features, module.out_features
     rank, world_size = kw["rank"], kw["world_size"]
     if style in _COLUMN:
@@ -138,12 +145,7 @@ def _shard_fused_groups(model: nn.Module, compiled: list, reader: _SliceReader, 
             if not isinstance(layer, MARLIN_LAYERS):
                 raise ShardError(f"load_sharded: {full[0]} is a {type(layer).__name__}, expected a Marlin layer")
 
-            def take(buffer: str, index: tuple, name=full[0]) -> torch.Tensor:
-                return reader.get(f"{name}.{buffer}", index)
-
-            def has(buffer: str, name=full[0]) -> bool:
-                return reader.has(f"{name}.{buffer}")
-
+            take, has = _layer_access(reader, full[0])
             widths = [parent._modules[n].out_features for n in part_names]
             parts = marlin_column_shards_of_parts(layer, full[0], take, has, widths, kw["rank"], kw["world_size"])
             local = fuse_group(parts)
