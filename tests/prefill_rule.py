@@ -4,7 +4,8 @@ tile height (128 or 256 rows) by the round-cost model of prefill_pick_tile_m."""
 
 TILE_N, TILE_K = 128, 64
 MAX_PARTS, MIN_PART_STAGES = 4, 16
-UNIT_FIXED_STAGES, SHORT_STAGE_COST, SPLIT_STAGES = 4.0, 0.6, 16.0
+# (fixed stages per unit, a 128-row stage in 256-row ones, a split unit's partials) per scale kind
+GROUP_SCALES_MODEL, PER_COLUMN_MODEL = (4.0, 0.6, 16.0), (0.0, 0.56, 16.0)
 
 
 def tiles(m: int, n: int, tile_m: int) -> int:
@@ -19,30 +20,32 @@ def split(m: int, k: int, n: int, sms: int, tile_m: int = 256) -> tuple[int, int
     return (parts, t - left) if parts > 1 else (1, t)
 
 
-def cost(m: int, k: int, n: int, sms: int, tile_m: int) -> float:
+def cost(m: int, k: int, n: int, sms: int, tile_m: int, per_column: bool = False) -> float:
+    fixed, short_stage, split_stages = PER_COLUMN_MODEL if per_column else GROUP_SCALES_MODEL
     t = tiles(m, n, tile_m)
     parts, first = split(m, k, n, sms, tile_m)
-    stage = SHORT_STAGE_COST if tile_m == 128 else 1.0
+    stage = short_stage if tile_m == 128 else 1.0
     k_tiles = k // TILE_K
     whole = first if parts > 1 else t
-    c = (whole // sms) * (UNIT_FIXED_STAGES + k_tiles * stage)
+    c = (whole // sms) * (fixed + k_tiles * stage)
     if parts > 1:
-        c += UNIT_FIXED_STAGES + (k_tiles / parts + SPLIT_STAGES) * stage
+        c += fixed + (k_tiles / parts + split_stages) * stage
     elif whole % sms:
-        c += UNIT_FIXED_STAGES + k_tiles * stage
+        c += fixed + k_tiles * stage
     return c
 
 
-def tile_m(m: int, k: int, n: int, sms: int) -> int:
-    """The default tile height: 128 below 256 rows, else the cheaper schedule."""
+def tile_m(m: int, k: int, n: int, sms: int, per_column: bool = False) -> int:
+    """The default tile height: 128 below 256 rows, else the cheaper schedule (group scales' model
+    for the 2:4 op in every format, per column's for the dense op's per-column formats)."""
     if m < 256:
         return 128
-    return 128 if cost(m, k, n, sms, 128) < cost(m, k, n, sms, 256) else 256
+    return 128 if cost(m, k, n, sms, 128, per_column) < cost(m, k, n, sms, 256, per_column) else 256
 
 
-def pays(m: int, k: int, n: int, sms: int, min_fill: float) -> bool:
+def pays(m: int, k: int, n: int, sms: int, min_fill: float, per_column: bool = False) -> bool:
     """Whether the planner takes the prefill kernel by default (prefill_pays at the rule's height)."""
-    tm = tile_m(m, k, n, sms)
+    tm = tile_m(m, k, n, sms, per_column)
     t = tiles(m, n, tm)
     rounds = t // sms + (1.0 / split(m, k, n, sms, tm)[0] if t % sms else 0.0)  # a split last round: 1 / parts
     return m >= (65 if tm == 128 else 256) and t >= min_fill * rounds * sms

@@ -147,20 +147,23 @@ def test_default_split_plans():
     import sys
 
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    # (M, K, N) on 132 SMs: 7B o at 256 rows (64 tiles of 128 rows, 2 parts), 64 256-row tiles of a
-    # deep layer (2 parts), 4 rounds and a tail of 16 (4097 x 4096 x 4096: 4 parts), 266 128-row
-    # tiles with a tail of 2 (1793 x 2432), 128 tiles in one round (1000 x 4096 x 4096)
-    cases = [(256, 4096, 4096), (257, 11008, 4096), (4097, 4096, 4096), (1793, 2048, 2432), (1000, 4096, 4096)]
+    # (M, K, N, group) on 132 SMs: 7B o at 256 rows (64 tiles of 128 rows, 2 parts), 64 256-row
+    # tiles of a deep layer (2 parts), 4 rounds and a tail of 16 (4097 x 4096 x 4096: 4 parts), 285
+    # 128-row tiles with a tail of 21 (1793 x 2432), 128 tiles in one round (1000 x 4096 x 4096);
+    # 7B qkv at 256 rows: 96 256-row tiles with group scales, 192 128-row ones (2 parts for the
+    # last 60) per column, whose model rates the 128-row stage cheaper
+    cases = [(256, 4096, 4096, 128), (257, 11008, 4096, 128), (4097, 4096, 4096, 128), (1793, 2048, 2432, 128),
+             (1000, 4096, 4096, 128), (256, 4096, 12288, 128), (256, 4096, 12288, -1)]
     if sms == 132:
-        assert [prefill_rule.tile_m(m, k, n, sms) for m, k, n in cases] == [128, 256, 256, 128, 256]
+        assert [prefill_rule.tile_m(m, k, n, sms, g == -1) for m, k, n, g in cases] == [128, 256, 256, 128, 256, 256, 128]
     script = (
         "import sys, torch, marlin\n"
         "sys.path.insert(0, 'tests')\n"
         "from test_gemm_cuda import check, get_layer\n"
-        f"for m, k, n in {cases!r}:\n"
-        "    c, a = check(get_layer(k, n, 128), m)\n"
-        "    layer = get_layer(k, n, 128)\n"
-        "    assert torch.equal(c, marlin.gemm(a, layer.b_q, layer.b_s)), (m, k, n)\n"
+        f"for m, k, n, g in {cases!r}:\n"
+        "    c, a = check(get_layer(k, n, g), m)\n"
+        "    layer = get_layer(k, n, g)\n"
+        "    assert torch.equal(c, marlin.gemm(a, layer.b_q, layer.b_s)), (m, k, n, g)\n"
         "torch.cuda.synchronize()\n"
     )
     env = dict(os.environ, MARLIN_LOG_PLAN="1")
@@ -171,11 +174,13 @@ def test_default_split_plans():
     got = {}
     for line in r.stderr.splitlines():
         if line.startswith("marlin.gemm plan:") and " kernel=prefill_wgmma " in line:
-            mm = re.search(r"m=(\d+) n=(\d+) k=(\d+) .* m_blocks=(\d+) .* split_parts=(\d+) split_first=(\d+)", line)
-            got[tuple(int(x) for x in mm.groups()[:3])] = (16 * int(mm[4]), int(mm[5]), int(mm[6]))
-    for m, k, n in cases:
-        tile_m = prefill_rule.tile_m(m, k, n, sms)
-        assert got.get((m, n, k)) == (tile_m, *prefill_rule.split(m, k, n, sms, tile_m)), (m, k, n, got)
+            mm = re.search(r"m=(\d+) n=(\d+) k=(\d+) groups=(\d+) .* m_blocks=(\d+) .* split_parts=(\d+) split_first=(\d+)",
+                           line)
+            m, n, k, groups = (int(x) for x in mm.groups()[:4])
+            got[(m, n, k, groups == 1)] = (16 * int(mm[5]), int(mm[6]), int(mm[7]))
+    for m, k, n, g in cases:
+        tile_m = prefill_rule.tile_m(m, k, n, sms, g == -1)
+        assert got.get((m, n, k, g == -1)) == (tile_m, *prefill_rule.split(m, k, n, sms, tile_m)), (m, k, n, g, got)
     assert {p for _, p, _ in got.values()} >= {2, 4}, got
 
 

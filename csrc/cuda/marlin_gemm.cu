@@ -481,12 +481,15 @@ int max_locks(int sms) { return 2 * std::max(sms, 1); }
 // multiple of its 128 columns, K of its 64-row stage; where prefill_pays (prefill.h: the measured rule).
 bool prefill_format(const Format& f) { return !(f.w == kU4Zp && f.group_mode == kPerColumn); }
 
-// The tile height: prefill_pick_tile_m's rule, or MARLIN_PREFILL_ROWS (GemmArgs::prefill_rows).
-int prefill_tile_m(const GemmArgs& a) { return prefill_pick_tile_m(a.m, a.n, a.k, a.sms, a.prefill_rows); }
+// The tile height: prefill_pick_tile_m's rule for the format's scale kind, or MARLIN_PREFILL_ROWS
+// (GemmArgs::prefill_rows).
+int prefill_tile_m(const GemmArgs& a, const Format& f) {
+  return prefill_pick_tile_m(a.m, a.n, a.k, a.sms, a.prefill_rows, f.group_mode == kPerColumn);
+}
 
 bool prefill_fits(const GemmArgs& a, const Format& f) {
   if (!a.wgmma || a.prefill == 0 || !prefill_format(f) || a.m <= kWgSliceRows) return false;
-  const int tile_m = prefill_tile_m(a);
+  const int tile_m = prefill_tile_m(a, f);
   if (a.n % kPrefillTileN != 0 || a.k % kPrefillTileK != 0 || prefill_smem_bytes(a.bits, tile_m) > a.max_smem) return false;
   return a.prefill == 1 || prefill_pays(a.m, a.n, a.k, a.sms, kPrefillMinFill, tile_m);
 }
@@ -496,7 +499,7 @@ void plan_prefill(const GemmArgs& args, const Format& f, GemmPlan* plan) {
   plan->wgmma = true;
   plan->prefill = true;
   plan->tile = TileConfig{kPrefillTileK, kPrefillTileN};
-  const int tile_m = prefill_tile_m(args);
+  const int tile_m = prefill_tile_m(args, f);
   plan->m_blocks = tile_m / 16;
   plan->m_slices = (args.m + tile_m - 1) / tile_m;
   plan->blocks_per_sm = 1;

@@ -39,31 +39,37 @@ std::pair<long long, int> tail_split(long long tiles, long long k, int sms, int 
 }
 
 // prefill_pick_tile_m's model: the time of the schedule's rounds, in 256-row stage times.
-constexpr double kUnitFixedStages = 4.0;
-constexpr double kShortStageCost = 0.6;
-constexpr double kSplitStages = 16.0;
+struct RoundCostModel {
+  double unit_fixed;   // stage times per unit beyond its K stages
+  double short_stage;  // a 128-row stage, in 256-row stage times
+  double split;        // stage times a split unit adds for its partials
+};
+constexpr RoundCostModel kGroupScalesModel{4.0, 0.6, 16.0};
+constexpr RoundCostModel kPerColumnModel{0.0, 0.56, 16.0};
 
-double schedule_cost(long long m, long long n, long long k, int sms, int tile_m) {
+double schedule_cost(long long m, long long n, long long k, int sms, int tile_m, const RoundCostModel& model) {
   const long long tiles = prefill_tiles(m, n, tile_m);
   const auto [first, parts] = tail_split(tiles, k, sms, 0);
-  const double stage = tile_m == kPrefillTileMShort ? kShortStageCost : 1.0;
+  const double stage = tile_m == kPrefillTileMShort ? model.short_stage : 1.0;
   const double k_tiles = static_cast<double>(k / kPrefillTileK);
   const long long whole = parts > 1 ? first : tiles;  // tiles that run unsplit
-  double cost = static_cast<double>(whole / sms) * (kUnitFixedStages + k_tiles * stage);
+  double cost = static_cast<double>(whole / sms) * (model.unit_fixed + k_tiles * stage);
   if (parts > 1)
-    cost += kUnitFixedStages + (k_tiles / parts + kSplitStages) * stage;
+    cost += model.unit_fixed + (k_tiles / parts + model.split) * stage;
   else if (whole % sms != 0)
-    cost += kUnitFixedStages + k_tiles * stage;
+    cost += model.unit_fixed + k_tiles * stage;
   return cost;
 }
 
 }  // namespace
 
-int prefill_pick_tile_m(long long m, long long n, long long k, int sms, int forced) {
+int prefill_pick_tile_m(long long m, long long n, long long k, int sms, int forced, bool per_column) {
   if (forced == kPrefillTileM || forced == kPrefillTileMShort) return forced;
   if (m < prefill_min_rows(kPrefillTileM)) return kPrefillTileMShort;
-  return schedule_cost(m, n, k, sms, kPrefillTileMShort) < schedule_cost(m, n, k, sms, kPrefillTileM) ? kPrefillTileMShort
-                                                                                                      : kPrefillTileM;
+  const RoundCostModel& model = per_column ? kPerColumnModel : kGroupScalesModel;
+  return schedule_cost(m, n, k, sms, kPrefillTileMShort, model) < schedule_cost(m, n, k, sms, kPrefillTileM, model)
+             ? kPrefillTileMShort
+             : kPrefillTileM;
 }
 
 bool prefill_pays(long long m, long long n, long long k, int sms, double min_fill, int tile_m) {

@@ -42,13 +42,16 @@ bool prefill_pays(long long m, long long n, long long k, int sms, double min_fil
 // The tile height of an M x N x K call on `sms` SMs: `forced` (MARLIN_PREFILL_ROWS, 128 or 256)
 // where set (0: the rule); 128 below 256 rows; from 256 rows the height whose persistent schedule
 // (prefill_schedule, with its K split) takes less time in a model of whole rounds: a unit costs a
-// fixed 4 stage times plus one per 64-deep stage, a 128-row stage 0.6 of a 256-row one (it loads
-// and dequantizes the same weights for half the MMAs), a split unit 16 stage times more for its
-// partials. Fitted to an H100 probe (benchmarks/NOTES.md, "128-row tiles"; seven layers at 256
-// and 512 rows, dense group 128, per column and 2:4): it picks the faster height at every point
-// that differs by more than 3%; 128 on 7B o (256 and 512 rows, 1.16-1.27x), 70B qkv and 70B o at
-// 256 (1.02-1.20x), 256 on the wide and deep ones (70B gate_up, 70B down: 128 0.77-0.96x).
-int prefill_pick_tile_m(long long m, long long n, long long k, int sms, int forced);
+// fixed number of stage times plus one per 64-deep stage, a 128-row stage a fraction of a 256-row
+// one (it loads and dequantizes the same weights for half the MMAs), a split unit 16 stage times
+// more for its partials. Fitted per scale kind to an H100 probe (benchmarks/NOTES.md, "128-row
+// tiles"; seven layers at 256 and 512 rows): group scales (and 2:4) a fixed 4 and 0.6 per 128-row
+// stage, per column (no group scales to apply) 0 and 0.56; each picks the faster height at every
+// point of its own format that differs by more than 3% (2:4 misses 7B down at 256 rows by 6%):
+// 128 on 7B o (256 and 512 rows, 1.16-1.27x), 70B qkv and 70B o at 256 (1.02-1.20x), per column
+// also 7B qkv and 7B down (1.04-1.11x); 256 on the wide and deep ones (70B gate_up, 70B down: 128
+// 0.77-0.96x).
+int prefill_pick_tile_m(long long m, long long n, long long k, int sms, int forced, bool per_column);
 
 // K split (dense and 2:4 instances): where the last round of the persistent schedule has at most
 // half the SMs' worth of tiles (every tile, if there is only that round), those tiles run in

@@ -62,8 +62,11 @@ int strip_shift(const Args24& args) {
 // lower fill (prefill_pays, kPrefill24MinFill): the same 128-column tiles of 256 or 128 rows, persistent blocks, the sparse wgmma with its A operand
 // (the compressed values) from registers. Every format but per-column zero points; not under the
 // knobs that force a plan of the kernel below (they measure that kernel).
-// The tile height: prefill_pick_tile_m's rule, or MARLIN_PREFILL_ROWS (Args24::prefill_rows).
-int prefill_tile_m(const Args24& args) { return prefill_pick_tile_m(args.m, args.n, args.k, args.sms, args.prefill_rows); }
+// The tile height: prefill_pick_tile_m's rule (the group-scale model: 2:4 per column has not been
+// probed apart), or MARLIN_PREFILL_ROWS (Args24::prefill_rows).
+int prefill_tile_m(const Args24& args) {
+  return prefill_pick_tile_m(args.m, args.n, args.k, args.sms, args.prefill_rows, false);
+}
 
 bool prefill_fits(const Args24& args) {
   if (!args.wgmma || args.prefill == 0 || args.legacy || args.m <= 64) return false;
