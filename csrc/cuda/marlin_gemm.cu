@@ -481,25 +481,35 @@ int max_locks(int sms) { return 2 * std::max(sms, 1); }
 // multiple of its 128 columns, K of its 64-row stage; where prefill_pays (prefill.h: the measured rule).
 bool prefill_format(const Format& f) { return !(f.w == kU4Zp && f.group_mode == kPerColumn); }
 
-// The tile height: prefill_pick_tile_m's rule for the format's scale kind, or MARLIN_PREFILL_ROWS
-// (GemmArgs::prefill_rows).
+// The prefill kernel's tile height for this call (prefill_pick_tile_m's rule for the format's scale
+// kind, or MARLIN_PREFILL_ROWS: GemmArgs::prefill_rows), or 0 where the kernel cannot take the call
+// or does not pay (the planner asks once and plans with the answer).
 int prefill_tile_m(const GemmArgs& a, const Format& f) {
-  return prefill_pick_tile_m(a.m, a.n, a.k, a.sms, a.prefill_rows, f.group_mode == kPerColumn);
+  if (!a.wgmma || a.prefill == 0 || !prefill_format(f) || a.m <= kWgSliceRows) return 0;
+  if (a.n % kPrefillTileN != 0 || a.k % kPrefillTileK != 0) return 0;
+  const int tile_m = prefill_pick_tile_m(a.m, a.n, a.k, a.sms, a.prefill_rows, f.group_mode == kPerColumn);
+  if (prefill_smem_bytes(a.bits, tile_m) > a.max_smem) return 0;
+  return a.prefill == 1 || prefill_pays(a.m, a.n, a.k, a.sms, kPrefillMinFill, tile_m) ? tile_m : 0;
 }
 
-bool prefill_fits(const GemmArgs& a, const Format& f) {
-  if (!a.wgmma || a.prefill == 0 || !prefill_format(f) || a.m <= kWgSliceRows) return false;
-  const int tile_m = prefill_tile_m(a, f);
-  if (a.n % kPrefillTileN != 0 || a.k % kPrefillTileK != 0 || prefill_smem_bytes(a.bits, tile_m) > a.max_smem) return false;
-  return a.prefill == 1 || prefill_pays(a.m, a.n, a.k, a.sms, kPrefillMinFill, tile_m);
-}
+// The prefill instances of one tile height, by element type, weight type and scale kind (the group
+// size is a run-time shift); nullptr where prefill_format refuses (per-column zero points).
+template <int TILE_M>
+struct PrefillInstances {
+  static constexpr LaunchFn table[2][3][2] = {
+      {{&launch_prefill<false, kU4, false, TILE_M>, &launch_prefill<false, kU4, true, TILE_M>},
+       {nullptr, &launch_prefill<false, kU4Zp, true, TILE_M>},
+       {&launch_prefill<false, kU8, false, TILE_M>, &launch_prefill<false, kU8, true, TILE_M>}},
+      {{&launch_prefill<true, kU4, false, TILE_M>, &launch_prefill<true, kU4, true, TILE_M>},
+       {nullptr, &launch_prefill<true, kU4Zp, true, TILE_M>},
+       {&launch_prefill<true, kU8, false, TILE_M>, &launch_prefill<true, kU8, true, TILE_M>}}};
+};
 
-void plan_prefill(const GemmArgs& args, const Format& f, GemmPlan* plan) {
+void plan_prefill(const GemmArgs& args, const Format& f, int tile_m, GemmPlan* plan) {
   plan->small_m = false;
   plan->wgmma = true;
   plan->prefill = true;
   plan->tile = TileConfig{kPrefillTileK, kPrefillTileN};
-  const int tile_m = prefill_tile_m(args, f);
   plan->m_blocks = tile_m / 16;
   plan->m_slices = (args.m + tile_m - 1) / tile_m;
   plan->blocks_per_sm = 1;
@@ -516,23 +526,9 @@ void plan_prefill(const GemmArgs& args, const Format& f, GemmPlan* plan) {
   plan->needs_partial = ps.parts > 1;
   plan->partial_floats = static_cast<std::size_t>(ps.partial_floats);
   plan->locks = ps.locks;
-  // one instance per tile height, element type, weight type and scale kind (the group size is a
-  // run-time shift)
-  constexpr LaunchFn kInstances[2][2][3][2] = {
-      {{{&launch_prefill<false, kU4, false, 256>, &launch_prefill<false, kU4, true, 256>},
-        {nullptr, &launch_prefill<false, kU4Zp, true, 256>},
-        {&launch_prefill<false, kU8, false, 256>, &launch_prefill<false, kU8, true, 256>}},
-       {{&launch_prefill<true, kU4, false, 256>, &launch_prefill<true, kU4, true, 256>},
-        {nullptr, &launch_prefill<true, kU4Zp, true, 256>},
-        {&launch_prefill<true, kU8, false, 256>, &launch_prefill<true, kU8, true, 256>}}},
-      {{{&launch_prefill<false, kU4, false, 128>, &launch_prefill<false, kU4, true, 128>},
-        {nullptr, &launch_prefill<false, kU4Zp, true, 128>},
-        {&launch_prefill<false, kU8, false, 128>, &launch_prefill<false, kU8, true, 128>}},
-       {{&launch_prefill<true, kU4, false, 128>, &launch_prefill<true, kU4, true, 128>},
-        {nullptr, &launch_prefill<true, kU4Zp, true, 128>},
-        {&launch_prefill<true, kU8, false, 128>, &launch_prefill<true, kU8, true, 128>}}}};
-  // prefill_format excludes the nullptr
-  plan->launch = kInstances[tile_m == kPrefillTileMShort][f.bf16][f.w][f.group_mode != kPerColumn];
+  const auto& instances = tile_m == kPrefillTileMShort ? PrefillInstances<kPrefillTileMShort>::table
+                                                      : PrefillInstances<kPrefillTileM>::table;
+  plan->launch = instances[f.bf16][f.w][f.group_mode != kPerColumn];  // prefill_format excludes the nullptr
 }
 
 // Replans the small-batch call with `variant` (the same call, one planner knob set) and takes
@@ -611,8 +607,9 @@ std::string plan_gemm(const GemmArgs& args, int tile_k, int tile_n, GemmPlan* pl
   const std::string bad = format_of(args, &f);
   if (!bad.empty()) return bad;
   const bool forced = tile_k > 0 || tile_n > 0;
-  if (!forced && prefill_fits(args, f)) {
-    plan_prefill(args, f, plan);
+  const int prefill_rows = forced ? 0 : prefill_tile_m(args, f);
+  if (prefill_rows > 0) {
+    plan_prefill(args, f, prefill_rows, plan);
     return "";
   }
   if (forced && tile_k == 128 && (tile_n == 256 || tile_n == 512)) return plan_small_m(args, tile_n, plan);

@@ -62,30 +62,40 @@ int strip_shift(const Args24& args) {
 // lower fill (prefill_pays, kPrefill24MinFill): the same 128-column tiles of 256 or 128 rows, persistent blocks, the sparse wgmma with its A operand
 // (the compressed values) from registers. Every format but per-column zero points; not under the
 // knobs that force a plan of the kernel below (they measure that kernel).
-// The tile height: prefill_pick_tile_m's rule (the group-scale model: 2:4 per column has not been
-// probed apart), or MARLIN_PREFILL_ROWS (Args24::prefill_rows).
+// The prefill kernel's tile height for this call (prefill_pick_tile_m's rule with the group-scale
+// model: 2:4 per column has not been probed apart; or MARLIN_PREFILL_ROWS: Args24::prefill_rows),
+// or 0 where the kernel cannot take the call or does not pay (the planner asks once).
 int prefill_tile_m(const Args24& args) {
-  return prefill_pick_tile_m(args.m, args.n, args.k, args.sms, args.prefill_rows, false);
-}
-
-bool prefill_fits(const Args24& args) {
-  if (!args.wgmma || args.prefill == 0 || args.legacy || args.m <= 64) return false;
+  if (!args.wgmma || args.prefill == 0 || args.legacy || args.m <= 64) return 0;
   if (args.force_parts || args.force_tile_n || args.force_ms || args.force_stages || args.force_kw || args.wgmma_force ||
       args.cluster_mode != -1)
-    return false;
-  if (args.n % kPrefillTileN != 0 || args.k % kPrefillTileK != 0 || (args.z != nullptr && args.groups == 1)) return false;
-  const int tile_m = prefill_tile_m(args);
-  if (prefill_24_smem_bytes(tile_m) > args.max_smem) return false;
-  return args.prefill == 1 || prefill_pays(args.m, args.n, args.k, args.sms, kPrefill24MinFill, tile_m);
+    return 0;
+  if (args.n % kPrefillTileN != 0 || args.k % kPrefillTileK != 0 || (args.z != nullptr && args.groups == 1)) return 0;
+  const int tile_m = prefill_pick_tile_m(args.m, args.n, args.k, args.sms, args.prefill_rows, false);
+  if (prefill_24_smem_bytes(tile_m) > args.max_smem) return 0;
+  return args.prefill == 1 || prefill_pays(args.m, args.n, args.k, args.sms, kPrefill24MinFill, tile_m) ? tile_m : 0;
 }
+
+// The 2:4 prefill instances of one tile height: [bf16][zero points][grouped]; per-column zero
+// points never come here (prefill_tile_m refuses them).
+template <int TILE_M>
+struct Prefill24Instances {
+  using Launch = cudaError_t (*)(const KernelParams&, const void*, int, int, cudaStream_t, bool);
+  static constexpr Launch table[2][2][2] = {
+      {{&launch_prefill_24<false, kU4, false, TILE_M>, &launch_prefill_24<false, kU4, true, TILE_M>},
+       {nullptr, &launch_prefill_24<false, kU4Zp, true, TILE_M>}},
+      {{&launch_prefill_24<true, kU4, false, TILE_M>, &launch_prefill_24<true, kU4, true, TILE_M>},
+       {nullptr, &launch_prefill_24<true, kU4Zp, true, TILE_M>}}};
+};
 
 std::string plan_24(const Args24& args, Plan24* plan) {
   if (args.n % 64 != 0) return "marlin.gemm_2_4: N = " + std::to_string(args.n) + " is not a multiple of 64";
   *plan = Plan24{};
-  if (prefill_fits(args)) {
+  const int prefill_rows = prefill_tile_m(args);
+  if (prefill_rows > 0) {
     plan->prefill = true;
     // the dense instances' schedule and K split of a last round of few tiles, the same kernel
-    plan->tile_m = prefill_tile_m(args);
+    plan->tile_m = prefill_rows;
     const PrefillSchedule ps = prefill_schedule(args.m, args.n, args.k, args.sms, args.prefill_split, plan->tile_m);
     plan->grid = ps.grid;
     plan->smem = prefill_24_smem_bytes(plan->tile_m);
@@ -247,18 +257,9 @@ cudaError_t launch_24(const Args24& args, const Plan24& plan, cudaStream_t strea
       for (group_shift = 1; (16 << group_shift) < args.k / args.groups; group_shift++) {
       }
     kp.group_shift = group_shift;
-    using Launch = cudaError_t (*)(const KernelParams&, const void*, int, int, cudaStream_t, bool);
-    // [128-row tiles][bf16][zero points][grouped]; per-column zero points never come here (prefill_fits)
-    constexpr Launch kInstances[2][2][2][2] = {
-        {{{&launch_prefill_24<false, kU4, false, 256>, &launch_prefill_24<false, kU4, true, 256>},
-          {nullptr, &launch_prefill_24<false, kU4Zp, true, 256>}},
-         {{&launch_prefill_24<true, kU4, false, 256>, &launch_prefill_24<true, kU4, true, 256>},
-          {nullptr, &launch_prefill_24<true, kU4Zp, true, 256>}}},
-        {{{&launch_prefill_24<false, kU4, false, 128>, &launch_prefill_24<false, kU4, true, 128>},
-          {nullptr, &launch_prefill_24<false, kU4Zp, true, 128>}},
-         {{&launch_prefill_24<true, kU4, false, 128>, &launch_prefill_24<true, kU4, true, 128>},
-          {nullptr, &launch_prefill_24<true, kU4Zp, true, 128>}}}};
-    const Launch launch = kInstances[plan.tile_m == kPrefillTileMShort][args.bf16][args.z != nullptr][args.groups > 1];
+    const auto& instances = plan.tile_m == kPrefillTileMShort ? Prefill24Instances<kPrefillTileMShort>::table
+                                                              : Prefill24Instances<kPrefillTileM>::table;
+    const auto launch = instances[args.bf16][args.z != nullptr][args.groups > 1];
     return launch(kp, args.b_meta, plan.grid, plan.smem, stream, args.pdl);
   }
   Params p;
