@@ -18,7 +18,7 @@ import torch
 import marlin
 from marlin import sparse
 from conftest import fp32_matmul, poison_allocator, rel_err, requires_cuda_2_4
-from gemm_2_4_helpers import assert_graph_replays, assert_repeats_bit_identical, get_layer
+from gemm_2_4_helpers import assert_graph_replays, assert_repeats_bit_identical, get_layer, plan_lines
 
 pytestmark = [requires_cuda_2_4, pytest.mark.gpu]
 
@@ -163,6 +163,36 @@ def test_forced_plans_zero_points(m, plan, g, monkeypatch):
         monkeypatch.setenv(key, value)
     err, base, _, _ = check(get_layer(4096, 1024, g, zp=True), m)
     assert err <= ALLOWED * base + 1e-7, f"M={m} plan {plan} g={g} zp: error {err:.3g} vs fp16 matmul {base:.3g}"
+
+
+@pytest.mark.parametrize("m", [1, 8])
+def test_long_k_runs_three_blocks_per_sm(m, monkeypatch, capfd):
+    """At 1-8 rows on a long K (every part at least 128 stages of 128 rows) the planner takes more
+    K parts on balance() ties, up to 3 blocks per SM: one 256-column tile per SM and K = 3 x 128 x
+    128 run 3 parts (a long-K layer at 1 part per SM streamed 1.27x slower on the H200). Random
+    words and valid metadata (a layer this size is too slow to prune and pack here); the output is
+    checked on sampled tiles against unpack_2_4 (the spec) and against the forced 1-part plan."""
+    from benchmarks.gemm_prep import check_marlin_24, random_meta_2_4
+
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    k, n = 3 * 128 * 128, 256 * sms
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    b_q = torch.randint(-(2**31), 2**31, (k // 32, 2 * n), dtype=torch.int32, device="cuda", generator=gen)
+    b_meta = random_meta_2_4(k, n, "cuda")
+    b_s = torch.empty(k // 128, n, dtype=torch.float16, device="cuda").uniform_(0.001, 0.01)
+    monkeypatch.setenv("MARLIN_LOG_PLAN", "1")
+    a = torch.randn(m, k, device="cuda", dtype=torch.float16)
+    plan_lines(capfd)
+    c = marlin.gemm_2_4(a, b_q, b_meta, b_s)
+    torch.cuda.synchronize()
+    lines = plan_lines(capfd)
+    assert len(lines) == 1 and " parts=3 " in lines[0] and f" grid={3 * sms} " in lines[0], lines
+    monkeypatch.setenv("MARLIN_2_4_PARTS", "1")
+    one = marlin.gemm_2_4(a, b_q, b_meta, b_s)
+    assert " parts=1 " in plan_lines(capfd)[0]
+    assert rel_err(c, one) < 1e-3
+    monkeypatch.delenv("MARLIN_2_4_PARTS")
+    check_marlin_24(b_q, b_meta, b_s, k, n, torch.device("cuda"), ms=(m,))  # the 3-part plan; raises if wrong
 
 
 def test_the_bound_catches_a_wrong_metadata_order():

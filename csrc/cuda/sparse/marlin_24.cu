@@ -188,6 +188,13 @@ std::string plan_24(const Args24& args, Plan24* plan) {
   // 256-column tile (four warps): the one-warp 64-column tile of N % 128 = 64 needs several blocks
   // per SM (4096 x 2752 at 9-16 rows: 3 parts, 129 blocks, 11.0-14.5 us; 8 parts 7.6-11.2).
   const bool even_sms = !plan->wg && plan->nw == 4 && rows_used <= 16 && !args.legacy && !plan->fine;
+  // Long K under balance(): one block per SM leaves too few bytes in flight on the H200 (4.8 TB/s
+  // over 132 SMs). Where every part still streams kLongPartStages stages or more, balance() ties are
+  // broken towards more parts, up to kLongBlocksPerSm blocks on every SM (the split end then costs
+  // under 1% of a part). H200, the ideal layer (135168 x 33792, 132 tiles) at M = 1 / 4 / 8: 1 part
+  // 646 / 683 / 720 us, 3 parts 510 / 503 / 542 (probe_2_4, NOTES.md 2026-11-28 (fifth)); the
+  // 70B and 7B layers (at most 224 stages per column) keep their picks.
+  constexpr int kLongPartStages = 128, kLongBlocksPerSm = 3;
   int best = 1;
   bool best_cluster = false;
   double best_fill = -1.0;
@@ -205,7 +212,10 @@ std::string plan_24(const Args24& args, Plan24* plan) {
     }
     if (parts > 1 && !cluster && (!locks_ok || (wg_parts && forced == 0))) continue;
     const double f = even_sms ? balance(tiles * parts, cslots, args.sms) : fill(tiles * parts, cslots, args.sms);
-    const bool take = forced > 0 || (wg_parts ? parts == 1 || tiles * parts <= cslots : f > best_fill + 0.02);
+    const bool deeper = even_sms && parts > best && f >= best_fill - 0.02 &&
+                        k_tiles >= static_cast<long long>(parts) * kLongPartStages &&
+                        tiles * parts <= static_cast<long long>(kLongBlocksPerSm) * args.sms;
+    const bool take = forced > 0 || (wg_parts ? parts == 1 || tiles * parts <= cslots : f > best_fill + 0.02 || deeper);
     if (take) best = parts, best_cluster = cluster, best_fill = f;
   }
   if (args.force_parts > 0 && best != std::min(args.force_parts, max_parts))
