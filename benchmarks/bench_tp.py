@@ -139,14 +139,31 @@ def profile_point(model: DecodeModel, args, world: int, device, step_us: float) 
     """The step's kernels by category (benchmarks/kernel_profile.py) from eager calls of the step
     (the kernels the graph replays, each visible to the profiler); every rank steps (the
     collectives need them all), rank 0's profile is kept. idle_us_per_step: the timed step
-    (graph replay) minus the kernels' sum."""
+    (graph replay) minus the kernels' sum. The ranks meet at a host barrier (gloo) before each
+    profiled step; an NCCL barrier would put its own waiting kernel into the step."""
     from .kernel_profile import profile_calls
 
-    prof = profile_calls(model.step, lambda: model.pos.fill_(args.prompt), device, steps=4)
+    align = None
+    if world > 1:
+        group = _host_group()
+        align = lambda: dist.barrier(group=group)  # noqa: E731
+    prof = profile_calls(model.step, lambda: model.pos.fill_(args.prompt), device, steps=4, align=align)
     prof["idle_us_per_step"] = round(step_us - prof["kernel_us_per_step"], 2)
     if world > 1:
         dist.barrier()
     return prof
+
+
+_HOST_GROUP = None
+
+
+def _host_group():
+    """A gloo group of every rank (made once, by all ranks at the same point: the first profiled
+    batch), for barriers that launch nothing on the GPU."""
+    global _HOST_GROUP
+    if _HOST_GROUP is None:
+        _HOST_GROUP = dist.new_group(backend="gloo")
+    return _HOST_GROUP
 
 
 def weight_bytes(model: DecodeModel) -> int:
@@ -196,6 +213,8 @@ def meta(device, world: int, shape: LlamaShape, args) -> dict:
     info = {"kind": "tp", "world_size": world, "shape": shape.__dict__, "prompt": args.prompt, "steps": args.steps,
             "repeats": args.repeats, "torch": torch.__version__, "fused_projections": True,
             "compiled": compiled(args, device),
+            # profiled steps start together at a host barrier after a dropped warm-up step
+            "profile_aligned": True,
             "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     try:  # git revision and device facts, as in the other results files
         from .provenance import device_facts, git_info_here

@@ -2,9 +2,14 @@
 
     summary = profile_calls(run, reset, device, steps=8)
 
-runs ``reset(); run()`` twice to warm up, then ``steps`` times under the profiler, and sums the
-device time of every kernel (on the CPU: every op's own time) per call, by category (the first
-pattern of CATEGORIES that the kernel's name matches). ``run`` must be the step itself, not a
+runs ``reset(); run()`` twice to warm up, once more under the profiler as its own warm-up step
+(dropped: it carries the profiler's start-up), then ``steps`` times recorded, and sums the device
+time of every kernel (on the CPU: every op's own time) per call, by category (the first pattern of
+CATEGORIES that the kernel's name matches). ``align`` (optional) runs after a device sync before
+each recorded step: with several processes, a host barrier, so that a collective's kernel does not
+count the time another rank spent elsewhere (profiler start-up, the previous step's end). Within
+a step, eager launches still drift between ranks, and a collective's kernel waits for the slowest:
+its time is an upper bound of what the replayed graph pays. ``run`` must be the step itself, not a
 captured CUDA graph of it, so that the profiler sees each kernel; the caller compares
 ``kernel_us_per_step`` with the graph's time per step: the difference is idle time.
 """
@@ -48,10 +53,10 @@ def _sync(dev: torch.device) -> None:
 
 @torch.no_grad()
 def profile_calls(run: Callable[[], object], reset: Callable[[], None], dev: torch.device, steps: int = 8,
-                  rows: int = 20) -> dict:
+                  rows: int = 20, align: Callable[[], None] | None = None) -> dict:
     """Kernel time per call of ``run`` by category, calls per category, their sum and the top
     kernels (see the module doc)."""
-    from torch.profiler import ProfilerActivity, profile
+    from torch.profiler import ProfilerActivity, profile, schedule
 
     for _ in range(2):
         reset()
@@ -59,11 +64,16 @@ def profile_calls(run: Callable[[], object], reset: Callable[[], None], dev: tor
     _sync(dev)
     on_cuda = dev.type == "cuda"
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_cuda else [])
-    with profile(activities=acts) as prof:
-        for _ in range(steps):
+    # one warm-up step under the profiler (traced, then dropped), then `steps` recorded ones
+    with profile(activities=acts, schedule=schedule(wait=0, warmup=1, active=steps, repeat=1)) as prof:
+        for i in range(steps + 1):
+            _sync(dev)
+            if align is not None:
+                align()
             reset()
             run()
-        _sync(dev)
+            _sync(dev)  # the step's kernels finish inside its own profiler step
+            prof.step()
     per_cat: dict[str, float] = {}
     calls: dict[str, float] = {}
     kernels = []

@@ -76,6 +76,11 @@ def _profile_lines(data: dict) -> list:
         cells = [f"{by[c] / 1e3:.2f}" if c in by else "" for c in cats]
         lines.append(f"| {kind} | {p['batch']} | {p['ms_per_step']:.2f} | " + " | ".join(cells)
                      + f" | {p['profile']['idle_us_per_step'] / 1e3:.2f} |")
+    if any(p["profile"]["idle_us_per_step"] < 0 for _, p in rows):
+        lines += ["", "A negative idle time means the profiled kernels took longer than the timed step. The profile "
+                  "is taken over eager calls of the step, where a collective's kernel also waits for the other "
+                  "ranks' launches (and, in results without `profile_aligned` in their meta, for the other ranks' "
+                  "profiler start-up): read the collectives column as an upper bound, the other columns as they are."]
     return lines
 
 

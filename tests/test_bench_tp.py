@@ -132,6 +132,28 @@ def test_profiled_batches_carry_kernel_time_by_category(tmp_path, monkeypatch):
     assert "## Where a step's time goes" in md and "| marlin | 2 |" in md and "marlin GEMM" in md
 
 
+def test_profile_drops_its_warm_up_step_and_aligns_each_recorded_one():
+    # calls per step must be exact: a warm-up step counted in would make the single matmul 1.25 per step
+    from benchmarks.kernel_profile import profile_calls
+
+    x = torch.randn(32, 32, dtype=torch.float64)
+    aligned = []
+    prof = profile_calls(lambda: x @ x, lambda: None, torch.device("cpu"), steps=4, align=lambda: aligned.append(1))
+    assert prof["calls_per_step_by_category"]["FP16 GEMM"] == 1.0
+    assert len(aligned) == 5  # the dropped warm-up step and the four recorded ones
+
+
+def test_report_flags_profiles_longer_than_their_step(tmp_path):
+    from benchmarks.report_tp import _profile_lines
+
+    point = {"batch": 1, "ms_per_step": 10.0, "profile": {"us_per_step_by_category": {"collectives (NCCL / gloo)": 2e5},
+                                                          "idle_us_per_step": -1.9e5}}
+    lines = _profile_lines({"runs": [{"kind": "marlin", "points": [point]}]})
+    assert any("negative idle time" in line for line in lines)
+    point["profile"] = {"us_per_step_by_category": {"marlin GEMM": 8e3}, "idle_us_per_step": 2e3}
+    assert not any("negative idle time" in line for line in _profile_lines({"runs": [{"kind": "marlin", "points": [point]}]}))
+
+
 def test_kernel_categories():
     from benchmarks.kernel_profile import category
 
