@@ -78,6 +78,9 @@ def profile_calls(run: Callable[[], object], reset: Callable[[], None], dev: tor
     calls: dict[str, float] = {}
     kernels = []
     for ev in prof.key_averages():
+        # the schedule's step annotations ("ProfilerStep#3") span a whole step, on the device too
+        if ev.key.startswith("ProfilerStep"):
+            continue
         if on_cuda:
             # kernels only: CPU-side ops carry their kernels' time too and would count it twice
             if "CUDA" not in str(getattr(ev, "device_type", "")):

@@ -132,7 +132,35 @@ def _profiles(data: dict) -> list[dict]:
     profs = data.get("profiles") or []
     if isinstance(profs, dict):
         return [dict(prof, kernel=kernel) for kernel, prof in profs.items()]
-    return list(profs)
+    return [_without_step_annotation(p) for p in profs]
+
+
+def _without_step_annotation(prof: dict) -> dict:
+    """The profile without the profiler's own step annotation. kernel_profile of commit d846586
+    (results of 2026-11-28) counted that annotation ("ProfilerStep*", one per step, as long as
+    the whole step) as a kernel of category "other"; its top_kernels entry says how much to take
+    out of "other", the sum of kernels and the gaps. Later profiles skip it at the source."""
+    step = next((k for k in prof.get("top_kernels", []) if k["name"].startswith("ProfilerStep")), None)
+    if step is None or "us_per_step_by_category" not in prof:
+        return prof
+    prof = dict(prof)
+    by = dict(prof["us_per_step_by_category"])
+    calls = dict(prof.get("calls_per_step_by_category", {}))
+    left = round(by.get("other", 0.0) - step["us_per_step"], 2)
+    if abs(left) < 0.01:
+        by.pop("other", None)
+        calls.pop("other", None)
+    else:
+        by["other"] = left
+        calls["other"] = round(calls.get("other", 0.0) - step["calls_per_step"], 2)
+    prof["us_per_step_by_category"] = dict(sorted(by.items(), key=lambda kv: -kv[1]))
+    prof["calls_per_step_by_category"] = calls
+    prof["top_kernels"] = [k for k in prof["top_kernels"] if k is not step]
+    if "kernel_us_per_step" in prof:
+        prof["kernel_us_per_step"] = round(prof["kernel_us_per_step"] - step["us_per_step"], 2)
+        if "idle_us_per_step" in prof:
+            prof["idle_us_per_step"] = round(prof["idle_us_per_step"] + step["us_per_step"], 2)
+    return prof
 
 
 # stacking order and colours of the profile figure (categories of kernel_profile.CATEGORIES)

@@ -372,3 +372,22 @@ def test_slot_step_matches_the_static_cache_step():
             assert torch.equal(b.pos, torch.full((3,), 9 + i))
             assert ((ra - rb).norm() / ra.norm()).item() < 1e-5, i
             assert not torch.equal(ids, b.ids)  # tokens fed back
+
+
+def test_report_takes_the_profiler_step_annotation_out_of_older_profiles():
+    # profiles of 2026-11-28 (d846586) counted "ProfilerStep*" (one per step, the whole step long) in "other"
+    from benchmarks.report_e2e import _profiles
+
+    prof = {"kernel": "marlin", "batch": 1, "us_per_step_by_category": {"other": 1002.0, "marlin GEMM": 900.0},
+            "calls_per_step_by_category": {"other": 2.0, "marlin GEMM": 4.0}, "kernel_us_per_step": 1902.0,
+            "idle_us_per_step": -900.0,
+            "top_kernels": [{"name": "ProfilerStep*", "us_per_step": 1000.0, "calls_per_step": 1.0},
+                            {"name": "marlin_kernel", "us_per_step": 900.0, "calls_per_step": 4.0}]}
+    (fixed,) = _profiles({"profiles": [prof]})
+    assert fixed["us_per_step_by_category"] == {"marlin GEMM": 900.0, "other": 2.0}
+    assert fixed["calls_per_step_by_category"]["other"] == 1.0
+    assert fixed["kernel_us_per_step"] == 902.0 and fixed["idle_us_per_step"] == 100.0
+    assert [k["name"] for k in fixed["top_kernels"]] == ["marlin_kernel"]
+    assert prof["kernel_us_per_step"] == 1902.0  # the results' own dict is left as read
+    clean = {k: v for k, v in prof.items() if k != "top_kernels"}
+    assert _profiles({"profiles": [clean]}) == [clean]
