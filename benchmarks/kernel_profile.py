@@ -66,8 +66,7 @@ def profile_calls(run: Callable[[], object], reset: Callable[[], None], dev: tor
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_cuda else [])
     # one warm-up step under the profiler (traced, then dropped), then `steps` recorded ones
     with profile(activities=acts, schedule=schedule(wait=0, warmup=1, active=steps, repeat=1)) as prof:
-        for i in range(steps + 1):
-            _sync(dev)
+        for _ in range(steps + 1):  # the device is idle here: synced after the warm-up and after each step
             if align is not None:
                 align()
             reset()
