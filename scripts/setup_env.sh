@@ -23,6 +23,12 @@ for pair in setuptools:setuptools wheel:wheel ninja:ninja safetensors:safetensor
   mod=${pair%%:*}; pkg=${pair#*:}
   "$PY" -c "import $mod" 2>/dev/null || missing+=("$pkg")
 done
+# pyproject.toml's license is an SPDX string (PEP 639), which setuptools reads from 77 on; the
+# setuptools that Python 3.11 venvs bundle (65) would refuse the project.
+if "$PY" -c "import setuptools" 2>/dev/null &&
+   ! "$PY" -c "import setuptools, sys; sys.exit(int(setuptools.__version__.split('.')[0]) < 77)"; then
+  missing+=("setuptools>=77")
+fi
 if [ ${#missing[@]} -gt 0 ]; then
   echo "setup: installing ${missing[*]}"
   "$PY" -m pip install -q "${missing[@]}" || {
