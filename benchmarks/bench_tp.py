@@ -128,6 +128,8 @@ def time_point(model: DecodeModel, args, batch: int, world: int, device) -> dict
     }
     if batch in profile_batches(args):
         point["profile"] = profile_point(model, args, world, device, 1e3 * point["ms_per_step"])
+        if world > 1:
+            point["profile"]["collectives_alone_us_per_step"] = collectives_alone_us(model, args, batch, world, device)
     return point
 
 
@@ -152,6 +154,48 @@ def profile_point(model: DecodeModel, args, world: int, device, step_us: float) 
     if world > 1:
         dist.barrier()
     return prof
+
+
+def collectives_alone_us(model: DecodeModel, args, batch: int, world: int, device) -> float:
+    """A step's collectives on their own, us per step (slowest rank, median of --repeats): the two
+    all-reduces per layer of [batch, hidden] and lm_head's all-gather of [batch, vocab / world],
+    fp16, the same calls the model makes, in one CUDA graph on GPUs (eager on the CPU). In a
+    profile of eager steps a collective's kernel also waits for the other ranks' launches, so this
+    is the figure to set beside the other kernels' time."""
+    from marlin.parallel.comm import all_gather_last, all_reduce_sum
+
+    s = model.shape
+    x = torch.randn(batch, s.hidden, device=device, dtype=torch.float16) * 0.01
+    logits = torch.randn(batch, s.vocab // world, device=device, dtype=torch.float16)
+
+    def calls():
+        for _ in range(2 * s.layers):
+            all_reduce_sum(x, None, world)
+        all_gather_last(logits, None, world)
+
+    run = calls
+    if device.type == "cuda":
+        stream = torch.cuda.Stream(device)
+        stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(stream):
+            calls()  # warm-up outside the capture
+        torch.cuda.current_stream(device).wait_stream(stream)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            calls()
+        run = g.replay
+    run()
+    reps = max(1, min(args.steps, 16))
+    times = []
+    for _ in range(args.repeats):
+        sync(device)
+        dist.barrier()
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            run()
+        sync(device)
+        times.append(slowest(time.perf_counter() - t0, world, device))
+    return round(1e6 * statistics.median(times) / reps, 2)
 
 
 _HOST_GROUP = None
@@ -187,6 +231,9 @@ def run_kind(kind: str, shape: LlamaShape, args, batches, rank, world, device) -
                 cats = ", ".join(f"{c} {us / 1e3:.2f}" for c, us in point["profile"]["us_per_step_by_category"].items())
                 print(f"    ms per step by kernel category: {cats}; idle {point['profile']['idle_us_per_step'] / 1e3:.2f}",
                       flush=True)
+                if "collectives_alone_us_per_step" in point["profile"]:
+                    print(f"    collectives alone: {point['profile']['collectives_alone_us_per_step'] / 1e3:.2f} "
+                          "ms per step", flush=True)
     del model
     if device.type == "cuda":
         torch.cuda.empty_cache()

@@ -69,14 +69,30 @@ def _profile_lines(data: dict) -> list:
     cats = []
     for _, p in rows:
         cats += [c for c in p["profile"]["us_per_step_by_category"] if c not in cats]
+    alone = all("collectives_alone_us_per_step" in p["profile"] for _, p in rows)
+    if alone:
+        # the eager profile's collective kernels also wait for the other ranks' launches: the
+        # collectives timed on their own (in a graph) replace that column, and the idle rest uses them
+        cats = [c for c in cats if not c.startswith("collectives")]
+    head = " | ".join(cats) + (" | collectives alone" if alone else "")
     lines = ["", "## Where a step's time goes (ms per step, rank 0's kernels)", "",
-             "| kind | batch | step | " + " | ".join(cats) + " | idle |", "|" + "---|" * (len(cats) + 4)]
+             "| kind | batch | step | " + head + " | idle |", "|" + "---|" * (len(cats) + 4 + alone)]
     for kind, p in rows:
         by = p["profile"]["us_per_step_by_category"]
         cells = [f"{by[c] / 1e3:.2f}" if c in by else "" for c in cats]
-        lines.append(f"| {kind} | {p['batch']} | {p['ms_per_step']:.2f} | " + " | ".join(cells)
-                     + f" | {p['profile']['idle_us_per_step'] / 1e3:.2f} |")
-    if any(p["profile"]["idle_us_per_step"] < 0 for _, p in rows):
+        idle = p["profile"]["idle_us_per_step"]
+        if alone:
+            col = p["profile"]["collectives_alone_us_per_step"]
+            cells.append(f"{col / 1e3:.2f}")
+            idle = 1e3 * p["ms_per_step"] - sum(by.get(c, 0.0) for c in cats) - col
+        lines.append(f"| {kind} | {p['batch']} | {p['ms_per_step']:.2f} | " + " | ".join(cells) + f" | {idle / 1e3:.2f} |")
+    if alone:
+        lines += ["", "Collectives alone: the step's all-reduces (two per layer) and lm_head's all-gather, with the "
+                  "step's shapes, replayed on their own in one CUDA graph (slowest rank). The other columns come "
+                  "from a profile of eager calls of the step, where a collective's kernel also waits for the other "
+                  "ranks' launches; idle is the timed step minus all columns: gaps between kernels, and what the "
+                  "collectives cost beyond their time alone."]
+    elif any(p["profile"]["idle_us_per_step"] < 0 for _, p in rows):
         lines += ["", "A negative idle time means the profiled kernels took longer than the timed step. The profile "
                   "is taken over eager calls of the step, where a collective's kernel also waits for the other "
                   "ranks' launches (and, in results without `profile_aligned` in their meta, for the other ranks' "

@@ -85,6 +85,11 @@ def test_transformers_tp_plan_is_refused_two_ranks(tmp_path):
     spawn(tmp_path, "hf_tp_plan", str(tmp_path / "ckpt"))
 
 
+def test_bench_tp_times_the_collectives_alone_two_ranks(tmp_path):
+    """bench_tp's collectives-alone figure: the step's all-reduces and all-gather, slowest rank."""
+    spawn(tmp_path, "bench_collectives", None)
+
+
 def test_a_failing_rank_fails_the_test_at_once(tmp_path):
     """A rank's exception reaches the parent with its message while its peer hangs."""
     start = time.monotonic()

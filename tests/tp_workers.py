@@ -479,6 +479,21 @@ def hf_tp_plan_scenario(rank: int, world_size: int, directory: str) -> None:
         raise AssertionError("from_pretrained(tp_plan='auto') of a Marlin checkpoint was not refused")
 
 
+def bench_collectives_scenario(rank: int, world_size: int, arg) -> None:
+    """benchmarks/bench_tp.collectives_alone_us: a step's all-reduces and all-gather on their own, the
+    slowest rank's time (the same figure on every rank)."""
+    from types import SimpleNamespace
+
+    from benchmarks import bench_tp
+
+    model = SimpleNamespace(shape=bench_tp.TINY)
+    us = bench_tp.collectives_alone_us(model, SimpleNamespace(steps=4, repeats=3), 2, world_size, DEVICE)
+    assert us > 0, us
+    both = [None] * world_size
+    dist.all_gather_object(both, us)
+    assert both == [us] * world_size, both
+
+
 def failing_scenario(rank: int, world_size: int, arg) -> None:
     """Rank `arg` fails at once and every other rank hangs (tests/test_parallel_dist.py checks that the
     failure reaches the parent at once, with its message); arg None: every rank hangs."""
@@ -497,6 +512,7 @@ def aborting_scenario(rank: int, world_size: int, arg) -> None:
 
 SCENARIOS = {
     "aborting": aborting_scenario,
+    "bench_collectives": bench_collectives_scenario,
     "failing": failing_scenario,
     "layers": layers_scenario,
     "llama": llama_scenario,
