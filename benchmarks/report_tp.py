@@ -71,27 +71,28 @@ def _profile_lines(data: dict) -> list:
         cats += [c for c in p["profile"]["us_per_step_by_category"] if c not in cats]
     alone = all("collectives_alone_us_per_step" in p["profile"] for _, p in rows)
     if alone:
-        # the eager profile's collective kernels also wait for the other ranks' launches: the
-        # collectives timed on their own (in a graph) replace that column, and the idle rest uses them
+        # the eager profile's collective kernels also wait for the other ranks' launches: that column
+        # is left out; the rest of the step (collectives and gaps) is set beside the collectives alone
         cats = [c for c in cats if not c.startswith("collectives")]
-    head = " | ".join(cats) + (" | collectives alone" if alone else "")
+    tail = " | rest: collectives + gaps | collectives alone |" if alone else " | idle |"
     lines = ["", "## Where a step's time goes (ms per step, rank 0's kernels)", "",
-             "| kind | batch | step | " + head + " | idle |", "|" + "---|" * (len(cats) + 4 + alone)]
+             "| kind | batch | step | " + " | ".join(cats) + tail, "|" + "---|" * (len(cats) + 4 + alone)]
     for kind, p in rows:
         by = p["profile"]["us_per_step_by_category"]
         cells = [f"{by[c] / 1e3:.2f}" if c in by else "" for c in cats]
-        idle = p["profile"]["idle_us_per_step"]
         if alone:
-            col = p["profile"]["collectives_alone_us_per_step"]
-            cells.append(f"{col / 1e3:.2f}")
-            idle = 1e3 * p["ms_per_step"] - sum(by.get(c, 0.0) for c in cats) - col
-        lines.append(f"| {kind} | {p['batch']} | {p['ms_per_step']:.2f} | " + " | ".join(cells) + f" | {idle / 1e3:.2f} |")
+            rest = 1e3 * p["ms_per_step"] - sum(by.get(c, 0.0) for c in cats)
+            cells += [f"{rest / 1e3:.2f}", f"{p['profile']['collectives_alone_us_per_step'] / 1e3:.2f}"]
+        else:
+            cells.append(f"{p['profile']['idle_us_per_step'] / 1e3:.2f}")
+        lines.append(f"| {kind} | {p['batch']} | {p['ms_per_step']:.2f} | " + " | ".join(cells) + " |")
     if alone:
-        lines += ["", "Collectives alone: the step's all-reduces (two per layer) and lm_head's all-gather, with the "
-                  "step's shapes, replayed on their own in one CUDA graph (slowest rank). The other columns come "
-                  "from a profile of eager calls of the step, where a collective's kernel also waits for the other "
-                  "ranks' launches; idle is the timed step minus all columns: gaps between kernels, and what the "
-                  "collectives cost beyond their time alone."]
+        lines += ["", "The kernel columns come from a profile of eager calls of the step; rest is the timed step "
+                  "(graph replay) minus them: the collectives and the gaps between kernels. In that profile a "
+                  "collective's kernel also waits for the other ranks' launches, so it is not shown; collectives "
+                  "alone is the step's all-reduces (two per layer) and lm_head's all-gather, with the step's "
+                  "shapes, replayed on their own in one CUDA graph (slowest rank). Where it exceeds the rest, the "
+                  "collectives cost less inside the step than back to back, and the rest bounds them."]
     elif any(p["profile"]["idle_us_per_step"] < 0 for _, p in rows):
         lines += ["", "A negative idle time means the profiled kernels took longer than the timed step. The profile "
                   "is taken over eager calls of the step, where a collective's kernel also waits for the other "

@@ -168,7 +168,7 @@ def test_kernel_categories():
 
 def test_report_sets_the_collectives_alone_beside_the_other_kernels():
     # with the collectives timed alone, the eager profile's collectives column (waits for the other
-    # ranks' launches included) is left out, and idle = step - the other kernels - collectives alone
+    # ranks' launches included) is left out; rest = step - the other kernels, beside the collectives alone
     from benchmarks.report_tp import _profile_lines
 
     prof = {"us_per_step_by_category": {"marlin GEMM": 6e3, "collectives (NCCL / gloo)": 2e5, "attention": 1e3},
@@ -176,7 +176,7 @@ def test_report_sets_the_collectives_alone_beside_the_other_kernels():
     point = {"batch": 1, "ms_per_step": 10.0, "profile": prof}
     lines = _profile_lines({"runs": [{"kind": "marlin", "points": [point]}]})
     head = next(line for line in lines if line.startswith("| kind"))
-    assert "collectives (NCCL" not in head and "collectives alone" in head
+    assert "collectives (NCCL" not in head and "rest: collectives + gaps | collectives alone" in head
     row = next(line for line in lines if line.startswith("| marlin |"))
-    assert row == "| marlin | 1 | 10.00 | 6.00 | 1.00 | 1.50 | 1.50 |"
+    assert row == "| marlin | 1 | 10.00 | 6.00 | 1.00 | 3.00 | 1.50 |"
     assert not any("negative idle time" in line for line in lines)
