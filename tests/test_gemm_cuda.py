@@ -476,6 +476,30 @@ def test_small_layers_take_the_small_batch_kernel_where_its_columns_reduce_in_cl
         assert kinds == ({True, False} if knob == "1" else {False}), kinds
 
 
+def test_512_column_tile_from_the_streaming_line():
+    """fp16 group 128 at 9-16 rows on an H100/H200: the 512-column wgmma tile exactly where each SM
+    streams at least the plan's wg512_bytes_per_sm of weights, 30.9 us at the device's peak DRAM
+    bandwidth (memory clock x bus width, printed as dram_gbps) and never less than 768 KiB, else the
+    256-column one. The shapes straddle both GPUs' lines (H100 SXM 768 KiB, H200 about 1.1 MiB per
+    SM on 132 SMs); every call is checked against fp64."""
+    if not wgmma_device():
+        pytest.skip("the wgmma variant runs on compute capability 9.0 only")
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    shapes = [(8192, 16384), (8192, 24576), (28672, 8192), (16384, 16384), (8192, 40960), (8192, 57344)]
+    default, _ = _default_and_forced_plans(shapes, [9, 16], {"MARLIN_PREFILL": "0"})
+    tiles = set()
+    for d in default:
+        m, n, k = (int(re.search(key + r"=(\d+) ", d)[1]) for key in ("m", "n", "k"))
+        gbps = int(re.search(r" dram_gbps=(\d+)", d)[1])
+        line = int(re.search(r" wg512_bytes_per_sm=(\d+)", d)[1])
+        assert gbps > 1000, d  # H100 / H200 drivers report the memory clock and bus width
+        assert abs(line - max(768 << 10, 30.9e-6 * gbps * 1e9 / sms)) <= 1 + 1e-9 * gbps * 1e9 / sms, d
+        want = 512 if k * n // 2 // sms >= line else 256
+        assert " kernel=small_m_wgmma " in d and f" tile_n={want} " in d, (want, d)
+        tiles.add(want)
+    assert tiles == {256, 512}, tiles  # the shapes straddle the line
+
+
 def _narrow_wgmma(plan):
     """The plan line names the wgmma variant on its 128-column tile (the tiled kernel's own tile is
     128 columns wide too, so tile_n alone does not say it)."""

@@ -6,6 +6,7 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 
+#include <atomic>
 #include <cstdio>
 #include <cstdlib>
 #include <string>
@@ -68,6 +69,26 @@ const Knobs& knobs() {
   return k;
 }
 
+// Peak DRAM bandwidth of `device` in GB/s (2 x memory clock x bus width: DDR), read once per
+// device (the attributes are fixed; cudaDeviceProp lost its memory clock in CUDA 13). 0 where the
+// driver does not report them: the planner then keeps its H100 lines.
+double peak_dram_gbps(int device) {
+  constexpr int kMaxDevices = 64;
+  static std::atomic<double> cache[kMaxDevices];  // 0: not read yet (a race reads it twice, alike)
+  if (device < 0 || device >= kMaxDevices) return 0;
+  double v = cache[device].load(std::memory_order_relaxed);
+  if (v > 0) return v;
+  int khz = 0, bits = 0;
+  if (cudaDeviceGetAttribute(&khz, cudaDevAttrMemoryClockRate, device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&bits, cudaDevAttrGlobalMemoryBusWidth, device) != cudaSuccess) {
+    (void)cudaGetLastError();  // not sticky; leave no error for the next launch check
+    return 0;
+  }
+  v = 2.0 * khz * 1e3 * (bits / 8) / 1e9;
+  if (v > 0) cache[device].store(v, std::memory_order_relaxed);
+  return v;
+}
+
 at::Tensor gemm_cuda(const at::Tensor& a, const at::Tensor& b_q, const at::Tensor& b_scales,
                      const std::optional<at::Tensor>& b_zeros, const std::optional<at::Tensor>& workspace,
                      std::optional<int64_t> tile_k, std::optional<int64_t> tile_n, int64_t bits) {
@@ -108,6 +129,7 @@ at::Tensor gemm_cuda(const at::Tensor& a, const at::Tensor& b_q, const at::Tenso
   args.lda = a_use.stride(0);
   args.groups = static_cast<int>(sh.groups);
   args.sms = prop->multiProcessorCount;
+  args.dram_gbps = peak_dram_gbps(a.get_device());
   args.max_smem = static_cast<int>(prop->sharedMemPerBlockOptin);
   args.max_smem_per_sm = static_cast<int>(prop->sharedMemPerMultiprocessor);
   args.blocks_per_sm = knobs().blocks_per_sm;

@@ -44,7 +44,14 @@ constexpr long long kWgBytesPerSm = 80LL << 10;
 // Below that line (7B o, Llama-3-8B o: 62 KB per SM on 132 SMs) the tiled kernel takes 9-64
 // rows, and there its 128x128 tile (more blocks along K) beats the 64x256 one by 11-14% at
 // 32-64 rows (H100 probe, same entry): the layer is too small for wide tiles to pay.
+// The 512-column tile (9-16 rows) pays where each SM streams long enough: 768 KB per SM on an
+// H100 SXM (3.35 TB/s peak over 132 SMs: 31 us of streaming). The line is that streaming time, so
+// it moves with the memory: on an H200 (4.9 TB/s) 1.1 MB per SM, where probe_tiles puts the
+// crossover between 1.0 MB (16384 x 16384: 256 columns 2-4% faster; 70B down, 0.87 MB: 3-7%) and
+// 1.27 MB (8192 x 40960: 512 columns 2-3% faster; NOTES.md "2026-11-28 (eighth)"). It never
+// drops below 768 KB (slower memories than the H100's were not probed).
 constexpr long long kWg512BytesPerSm = 768LL << 10;
+constexpr double kWg512StreamUs = 30.9;
 constexpr int kWgSliceRows = 64;
 
 // Blocks per column when every column is split in equal parts (plan_split): as many as the
@@ -110,13 +117,19 @@ std::string format_of(const GemmArgs& a, Format* f) {
 
 long long weight_bytes_per_sm(const GemmArgs& a) { return static_cast<long long>(a.k) * a.n / 2 / std::max(1, a.sms); }
 
+// Bytes per SM from which the wgmma variant takes the 512-column tile at 9-16 rows (see above).
+long long wg512_bytes_per_sm(const GemmArgs& a) {
+  const double streamed = kWg512StreamUs * 1e-6 * a.dram_gbps * 1e9 / std::max(1, a.sms);
+  return std::max(kWg512BytesPerSm, static_cast<long long>(streamed));
+}
+
 // 0: use the tiled kernel; else the small-batch kernel's tile width (fp16 symmetric INT4).
 int base_small_m_tile(const GemmArgs& a) {
   const long long bytes_per_sm = weight_bytes_per_sm(a);
   if (a.wgmma && a.m > kSmallMAlways) {
     if (a.m > kWgSliceRows) return 256;
     if (bytes_per_sm >= kWgBytesPerSm)
-      return a.m <= kSmallMDeep && bytes_per_sm >= kWg512BytesPerSm && a.n % 512 == 0 ? 512 : 256;
+      return a.m <= kSmallMDeep && bytes_per_sm >= wg512_bytes_per_sm(a) && a.n % 512 == 0 ? 512 : 256;
   }
   if (a.m > kSmallMMaxM) return 0;
   if (a.m <= kSmallMAlways) return 256;
@@ -667,7 +680,8 @@ std::string describe_plan(const GemmArgs& args, const GemmPlan& plan) {
          " tiles_per_block=" + std::to_string(plan.tiles_per_block) + " split_parts=" + std::to_string(plan.split_parts) +
          (plan.prefill ? " split_first=" + std::to_string(plan.split_first) : "") +
          " clusters=" + (plan.cluster_reduce ? "1" : "0") + " global_reduction=" + (plan.needs_partial ? "1" : "0") +
-         (plan.zp_sums ? " zp_sums=1" : "");
+         (plan.zp_sums ? " zp_sums=1" : "") + " dram_gbps=" + std::to_string(static_cast<long long>(args.dram_gbps)) +
+         " wg512_bytes_per_sm=" + std::to_string(wg512_bytes_per_sm(args));
 }
 
 std::string launch_gemm(const GemmArgs& args, const GemmPlan& plan, cudaStream_t stream) {

@@ -30,6 +30,7 @@ struct GemmArgs {
   long long lda;        // row stride of a, in halves (multiple of 8)
   int groups;           // rows of scales: 1 (per column) or k / group size (32, 64, 128)
   int sms;              // multiprocessors of the device
+  double dram_gbps = 0;  // peak DRAM bandwidth of the device, GB/s (memory clock x bus width; 0: unknown)
   int max_smem;         // opt-in shared memory per block of the device, bytes
   int max_smem_per_sm;  // shared memory per multiprocessor, bytes
   int blocks_per_sm;    // cap on resident blocks per multiprocessor; <= 0: as many as fit
