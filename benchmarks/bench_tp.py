@@ -86,39 +86,45 @@ def compiled(args, device) -> bool:
     return args.compile == "on" or (args.compile == "auto" and device.type == "cuda")
 
 
-def make_runner(model: DecodeModel, graph: bool, device):
-    """A function running one decode step: a CUDA graph replay, or the eager step."""
+def make_runner(fn, graph: bool, device, warmups: int = 3):
+    """A function running ``fn`` once: a CUDA graph replay of it, or ``fn`` itself (eager)."""
     if not graph or device.type != "cuda":
-        model.step()  # warm-up (and compilation) outside the timing
-        return model.step
+        fn()  # warm-up (and compilation) outside the timing
+        return fn
     stream = torch.cuda.Stream(device)
     stream.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(stream):  # warm-up outside the capture: NCCL communicators, cuBLAS handles
-        for _ in range(3):
-            model.step()
+        for _ in range(warmups):
+            fn()
     torch.cuda.current_stream(device).wait_stream(stream)
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
-        model.step()
+        fn()
     return g.replay
+
+
+def median_seconds(run, calls: int, args, world: int, device, reset=None) -> float:
+    """Median over --repeats of the slowest rank's time for ``calls`` runs (``reset`` before each)."""
+    times = []
+    for _ in range(args.repeats):
+        if reset is not None:
+            reset()
+        sync(device)
+        if world > 1:
+            dist.barrier()
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            run()
+        sync(device)
+        times.append(slowest(time.perf_counter() - t0, world, device))
+    return statistics.median(times)
 
 
 def time_point(model: DecodeModel, args, batch: int, world: int, device) -> dict:
     model.prepare(batch)
     model.pos.fill_(args.prompt)  # the warm-up steps before capture must stay inside the cache
-    run = make_runner(model, not args.no_graph, device)
-    times = []
-    for _ in range(args.repeats):
-        model.pos.fill_(args.prompt)
-        sync(device)
-        if world > 1:
-            dist.barrier()
-        t0 = time.perf_counter()
-        for _ in range(args.steps):
-            run()
-        sync(device)
-        times.append(slowest(time.perf_counter() - t0, world, device))
-    sec = statistics.median(times)
+    run = make_runner(model.step, not args.no_graph, device)
+    sec = median_seconds(run, args.steps, args, world, device, reset=lambda: model.pos.fill_(args.prompt))
     point = {
         "batch": batch,
         "seconds": sec,
@@ -173,29 +179,10 @@ def collectives_alone_us(model: DecodeModel, args, batch: int, world: int, devic
             all_reduce_sum(x, None, world)
         all_gather_last(logits, None, world)
 
-    run = calls
-    if device.type == "cuda":
-        stream = torch.cuda.Stream(device)
-        stream.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(stream):
-            calls()  # warm-up outside the capture
-        torch.cuda.current_stream(device).wait_stream(stream)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            calls()
-        run = g.replay
+    run = make_runner(calls, True, device, warmups=1)
     run()
     reps = max(1, min(args.steps, 16))
-    times = []
-    for _ in range(args.repeats):
-        sync(device)
-        dist.barrier()
-        t0 = time.perf_counter()
-        for _ in range(reps):
-            run()
-        sync(device)
-        times.append(slowest(time.perf_counter() - t0, world, device))
-    return round(1e6 * statistics.median(times) / reps, 2)
+    return round(1e6 * median_seconds(run, reps, args, world, device) / reps, 2)
 
 
 _HOST_GROUP = None
