@@ -80,6 +80,8 @@ METHOD = (
     "time of a sample / calls in it); per (shape, M) the kernels run back to back in rounds "
     "(default 3, budget split between them), the kernel order rotating by one each round; "
     "calls < 2 ms captured in a CUDA graph and replayed, longer calls timed as a plain loop; "
+    "the samples of every kernel add up to about the same timed work (fewer samples where walking "
+    "all weight copies takes more calls per sample), so that none runs a longer burst; "
     "weights rotate through copies with copies*bytes >= 4*L2; one warm-up call plus one estimate "
     "call first; fp16 = torch.matmul(a, W.t()) with W [N,K] contiguous (nn.Linear layout); marlin "
     "with a reused workspace; torch_int4 = aten._weight_int4pack_mm, bf16 activations, group 128, "

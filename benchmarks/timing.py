@@ -43,7 +43,14 @@ def _sync(dev: torch.device) -> None:
 
 
 def _plan(t_call: float, budget_s: float, n_variants: int, min_samples: int, max_samples: int) -> tuple[int, int]:
-    """(samples, calls per sample) for a call of t_call seconds within budget_s of timed work."""
+    """(samples, calls per sample) for a call of t_call seconds within budget_s of timed work.
+
+    Where walking every copy raises the calls per sample, the samples drop so that the timed work
+    stays ~budget_s: every kernel of a point then runs for about as long after the pause of its
+    graph capture. Why: a GPU at its power limit clocks high for roughly the first 20 ms after a
+    pause, and INT4 weights need 4x the copies of FP16 ones to pass 4 x L2, so with 10 samples
+    each, fp16 ran 15 ms bursts at 4096 rows (2 copies) and marlin 69 ms ones (8 copies): on an
+    H200 fp16 read 742 us there (841 us held for 0.4 s), marlin 860 us (862 held)."""
     total = max(1.0, budget_s / max(t_call, 1e-9))
     samples = int(min(max_samples, max(min_samples, total)))
     calls = max(1, int(total // samples))
@@ -53,6 +60,8 @@ def _plan(t_call: float, budget_s: float, n_variants: int, min_samples: int, max
         calls = n_variants
     if calls > MAX_GRAPH_CALLS:
         calls = max(n_variants, (MAX_GRAPH_CALLS // n_variants) * n_variants)
+    if calls > 1:  # the same timed work for every kernel, whatever its copies
+        samples = max(1, min(samples, round(total / calls)))
     return samples, calls
 
 

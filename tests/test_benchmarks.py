@@ -86,6 +86,18 @@ def test_timing_plan_walks_all_copies():
     assert (samples, calls) == (3, 1)
 
 
+@pytest.mark.parametrize("t_call,copies", [(0.74e-3, 2), (0.86e-3, 8), (0.18e-3, 8), (80e-6, 12), (8e-6, 30), (2e-6, 90)])
+def test_timing_plan_times_the_same_work_whatever_the_copies(t_call, copies):
+    """fp16 (2 copies) and marlin (8) at 4096 rows on 70B o, and smaller calls: the timed work
+    stays within one sample of the budget, so no kernel runs a longer burst than another."""
+    budget = 0.04 / 3
+    samples, calls = TM._plan(t_call, budget, copies, 3, 10)
+    assert calls % copies == 0  # each sample still walks every copy evenly
+    work = samples * calls * t_call
+    assert abs(work - budget) <= calls * t_call / 2 + 1e-12, (samples, calls, work)
+    assert samples >= 1
+
+
 def test_round_orders_rotate_the_kernels():
     ks = list(BM.KERNELS)
     orders = TM.round_orders(ks, 3)
