@@ -1,10 +1,11 @@
 """A small-batch and a large-batch gemm for compute-sanitizer (memcheck, racecheck, ...).
 
-    compute-sanitizer --tool memcheck python scripts/sanitize.py [--formats | --prefill | --prefill-split | --prefill-24 | --narrow] [--small] [--rows128]
+    compute-sanitizer --tool memcheck python scripts/sanitize.py [--formats | --prefill | --prefill-split | --prefill-streamk | --prefill-24 | --narrow] [--small] [--rows128]
 Checks the results too, so a run that is clean but wrong still fails. --formats runs only the
 instances of the other weight formats (bf16, zero points, groups 32/64, 8-bit, partial N tiles);
 --prefill only the prefill kernel (H100/H200, sm_90a build), one case per instance (--prefill-split:
-the same with K in three parts, MARLIN_PREFILL_SPLIT=3; the 2:4 cases on both tile heights, 256 and
+the same with K in three parts, MARLIN_PREFILL_SPLIT=3; --prefill-streamk: every tile's stages as
+one stream-K range, MARLIN_PREFILL_SPLIT=-1; the 2:4 cases on both tile heights, 256 and
 128 rows; --prefill-24 with either, or alone: only
 its 2:4 cases; --small with any of them: only the cases of at most 2^20 outputs, short enough for
 racecheck; --rows128 with any of them: every case on the 128-row tiles, MARLIN_PREFILL_ROWS=128);
@@ -176,13 +177,15 @@ def main():
     os.environ.setdefault("MARLIN_WG_TILE_N", "128" if "--narrow" in sys.argv[1:] else "256")
     torch.manual_seed(0)
     ok = True
-    if any(f in sys.argv[1:] for f in ("--prefill", "--prefill-split", "--prefill-24")):
+    if any(f in sys.argv[1:] for f in ("--prefill", "--prefill-split", "--prefill-streamk", "--prefill-24")):
         os.environ["MARLIN_PREFILL"] = "1"  # read at the first call
         rows128 = "--rows128" in sys.argv[1:]
         if rows128:  # every prefill case on the 128-row tiles (gemm reads it at its first call)
             os.environ["MARLIN_PREFILL_ROWS"] = "128"
         if "--prefill-split" in sys.argv[1:]:
             os.environ["MARLIN_PREFILL_SPLIT"] = "3"  # K in three parts, partials and lock counters
+        if "--prefill-streamk" in sys.argv[1:]:
+            os.environ["MARLIN_PREFILL_SPLIT"] = "-1"  # stream-K: cut tiles, their partials and locks
         # --small: only the cases of at most 2^20 outputs (racecheck serialises the persistent
         # blocks' shared-memory traffic: a 2100 x 2048 case in parts runs for minutes)
         small = "--small" in sys.argv[1:]

@@ -4,6 +4,7 @@ tile height (128 or 256 rows) by the round-cost model of prefill_pick_tile_m."""
 
 TILE_N, TILE_K = 128, 64
 MAX_PARTS, MIN_PART_STAGES = 4, 16
+STREAM_K, SPLIT_STAGES, STREAM_K_SHARE = -1, 16.0, 0.9  # prefill.h's kPrefillStreamK, kPrefillSplitStages, kPrefillStreamKShare
 # (fixed stages per unit, a 128-row stage in 256-row ones, a split unit's partials) per scale kind
 GROUP_SCALES_MODEL, PER_COLUMN_MODEL = (4.0, 0.6, 16.0), (0.0, 0.56, 16.0)
 
@@ -13,10 +14,17 @@ def tiles(m: int, n: int, tile_m: int) -> int:
 
 
 def split(m: int, k: int, n: int, sms: int, tile_m: int = 256) -> tuple[int, int]:
-    """(parts, first split tile) of the default schedule; (1, tiles) without a split."""
+    """(parts, first split tile) of the default schedule; (1, tiles) without a split; (STREAM_K, 0)
+    where one round more than half full runs as one stream-K range."""
     t = tiles(m, n, tile_m)
     left = t % sms
-    parts = min(MAX_PARTS, sms // left, k // TILE_K // MIN_PART_STAGES) if left and 2 * left <= sms else 1
+    k_tiles = k // TILE_K
+    if left and 2 * left > sms:
+        share = left * k_tiles / sms
+        if t < sms and share >= MIN_PART_STAGES and share + SPLIT_STAGES < STREAM_K_SHARE * k_tiles:
+            return (STREAM_K, 0)
+        return (1, t)
+    parts = min(MAX_PARTS, sms // left, k_tiles // MIN_PART_STAGES) if left else 1
     return (parts, t - left) if parts > 1 else (1, t)
 
 
@@ -26,6 +34,8 @@ def cost(m: int, k: int, n: int, sms: int, tile_m: int, per_column: bool = False
     parts, first = split(m, k, n, sms, tile_m)
     stage = short_stage if tile_m == 128 else 1.0
     k_tiles = k // TILE_K
+    if parts == STREAM_K:
+        return fixed + (t * k_tiles / sms + split_stages) * stage
     whole = first if parts > 1 else t
     c = (whole // sms) * (fixed + k_tiles * stage)
     if parts > 1:
@@ -47,5 +57,7 @@ def pays(m: int, k: int, n: int, sms: int, min_fill: float, per_column: bool = F
     """Whether the planner takes the prefill kernel by default (prefill_pays at the rule's height)."""
     tm = tile_m(m, k, n, sms, per_column)
     t = tiles(m, n, tm)
-    rounds = t // sms + (1.0 / split(m, k, n, sms, tm)[0] if t % sms else 0.0)  # a split last round: 1 / parts
+    parts = split(m, k, n, sms, tm)[0]
+    tail = (t % sms) / sms if parts == STREAM_K else 1.0 / parts  # a split last round: 1 / parts; stream-K: as full as it is
+    rounds = t // sms + (tail if t % sms else 0.0)
     return m >= (65 if tm == 128 else 256) and t >= min_fill * rounds * sms

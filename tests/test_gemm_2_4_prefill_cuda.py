@@ -104,7 +104,7 @@ def test_prefill_2_4_graph(prefill_on):
 
 
 def _split_of(line):
-    m = re.search(r" parts=(\d+) split_first=(\d+)", line)
+    m = re.search(r" parts=(-?\d+) split_first=(\d+)", line)
     return int(m[1]), int(m[2])
 
 
@@ -117,14 +117,17 @@ def _tile_m_of(line):
     [
         # the default tile height and split of a last round of few tiles (prefill.cu's
         # prefill_pick_tile_m and tail split, on 132 SMs): 7B o at 256 rows on 64 tiles of 128 rows
-        # in 2 parts; 64 256-row tiles of an 11008-deep layer in 2; 266 128-row tiles with 2 left in 2
+        # in 2 parts; 96 128-row tiles of an 11008-deep layer stream-K (-1); 266 128-row tiles with
+        # 2 left in 2
         pytest.param(256, 4096, 4096, {}, (2, 0), 128, id="7Bo-256rows"),
-        pytest.param(257, 11008, 4096, {}, (2, 0), 256, id="64tiles-deep"),
+        pytest.param(257, 11008, 4096, {}, (-1, 0), 128, id="96tiles-deep-streamk"),
         pytest.param(1793, 2048, 2432, {}, (2, 264), 128, id="tail2"),
         # MARLIN_PREFILL_ROWS=256 (forced height): 32 tiles in 4 parts
         pytest.param(256, 4096, 4096, {"MARLIN_PREFILL_ROWS": "256"}, (4, 0), 256, id="32tiles-rows256"),
         # MARLIN_PREFILL_SPLIT=3: every tile in 3 parts (3 column tiles of 18 stages)
         pytest.param(1000, 1152, 384, {"MARLIN_PREFILL": "1", "MARLIN_PREFILL_SPLIT": "3"}, (3, 0), None, id="forced3"),
+        # MARLIN_PREFILL_SPLIT=-1: stream-K over every tile (12 tiles of 18 stages on 132 SMs)
+        pytest.param(1000, 1152, 384, {"MARLIN_PREFILL": "1", "MARLIN_PREFILL_SPLIT": "-1"}, (-1, 0), None, id="forced-streamk"),
     ],
 )
 def test_prefill_2_4_split(m, k, n, env, want, tile_m, monkeypatch, capfd):
@@ -181,6 +184,8 @@ def test_prefill_2_4_rows128(k, n, g, m, zp, dtype, rows128, capfd):
         pytest.param(100, 11008, 4096, {}, (4, 0), id="32tiles-deep"),
         pytest.param(1793, 2048, 2432, {}, (2, 264), id="tail21"),
         pytest.param(1000, 1152, 384, {"MARLIN_PREFILL_SPLIT": "3"}, (3, 0), id="forced3"),
+        pytest.param(1000, 1152, 384, {"MARLIN_PREFILL_SPLIT": "-1"}, (-1, 0), id="forced-streamk"),
+        pytest.param(4097, 1152, 2048, {"MARLIN_PREFILL_SPLIT": "-1"}, (-1, 0), id="streamk-more-tiles-than-sms"),
     ],
 )
 def test_prefill_2_4_rows128_split(m, k, n, env, want, monkeypatch, capfd):
@@ -250,7 +255,7 @@ def test_default_rule_2_4():
     calls = [(128, 4096, 12288), (1024, 4096, 12288), (256, 8192, 10240)]  # the per column zero points' call never
     want = [f"{m}/{prefill_rule.tile_m(m, k, n, sms)}" for m, k, n in calls if prefill_rule.pays(m, k, n, sms, 0.5)]
     if sms == 132:
-        assert want == ["128/128", "1024/256", "256/128"], want
+        assert want == ["128/128", "1024/256", "256/256"], want
     for knob, expect in (("-1", want), ("0", [])):
         env = {k: v for k, v in os.environ.items() if not k.startswith("MARLIN_")}
         env.update(MARLIN_LOG_PLAN="1", MARLIN_PREFILL=knob)

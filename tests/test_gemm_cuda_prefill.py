@@ -118,6 +118,24 @@ def test_split_k_runs_every_case():
     assert parts.count(3) > 50 and set(parts) <= {1, 2, 3}, (len(parts), sorted(set(parts)), log[-2000:])
 
 
+def test_stream_k_runs_every_case():
+    """MARLIN_PREFILL=1 MARLIN_PREFILL_SPLIT=-1 (a probe knob): the shape, format and graph cases
+    above with every tile's stages as one stream-K range over one block per SM, on both tile
+    heights: a block's share covers pieces of one or two tiles, or whole tiles and a piece of the
+    next where there are more tiles than SMs (576 x 2048 at 4097 rows: 272 tiles); cut tiles are
+    summed by their last piece. Calls with fewer stages than SMs stay whole. Every case passes
+    its bound and repeats bit for bit (the pieces are added in order whichever arrives last)."""
+    if not wgmma_device():
+        pytest.skip("the prefill kernel runs on compute capability 9.0 with an sm_90a build only")
+    path = "tests/test_gemm_cuda_prefill.py"
+    for rows in ("256", "128"):
+        env = {"MARLIN_PREFILL": "1", "MARLIN_PREFILL_SPLIT": "-1", "MARLIN_PREFILL_ROWS": rows, "MARLIN_LOG_PLAN": "1"}
+        _, log = _pytest_subprocess(env, "test_prefill_shapes or test_prefill_formats or graph", path)
+        lines = [l for l in log.splitlines() if l.startswith("marlin.gemm plan:") and " kernel=prefill_wgmma " in l]
+        parts = [int(re.search(r" split_parts=(-?\d+)", l)[1]) for l in lines]
+        assert parts.count(-1) > 50 and set(parts) <= {-1, 1}, (rows, len(parts), sorted(set(parts)), log[-2000:])
+
+
 def test_forced_rows128_runs_every_case():
     """MARLIN_PREFILL=1 MARLIN_PREFILL_ROWS=128 (the height forced): the shape, format and graph
     cases above on the prefill kernel's 128-row tiles (m_blocks=8 in the plan: the wgmma N = 128),
@@ -137,7 +155,8 @@ def test_forced_rows128_runs_every_case():
 
 def test_default_split_plans():
     """By default the last round's few tiles are split in K (1, 2 or 4 parts here, on the whole
-    grid or only its tail) on the tile height the rule picks; each case passes its bound and
+    grid or only its tail), and a single round more than half full runs stream-K (70B qkv at 128
+    rows), on the tile height the rule picks; each case passes its bound and
     repeats bit for bit, and the plan log shows the height and split the rules ask for
     (prefill_rule.py restates them)."""
     if not wgmma_device():
@@ -147,15 +166,17 @@ def test_default_split_plans():
     import sys
 
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    # (M, K, N, group) on 132 SMs: 7B o at 256 rows (64 tiles of 128 rows, 2 parts), 64 256-row
-    # tiles of a deep layer (2 parts), 4 rounds and a tail of 16 (4097 x 4096 x 4096: 4 parts), 285
+    # (M, K, N, group) on 132 SMs: 7B o at 256 rows (64 tiles of 128 rows, 2 parts), a deep layer
+    # at 257 rows (96 128-row tiles of 172 stages, stream-K; 256-row tiles would be 64 in 2 parts), 4 rounds and a tail of 16 (4097 x 4096 x 4096: 4 parts), 285
     # 128-row tiles with a tail of 21 (1793 x 2432), 128 tiles in one round (1000 x 4096 x 4096);
     # 7B qkv at 256 rows: 96 256-row tiles with group scales, 192 128-row ones (2 parts for the
-    # last 60) per column, whose model rates the 128-row stage cheaper
+    # last 60) per column, whose model rates the 128-row stage cheaper; 70B qkv at 128 rows: 80
+    # 128-row tiles of 128 stages, stream-K (~78 stages per SM)
     cases = [(256, 4096, 4096, 128), (257, 11008, 4096, 128), (4097, 4096, 4096, 128), (1793, 2048, 2432, 128),
-             (1000, 4096, 4096, 128), (256, 4096, 12288, 128), (256, 4096, 12288, -1)]
+             (1000, 4096, 4096, 128), (256, 4096, 12288, 128), (256, 4096, 12288, -1), (128, 8192, 10240, 128)]
     if sms == 132:
-        assert [prefill_rule.tile_m(m, k, n, sms, g == -1) for m, k, n, g in cases] == [128, 256, 256, 128, 256, 256, 128]
+        assert [prefill_rule.tile_m(m, k, n, sms, g == -1) for m, k, n, g in cases] == [128, 128, 256, 128, 256, 256, 128, 128]
+        assert prefill_rule.split(128, 8192, 10240, sms, 128) == (prefill_rule.STREAM_K, 0)
     script = (
         "import sys, torch, marlin\n"
         "sys.path.insert(0, 'tests')\n"
@@ -174,14 +195,14 @@ def test_default_split_plans():
     got = {}
     for line in r.stderr.splitlines():
         if line.startswith("marlin.gemm plan:") and " kernel=prefill_wgmma " in line:
-            mm = re.search(r"m=(\d+) n=(\d+) k=(\d+) groups=(\d+) .* m_blocks=(\d+) .* split_parts=(\d+) split_first=(\d+)",
+            mm = re.search(r"m=(\d+) n=(\d+) k=(\d+) groups=(\d+) .* m_blocks=(\d+) .* split_parts=(-?\d+) split_first=(\d+)",
                            line)
             m, n, k, groups = (int(x) for x in mm.groups()[:4])
             got[(m, n, k, groups == 1)] = (16 * int(mm[5]), int(mm[6]), int(mm[7]))
     for m, k, n, g in cases:
         tile_m = prefill_rule.tile_m(m, k, n, sms, g == -1)
         assert got.get((m, n, k, g == -1)) == (tile_m, *prefill_rule.split(m, k, n, sms, tile_m)), (m, k, n, g, got)
-    assert {p for _, p, _ in got.values()} >= {2, 4}, got
+    assert {p for _, p, _ in got.values()} >= {2, 4} | ({-1} if sms == 132 else set()), got
 
 
 def test_default_rule():

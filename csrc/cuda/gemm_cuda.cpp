@@ -45,7 +45,7 @@ struct Knobs {
                               // (128 wherever it can run; 256: never the 128-column one)
   int prefill;                // MARLIN_PREFILL=0 keeps large batches off the prefill kernel; 1 runs it
                               // wherever it can above 64 rows (default -1: the planner's rule)
-  int prefill_split;          // MARLIN_PREFILL_SPLIT=P: the prefill kernel splits K in P parts (probes)
+  int prefill_split;          // MARLIN_PREFILL_SPLIT=P: the prefill kernel splits K in P parts; -1: stream-K (probes)
   int prefill_rows;           // MARLIN_PREFILL_ROWS=128 or 256 forces the prefill kernel's tile height (probes)
   bool log_plan;              // MARLIN_LOG_PLAN=1 prints each call's plan (kernel, tile, partition) to stderr
 };

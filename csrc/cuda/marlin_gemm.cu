@@ -536,7 +536,7 @@ void plan_prefill(const GemmArgs& args, const Format& f, int tile_m, GemmPlan* p
   plan->split_parts = ps.parts;
   plan->split_first = ps.split_first;
   plan->cluster_reduce = false;
-  plan->needs_partial = ps.parts > 1;
+  plan->needs_partial = ps.partial_floats > 0;
   plan->partial_floats = static_cast<std::size_t>(ps.partial_floats);
   plan->locks = ps.locks;
   const auto& instances = tile_m == kPrefillTileMShort ? PrefillInstances<kPrefillTileMShort>::table

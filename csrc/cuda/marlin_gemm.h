@@ -65,7 +65,7 @@ struct GemmArgs {
   // The warp-specialized prefill kernel (prefill/prefill_kernel.cuh; sm_90a, fp16 group 128 or per
   // column): -1 the planner's rule, 0 never, 1 wherever it can run above 64 rows (probes, tests).
   int prefill = -1;
-  int prefill_split = 0;  // > 0: the prefill kernel's K split in this many parts (MARLIN_PREFILL_SPLIT; probes)
+  int prefill_split = 0;  // > 0: the prefill kernel's K split in this many parts, -1 stream-K over every tile (MARLIN_PREFILL_SPLIT; probes)
   // MARLIN_PREFILL_ROWS: 128 or 256 forces the prefill kernel's tile height (probes); 0 its rule
   // (prefill.h's prefill_pick_tile_m)
   int prefill_rows = 0;

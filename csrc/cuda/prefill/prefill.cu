@@ -28,12 +28,22 @@ long long prefill_min_rows(int tile_m) { return tile_m == kPrefillTileMShort ? 6
 
 long long prefill_tiles(long long m, long long n, int tile_m) { return (m + tile_m - 1) / tile_m * (n / kPrefillTileN); }
 
-// The last round's split (prefill.h): its first tile and parts; {0, 1} for none.
+// The last round's split (prefill.h): its first tile and parts; {0, 1} for none; parts
+// kPrefillStreamK: the tiles from the first one on as one stream-K range over the grid.
 std::pair<long long, int> tail_split(long long tiles, long long k, int sms, int forced_parts) {
   const long long k_tiles = k / kPrefillTileK;
+  if (forced_parts == kPrefillStreamK) return {0, kPrefillStreamK};
   if (forced_parts > 0) return {0, static_cast<int>(std::max(1LL, std::min<long long>(forced_parts, k_tiles)))};
   const long long left = tiles % sms;  // tiles of the last round (all of them below one round)
-  if (left == 0 || 2 * left > sms) return {0, 1};
+  if (left == 0) return {0, 1};
+  if (2 * left > sms) {
+    // a single round more than half full: stream-K where its pieces (a block's share of the
+    // stages plus a cut tile's partial sums) come out shorter than a whole tile
+    const double share = static_cast<double>(left * k_tiles) / sms;
+    const bool sk = tiles < sms && share >= kPrefillMinPartStages &&
+                    share + kPrefillSplitStages < kPrefillStreamKShare * static_cast<double>(k_tiles);
+    return sk ? std::pair<long long, int>{0, kPrefillStreamK} : std::pair<long long, int>{0, 1};
+  }
   const long long parts = std::min<long long>({kPrefillMaxParts, sms / left, k_tiles / kPrefillMinPartStages});
   return parts < 2 ? std::pair<long long, int>{0, 1} : std::pair<long long, int>{tiles - left, static_cast<int>(parts)};
 }
@@ -44,8 +54,8 @@ struct RoundCostModel {
   double short_stage;  // a 128-row stage, in 256-row stage times
   double split;        // stage times a split unit adds for its partials
 };
-constexpr RoundCostModel kGroupScalesModel{4.0, 0.6, 16.0};
-constexpr RoundCostModel kPerColumnModel{0.0, 0.56, 16.0};
+constexpr RoundCostModel kGroupScalesModel{4.0, 0.6, kPrefillSplitStages};
+constexpr RoundCostModel kPerColumnModel{0.0, 0.56, kPrefillSplitStages};
 
 double schedule_cost(long long m, long long n, long long k, int sms, int tile_m, const RoundCostModel& model) {
   const long long tiles = prefill_tiles(m, n, tile_m);
@@ -53,6 +63,8 @@ double schedule_cost(long long m, long long n, long long k, int sms, int tile_m,
   const double stage = tile_m == kPrefillTileMShort ? model.short_stage : 1.0;
   const double k_tiles = static_cast<double>(k / kPrefillTileK);
   const long long whole = parts > 1 ? first : tiles;  // tiles that run unsplit
+  if (parts == kPrefillStreamK)  // one round, every block a share of the stages and a cut tile
+    return model.unit_fixed + (static_cast<double>(tiles) * k_tiles / sms + model.split) * stage;
   double cost = static_cast<double>(whole / sms) * (model.unit_fixed + k_tiles * stage);
   if (parts > 1)
     cost += model.unit_fixed + (k_tiles / parts + model.split) * stage;
@@ -75,15 +87,29 @@ int prefill_pick_tile_m(long long m, long long n, long long k, int sms, int forc
 bool prefill_pays(long long m, long long n, long long k, int sms, double min_fill, int tile_m) {
   const long long tiles = prefill_tiles(m, n, tile_m);
   const int tail_parts = tail_split(tiles, k, sms, 0).second;
-  const double rounds = static_cast<double>(tiles / sms) + (tiles % sms != 0 ? 1.0 / tail_parts : 0.0);
+  // a stream-K round is as full as its tiles make it; a split one counts 1 / its parts
+  const double tail = tail_parts == kPrefillStreamK ? static_cast<double>(tiles % sms) / sms : 1.0 / tail_parts;
+  const double rounds = static_cast<double>(tiles / sms) + (tiles % sms != 0 ? tail : 0.0);
   return m >= prefill_min_rows(tile_m) && static_cast<double>(tiles) >= min_fill * rounds * sms;
 }
 
 PrefillSchedule prefill_schedule(long long m, long long n, long long k, int sms, int forced_parts, int tile_m) {
   const long long tiles = prefill_tiles(m, n, tile_m);
   auto [first, parts] = tail_split(tiles, k, sms, forced_parts);
-  if (tiles - first > max_locks(sms)) first = 0, parts = 1;
+  // stream-K needs a stage per block, and its stage indices in 32 bits (prefill_kernel.cuh)
+  if (parts == kPrefillStreamK && (tiles * (k / kPrefillTileK) < sms || tiles * (k / kPrefillTileK) > (1LL << 30))) parts = 1;
+  if (parts > 1 && tiles - first > max_locks(sms)) first = 0, parts = 1;
   PrefillSchedule s;
+  if (parts == kPrefillStreamK) {
+    // every block of the grid one share of the stages of the tiles from `first` on (after its
+    // whole tiles before it); cut tiles' partials in two slots per block, one lock per block
+    s.grid = sms;
+    s.parts = kPrefillStreamK;
+    s.split_first = static_cast<int>(first);
+    s.partial_floats = 2LL * sms * kPrefillTileN * tile_m;
+    s.locks = sms;
+    return s;
+  }
   const long long split_tiles = parts > 1 ? tiles - first : 0;
   const long long units = split_tiles > 0 ? first + split_tiles * parts : tiles;
   s.grid = static_cast<int>(std::min<long long>(units, sms));

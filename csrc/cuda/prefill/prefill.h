@@ -62,15 +62,27 @@ int prefill_pick_tile_m(long long m, long long n, long long k, int sms, int forc
 // (64) 0.61 -> 0.93x (2), 7B o at 256 0.43 -> 0.83x (4), 70B o / 70B down at 256 (64 tiles)
 // 0.57 / 0.60 -> 0.93 / 1.00x (2); spread over 2-3 rounds instead: 7B o at 512 in 4 parts
 // 0.56x, 70B qkv at 512 in 4 parts 0.63x. forced_parts > 0 (MARLIN_PREFILL_SPLIT; probes):
-// every tile in that many parts; 1: none.
+// every tile in that many parts; 1: none; kPrefillStreamK (below): every tile in one stream-K range.
 constexpr int kPrefillMaxParts = 4;
 constexpr int kPrefillMinPartStages = 16;
+// Stream-K (parts = kPrefillStreamK): where the only round is more than half full (fewer tiles
+// than SMs, more than half as many), the tiles' stages as one range, each block of a grid of one
+// per SM taking an equal share (a piece of one or two tiles), the pieces of a cut tile summed by
+// its last arriver as the split's parts are. Taken where a share plus a split unit's partial sums
+// (kPrefillSplitStages, the round model's cost) is under kPrefillStreamKShare of a whole tile's
+// stages, and a share is at least kPrefillMinPartStages. On an H200 (NOTES.md, 2026-11-28 ninth)
+// 70B qkv at 128 rows ran 80 blocks for 132 SMs, their tensor pipes 78% busy and 52 SMs idle;
+// three even parts per tile (240 units) took it from 0.92x to 0.98x of FP16. forced_parts
+// kPrefillStreamK (MARLIN_PREFILL_SPLIT=-1; probes, tests): every tile in the range.
+constexpr int kPrefillStreamK = -1;
+constexpr double kPrefillSplitStages = 16.0;
+constexpr double kPrefillStreamKShare = 0.9;
 // The persistent grid of an M x N x K call and its K split, for the dense and the 2:4 planners:
 // units = whole tiles before split_first, then `parts` units per tile; lock counters (one per
 // split tile, at most marlin_gemm.h's max_locks, else no split) and fp32 partials to allocate.
 struct PrefillSchedule {
   int grid = 0;
-  int parts = 1;             // 1: no split
+  int parts = 1;             // 1: no split; kPrefillStreamK: the tiles from split_first on as one stream-K range
   int split_first = 0;       // the first split tile (the tile count if none)
   long long partial_floats = 0;
   int locks = 0;

@@ -49,7 +49,7 @@ struct Args24 {
   // the prefill kernel's 2:4 instances (MARLIN_PREFILL, as for gemm): -1 its rule, 0 never, 1
   // wherever it can run (above 64 rows; for tests)
   int prefill = -1;
-  int prefill_split = 0;  // MARLIN_PREFILL_SPLIT, as for gemm: > 0 every prefill tile in that many K parts
+  int prefill_split = 0;  // MARLIN_PREFILL_SPLIT, as for gemm: > 0 every prefill tile in that many K parts, -1 stream-K
   // MARLIN_PREFILL_ROWS, as for gemm: 128 or 256 forces the prefill kernel's tile height; 0 its
   // rule (prefill.h's prefill_pick_tile_m)
   int prefill_rows = 0;
