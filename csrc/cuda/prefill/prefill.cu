@@ -101,11 +101,11 @@ PrefillSchedule prefill_schedule(long long m, long long n, long long k, int sms,
   if (parts > 1 && tiles - first > max_locks(sms)) first = 0, parts = 1;
   PrefillSchedule s;
   if (parts == kPrefillStreamK) {
-    // every block of the grid one share of the stages of the tiles from `first` on (after its
-    // whole tiles before it); cut tiles' partials in two slots per block, one lock per block
+    // every block of the grid one share of the stages of all tiles; cut tiles' partials in two
+    // slots per block, one lock per block
     s.grid = sms;
     s.parts = kPrefillStreamK;
-    s.split_first = static_cast<int>(first);
+    s.split_first = 0;  // tail_split gives stream-K every tile; the kernel assumes it
     s.partial_floats = 2LL * sms * kPrefillTileN * tile_m;
     s.locks = sms;
     return s;

@@ -82,7 +82,7 @@ constexpr double kPrefillStreamKShare = 0.9;
 // split tile, at most marlin_gemm.h's max_locks, else no split) and fp32 partials to allocate.
 struct PrefillSchedule {
   int grid = 0;
-  int parts = 1;             // 1: no split; kPrefillStreamK: the tiles from split_first on as one stream-K range
+  int parts = 1;             // 1: no split; kPrefillStreamK: every tile in one stream-K range (split_first 0)
   int split_first = 0;       // the first split tile (the tile count if none)
   long long partial_floats = 0;
   int locks = 0;

@@ -190,31 +190,46 @@ __global__ void __launch_bounds__(PrefillShape<>::kThreads, 1) marlin_prefill_ke
   // [j * k_tiles / parts, (j + 1) * k_tiles / parts); the tile's last unit to arrive adds the
   // parts' fp32 partials (p.partial) in part order and stores C. Tiles before split_first are
   // one unit each: unit u < split_first is tile u. A block takes units blockIdx.x, + gridDim.x, ...
-  // Stream-K (p.split_parts < 0): the tiles from p.split_first on are one range of W = tiles x
-  // k_tiles stages, block b taking stages [b W / G, (b + 1) W / G) (G = gridDim.x) after its
-  // whole tiles, i.e. one piece of each tile its range touches; a tile cut into pieces is summed
-  // by its last piece to arrive, as the K split's parts are. A cut tile's lock counter is that of
+  // Stream-K (p.split_parts < 0; the planner gives it every tile): the tiles are one range of
+  // R = tiles x k_tiles stages, block b taking stages [b R / G, (b + 1) R / G) (G = gridDim.x),
+  // one piece of each tile that range touches: unit j G + b is block b's j-th piece (empty past
+  // its last), so the blocks walk the same strided units as above. A tile cut into pieces is
+  // summed by its last piece to arrive, as the K split's parts are. Its lock counter is that of
   // the block holding its first stage (no block holds the first stage of two cut tiles: a cut
   // tile runs past the end of that block's range), and a piece's partial is slot 2 b (the
   // block's first piece) or 2 b + 1 (a later one: at most one of those is cut).
+  // Everything here is recomputed from the kernel arguments where it is used, not held across
+  // the consumers' stage loop: with more values live there ptxas re-derived the shared-memory
+  // base inside the loop (S2UR before the first wgmma of every stage pair), 3% at 4096 rows.
   const bool stream_k = p.split_parts < 0;
   const int parts = stream_k ? 1 : max(1, p.split_parts);
-  const int split_first = parts > 1 || stream_k ? p.split_first : tiles;
-  const int units = stream_k ? split_first : split_first + (tiles - split_first) * parts;  // strided units
-  // (32-bit stage indices: the producer has 40 registers; 64-bit products only where needed)
-  const int sk_stages = stream_k ? (tiles - split_first) * k_tiles : 0;
+  const int split_first = parts > 1 ? p.split_first : tiles;
+  const int sk_stages = tiles * k_tiles;  // stream-K: the range (32 bits: the planner checks)
+  // stream-K: pieces per block, the most tiles a block's range (at most ceil(R / G) stages) touches
+  const int sk_pieces = ((sk_stages + static_cast<int>(gridDim.x) - 1) / static_cast<int>(gridDim.x) + k_tiles - 2) / k_tiles + 1;
+  const int units = stream_k ? sk_pieces * static_cast<int>(gridDim.x) : split_first + (tiles - split_first) * parts;
   auto sk_start = [&](int b) { return static_cast<int>(static_cast<long long>(sk_stages) * b / gridDim.x); };  // block b's first stage
   auto sk_block_of = [&](int st) { return static_cast<int>((static_cast<long long>(st + 1) * gridDim.x - 1) / sk_stages); };
-  // a unit: its tile's origin, its stages [kt0, kt1), and for a cut tile its lock counter
-  // (split_tile; < 0: a whole tile) and its part (the tile's part count and, stream-K, its
-  // first stage in the range are recomputed where needed: fewer registers live across the loop)
+  // a unit: its tile's origin, its stages [kt0, kt1) (empty: a stream-K block's piece past its
+  // last), and for a cut tile its lock counter (split_tile; < 0: a whole tile) and its part
   struct Unit {
     int m0, n0, kt0, kt1, split_tile, part;
   };
-  auto unit_at = [&](int u) {  // strided unit u
+  auto unit_at = [&](int u) {
     Unit w{0, 0, 0, k_tiles, -1, 0};
     int tile = u;
-    if (u >= split_first) {
+    if (stream_k) {
+      const int b = u % static_cast<int>(gridDim.x), j = u / static_cast<int>(gridDim.x);
+      const int s0 = sk_start(b), s1 = sk_start(b + 1);
+      const int start = j == 0 ? s0 : (s0 / k_tiles + j) * k_tiles;
+      tile = start / k_tiles;
+      const int t0 = tile * k_tiles;  // the tile's first stage in the range
+      w.kt0 = start - t0, w.kt1 = start < s1 ? min(s1, t0 + k_tiles) - t0 : w.kt0;
+      if (start < s1 && (w.kt0 > 0 || w.kt1 < k_tiles)) {
+        const int first = sk_block_of(t0);
+        w.split_tile = first, w.part = b - first;
+      }
+    } else if (u >= split_first) {
       w.split_tile = (u - split_first) / parts, w.part = (u - split_first) % parts;
       tile = split_first + w.split_tile;
       w.kt0 = w.part * k_tiles / parts, w.kt1 = (w.part + 1) * k_tiles / parts;
@@ -223,42 +238,19 @@ __global__ void __launch_bounds__(PrefillShape<>::kThreads, 1) marlin_prefill_ke
     w.n0 = (tile / m_tiles) * S::kTileN;
     return w;
   };
-  const int n_strided = static_cast<int>(blockIdx.x) < units ? (units - 1 - blockIdx.x) / gridDim.x + 1 : 0;
-  // The block's i-th unit (its strided units, then its stream-K pieces); false past the last.
-  auto unit_of = [&](int i, Unit& w) -> bool {
-    if (i < n_strided) {
-      w = unit_at(blockIdx.x + i * gridDim.x);
-      return true;
-    }
-    if (!stream_k) return false;
-    const int j = i - n_strided;
-    const int s0 = sk_start(blockIdx.x), s1 = sk_start(blockIdx.x + 1);
-    const int start = j == 0 ? s0 : (s0 / k_tiles + j) * k_tiles;
-    if (start >= s1) return false;
-    const int t0 = start / k_tiles * k_tiles;  // the tile's first stage in the range
-    const int tile = split_first + start / k_tiles;
-    w = Unit{(tile % m_tiles) * S::kTileM, (tile / m_tiles) * S::kTileN, start - t0, min(s1, t0 + k_tiles) - t0, -1, 0};
-    if (w.kt0 > 0 || w.kt1 < k_tiles) {
-      const int first = sk_block_of(t0);
-      w.split_tile = first, w.part = blockIdx.x - first;
-    }
-    return true;
-  };
-  // stream-K: the first stage in the range of the tile of unit w
-  auto sk_tile_start = [&](const Unit& w) {
-    const int tile = (w.n0 / S::kTileN) * m_tiles + w.m0 / S::kTileM;
-    return (tile - split_first) * k_tiles;
-  };
   // the part count of the cut tile of unit w
   auto unit_parts = [&](const Unit& w) {
-    return stream_k ? sk_block_of(sk_tile_start(w) + k_tiles - 1) - w.split_tile + 1 : parts;
+    if (!stream_k) return parts;
+    const int tile = (w.n0 / S::kTileN) * m_tiles + w.m0 / S::kTileM;
+    return sk_block_of(tile * k_tiles + k_tiles - 1) - w.split_tile + 1;
   };
   // the fp32 partial of part j of the cut tile of unit w
   auto part_partial = [&](const Unit& w, int j) {
     float4* const base = reinterpret_cast<float4*>(p.partial);
     if (!stream_k) return base + (static_cast<long long>(w.split_tile) * parts + j) * S::kPartialF4;
+    const int tile = (w.n0 / S::kTileN) * m_tiles + w.m0 / S::kTileM;
     const int b = w.split_tile + j;  // the tile's j-th block: its first piece unless its range starts before the tile
-    return base + (2LL * b + (sk_start(b) < sk_tile_start(w) ? 1 : 0)) * S::kPartialF4;
+    return base + (2LL * b + (sk_start(b) < tile * k_tiles ? 1 : 0)) * S::kPartialF4;
   };
   // log2 of the group size in rows of K (5, 6, 7)
   const int group_log2 = p.group_shift + 4;
@@ -283,8 +275,8 @@ __global__ void __launch_bounds__(PrefillShape<>::kThreads, 1) marlin_prefill_ke
     const int group_rows = GROUPED ? max(1, S::kTileK >> group_log2) : 0;
     const int bytes = S::kActBytes + S::kPackedBytes + S::kMetaBytes + group_rows * S::kScaleRowBytes * (ZP ? 2 : 1);
     int it = 0;
-    Unit w;
-    for (int i = 0; unit_of(i, w); i++) {
+    for (int unit = blockIdx.x; unit < units; unit += gridDim.x) {
+      const Unit w = unit_at(unit);
       const int m0 = w.m0, n0 = w.n0;
       // the block's two 16 x 64 tiles of 4 k16 rows: one box of [4][256 words] (4-bit), or one per
       // tile (8-bit: a box row is at most 256 elements); 2:4: the two chunks' values of 2 strips,
@@ -404,8 +396,9 @@ __global__ void __launch_bounds__(PrefillShape<>::kThreads, 1) marlin_prefill_ke
   int* last_flag = reinterpret_cast<int*>(empty + S::kStages);
   const int ct = tid - 128;  // consumer thread 0..255
   int it = 0;
-  Unit w;
-  for (int i = 0; unit_of(i, w); i++) {
+  for (int unit = blockIdx.x; unit < units; unit += gridDim.x) {
+    const Unit w = unit_at(unit);
+    if (w.kt0 == w.kt1) continue;  // a stream-K block's piece past its last (the producer skips it too)
     const int m0 = w.m0, n0 = w.n0;
     const int n_k = w.kt1 - w.kt0;  // stages of this unit, >= 1
 #pragma unroll
