@@ -21,7 +21,7 @@ def split(m: int, k: int, n: int, sms: int, tile_m: int = 256) -> tuple[int, int
     k_tiles = k // TILE_K
     if left and 2 * left > sms:
         share = left * k_tiles / sms
-        if t < sms and share >= MIN_PART_STAGES and share + SPLIT_STAGES < STREAM_K_SHARE * k_tiles:
+        if tile_m == 128 and t < sms and share >= MIN_PART_STAGES and share + SPLIT_STAGES < STREAM_K_SHARE * k_tiles:
             return (STREAM_K, 0)
         return (1, t)
     parts = min(MAX_PARTS, sms // left, k_tiles // MIN_PART_STAGES) if left else 1

@@ -29,8 +29,8 @@ long long prefill_min_rows(int tile_m) { return tile_m == kPrefillTileMShort ? 6
 long long prefill_tiles(long long m, long long n, int tile_m) { return (m + tile_m - 1) / tile_m * (n / kPrefillTileN); }
 
 // The last round's split (prefill.h): its first tile and parts; {0, 1} for none; parts
-// kPrefillStreamK: the tiles from the first one on as one stream-K range over the grid.
-std::pair<long long, int> tail_split(long long tiles, long long k, int sms, int forced_parts) {
+// kPrefillStreamK: every tile in one stream-K range over the grid (128-row tiles only).
+std::pair<long long, int> tail_split(long long tiles, long long k, int sms, int forced_parts, int tile_m) {
   const long long k_tiles = k / kPrefillTileK;
   if (forced_parts == kPrefillStreamK) return {0, kPrefillStreamK};
   if (forced_parts > 0) return {0, static_cast<int>(std::max(1LL, std::min<long long>(forced_parts, k_tiles)))};
@@ -40,7 +40,7 @@ std::pair<long long, int> tail_split(long long tiles, long long k, int sms, int 
     // a single round more than half full: stream-K where its pieces (a block's share of the
     // stages plus a cut tile's partial sums) come out shorter than a whole tile
     const double share = static_cast<double>(left * k_tiles) / sms;
-    const bool sk = tiles < sms && share >= kPrefillMinPartStages &&
+    const bool sk = tile_m == kPrefillTileMShort && tiles < sms && share >= kPrefillMinPartStages &&
                     share + kPrefillSplitStages < kPrefillStreamKShare * static_cast<double>(k_tiles);
     return sk ? std::pair<long long, int>{0, kPrefillStreamK} : std::pair<long long, int>{0, 1};
   }
@@ -59,7 +59,7 @@ constexpr RoundCostModel kPerColumnModel{0.0, 0.56, kPrefillSplitStages};
 
 double schedule_cost(long long m, long long n, long long k, int sms, int tile_m, const RoundCostModel& model) {
   const long long tiles = prefill_tiles(m, n, tile_m);
-  const auto [first, parts] = tail_split(tiles, k, sms, 0);
+  const auto [first, parts] = tail_split(tiles, k, sms, 0, tile_m);
   const double stage = tile_m == kPrefillTileMShort ? model.short_stage : 1.0;
   const double k_tiles = static_cast<double>(k / kPrefillTileK);
   const long long whole = parts > 1 ? first : tiles;  // tiles that run unsplit
@@ -86,7 +86,7 @@ int prefill_pick_tile_m(long long m, long long n, long long k, int sms, int forc
 
 bool prefill_pays(long long m, long long n, long long k, int sms, double min_fill, int tile_m) {
   const long long tiles = prefill_tiles(m, n, tile_m);
-  const int tail_parts = tail_split(tiles, k, sms, 0).second;
+  const int tail_parts = tail_split(tiles, k, sms, 0, tile_m).second;
   // a stream-K round is as full as its tiles make it; a split one counts 1 / its parts
   const double tail = tail_parts == kPrefillStreamK ? static_cast<double>(tiles % sms) / sms : 1.0 / tail_parts;
   const double rounds = static_cast<double>(tiles / sms) + (tiles % sms != 0 ? tail : 0.0);
@@ -95,9 +95,10 @@ bool prefill_pays(long long m, long long n, long long k, int sms, double min_fil
 
 PrefillSchedule prefill_schedule(long long m, long long n, long long k, int sms, int forced_parts, int tile_m) {
   const long long tiles = prefill_tiles(m, n, tile_m);
-  auto [first, parts] = tail_split(tiles, k, sms, forced_parts);
-  // stream-K needs a stage per block, and its stage indices in 32 bits (prefill_kernel.cuh)
-  if (parts == kPrefillStreamK && (tiles * (k / kPrefillTileK) < sms || tiles * (k / kPrefillTileK) > (1LL << 30))) parts = 1;
+  auto [first, parts] = tail_split(tiles, k, sms, forced_parts, tile_m);
+  // stream-K needs a stage per block, and the kernel's stage arithmetic in 32 bits (stages x grid
+  // below 2^31: prefill_kernel.cuh)
+  if (parts == kPrefillStreamK && (tiles * (k / kPrefillTileK) < sms || tiles * (k / kPrefillTileK) * sms >= (1LL << 31))) parts = 1;
   if (parts > 1 && tiles - first > max_locks(sms)) first = 0, parts = 1;
   PrefillSchedule s;
   if (parts == kPrefillStreamK) {

@@ -195,21 +195,23 @@ __global__ void __launch_bounds__(PrefillShape<>::kThreads, 1) marlin_prefill_ke
   // one piece of each tile that range touches: unit j G + b is block b's j-th piece (empty past
   // its last), so the blocks walk the same strided units as above. A tile cut into pieces is
   // summed by its last piece to arrive, as the K split's parts are. Its lock counter is that of
-  // the block holding its first stage (no block holds the first stage of two cut tiles: a cut
-  // tile runs past the end of that block's range), and a piece's partial is slot 2 b (the
-  // block's first piece) or 2 b + 1 (a later one: at most one of those is cut).
+  // the block f holding its first stage (no block holds the first stage of two cut tiles: a cut
+  // tile runs past the end of that block's range), and its parts' partials are slots 2 f + j
+  // (the next cut tile's first block is f + parts - 1 or later, so 2 f + parts - 1 is below its
+  // first slot; the last slot is under 2 G). All of it in 32 bits: the planner keeps R G < 2^31.
   // Everything here is recomputed from the kernel arguments where it is used, not held across
   // the consumers' stage loop: with more values live there ptxas re-derived the shared-memory
   // base inside the loop (S2UR before the first wgmma of every stage pair), 3% at 4096 rows.
   const bool stream_k = p.split_parts < 0;
   const int parts = stream_k ? 1 : max(1, p.split_parts);
   const int split_first = parts > 1 ? p.split_first : tiles;
-  const int sk_stages = tiles * k_tiles;  // stream-K: the range (32 bits: the planner checks)
+  const int grid = gridDim.x;
+  const int sk_stages = tiles * k_tiles;  // stream-K: R
   // stream-K: pieces per block, the most tiles a block's range (at most ceil(R / G) stages) touches
-  const int sk_pieces = ((sk_stages + static_cast<int>(gridDim.x) - 1) / static_cast<int>(gridDim.x) + k_tiles - 2) / k_tiles + 1;
-  const int units = stream_k ? sk_pieces * static_cast<int>(gridDim.x) : split_first + (tiles - split_first) * parts;
-  auto sk_start = [&](int b) { return static_cast<int>(static_cast<long long>(sk_stages) * b / gridDim.x); };  // block b's first stage
-  auto sk_block_of = [&](int st) { return static_cast<int>((static_cast<long long>(st + 1) * gridDim.x - 1) / sk_stages); };
+  const int sk_pieces = ((sk_stages + grid - 1) / grid + k_tiles - 2) / k_tiles + 1;
+  const int units = stream_k ? sk_pieces * grid : split_first + (tiles - split_first) * parts;
+  auto sk_start = [&](int b) { return sk_stages * b / grid; };               // block b's first stage
+  auto sk_block_of = [&](int st) { return ((st + 1) * grid - 1) / sk_stages; };  // the block holding stage st
   // a unit: its tile's origin, its stages [kt0, kt1) (empty: a stream-K block's piece past its
   // last), and for a cut tile its lock counter (split_tile; < 0: a whole tile) and its part
   struct Unit {
@@ -219,7 +221,7 @@ __global__ void __launch_bounds__(PrefillShape<>::kThreads, 1) marlin_prefill_ke
     Unit w{0, 0, 0, k_tiles, -1, 0};
     int tile = u;
     if (stream_k) {
-      const int b = u % static_cast<int>(gridDim.x), j = u / static_cast<int>(gridDim.x);
+      const int b = u % grid, j = u / grid;
       const int s0 = sk_start(b), s1 = sk_start(b + 1);
       const int start = j == 0 ? s0 : (s0 / k_tiles + j) * k_tiles;
       tile = start / k_tiles;
@@ -243,14 +245,6 @@ __global__ void __launch_bounds__(PrefillShape<>::kThreads, 1) marlin_prefill_ke
     if (!stream_k) return parts;
     const int tile = (w.n0 / S::kTileN) * m_tiles + w.m0 / S::kTileM;
     return sk_block_of(tile * k_tiles + k_tiles - 1) - w.split_tile + 1;
-  };
-  // the fp32 partial of part j of the cut tile of unit w
-  auto part_partial = [&](const Unit& w, int j) {
-    float4* const base = reinterpret_cast<float4*>(p.partial);
-    if (!stream_k) return base + (static_cast<long long>(w.split_tile) * parts + j) * S::kPartialF4;
-    const int tile = (w.n0 / S::kTileN) * m_tiles + w.m0 / S::kTileM;
-    const int b = w.split_tile + j;  // the tile's j-th block: its first piece unless its range starts before the tile
-    return base + (2LL * b + (sk_start(b) < tile * k_tiles ? 1 : 0)) * S::kPartialF4;
   };
   // log2 of the group size in rows of K (5, 6, 7)
   const int group_log2 = p.group_shift + 4;
@@ -422,7 +416,9 @@ __global__ void __launch_bounds__(PrefillShape<>::kThreads, 1) marlin_prefill_ke
       // contiguous bytes), past L1; then the tile's arrival counter. The last to arrive reads
       // every part's partial, its own included, and adds them in part order: the sum does not
       // depend on which unit came last.
-      float4* const mine = part_partial(w, w.part);
+      float4* const tile_partial = reinterpret_cast<float4*>(p.partial) +
+                                   static_cast<long long>(stream_k ? 2 * w.split_tile : w.split_tile * parts) * S::kPartialF4;
+      float4* const mine = tile_partial + w.part * S::kPartialF4;
       const int tile_parts = unit_parts(w);
 #pragma unroll
       for (int i = 0; i < S::kAcc / 4; i++) __stcg(mine + i * 256 + ct, make_float4(acc[4 * i], acc[4 * i + 1], acc[4 * i + 2], acc[4 * i + 3]));
@@ -437,10 +433,9 @@ __global__ void __launch_bounds__(PrefillShape<>::kThreads, 1) marlin_prefill_ke
 #pragma unroll
       for (int i = 0; i < S::kAcc; i++) acc[i] = 0.f;
       for (int j = 0; j < tile_parts; j++) {
-        const float4* const part = part_partial(w, j);
 #pragma unroll
         for (int i = 0; i < S::kAcc / 4; i++) {
-          const float4 v = __ldcg(part + i * 256 + ct);
+          const float4 v = __ldcg(tile_partial + j * S::kPartialF4 + i * 256 + ct);
           acc[4 * i] += v.x, acc[4 * i + 1] += v.y, acc[4 * i + 2] += v.z, acc[4 * i + 3] += v.w;
         }
       }
