@@ -65,15 +65,18 @@ int prefill_pick_tile_m(long long m, long long n, long long k, int sms, int forc
 // every tile in that many parts; 1: none; kPrefillStreamK (below): every tile in one stream-K range.
 constexpr int kPrefillMaxParts = 4;
 constexpr int kPrefillMinPartStages = 16;
-// Stream-K (parts = kPrefillStreamK): where the only round is more than half full (fewer tiles
-// than SMs, more than half as many), the tiles' stages as one range, each block of a grid of one
-// per SM taking an equal share (a piece of one or two tiles), the pieces of a cut tile summed by
-// its last arriver as the split's parts are. Taken where a share plus a split unit's partial sums
-// (kPrefillSplitStages, the round model's cost) is under kPrefillStreamKShare of a whole tile's
-// stages, and a share is at least kPrefillMinPartStages. On an H200 (NOTES.md, 2026-11-28 ninth)
-// 70B qkv at 128 rows ran 80 blocks for 132 SMs, their tensor pipes 78% busy and 52 SMs idle;
-// three even parts per tile (240 units) took it from 0.92x to 0.98x of FP16. forced_parts
-// kPrefillStreamK (MARLIN_PREFILL_SPLIT=-1; probes, tests): every tile in the range.
+// Stream-K (parts = kPrefillStreamK): where the only round of 128-row tiles is more than half
+// full (fewer tiles than SMs, more than half as many), the tiles' stages as one range, each block
+// of a grid of one per SM taking an equal share (a piece of one or two tiles), the pieces of a cut
+// tile summed by its last arriver as the split's parts are. Taken where a share plus a split
+// unit's partial sums (kPrefillSplitStages, the round model's cost) is under kPrefillStreamKShare
+// of a whole tile's stages, and a share is at least kPrefillMinPartStages. H200 probe (NOTES.md,
+// 2026-11-28 tenth), against main's plans: 70B qkv at 96 / 128 rows 1.09 / 0.91x -> 1.30 / 1.10x
+// of FP16 (80 tiles had left 52 SMs idle), 7B down at 257 / 384 rows 0.51 / 0.79x -> 0.77 /
+// 0.85x (g128; 2:4 0.55 / 0.82x -> 0.79 / 1.11x). Not on 256-row tiles: 70B qkv at 256 rows ran
+// 7-9% slower per column and 2:4 on 80 of them stream-K than on 160 128-row tiles in parts.
+// forced_parts kPrefillStreamK (MARLIN_PREFILL_SPLIT=-1; probes, tests): every tile in the range,
+// either height.
 constexpr int kPrefillStreamK = -1;
 constexpr double kPrefillSplitStages = 16.0;
 constexpr double kPrefillStreamKShare = 0.9;
