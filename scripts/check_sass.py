@@ -9,10 +9,16 @@ checks, for every kernel, that
   * the weight copies use a descriptor other than the default one of the activation copies
     (i.e. the evict-first policy is there at all);
   * each wgmma instance of the small-batch kernel, and the prefill kernel, issues HGMMA in its
-    sm_90a code (the other targets hold a trap stub that the planner never launches),
+    sm_90a code (the other targets hold a trap stub that the planner never launches);
+  * the prefill kernel's innermost wgmma loops (its consumers' stage loop) read no special
+    register (S2R / S2UR): where too many values were live across that loop, ptxas re-derived the
+    shared-memory base from SR_CgaCtaId before the first wgmma of every stage pair, and the kernel
+    ran 3% slower at 4096 rows on an H200 (benchmarks/NOTES.md, 2026-11-28 tenth),
 and prints a per-kernel instruction summary. Exits non-zero if a kernel fails.
 
-    python scripts/check_sass.py [path/to/_C.so]
+    python scripts/check_sass.py [path/to/_C.so]     # cuobjdump -sass
+    python scripts/check_sass.py path/to/x.cubin     # nvdisasm (e.g. nvcc -cubin of one source;
+                                                     # pip's nvidia-cuda-nvdisasm has the tool)
 """
 
 import collections
@@ -56,7 +62,92 @@ def check_kernel(name, body, arch):
     # a wgmma instance built for sm_90a must issue HGMMA; elsewhere it is a trap stub by design
     if WG_KERNEL.search(name) and arch == "sm_90a" and ops["HGMMA"] == 0:
         problems.append("wgmma instance without HGMMA in its sm_90a code")
+    if PREFILL_KERNEL.search(name) and arch == "sm_90a":
+        problems += stage_loop_problems(body)
     return ops, descs, problems
+
+
+PREFILL_KERNEL = re.compile(r"marlin_prefill_kernel")
+
+
+def instructions(body):
+    """(labels, instructions) of a kernel's SASS: label name -> index, and the instruction texts
+    (cuobjdump's and nvdisasm's "/*addr*/ OPCODE operands ;" lines) with their addresses."""
+    labels, ins = {}, []
+    for line in body.splitlines():
+        m = re.match(r"\s*(\.L_x_\d+):", line)
+        if m:
+            labels[m.group(1)] = len(ins)
+            continue
+        m = re.match(r"\s*/\*([0-9a-f]{4,})\*/\s+([^;]*);", line)
+        if m:
+            ins.append((int(m.group(1), 16), m.group(2).strip()))
+    return labels, ins
+
+
+def innermost_wgmma_loops(body):
+    """The backward branches' ranges [target, branch] that hold an HGMMA, no exit and no smaller
+    such range: the kernels' stage loops. Each as a list of instruction texts."""
+    labels, ins = instructions(body)
+    at = {a: i for i, (a, _) in enumerate(ins)}
+    loops = []
+    for i, (_, text) in enumerate(ins):
+        m = re.search(r"\bBRA\b[^`]*(?:`\((\.L_x_\d+)\)|\b0x([0-9a-f]+))", text)
+        if not m:
+            continue
+        j = labels.get(m.group(1)) if m.group(1) else at.get(int(m.group(2), 16))
+        span = [t for _, t in ins[j:i + 1]] if j is not None and j <= i else []
+        # (a range over an EXIT is no loop: the out-of-line retries of an mbarrier wait sit after
+        # the kernel's exits and branch back into the loop they came from)
+        if any(re.search(r"\bHGMMA\b", t) for t in span) and not any(re.search(r"\b(EXIT|RET)\b", t) for t in span):
+            loops.append((j, i))
+    inner = [(j, i) for j, i in loops if not any((j2, i2) != (j, i) and j <= j2 and i2 <= i for j2, i2 in loops)]
+    return [[t for _, t in ins[j:i + 1]] for j, i in inner]
+
+
+def stage_loop_problems(body):
+    """Special-register reads inside the innermost wgmma loops (see the module docstring)."""
+    problems = []
+    for loop in innermost_wgmma_loops(body):
+        reads = [t for t in loop if re.search(r"\bS2U?R\b", t)]
+        if reads:
+            problems.append(f"a special-register read inside a {len(loop)}-instruction wgmma loop: {reads[0][:80]}")
+    return problems
+
+
+def nvdisasm():
+    """nvdisasm on PATH, else the one of pip's nvidia-cuda-nvdisasm (site-packages/nvidia/*/bin)."""
+    import shutil
+
+    found = shutil.which("nvdisasm")
+    if found:
+        return found
+    try:
+        import nvidia  # the namespace package of NVIDIA's pip wheels
+
+        for root in nvidia.__path__:
+            hits = sorted(glob.glob(os.path.join(root, "*", "bin", "nvdisasm")))
+            if hits:
+                return hits[-1]
+    except ImportError:
+        pass
+    raise FileNotFoundError("nvdisasm not found: put it on PATH or pip install nvidia-cuda-nvdisasm")
+
+
+def kernels_of(path):
+    """(arch, body) per kernel: cuobjdump -sass of an extension, or nvdisasm of a cubin."""
+    if path.endswith(".cubin"):
+        sass = subprocess.run([nvdisasm(), "-c", path], capture_output=True, text=True, check=True).stdout
+        arch = "sm_90a"  # the cubins this is for (nvcc -cubin of the prefill sources)
+        return [(arch, ".text." + b) for b in re.split(r"\n\.text\.", "\n" + sass)[1:]]
+    sass = subprocess.run(["cuobjdump", "-sass", path], capture_output=True, text=True, check=True).stdout
+    kernels = []
+    # cuobjdump prints one "arch = sm_XX" header per embedded cubin, then its functions
+    for part in re.split(r"\n(?=\s*arch = )", sass):
+        arch = re.search(r"arch = (sm_\w+)", part)
+        for body in re.split(r"\n\s*Function : ", part)[1:]:
+            kernels.append((arch.group(1) if arch else "?", body))
+    return kernels
 
 
 def main():
@@ -67,13 +158,7 @@ def main():
             print("no marlin/_C*.so found; build first")
             return 2
         so = found[0]
-    sass = subprocess.run(["cuobjdump", "-sass", so], capture_output=True, text=True, check=True).stdout
-    kernels = []
-    # cuobjdump prints one "arch = sm_XX" header per embedded cubin, then its functions
-    for part in re.split(r"\n(?=\s*arch = )", sass):
-        arch = re.search(r"arch = (sm_\w+)", part)
-        for body in re.split(r"\n\s*Function : ", part)[1:]:
-            kernels.append((arch.group(1) if arch else "?", body))
+    kernels = kernels_of(so)
     if not kernels:
         print("no kernels in", so)
         return 2

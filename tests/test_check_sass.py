@@ -1,0 +1,67 @@
+"""scripts/check_sass.py's stage-loop check on hand-written SASS in both tools' formats: a special
+register read inside the innermost wgmma loop is flagged, one outside it or in an mbarrier wait's
+out-of-line retry is not (the check itself runs on the prefill kernel's real SASS in .ci/run and
+scripts/gpu_check.sh)."""
+
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "scripts"))
+
+import check_sass  # noqa: E402
+
+# nvdisasm -c: labels, branches to them, an EXIT, and a retry stub after it that branches back
+NVDISASM = """
+        /*0000*/                   S2UR UR4, SR_CgaCtaId ;
+.L_x_1:
+        /*0010*/                   UIADD3 UR5, UR4, 0x40, URZ ;
+.L_x_2:
+        /*0020*/                   {S2UR}
+        /*0030*/                   HGMMA.64x256x16.F32 R24, R160, gdesc[UR8], R24 ;
+        /*0040*/                   SYNCS.PHASECHK.TRANS64.TRYWAIT P0, [UR20], R4 ;
+        /*0050*/               @!P0 BRA `(.L_x_9) ;
+.L_x_3:
+        /*0060*/                   HGMMA.64x256x16.F32 R24, R152, gdesc[UR8], R24, gsb0 ;
+        /*0070*/               @!P1 BRA `(.L_x_2) ;
+        /*0080*/                   BAR.SYNC.DEFER_BLOCKING 0x3, 0x100 ;
+        /*0090*/               @!P2 BRA `(.L_x_1) ;
+        /*00a0*/                   EXIT ;
+.L_x_9:
+        /*00b0*/                   SYNCS.PHASECHK.TRANS64.TRYWAIT P0, [UR20], R4 ;
+        /*00c0*/                   BRA `(.L_x_3) ;
+"""
+
+# cuobjdump -sass: numeric branch targets, encodings after each instruction
+CUOBJDUMP = """
+        /*0000*/                   S2R R0, SR_TID.X ;                          /* 0x0000000000007919 */
+        /*0010*/                   MOV R1, c[0x0][0x28] ;                      /* 0x00000a0000017a02 */
+        /*0020*/                   {S2UR}                                      /* 0x0000000000007919 */
+        /*0030*/                   HGMMA.64x128x16.F32 R24, R88, gdesc[UR12], R24 ;   /* 0x0 */
+        /*0040*/               @!P0 BRA 0x20 ;                                 /* 0x0 */
+        /*0050*/                   EXIT ;                                      /* 0x0 */
+"""
+
+
+def _body(text, inside):
+    read = "S2UR UR31, SR_CgaCtaId ;" if inside else "NOP ;"
+    return "marlin_prefill_kernel\n" + text.replace("{S2UR}", read)
+
+
+def test_stage_loop_found():
+    loops = check_sass.innermost_wgmma_loops(_body(NVDISASM, False))
+    assert len(loops) == 1 and len(loops[0]) == 6, loops  # .L_x_2 .. the branch back to it
+    loops = check_sass.innermost_wgmma_loops(_body(CUOBJDUMP, False))
+    assert len(loops) == 1 and len(loops[0]) == 3, loops
+
+
+def test_special_register_in_stage_loop_flagged():
+    for text in (NVDISASM, CUOBJDUMP):
+        assert check_sass.stage_loop_problems(_body(text, False)) == []
+        problems = check_sass.stage_loop_problems(_body(text, True))
+        assert len(problems) == 1 and "SR_CgaCtaId" in problems[0], problems
+
+
+def test_prefill_kernels_only_at_sm90a():
+    body = _body(NVDISASM, True)
+    assert check_sass.check_kernel("marlin_prefill_kernel<...>", body, "sm_90a")[2]
+    assert not check_sass.check_kernel("marlin_prefill_kernel<...>", body, "sm_80")[2]
