@@ -177,7 +177,7 @@ def smi_gpu_id(dev: torch.device) -> tuple[Optional[str], str]:
 # ----------------------------------------------------------------------------- the run
 
 
-class _CallTimer:
+class CallTimer:
     """Times each call of a burst: CUDA events between consecutive calls, or perf_counter on CPU."""
 
     def __init__(self, dev: torch.device, n: int):
@@ -202,7 +202,7 @@ class _CallTimer:
 
 
 def _one_call_s(fn, dev) -> float:
-    t = _CallTimer(dev, 1)
+    t = CallTimer(dev, 1)
     return t.burst(fn, 1)[0]
 
 
@@ -216,7 +216,7 @@ def run_class(preps: dict, m: int, k: int, dev, seconds: float, burst_s: float) 
         fn(1)
         t = _one_call_s(fn, dev)
         counts[name] = max(1, min(10000, round(burst_s / max(t, 1e-7))))
-        timers[name] = _CallTimer(dev, counts[name])
+        timers[name] = CallTimer(dev, counts[name])
     per_sec: dict[int, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
     t0 = time.monotonic()
     while True:  # one round = a burst of each kernel; a round counts for the second in which it ended
