@@ -25,6 +25,7 @@ import collections
 import glob
 import os
 import re
+import shutil
 import subprocess
 import sys
 
@@ -117,8 +118,6 @@ def stage_loop_problems(body):
 
 def nvdisasm():
     """nvdisasm on PATH, else the one of pip's nvidia-cuda-nvdisasm (site-packages/nvidia/*/bin)."""
-    import shutil
-
     found = shutil.which("nvdisasm")
     if found:
         return found
