@@ -46,7 +46,7 @@ constexpr long long kWgBytesPerSm = 80LL << 10;
 // 32-64 rows (H100 probe, same entry): the layer is too small for wide tiles to pay.
 // The 512-column tile (9-16 rows) pays where each SM streams long enough: 768 KB per SM on an
 // H100 SXM (3.35 TB/s peak over 132 SMs: 31 us of streaming). The line is that streaming time, so
-// it moves with the memory: on an H200 (4.9 TB/s) 1.1 MB per SM, where probe_tiles puts the
+// it moves with the memory: on an H200 (4.8 TB/s peak) 1.1 MB per SM, where probe_tiles puts the
 // crossover between 1.0 MB (16384 x 16384: 256 columns 2-4% faster; 70B down, 0.87 MB: 3-7%) and
 // 1.27 MB (8192 x 40960: 512 columns 2-3% faster; NOTES.md "2026-11-28 (eighth)"). It never
 // drops below 768 KB (slower memories than the H100's were not probed).

@@ -199,9 +199,10 @@ __global__ void __launch_bounds__(PrefillShape<>::kThreads, 1) marlin_prefill_ke
   // tile runs past the end of that block's range), and its parts' partials are slots 2 f + j
   // (the next cut tile's first block is f + parts - 1 or later, so 2 f + parts - 1 is below its
   // first slot; the last slot is under 2 G). All of it in 32 bits: the planner keeps R G < 2^31.
-  // Everything here is recomputed from the kernel arguments where it is used, not held across
-  // the consumers' stage loop: with more values live there ptxas re-derived the shared-memory
-  // base inside the loop (S2UR before the first wgmma of every stage pair), 3% at 4096 rows.
+  // A unit's values (unit_at) are derived afresh per unit from the few kernel-wide ones below,
+  // so nothing stream-K-specific stays live across the consumers' stage loop: with more values
+  // live there ptxas re-derived the shared-memory base inside the loop (S2UR before the first
+  // wgmma of every stage pair), 3% slower at 4096 rows.
   const bool stream_k = p.split_parts < 0;
   const int parts = stream_k ? 1 : max(1, p.split_parts);
   const int split_first = parts > 1 ? p.split_first : tiles;
