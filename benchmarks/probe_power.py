@@ -25,7 +25,8 @@ import marlin  # noqa: F401  (registers the ops)
 from benchmarks import gemm_prep as GP
 from benchmarks import provenance as PV
 from benchmarks import shapes as S
-from benchmarks.sustained import CallTimer, SmiSampler, smi_gpu_id
+from benchmarks import sustained as SU
+from benchmarks.sustained import SmiSampler, smi_gpu_id
 
 
 def _window_median(samples, windows, key):
@@ -52,14 +53,8 @@ def main(out_path):
         preps = {name: GP.prepare(name, k, n, dev, facts["l2_bytes"], 1) for name in kernels}
         for m in ms:
             a = torch.randn(m, k, dtype=torch.float16, device=dev)
-            fns = {name: (lambda f, c: (lambda i: f(i % c)))(p.make_fn(a), p.copies) for name, p in preps.items()}
-            timers, counts = {}, {}
-            for name, fn in fns.items():
-                fn(0), fn(1)
-                torch.cuda.synchronize()
-                t = CallTimer(dev, 3).burst(fn, 3)[-1]
-                counts[name] = max(1, min(20000, round(burst_s / t)))  # calls per burst
-                timers[name] = CallTimer(dev, counts[name])
+            fns = SU.rotating_fns(preps, a)
+            counts, timers = SU.burst_timers(fns, dev, burst_s, max_calls=20000)
             time.sleep(1.0)
             windows = {name: [] for name in fns}
             calls = {name: [] for name in fns}

@@ -201,22 +201,29 @@ class CallTimer:
         return [self.events[i].elapsed_time(self.events[i + 1]) * 1e-3 for i in range(n)]
 
 
-def _one_call_s(fn, dev) -> float:
-    t = CallTimer(dev, 1)
-    return t.burst(fn, 1)[0]
+def rotating_fns(preps: dict, a: torch.Tensor) -> dict:
+    """{kernel: fn(i)} whose call i uses weight copy i % copies (gemm_prep's preps)."""
+    return {name: (lambda f, c: (lambda i: f(i % c)))(p.make_fn(a), p.copies) for name, p in preps.items()}
+
+
+def burst_timers(fns: dict, dev, burst_s: float, max_calls: int = 10000) -> tuple[dict, dict]:
+    """({kernel: calls per burst of about burst_s}, {kernel: its CallTimer}), after two warm-up calls
+    and one timed call of each."""
+    counts, timers = {}, {}
+    for name, fn in fns.items():
+        fn(0)
+        fn(1)
+        t = CallTimer(dev, 1).burst(fn, 1)[0]
+        counts[name] = max(1, min(max_calls, round(burst_s / max(t, 1e-7))))
+        timers[name] = CallTimer(dev, counts[name])
+    return counts, timers
 
 
 def run_class(preps: dict, m: int, k: int, dev, seconds: float, burst_s: float) -> list[dict]:
     """Alternate bursts of marlin_g128 and fp16 for `seconds`; per-second medians."""
     a = torch.randn(m, k, dtype=torch.float16, device=dev)
-    fns = {name: (lambda f, c: (lambda i: f(i % c)))(p.make_fn(a), p.copies) for name, p in preps.items()}
-    counts, timers = {}, {}
-    for name, fn in fns.items():
-        fn(0)
-        fn(1)
-        t = _one_call_s(fn, dev)
-        counts[name] = max(1, min(10000, round(burst_s / max(t, 1e-7))))
-        timers[name] = CallTimer(dev, counts[name])
+    fns = rotating_fns(preps, a)
+    counts, timers = burst_timers(fns, dev, burst_s)
     per_sec: dict[int, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
     t0 = time.monotonic()
     while True:  # one round = a burst of each kernel; a round counts for the second in which it ended
