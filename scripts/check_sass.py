@@ -137,7 +137,8 @@ def kernels_of(path):
     """(arch, body) per kernel: cuobjdump -sass of an extension, or nvdisasm of a cubin."""
     if path.endswith(".cubin"):
         sass = subprocess.run([nvdisasm(), "-c", path], capture_output=True, text=True, check=True).stdout
-        arch = "sm_90a"  # the cubins this is for (nvcc -cubin of the prefill sources)
+        target = re.search(r"^\s*\.target\s+(sm_\w+)", sass, re.M)  # nvdisasm's header names the cubin's arch
+        arch = target.group(1) if target else "?"
         return [(arch, ".text." + b) for b in re.split(r"\n\.text\.", "\n" + sass)[1:]]
     sass = subprocess.run(["cuobjdump", "-sass", path], capture_output=True, text=True, check=True).stdout
     kernels = []
