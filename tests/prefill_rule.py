@@ -6,7 +6,7 @@ TILE_N, TILE_K = 128, 64
 MAX_PARTS, MIN_PART_STAGES = 4, 16
 STREAM_K, SPLIT_STAGES, STREAM_K_SHARE = -1, 16.0, 0.9  # prefill.h's kPrefillStreamK, kPrefillSplitStages, kPrefillStreamKShare
 # (fixed stages per unit, a 128-row stage in 256-row ones, a split unit's partials) per scale kind
-GROUP_SCALES_MODEL, PER_COLUMN_MODEL = (4.0, 0.6, 16.0), (0.0, 0.56, 16.0)
+GROUP_SCALES_MODEL, PER_COLUMN_MODEL = (4.0, 0.6, SPLIT_STAGES), (0.0, 0.56, SPLIT_STAGES)
 
 
 def tiles(m: int, n: int, tile_m: int) -> int:
