@@ -76,6 +76,14 @@ __device__ __forceinline__ int arrive_acq_rel_gpu(int* counter) {
   return old;
 }
 
+// A counter's value, read with acquire semantics at GPU scope (what the releases it observed
+// published is visible after it; to the whole block after a barrier).
+__device__ __forceinline__ int load_acquire_gpu(const int* counter) {
+  int v;
+  asm volatile("ld.acquire.gpu.global.s32 %0, [%1];\n" : "=r"(v) : "l"(counter) : "memory");
+  return v;
+}
+
 // The end of a split column's arrival, for the whole block: every thread has stored its share of
 // the block's fp32 partial. Returns, in every thread, whether this block is the last of `parts`
 // to arrive on `counter`; if so its reads after the call see every other block's partial, and it

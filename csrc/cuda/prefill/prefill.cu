@@ -3,6 +3,7 @@
 #include "prefill.h"
 
 #include <algorithm>
+#include <cstdlib>
 #include <utility>
 
 #include "../marlin_gemm.h"  // max_locks
@@ -91,6 +92,15 @@ bool prefill_pays(long long m, long long n, long long k, int sms, double min_fil
   const double tail = tail_parts == kPrefillStreamK ? static_cast<double>(tiles % sms) / sms : 1.0 / tail_parts;
   const double rounds = static_cast<double>(tiles / sms) + (tiles % sms != 0 ? tail : 0.0);
   return m >= prefill_min_rows(tile_m) && static_cast<double>(tiles) >= min_fill * rounds * sms;
+}
+
+int prefill_split_stages(long long k_tiles, int parts) {
+  static const int lead = [] {
+    const char* env = std::getenv("MARLIN_PREFILL_LEAD");
+    return env != nullptr ? std::max(0, std::atoi(env)) : kPrefillSplitLead;
+  }();
+  if (parts < 2 || lead == 0) return 0;
+  return static_cast<int>(std::max(1LL, (k_tiles - lead) / parts));
 }
 
 PrefillSchedule prefill_schedule(long long m, long long n, long long k, int sms, int forced_parts, int tile_m) {

@@ -80,6 +80,14 @@ constexpr int kPrefillMinPartStages = 16;
 constexpr int kPrefillStreamK = -1;
 constexpr double kPrefillSplitStages = 16.0;
 constexpr double kPrefillStreamKShare = 0.9;
+// In a K split the last part takes about kPrefillSplitLead stages more than each of the others, so
+// that they have stored their partials and arrived by the time it ends; it then adds theirs to its
+// own accumulators without storing its own or arriving (prefill_kernel.cuh). prefill_split_stages:
+// the stages of each part but the last for a split of k_tiles stages in `parts` (0: equal parts;
+// MARLIN_PREFILL_LEAD=n sets the lead, 0 for equal parts; probes).
+constexpr int kPrefillSplitLead = 6;
+int prefill_split_stages(long long k_tiles, int parts);
+
 // The persistent grid of an M x N x K call and its K split, for the dense and the 2:4 planners:
 // units = whole tiles before split_first, then `parts` units per tile; lock counters (one per
 // split tile, at most marlin_gemm.h's max_locks, else no split) and fp32 partials to allocate.

@@ -107,6 +107,7 @@ struct PrefillParams {
   CUtensorMap sc;   // b_scales: T [groups, n], box 128 x max(1, 64 / group) (grouped only)
   CUtensorMap zp;   // b_zeros: as b_scales (zero points only)
   CUtensorMap meta;  // 2:4 only: b_meta int32 [k / 32, n], box 128 x 2 (the block's two chunks, two strips)
+  int split_stages;  // K split: stages of each part but the last, which takes the rest; 0: equal parts
 };
 
 #if MARLIN_HAS_WGMMA
@@ -235,7 +236,10 @@ __global__ void __launch_bounds__(PrefillShape<>::kThreads, 1) marlin_prefill_ke
     } else if (u >= split_first) {
       w.split_tile = (u - split_first) / parts, w.part = (u - split_first) % parts;
       tile = split_first + w.split_tile;
-      w.kt0 = w.part * k_tiles / parts, w.kt1 = (w.part + 1) * k_tiles / parts;
+      if (pp.split_stages > 0)
+        w.kt0 = w.part * pp.split_stages, w.kt1 = w.part == parts - 1 ? k_tiles : w.kt0 + pp.split_stages;
+      else
+        w.kt0 = w.part * k_tiles / parts, w.kt1 = (w.part + 1) * k_tiles / parts;
     }
     w.m0 = (tile % m_tiles) * S::kTileM;
     w.n0 = (tile / m_tiles) * S::kTileN;
@@ -416,28 +420,56 @@ __global__ void __launch_bounds__(PrefillShape<>::kThreads, 1) marlin_prefill_ke
       // This unit's partial, float4 i of consumer thread ct at [i][ct] (a warp's stores are 512
       // contiguous bytes), past L1; then the tile's arrival counter. The last to arrive reads
       // every part's partial, its own included, and adds them in part order: the sum does not
-      // depend on which unit came last.
+      // depend on which unit came last. The K split's last part (more stages than the others
+      // when p.split_stages > 0, so that they are done before it) looks at the counter first:
+      // if every other part has arrived, it is the last, and adds their partials and then its
+      // own accumulators, the same sum bit for bit (x + y == y + x), without storing its own or
+      // arriving: it skips the store and the release that a tile's result otherwise waits for.
       float4* const tile_partial = reinterpret_cast<float4*>(p.partial) +
                                    static_cast<long long>(stream_k ? 2 * w.split_tile : w.split_tile * parts) * S::kPartialF4;
-      float4* const mine = tile_partial + w.part * S::kPartialF4;
       const int tile_parts = unit_parts(w);
-#pragma unroll
-      for (int i = 0; i < S::kAcc / 4; i++) __stcg(mine + i * 256 + ct, make_float4(acc[4 * i], acc[4 * i + 1], acc[4 * i + 2], acc[4 * i + 3]));
-      named_barrier(3, S::kConsumers);  // every consumer thread's share is stored
-      if (ct == 0) {
-        const int arrived = arrive_acq_rel_gpu(p.locks + w.split_tile);  // publishes the shares (release)
-        if (arrived == tile_parts - 1) p.locks[w.split_tile] = 0;       // left at zero for the next call
-        *last_flag = arrived;
+      bool others_in = false;
+      if (!stream_k && w.part == parts - 1) {
+        if (ct == 0) {
+          const int seen = load_acquire_gpu(p.locks + w.split_tile);
+          if (seen == parts - 1) p.locks[w.split_tile] = 0;  // nobody else arrives: left at zero
+          *last_flag = seen;
+        }
+        named_barrier(3, S::kConsumers);  // after thread 0's acquire
+        others_in = *last_flag == parts - 1;
       }
-      named_barrier(3, S::kConsumers);  // after thread 0's acquire: the other units' partials are visible
-      if (*last_flag != tile_parts - 1) continue;
-#pragma unroll
-      for (int i = 0; i < S::kAcc; i++) acc[i] = 0.f;
-      for (int j = 0; j < tile_parts; j++) {
+      if (others_in) {
 #pragma unroll
         for (int i = 0; i < S::kAcc / 4; i++) {
-          const float4 v = __ldcg(tile_partial + j * S::kPartialF4 + i * 256 + ct);
-          acc[4 * i] += v.x, acc[4 * i + 1] += v.y, acc[4 * i + 2] += v.z, acc[4 * i + 3] += v.w;
+          float4 v = __ldcg(tile_partial + i * 256 + ct);
+          v.x += 0.f, v.y += 0.f, v.z += 0.f, v.w += 0.f;  // as 0 + p0 in the sum below (-0 -> +0)
+          for (int j = 1; j < parts - 1; j++) {
+            const float4 u = __ldcg(tile_partial + j * S::kPartialF4 + i * 256 + ct);
+            v.x += u.x, v.y += u.y, v.z += u.z, v.w += u.w;
+          }
+          acc[4 * i] = v.x + acc[4 * i], acc[4 * i + 1] = v.y + acc[4 * i + 1];
+          acc[4 * i + 2] = v.z + acc[4 * i + 2], acc[4 * i + 3] = v.w + acc[4 * i + 3];
+        }
+      } else {
+        float4* const mine = tile_partial + w.part * S::kPartialF4;
+#pragma unroll
+        for (int i = 0; i < S::kAcc / 4; i++) __stcg(mine + i * 256 + ct, make_float4(acc[4 * i], acc[4 * i + 1], acc[4 * i + 2], acc[4 * i + 3]));
+        named_barrier(3, S::kConsumers);  // every consumer thread's share is stored
+        if (ct == 0) {
+          const int arrived = arrive_acq_rel_gpu(p.locks + w.split_tile);  // publishes the shares (release)
+          if (arrived == tile_parts - 1) p.locks[w.split_tile] = 0;       // left at zero for the next call
+          *last_flag = arrived;
+        }
+        named_barrier(3, S::kConsumers);  // after thread 0's acquire: the other units' partials are visible
+        if (*last_flag != tile_parts - 1) continue;
+#pragma unroll
+        for (int i = 0; i < S::kAcc; i++) acc[i] = 0.f;
+        for (int j = 0; j < tile_parts; j++) {
+#pragma unroll
+          for (int i = 0; i < S::kAcc / 4; i++) {
+            const float4 v = __ldcg(tile_partial + j * S::kPartialF4 + i * 256 + ct);
+            acc[4 * i] += v.x, acc[4 * i + 1] += v.y, acc[4 * i + 2] += v.z, acc[4 * i + 3] += v.w;
+          }
         }
       }
     }
