@@ -418,13 +418,13 @@ __global__ void __launch_bounds__(PrefillShape<>::kThreads, 1) marlin_prefill_ke
 
     if (w.split_tile >= 0) {
       // This unit's partial, float4 i of consumer thread ct at [i][ct] (a warp's stores are 512
-      // contiguous bytes), past L1; then the tile's arrival counter. The last to arrive reads
-      // every part's partial, its own included, and adds them in part order: the sum does not
-      // depend on which unit came last. The K split's last part (more stages than the others
-      // when p.split_stages > 0, so that they are done before it) looks at the counter first:
-      // if every other part has arrived, it is the last, and adds their partials and then its
-      // own accumulators, the same sum bit for bit (x + y == y + x), without storing its own or
-      // arriving: it skips the store and the release that a tile's result otherwise waits for.
+      // contiguous bytes), past L1; then the tile's arrival counter. The last to arrive adds
+      // every part's partial in a fixed order (the last part's first, then the others in part
+      // order): the sum does not depend on which unit came last. The K split's last part (more
+      // stages than the others when pp.split_stages > 0, so that they are done before it) looks
+      // at the counter first: if every other part has arrived, it is the last, and adds theirs
+      // to its own accumulators, the same sum bit for bit, without storing its partial or
+      // arriving: the store and the release are off the tile's critical path.
       float4* const tile_partial = reinterpret_cast<float4*>(p.partial) +
                                    static_cast<long long>(stream_k ? 2 * w.split_tile : w.split_tile * parts) * S::kPartialF4;
       const int tile_parts = unit_parts(w);
@@ -438,19 +438,7 @@ __global__ void __launch_bounds__(PrefillShape<>::kThreads, 1) marlin_prefill_ke
         named_barrier(3, S::kConsumers);  // after thread 0's acquire
         others_in = *last_flag == parts - 1;
       }
-      if (others_in) {
-#pragma unroll
-        for (int i = 0; i < S::kAcc / 4; i++) {
-          float4 v = __ldcg(tile_partial + i * 256 + ct);
-          v.x += 0.f, v.y += 0.f, v.z += 0.f, v.w += 0.f;  // as 0 + p0 in the sum below (-0 -> +0)
-          for (int j = 1; j < parts - 1; j++) {
-            const float4 u = __ldcg(tile_partial + j * S::kPartialF4 + i * 256 + ct);
-            v.x += u.x, v.y += u.y, v.z += u.z, v.w += u.w;
-          }
-          acc[4 * i] = v.x + acc[4 * i], acc[4 * i + 1] = v.y + acc[4 * i + 1];
-          acc[4 * i + 2] = v.z + acc[4 * i + 2], acc[4 * i + 3] = v.w + acc[4 * i + 3];
-        }
-      } else {
+      if (!others_in) {
         float4* const mine = tile_partial + w.part * S::kPartialF4;
 #pragma unroll
         for (int i = 0; i < S::kAcc / 4; i++) __stcg(mine + i * 256 + ct, make_float4(acc[4 * i], acc[4 * i + 1], acc[4 * i + 2], acc[4 * i + 3]));
@@ -462,14 +450,23 @@ __global__ void __launch_bounds__(PrefillShape<>::kThreads, 1) marlin_prefill_ke
         }
         named_barrier(3, S::kConsumers);  // after thread 0's acquire: the other units' partials are visible
         if (*last_flag != tile_parts - 1) continue;
-#pragma unroll
-        for (int i = 0; i < S::kAcc; i++) acc[i] = 0.f;
-        for (int j = 0; j < tile_parts; j++) {
+        if (w.part != tile_parts - 1) {  // the sum starts from the last part's partial
 #pragma unroll
           for (int i = 0; i < S::kAcc / 4; i++) {
-            const float4 v = __ldcg(tile_partial + j * S::kPartialF4 + i * 256 + ct);
-            acc[4 * i] += v.x, acc[4 * i + 1] += v.y, acc[4 * i + 2] += v.z, acc[4 * i + 3] += v.w;
+            const float4 v = __ldcg(tile_partial + (tile_parts - 1) * S::kPartialF4 + i * 256 + ct);
+            acc[4 * i] = v.x, acc[4 * i + 1] = v.y, acc[4 * i + 2] = v.z, acc[4 * i + 3] = v.w;
           }
+        }
+      }
+      // The sum: the last part's partial, then parts 0, 1, ... in order, whoever adds them. One
+      // part at a time, each thread's 16 (32) float4 loads of a part in flight together: a loop
+      // over the parts inside the one over a thread's float4 made every load wait for the one
+      // before it, 16 L2 round trips (3 us) for a single partial (per-unit timer stamps).
+      for (int j = 0; j < tile_parts - 1; j++) {
+#pragma unroll
+        for (int i = 0; i < S::kAcc / 4; i++) {
+          const float4 v = __ldcg(tile_partial + j * S::kPartialF4 + i * 256 + ct);
+          acc[4 * i] += v.x, acc[4 * i + 1] += v.y, acc[4 * i + 2] += v.z, acc[4 * i + 3] += v.w;
         }
       }
     }
