@@ -157,8 +157,9 @@ def test_default_split_plans():
     """By default the last round's few tiles are split in K (1, 2 or 4 parts here, on the whole
     grid or only its tail), and a single round more than half full runs stream-K (70B qkv at 128
     rows), on the tile height the rule picks; each case passes its bound and
-    repeats bit for bit, and the plan log shows the height and split the rules ask for
-    (prefill_rule.py restates them)."""
+    repeats bit for bit, leaves its workspace's arrival counters at zero (the K split's last part
+    zeroes the counter itself when it finds every other part in), and the plan log shows the
+    height and split the rules ask for (prefill_rule.py restates them)."""
     if not wgmma_device():
         pytest.skip("the prefill kernel runs on compute capability 9.0 with an sm_90a build only")
     import os
@@ -181,8 +182,10 @@ def test_default_split_plans():
         "import sys, torch, marlin\n"
         "sys.path.insert(0, 'tests')\n"
         "from test_gemm_cuda import check, get_layer\n"
+        "ws = marlin.make_workspace()\n"
         f"for m, k, n, g in {cases!r}:\n"
-        "    c, a = check(get_layer(k, n, g), m)\n"
+        "    c, a = check(get_layer(k, n, g), m, workspace=ws)\n"
+        "    assert not ws.any().item(), ('counters left set', m, k, n, g, ws.nonzero().flatten().tolist()[:8])\n"
         "    layer = get_layer(k, n, g)\n"
         "    assert torch.equal(c, marlin.gemm(a, layer.b_q, layer.b_s)), (m, k, n, g)\n"
         "torch.cuda.synchronize()\n"
@@ -203,6 +206,46 @@ def test_default_split_plans():
         tile_m = prefill_rule.tile_m(m, k, n, sms, g == -1)
         assert got.get((m, n, k, g == -1)) == (tile_m, *prefill_rule.split(m, k, n, sms, tile_m)), (m, k, n, g, got)
     assert {p for _, p, _ in got.values()} >= {2, 4} | ({-1} if sms == 132 else set()), got
+
+
+def test_split_fast_sum_is_bit_identical(tmp_path):
+    """The K split's last part, when it finds every other part in, adds their partials to its own
+    accumulators instead of storing its partial and arriving (MARLIN_PREFILL_FAST_SUM=0 turns that
+    off): the same stage split gives the same output bit for bit either way, for the default
+    plans with 2 and 4 parts and a forced 3-part split (both tile heights)."""
+    if not wgmma_device():
+        pytest.skip("the prefill kernel runs on compute capability 9.0 with an sm_90a build only")
+    import os
+    import subprocess
+    import sys
+
+    cases = [(256, 4096, 4096, 128), (4097, 4096, 4096, 128), (128, 4096, 4096, -1), (300, 11008, 4096, 128)]
+    script = (
+        "import sys, torch, marlin\n"
+        "sys.path.insert(0, 'tests')\n"
+        "from test_gemm_cuda import check, get_layer\n"
+        "out = []\n"
+        f"for m, k, n, g in {cases!r}:\n"
+        "    torch.manual_seed(m + k + n)\n"
+        "    out.append(check(get_layer(k, n, g), m)[0].cpu())\n"
+        "torch.save(out, sys.argv[1])\n"
+    )
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    results = {}
+    for split in ("", "3"):
+        for fast in ("1", "0"):
+            env = dict(os.environ, MARLIN_PREFILL="1", MARLIN_PREFILL_FAST_SUM=fast)
+            env.pop("MARLIN_PREFILL_SPLIT", None)
+            if split:
+                env["MARLIN_PREFILL_SPLIT"] = split
+            path = tmp_path / f"c{split}_{fast}.pt"
+            r = subprocess.run([sys.executable, "-c", script, str(path)], env=env, cwd=root, capture_output=True, text=True,
+                               timeout=300)
+            assert r.returncode == 0, r.stderr[-3000:]
+            results[(split, fast)] = torch.load(path)
+    for split in ("", "3"):
+        for case, x, y in zip(cases, results[(split, "1")], results[(split, "0")]):
+            assert torch.equal(x, y), (split, case)
 
 
 def test_default_rule():

@@ -103,6 +103,14 @@ int prefill_split_stages(long long k_tiles, int parts) {
   return static_cast<int>(std::max(1LL, (k_tiles - lead) / parts));
 }
 
+int prefill_fast_sum() {
+  static const int on = [] {
+    const char* env = std::getenv("MARLIN_PREFILL_FAST_SUM");
+    return env != nullptr && std::atoi(env) == 0 ? 0 : 1;
+  }();
+  return on;
+}
+
 PrefillSchedule prefill_schedule(long long m, long long n, long long k, int sms, int forced_parts, int tile_m) {
   const long long tiles = prefill_tiles(m, n, tile_m);
   auto [first, parts] = tail_split(tiles, k, sms, forced_parts, tile_m);

@@ -87,6 +87,9 @@ constexpr double kPrefillStreamKShare = 0.9;
 // MARLIN_PREFILL_LEAD=n sets the lead, 0 for equal parts; probes).
 constexpr int kPrefillSplitLead = 6;
 int prefill_split_stages(long long k_tiles, int parts);
+// Whether the K split's last part takes that shortcut (1; MARLIN_PREFILL_FAST_SUM=0 turns it off,
+// for tests: the sum is the same bit for bit either way).
+int prefill_fast_sum();
 
 // The persistent grid of an M x N x K call and its K split, for the dense and the 2:4 planners:
 // units = whole tiles before split_first, then `parts` units per tile; lock counters (one per

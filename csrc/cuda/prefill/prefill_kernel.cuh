@@ -108,6 +108,7 @@ struct PrefillParams {
   CUtensorMap zp;   // b_zeros: as b_scales (zero points only)
   CUtensorMap meta;  // 2:4 only: b_meta int32 [k / 32, n], box 128 x 2 (the block's two chunks, two strips)
   int split_stages;  // K split: stages of each part but the last, which takes the rest; 0: equal parts
+  int fast_sum;      // K split: the last part adds the others' partials to its own when all are in (1)
 };
 
 #if MARLIN_HAS_WGMMA
@@ -429,7 +430,7 @@ __global__ void __launch_bounds__(PrefillShape<>::kThreads, 1) marlin_prefill_ke
                                    static_cast<long long>(stream_k ? 2 * w.split_tile : w.split_tile * parts) * S::kPartialF4;
       const int tile_parts = unit_parts(w);
       bool others_in = false;
-      if (!stream_k && w.part == parts - 1) {
+      if (!stream_k && pp.fast_sum && w.part == parts - 1) {
         if (ct == 0) {
           const int seen = load_acquire_gpu(p.locks + w.split_tile);
           if (seen == parts - 1) p.locks[w.split_tile] = 0;  // nobody else arrives: left at zero
