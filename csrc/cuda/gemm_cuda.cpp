@@ -47,6 +47,8 @@ struct Knobs {
                               // wherever it can above 64 rows (default -1: the planner's rule)
   int prefill_split;          // MARLIN_PREFILL_SPLIT=P: the prefill kernel splits K in P parts; -1: stream-K (probes)
   int prefill_rows;           // MARLIN_PREFILL_ROWS=128 or 256 forces the prefill kernel's tile height (probes)
+  int prefill_lead;           // MARLIN_PREFILL_LEAD=n: a K split's last part takes n stages more (0: equal parts)
+  bool prefill_fast_sum;      // MARLIN_PREFILL_FAST_SUM=0: the split's last part never adds the others' partials itself
   bool log_plan;              // MARLIN_LOG_PLAN=1 prints each call's plan (kernel, tile, partition) to stderr
 };
 
@@ -65,6 +67,8 @@ const Knobs& knobs() {
                        env_int("MARLIN_PREFILL", -1),
                        env_int("MARLIN_PREFILL_SPLIT", 0),
                        env_int("MARLIN_PREFILL_ROWS", 0),
+                       env_int("MARLIN_PREFILL_LEAD", -1),
+                       env_int("MARLIN_PREFILL_FAST_SUM", 1) != 0,
                        env_int("MARLIN_LOG_PLAN", 0) == 1};
   return k;
 }
@@ -148,6 +152,8 @@ at::Tensor gemm_cuda(const at::Tensor& a, const at::Tensor& b_q, const at::Tenso
   args.prefill = knobs().prefill;
   args.prefill_split = knobs().prefill_split;
   args.prefill_rows = knobs().prefill_rows;
+  args.prefill_lead = knobs().prefill_lead;
+  args.prefill_fast_sum = knobs().prefill_fast_sum;
   TORCH_CHECK(args.prefill_rows == 0 || args.prefill_rows == 128 || args.prefill_rows == 256,
               "marlin.gemm: MARLIN_PREFILL_ROWS = ", num(args.prefill_rows), ", expected 128 or 256 (unset: the planner's rule)");
   TORCH_CHECK(reinterpret_cast<uintptr_t>(args.b_q) % 16 == 0 && reinterpret_cast<uintptr_t>(args.scales) % 16 == 0 &&

@@ -529,12 +529,13 @@ void plan_prefill(const GemmArgs& args, const Format& f, int tile_m, GemmPlan* p
   // persistent: at most one block per SM, each taking every grid-th unit of work; the last
   // round's tiles in K parts where few (prefill_schedule), the parts' fp32 partials added by the
   // tile's last unit to arrive (one lock counter per split tile)
-  const PrefillSchedule ps = prefill_schedule(args.m, args.n, args.k, args.sms, args.prefill_split, tile_m);
+  const PrefillSchedule ps = prefill_schedule(args.m, args.n, args.k, args.sms, args.prefill_split, tile_m, args.prefill_lead);
   plan->grid = ps.grid;
   plan->tiles_per_block = args.k / kPrefillTileK;
   plan->smem_bytes = prefill_smem_bytes(args.bits, tile_m);
   plan->split_parts = ps.parts;
   plan->split_first = ps.split_first;
+  plan->split_stages = ps.split_stages;
   plan->cluster_reduce = false;
   plan->needs_partial = ps.partial_floats > 0;
   plan->partial_floats = static_cast<std::size_t>(ps.partial_floats);
@@ -678,7 +679,7 @@ std::string describe_plan(const GemmArgs& args, const GemmPlan& plan) {
   return describe(args, plan.tile, plan.m_blocks) + " kernel=" + kernel + " m_slices=" + std::to_string(plan.m_slices) +
          " grid=" + std::to_string(plan.grid) + " blocks_per_sm=" + std::to_string(plan.blocks_per_sm) +
          " tiles_per_block=" + std::to_string(plan.tiles_per_block) + " split_parts=" + std::to_string(plan.split_parts) +
-         (plan.prefill ? " split_first=" + std::to_string(plan.split_first) : "") +
+         (plan.prefill ? " split_first=" + std::to_string(plan.split_first) + " split_stages=" + std::to_string(plan.split_stages) : "") +
          " clusters=" + (plan.cluster_reduce ? "1" : "0") + " global_reduction=" + (plan.needs_partial ? "1" : "0") +
          (plan.zp_sums ? " zp_sums=1" : "") + " dram_gbps=" + std::to_string(static_cast<long long>(args.dram_gbps)) +
          " wg512_bytes_per_sm=" + std::to_string(wg512_bytes_per_sm(args));
@@ -702,6 +703,8 @@ std::string launch_gemm(const GemmArgs& args, const GemmPlan& plan, cudaStream_t
   p.prefetch = args.pdl;
   p.split_parts = plan.split_parts;
   p.split_first = plan.split_first;
+  p.split_stages = plan.split_stages;
+  p.fast_sum = args.prefill_fast_sum;
   p.cluster_reduce = plan.cluster_reduce;
   Format f;
   const std::string bad = format_of(args, &f);

@@ -66,6 +66,11 @@ struct GemmArgs {
   // column): -1 the planner's rule, 0 never, 1 wherever it can run above 64 rows (probes, tests).
   int prefill = -1;
   int prefill_split = 0;  // > 0: the prefill kernel's K split in this many parts, -1 stream-K over every tile (MARLIN_PREFILL_SPLIT; probes)
+  // The K split's last part: stages more than each other part (MARLIN_PREFILL_LEAD; -1 prefill.h's
+  // kPrefillSplitLead, 0 equal parts), and whether it adds the others' partials to its own when
+  // they are all in (MARLIN_PREFILL_FAST_SUM=0: never; the same sum bit for bit; tests)
+  int prefill_lead = -1;
+  bool prefill_fast_sum = true;
   // MARLIN_PREFILL_ROWS: 128 or 256 forces the prefill kernel's tile height (probes); 0 its rule
   // (prefill.h's prefill_pick_tile_m)
   int prefill_rows = 0;
@@ -90,6 +95,7 @@ struct GemmPlan {
   int smem_bytes = 0;
   int split_parts = 0;          // small_m: > 0 = each column in this many parts, one block each
   int split_first = 0;          // prefill: the tiles from this one on are split in split_parts
+  int split_stages = 0;         // prefill: stages of each K-split part but the last (0: equal parts)
   bool cluster_reduce = false;  // ... one cluster per column, reduced in distributed shared memory
   bool needs_partial = false;  // some column of tiles is split over blocks, reduced through global memory
   std::size_t partial_floats = 0;

@@ -65,6 +65,8 @@ struct KernelParams {
   // (sm_90+) and add their partials through distributed shared memory
   int split_parts;
   int split_first;  // prefill_kernel.cuh only: its tiles from this one on are split in split_parts
+  int split_stages;  // prefill_kernel.cuh only: stages of each K-split part but the last (0: equal parts)
+  bool fast_sum;     // prefill_kernel.cuh only: the K split's last part may add the others' partials itself
   bool cluster_reduce;
   int group_shift;  // GROUP_BLOCKS == 0: log2 of the group size in k16 blocks (1, 2 or 3)
 };

@@ -3,7 +3,6 @@
 #include "prefill.h"
 
 #include <algorithm>
-#include <cstdlib>
 #include <utility>
 
 #include "../marlin_gemm.h"  // max_locks
@@ -94,24 +93,7 @@ bool prefill_pays(long long m, long long n, long long k, int sms, double min_fil
   return m >= prefill_min_rows(tile_m) && static_cast<double>(tiles) >= min_fill * rounds * sms;
 }
 
-int prefill_split_stages(long long k_tiles, int parts) {
-  static const int lead = [] {
-    const char* env = std::getenv("MARLIN_PREFILL_LEAD");
-    return env != nullptr ? std::max(0, std::atoi(env)) : kPrefillSplitLead;
-  }();
-  if (parts < 2 || lead == 0) return 0;
-  return static_cast<int>(std::max(1LL, (k_tiles - lead) / parts));
-}
-
-int prefill_fast_sum() {
-  static const int on = [] {
-    const char* env = std::getenv("MARLIN_PREFILL_FAST_SUM");
-    return env != nullptr && std::atoi(env) == 0 ? 0 : 1;
-  }();
-  return on;
-}
-
-PrefillSchedule prefill_schedule(long long m, long long n, long long k, int sms, int forced_parts, int tile_m) {
+PrefillSchedule prefill_schedule(long long m, long long n, long long k, int sms, int forced_parts, int tile_m, int lead) {
   const long long tiles = prefill_tiles(m, n, tile_m);
   auto [first, parts] = tail_split(tiles, k, sms, forced_parts, tile_m);
   // stream-K needs a stage per block, and the kernel's stage arithmetic in 32 bits (stages x grid
@@ -136,6 +118,9 @@ PrefillSchedule prefill_schedule(long long m, long long n, long long k, int sms,
   s.split_first = static_cast<int>(split_tiles > 0 ? first : tiles);
   s.partial_floats = split_tiles * parts * kPrefillTileN * tile_m;
   s.locks = static_cast<int>(split_tiles);
+  // each part but the last: (k_tiles - lead) / parts stages, at least one; the last the rest
+  if (lead < 0) lead = kPrefillSplitLead;
+  if (split_tiles > 0 && lead > 0) s.split_stages = static_cast<int>(std::max(1LL, (k / kPrefillTileK - lead) / parts));
   return s;
 }
 

@@ -80,16 +80,13 @@ constexpr int kPrefillMinPartStages = 16;
 constexpr int kPrefillStreamK = -1;
 constexpr double kPrefillSplitStages = 16.0;
 constexpr double kPrefillStreamKShare = 0.9;
-// In a K split the last part takes about kPrefillSplitLead stages more than each of the others, so
-// that they have stored their partials and arrived by the time it ends; it then adds theirs to its
-// own accumulators without storing its own or arriving (prefill_kernel.cuh). prefill_split_stages:
-// the stages of each part but the last for a split of k_tiles stages in `parts` (0: equal parts;
-// MARLIN_PREFILL_LEAD=n sets the lead, 0 for equal parts; probes).
+// In a K split the last part takes kPrefillSplitLead stages more than each of the others, so that
+// they have stored their partials and arrived by the time it ends; it then adds theirs to its own
+// accumulators without storing its own or arriving (prefill_kernel.cuh). The others' store and
+// arrival take about as long as 6 stages of either tile height (H200, per-unit timer stamps,
+// benchmarks/NOTES.md 2026-11-28 thirteenth): with a lead of 4 the last part mostly found them
+// still storing, with 10 its own extra stages cost more than the shortcut saved at four parts.
 constexpr int kPrefillSplitLead = 6;
-int prefill_split_stages(long long k_tiles, int parts);
-// Whether the K split's last part takes that shortcut (1; MARLIN_PREFILL_FAST_SUM=0 turns it off,
-// for tests: the sum is the same bit for bit either way).
-int prefill_fast_sum();
 
 // The persistent grid of an M x N x K call and its K split, for the dense and the 2:4 planners:
 // units = whole tiles before split_first, then `parts` units per tile; lock counters (one per
@@ -98,11 +95,13 @@ struct PrefillSchedule {
   int grid = 0;
   int parts = 1;             // 1: no split; kPrefillStreamK: every tile in one stream-K range (split_first 0)
   int split_first = 0;       // the first split tile (the tile count if none)
+  int split_stages = 0;      // stages of each part but the last (0: equal parts; stream-K: 0)
   long long partial_floats = 0;
   int locks = 0;
 };
+// lead: the split's last part's extra stages (< 0: kPrefillSplitLead; 0: equal parts).
 PrefillSchedule prefill_schedule(long long m, long long n, long long k, int sms, int forced_parts,
-                                 int tile_m = kPrefillTileM);
+                                 int tile_m = kPrefillTileM, int lead = -1);
 
 // BF16: bf16 activations, scales and output (else fp16). W: the weight type (dequant.cuh's WType:
 // kU4, kU4Zp with zero points per group, GROUPED only, or kU8). GROUPED: scales in groups of 32, 64

@@ -107,8 +107,6 @@ struct PrefillParams {
   CUtensorMap sc;   // b_scales: T [groups, n], box 128 x max(1, 64 / group) (grouped only)
   CUtensorMap zp;   // b_zeros: as b_scales (zero points only)
   CUtensorMap meta;  // 2:4 only: b_meta int32 [k / 32, n], box 128 x 2 (the block's two chunks, two strips)
-  int split_stages;  // K split: stages of each part but the last, which takes the rest; 0: equal parts
-  int fast_sum;      // K split: the last part adds the others' partials to its own when all are in (1)
 };
 
 #if MARLIN_HAS_WGMMA
@@ -237,8 +235,8 @@ __global__ void __launch_bounds__(PrefillShape<>::kThreads, 1) marlin_prefill_ke
     } else if (u >= split_first) {
       w.split_tile = (u - split_first) / parts, w.part = (u - split_first) % parts;
       tile = split_first + w.split_tile;
-      if (pp.split_stages > 0)
-        w.kt0 = w.part * pp.split_stages, w.kt1 = w.part == parts - 1 ? k_tiles : w.kt0 + pp.split_stages;
+      if (p.split_stages > 0)
+        w.kt0 = w.part * p.split_stages, w.kt1 = w.part == parts - 1 ? k_tiles : w.kt0 + p.split_stages;
       else
         w.kt0 = w.part * k_tiles / parts, w.kt1 = (w.part + 1) * k_tiles / parts;
     }
@@ -422,7 +420,7 @@ __global__ void __launch_bounds__(PrefillShape<>::kThreads, 1) marlin_prefill_ke
       // contiguous bytes), past L1; then the tile's arrival counter. The last to arrive adds
       // every part's partial in a fixed order (the last part's first, then the others in part
       // order): the sum does not depend on which unit came last. The K split's last part (more
-      // stages than the others when pp.split_stages > 0, so that they are done before it) looks
+      // stages than the others when p.split_stages > 0, so that they are done before it) looks
       // at the counter first: if every other part has arrived, it is the last, and adds theirs
       // to its own accumulators, the same sum bit for bit, without storing its partial or
       // arriving: the store and the release are off the tile's critical path.
@@ -430,7 +428,7 @@ __global__ void __launch_bounds__(PrefillShape<>::kThreads, 1) marlin_prefill_ke
                                    static_cast<long long>(stream_k ? 2 * w.split_tile : w.split_tile * parts) * S::kPartialF4;
       const int tile_parts = unit_parts(w);
       bool others_in = false;
-      if (!stream_k && pp.fast_sum && w.part == parts - 1) {
+      if (!stream_k && p.fast_sum && w.part == parts - 1) {
         if (ct == 0) {
           const int seen = load_acquire_gpu(p.locks + w.split_tile);
           if (seen == parts - 1) p.locks[w.split_tile] = 0;  // nobody else arrives: left at zero

@@ -49,8 +49,6 @@ cudaError_t launch_prefill_kernel(const KernelParams& p, const void* b_meta, int
         encode_2d(&pp.sc, type, p.s, p.n, groups, 2LL * p.n, S::kTileN, group_box, CU_TENSOR_MAP_SWIZZLE_NONE)) &&
        (W != kU4Zp || encode_2d(&pp.zp, type, p.z, p.n, groups, 2LL * p.n, S::kTileN, group_box, CU_TENSOR_MAP_SWIZZLE_NONE));
   if (!ok) return cudaErrorInvalidValue;  // reported by the caller as a failed launch, with the shape
-  pp.split_stages = prefill_split_stages(p.k / S::kTileK, p.split_parts);
-  pp.fast_sum = prefill_fast_sum();
   return launch_kernel(marlin_prefill_kernel<T, W, GROUPED, SPARSE, TILE_M>, cache, pp, grid, S::kThreads, smem, stream, pdl, 1);
 }
 

@@ -110,6 +110,8 @@ at::Tensor gemm_2_4_cuda(const at::Tensor& a, const at::Tensor& b_q, const at::T
   args.force_kw = env_or("MARLIN_2_4_KW", 0);
   args.prefill = env_or("MARLIN_PREFILL", -1);
   args.prefill_split = env_or("MARLIN_PREFILL_SPLIT", 0);
+  args.prefill_lead = env_or("MARLIN_PREFILL_LEAD", -1);
+  args.prefill_fast_sum = env_or("MARLIN_PREFILL_FAST_SUM", 1) != 0;
   args.prefill_rows = env_or("MARLIN_PREFILL_ROWS", 0);
   TORCH_CHECK(args.prefill_rows == 0 || args.prefill_rows == 128 || args.prefill_rows == 256,
               "marlin.gemm_2_4: MARLIN_PREFILL_ROWS = ", num(args.prefill_rows), ", expected 128 or 256 (unset: the planner's rule)");

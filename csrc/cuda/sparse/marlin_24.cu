@@ -96,11 +96,12 @@ std::string plan_24(const Args24& args, Plan24* plan) {
     plan->prefill = true;
     // the dense instances' schedule and K split of a last round of few tiles, the same kernel
     plan->tile_m = prefill_rows;
-    const PrefillSchedule ps = prefill_schedule(args.m, args.n, args.k, args.sms, args.prefill_split, plan->tile_m);
+    const PrefillSchedule ps = prefill_schedule(args.m, args.n, args.k, args.sms, args.prefill_split, plan->tile_m, args.prefill_lead);
     plan->grid = ps.grid;
     plan->smem = prefill_24_smem_bytes(plan->tile_m);
     plan->parts = ps.parts;
     plan->split_first = ps.split_first;
+    plan->split_stages = ps.split_stages;
     plan->partial_floats = ps.partial_floats;
     plan->locks = ps.locks;
     plan->strip_shift = strip_shift(args);
@@ -235,7 +236,7 @@ std::string describe_24(const Args24& args, const Plan24& plan) {
     return "m=" + std::to_string(args.m) + " n=" + std::to_string(args.n) + " k=" + std::to_string(args.k) +
            " groups=" + std::to_string(args.groups) + " kernel=prefill_wgmma tile_m=" + std::to_string(plan.tile_m) +
            " grid=" + std::to_string(plan.grid) +
-           " parts=" + std::to_string(plan.parts) + " split_first=" + std::to_string(plan.split_first) +
+           " parts=" + std::to_string(plan.parts) + " split_first=" + std::to_string(plan.split_first) + " split_stages=" + std::to_string(plan.split_stages) +
            " zeros=" + (args.z != nullptr ? "1" : "0");
   return "m=" + std::to_string(args.m) + " n=" + std::to_string(args.n) + " k=" + std::to_string(args.k) +
          " groups=" + std::to_string(args.groups) + " slice_rows=" + std::to_string(8 * plan.mb * plan.ms) +
@@ -259,6 +260,8 @@ cudaError_t launch_24(const Args24& args, const Plan24& plan, cudaStream_t strea
     kp.lda_int4 = args.lda / 8;
     kp.split_parts = plan.parts;
     kp.split_first = plan.split_first;
+    kp.split_stages = plan.split_stages;
+    kp.fast_sum = args.prefill_fast_sum;
     kp.partial = reinterpret_cast<float4*>(args.partial);
     kp.locks = args.locks;
     // log2 of the group size in k16 blocks (as gemm's): group = K / groups of 32, 64 or 128 rows

@@ -50,6 +50,8 @@ struct Args24 {
   // wherever it can run (above 64 rows; for tests)
   int prefill = -1;
   int prefill_split = 0;  // MARLIN_PREFILL_SPLIT, as for gemm: > 0 every prefill tile in that many K parts, -1 stream-K
+  int prefill_lead = -1;         // MARLIN_PREFILL_LEAD, as for gemm (GemmArgs::prefill_lead)
+  bool prefill_fast_sum = true;  // MARLIN_PREFILL_FAST_SUM, as for gemm
   // MARLIN_PREFILL_ROWS, as for gemm: 128 or 256 forces the prefill kernel's tile height; 0 its
   // rule (prefill.h's prefill_pick_tile_m)
   int prefill_rows = 0;
@@ -76,6 +78,7 @@ struct Plan24 {
   // partial_floats and locks as above, for the tiles from split_first on
   bool prefill = false;
   int split_first = 0;
+  int split_stages = 0;  // stages of each K-split part but the last (PrefillSchedule::split_stages)
   int tile_m = 256;  // the prefill kernel's activation rows per tile: 256 or 128
 };
 
