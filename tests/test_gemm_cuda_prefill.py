@@ -212,7 +212,9 @@ def test_split_fast_sum_is_bit_identical(tmp_path):
     """The K split's last part, when it finds every other part in, adds their partials to its own
     accumulators instead of storing its partial and arriving (MARLIN_PREFILL_FAST_SUM=0 turns that
     off): the same stage split gives the same output bit for bit either way, for the default
-    plans with 2 and 4 parts and a forced 3-part split (both tile heights)."""
+    plans with 2 and 4 parts and a forced 3-part split (both tile heights), at the default lead
+    and at a lead of 40 stages, where the last part finds the others in on nearly every tile (at
+    the default lead it takes the shortcut on most tiles, not all: both paths run)."""
     if not wgmma_device():
         pytest.skip("the prefill kernel runs on compute capability 9.0 with an sm_90a build only")
     import os
@@ -232,20 +234,24 @@ def test_split_fast_sum_is_bit_identical(tmp_path):
     )
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     results = {}
-    for split in ("", "3"):
+    settings = [(split, lead) for split in ("", "3") for lead in ("", "40")]
+    for split, lead in settings:
         for fast in ("1", "0"):
             env = dict(os.environ, MARLIN_PREFILL="1", MARLIN_PREFILL_FAST_SUM=fast)
             env.pop("MARLIN_PREFILL_SPLIT", None)
+            env.pop("MARLIN_PREFILL_LEAD", None)
             if split:
                 env["MARLIN_PREFILL_SPLIT"] = split
-            path = tmp_path / f"c{split}_{fast}.pt"
+            if lead:
+                env["MARLIN_PREFILL_LEAD"] = lead
+            path = tmp_path / f"c{split}_l{lead}_{fast}.pt"
             r = subprocess.run([sys.executable, "-c", script, str(path)], env=env, cwd=root, capture_output=True, text=True,
                                timeout=300)
             assert r.returncode == 0, r.stderr[-3000:]
-            results[(split, fast)] = torch.load(path)
-    for split in ("", "3"):
-        for case, x, y in zip(cases, results[(split, "1")], results[(split, "0")]):
-            assert torch.equal(x, y), (split, case)
+            results[(split, lead, fast)] = torch.load(path)
+    for split, lead in settings:
+        for case, x, y in zip(cases, results[(split, lead, "1")], results[(split, lead, "0")]):
+            assert torch.equal(x, y), (split, lead, case)
 
 
 def test_default_rule():
