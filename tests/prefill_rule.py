@@ -5,8 +5,10 @@ tile height (128 or 256 rows) by the round-cost model of prefill_pick_tile_m."""
 TILE_N, TILE_K = 128, 64
 MAX_PARTS, MIN_PART_STAGES = 4, 16
 STREAM_K, SPLIT_STAGES, STREAM_K_SHARE = -1, 16.0, 0.9  # prefill.h's kPrefillStreamK, kPrefillSplitStages, kPrefillStreamKShare
-# (fixed stages per unit, a 128-row stage in 256-row ones, a split unit's partials) per scale kind
-GROUP_SCALES_MODEL, PER_COLUMN_MODEL = (4.0, 0.6, SPLIT_STAGES), (0.0, 0.56, SPLIT_STAGES)
+SPLIT_LEAD = 6  # prefill.h's kPrefillSplitLead
+# (fixed stages per unit, a 128-row stage in 256-row ones, a split's chain beyond the last part's
+# lead) per kind of call: prefill.cu's kGroupScalesModel, kPerColumnModel, kSparse24Model
+GROUP_SCALES_MODEL, PER_COLUMN_MODEL, SPARSE_24_MODEL = (4.0, 0.6, 4.0), (0.0, 0.56, 12.0), (4.0, 0.6, 10.0)
 
 
 def tiles(m: int, n: int, tile_m: int) -> int:
@@ -28,34 +30,38 @@ def split(m: int, k: int, n: int, sms: int, tile_m: int = 256) -> tuple[int, int
     return (parts, t - left) if parts > 1 else (1, t)
 
 
-def cost(m: int, k: int, n: int, sms: int, tile_m: int, per_column: bool = False) -> float:
-    fixed, short_stage, split_stages = PER_COLUMN_MODEL if per_column else GROUP_SCALES_MODEL
+def _model(per_column: bool, sparse24: bool) -> tuple[float, float, float]:
+    return SPARSE_24_MODEL if sparse24 else PER_COLUMN_MODEL if per_column else GROUP_SCALES_MODEL
+
+
+def cost(m: int, k: int, n: int, sms: int, tile_m: int, per_column: bool = False, sparse24: bool = False) -> float:
+    fixed, short_stage, chain = _model(per_column, sparse24)
     t = tiles(m, n, tile_m)
     parts, first = split(m, k, n, sms, tile_m)
     stage = short_stage if tile_m == 128 else 1.0
     k_tiles = k // TILE_K
     if parts == STREAM_K:
-        return fixed + (t * k_tiles / sms + split_stages) * stage
+        return fixed + (t * k_tiles / sms + SPLIT_STAGES) * stage
     whole = first if parts > 1 else t
     c = (whole // sms) * (fixed + k_tiles * stage)
     if parts > 1:
-        c += fixed + (k_tiles / parts + split_stages) * stage
+        c += fixed + (k_tiles / parts + SPLIT_LEAD * (1 - 1 / parts) + chain) * stage
     elif whole % sms:
         c += fixed + k_tiles * stage
     return c
 
 
-def tile_m(m: int, k: int, n: int, sms: int, per_column: bool = False) -> int:
-    """The default tile height: 128 below 256 rows, else the cheaper schedule (group scales' model
-    for the 2:4 op in every format, per column's for the dense op's per-column formats)."""
+def tile_m(m: int, k: int, n: int, sms: int, per_column: bool = False, sparse24: bool = False) -> int:
+    """The default tile height: 128 below 256 rows, else the cheaper schedule (the 2:4 op's model
+    in every format, per column's for the dense op's per-column formats, else group scales')."""
     if m < 256:
         return 128
-    return 128 if cost(m, k, n, sms, 128, per_column) < cost(m, k, n, sms, 256, per_column) else 256
+    return 128 if cost(m, k, n, sms, 128, per_column, sparse24) < cost(m, k, n, sms, 256, per_column, sparse24) else 256
 
 
-def pays(m: int, k: int, n: int, sms: int, min_fill: float, per_column: bool = False) -> bool:
+def pays(m: int, k: int, n: int, sms: int, min_fill: float, per_column: bool = False, sparse24: bool = False) -> bool:
     """Whether the planner takes the prefill kernel by default (prefill_pays at the rule's height)."""
-    tm = tile_m(m, k, n, sms, per_column)
+    tm = tile_m(m, k, n, sms, per_column, sparse24)
     t = tiles(m, n, tm)
     parts = split(m, k, n, sms, tm)[0]
     tail = (t % sms) / sms if parts == STREAM_K else 1.0 / parts  # a split last round: 1 / parts; stream-K: as full as it is

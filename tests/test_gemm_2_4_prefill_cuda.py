@@ -137,7 +137,7 @@ def test_prefill_2_4_split(m, k, n, env, want, tile_m, monkeypatch, capfd):
     if sms != 132 and "MARLIN_PREFILL_SPLIT" not in env:
         pytest.skip("the expected splits are those of a 132-SM H100 / H200")
     if tile_m is not None:  # the pinned cases agree with the rule's restatement (prefill_rule.py)
-        assert prefill_rule.tile_m(m, k, n, sms) == tile_m or "MARLIN_PREFILL_ROWS" in env
+        assert prefill_rule.tile_m(m, k, n, sms, sparse24=True) == tile_m or "MARLIN_PREFILL_ROWS" in env
         assert prefill_rule.split(m, k, n, sms, tile_m) == want
     for key in ("MARLIN_PREFILL", "MARLIN_PREFILL_SPLIT", "MARLIN_PREFILL_ROWS"):
         monkeypatch.delenv(key, raising=False)
@@ -253,7 +253,7 @@ def test_default_rule_2_4():
     )
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     calls = [(128, 4096, 12288), (1024, 4096, 12288), (256, 8192, 10240)]  # the per column zero points' call never
-    want = [f"{m}/{prefill_rule.tile_m(m, k, n, sms)}" for m, k, n in calls if prefill_rule.pays(m, k, n, sms, 0.5)]
+    want = [f"{m}/{prefill_rule.tile_m(m, k, n, sms, sparse24=True)}" for m, k, n in calls if prefill_rule.pays(m, k, n, sms, 0.5, sparse24=True)]
     if sms == 132:
         assert want == ["128/128", "1024/256", "256/128"], want
     for knob, expect in (("-1", want), ("0", [])):

@@ -168,15 +168,15 @@ def test_default_split_plans():
 
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     # (M, K, N, group) on 132 SMs: 7B o at 256 rows (64 tiles of 128 rows, 2 parts), a deep layer
-    # at 257 rows (96 128-row tiles of 172 stages, stream-K; 256-row tiles would be 64 in 2 parts), 4 rounds and a tail of 16 (4097 x 4096 x 4096: 4 parts), 285
-    # 128-row tiles with a tail of 21 (1793 x 2432), 128 tiles in one round (1000 x 4096 x 4096);
+    # at 257 rows (96 128-row tiles of 172 stages, stream-K; 256-row tiles would be 64 in 2 parts), 4 rounds and a tail of 16 (4097 x 4096 x 4096: 4 parts), 152
+    # 256-row tiles with a tail of 20 in 2 parts (1793 x 2432), 128 tiles in one round (1000 x 4096 x 4096);
     # 7B qkv at 256 rows: 96 256-row tiles with group scales, 192 128-row ones (2 parts for the
     # last 60) per column, whose model rates the 128-row stage cheaper; 70B qkv at 128 rows: 80
     # 128-row tiles of 128 stages, stream-K (~78 stages per SM)
     cases = [(256, 4096, 4096, 128), (257, 11008, 4096, 128), (4097, 4096, 4096, 128), (1793, 2048, 2432, 128),
              (1000, 4096, 4096, 128), (256, 4096, 12288, 128), (256, 4096, 12288, -1), (128, 8192, 10240, 128)]
     if sms == 132:
-        assert [prefill_rule.tile_m(m, k, n, sms, g == -1) for m, k, n, g in cases] == [128, 128, 256, 128, 256, 256, 128, 128]
+        assert [prefill_rule.tile_m(m, k, n, sms, g == -1) for m, k, n, g in cases] == [128, 128, 256, 256, 256, 256, 128, 128]
         assert prefill_rule.split(128, 8192, 10240, sms, 128) == (prefill_rule.STREAM_K, 0)
     script = (
         "import sys, torch, marlin\n"

@@ -500,7 +500,8 @@ bool prefill_format(const Format& f) { return !(f.w == kU4Zp && f.group_mode == 
 int prefill_tile_m(const GemmArgs& a, const Format& f) {
   if (!a.wgmma || a.prefill == 0 || !prefill_format(f) || a.m <= kWgSliceRows) return 0;
   if (a.n % kPrefillTileN != 0 || a.k % kPrefillTileK != 0) return 0;
-  const int tile_m = prefill_pick_tile_m(a.m, a.n, a.k, a.sms, a.prefill_rows, f.group_mode == kPerColumn);
+  const int tile_m = prefill_pick_tile_m(a.m, a.n, a.k, a.sms, a.prefill_rows,
+                                         f.group_mode == kPerColumn ? PrefillRoundModel::kPerColumn : PrefillRoundModel::kGroupScales);
   if (prefill_smem_bytes(a.bits, tile_m) > a.max_smem) return 0;
   return a.prefill == 1 || prefill_pays(a.m, a.n, a.k, a.sms, kPrefillMinFill, tile_m) ? tile_m : 0;
 }

@@ -52,10 +52,19 @@ std::pair<long long, int> tail_split(long long tiles, long long k, int sms, int 
 struct RoundCostModel {
   double unit_fixed;   // stage times per unit beyond its K stages
   double short_stage;  // a 128-row stage, in 256-row stage times
-  double split;        // stage times a split unit adds for its partials
+  double split_chain;  // stage times a split tile's last part spends on the others' partials, beyond its lead
 };
-constexpr RoundCostModel kGroupScalesModel{4.0, 0.6, kPrefillSplitStages};
-constexpr RoundCostModel kPerColumnModel{0.0, 0.56, kPrefillSplitStages};
+constexpr RoundCostModel kGroupScalesModel{4.0, 0.6, 4.0};
+constexpr RoundCostModel kPerColumnModel{0.0, 0.56, 12.0};
+constexpr RoundCostModel kSparse24Model{4.0, 0.6, 10.0};
+
+const RoundCostModel& round_cost_model(PrefillRoundModel kind) {
+  switch (kind) {
+    case PrefillRoundModel::kPerColumn: return kPerColumnModel;
+    case PrefillRoundModel::kSparse24: return kSparse24Model;
+    default: return kGroupScalesModel;
+  }
+}
 
 double schedule_cost(long long m, long long n, long long k, int sms, int tile_m, const RoundCostModel& model) {
   const long long tiles = prefill_tiles(m, n, tile_m);
@@ -64,10 +73,10 @@ double schedule_cost(long long m, long long n, long long k, int sms, int tile_m,
   const double k_tiles = static_cast<double>(k / kPrefillTileK);
   const long long whole = parts > 1 ? first : tiles;  // tiles that run unsplit
   if (parts == kPrefillStreamK)  // one round, every block a share of the stages and a cut tile
-    return model.unit_fixed + (static_cast<double>(tiles) * k_tiles / sms + model.split) * stage;
+    return model.unit_fixed + (static_cast<double>(tiles) * k_tiles / sms + kPrefillSplitStages) * stage;
   double cost = static_cast<double>(whole / sms) * (model.unit_fixed + k_tiles * stage);
   if (parts > 1)
-    cost += model.unit_fixed + (k_tiles / parts + model.split) * stage;
+    cost += model.unit_fixed + (k_tiles / parts + kPrefillSplitLead * (1.0 - 1.0 / parts) + model.split_chain) * stage;
   else if (whole % sms != 0)
     cost += model.unit_fixed + k_tiles * stage;
   return cost;
@@ -75,10 +84,10 @@ double schedule_cost(long long m, long long n, long long k, int sms, int tile_m,
 
 }  // namespace
 
-int prefill_pick_tile_m(long long m, long long n, long long k, int sms, int forced, bool per_column) {
+int prefill_pick_tile_m(long long m, long long n, long long k, int sms, int forced, PrefillRoundModel kind) {
   if (forced == kPrefillTileM || forced == kPrefillTileMShort) return forced;
   if (m < prefill_min_rows(kPrefillTileM)) return kPrefillTileMShort;
-  const RoundCostModel& model = per_column ? kPerColumnModel : kGroupScalesModel;
+  const RoundCostModel& model = round_cost_model(kind);
   return schedule_cost(m, n, k, sms, kPrefillTileMShort, model) < schedule_cost(m, n, k, sms, kPrefillTileM, model)
              ? kPrefillTileMShort
              : kPrefillTileM;

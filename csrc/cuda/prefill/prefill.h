@@ -43,15 +43,20 @@ bool prefill_pays(long long m, long long n, long long k, int sms, double min_fil
 // where set (0: the rule); 128 below 256 rows; from 256 rows the height whose persistent schedule
 // (prefill_schedule, with its K split) takes less time in a model of whole rounds: a unit costs a
 // fixed number of stage times plus one per 64-deep stage, a 128-row stage a fraction of a 256-row
-// one (it loads and dequantizes the same weights for half the MMAs), a split unit 16 stage times
-// more for its partials. Fitted per scale kind to an H100 probe (benchmarks/NOTES.md, "128-row
-// tiles"; seven layers at 256 and 512 rows): group scales (and 2:4) a fixed 4 and 0.6 per 128-row
-// stage, per column (no group scales to apply) 0 and 0.56; each picks the faster height at every
-// point of its own format that differs by more than 3% (2:4 misses 7B down at 256 rows by 6%):
-// 128 on 7B o (256 and 512 rows, 1.16-1.27x), 70B qkv and 70B o at 256 (1.02-1.20x), per column
-// also 7B qkv and 7B down (1.04-1.11x); 256 on the wide and deep ones (70B gate_up, 70B down: 128
-// 0.77-0.96x).
-int prefill_pick_tile_m(long long m, long long n, long long k, int sms, int forced, bool per_column);
+// one (it loads and dequantizes the same weights for half the MMAs), the last part of a split tile
+// its lead (kPrefillSplitLead (1 - 1/parts) stages) and a chain of stage times for the others'
+// partials, a stream-K block kPrefillSplitStages for its cut tiles. Fitted per kind of call:
+// the fixed cost and the 128-row stage to an H100 probe (benchmarks/NOTES.md, "128-row tiles";
+// seven layers at 256 and 512 rows): group scales (and 2:4) a fixed 4 and 0.6 per 128-row stage,
+// per column (no group scales to apply) 0 and 0.56; the split's chain, once the last part summed
+// the others' partials in registers, to an H200 probe of both heights forced (NOTES.md, 2026-11-28
+// fifteenth; six layers at 256-1664 rows): 4 stage times with group scales, 12 per column, 10 for
+// 2:4 (whose half-empty 256-row tiles at 384 rows cost 1.32x). Group scales and per column then
+// pick the faster height at every probed point that differs by more than 2%: 128 on 7B o (256-640
+// rows), at 320 and 384 rows, per column also at 576 and 640; 256 on the wide and deep ones (70B
+// down, 70B gate_up) and at 512 rows. 2:4 misses 5120 x 5120 at 256 and 576 rows (by 12%, 19%).
+enum class PrefillRoundModel { kGroupScales, kPerColumn, kSparse24 };
+int prefill_pick_tile_m(long long m, long long n, long long k, int sms, int forced, PrefillRoundModel model);
 
 // K split (dense and 2:4 instances): where the last round of the persistent schedule has at most
 // half the SMs' worth of tiles (every tile, if there is only that round), those tiles run in
@@ -69,7 +74,7 @@ constexpr int kPrefillMinPartStages = 16;
 // full (fewer tiles than SMs, more than half as many), the tiles' stages as one range, each block
 // of a grid of one per SM taking an equal share (a piece of one or two tiles), the pieces of a cut
 // tile summed by its last arriver as the split's parts are. Taken where a share plus a split
-// unit's partial sums (kPrefillSplitStages, the round model's cost) is under kPrefillStreamKShare
+// tile's partials (kPrefillSplitStages stage times: stored, arrived at, summed) is under kPrefillStreamKShare
 // of a whole tile's stages, and a share is at least kPrefillMinPartStages. H200 probe (NOTES.md,
 // 2026-11-28 tenth), against main's plans: 70B qkv at 96 / 128 rows 1.09 / 0.91x -> 1.30 / 1.10x
 // of FP16 (80 tiles had left 52 SMs idle), 7B down at 257 / 384 rows 0.51 / 0.79x -> 0.77 /

@@ -62,8 +62,8 @@ int strip_shift(const Args24& args) {
 // lower fill (prefill_pays, kPrefill24MinFill): the same 128-column tiles of 256 or 128 rows, persistent blocks, the sparse wgmma with its A operand
 // (the compressed values) from registers. Every format but per-column zero points; not under the
 // knobs that force a plan of the kernel below (they measure that kernel).
-// The prefill kernel's tile height for this call (prefill_pick_tile_m's rule with the group-scale
-// model: 2:4 per column has not been probed apart; or MARLIN_PREFILL_ROWS: Args24::prefill_rows),
+// The prefill kernel's tile height for this call (prefill_pick_tile_m's rule with the 2:4 model, in
+// every format: 2:4 per column has not been probed apart; or MARLIN_PREFILL_ROWS: Args24::prefill_rows),
 // or 0 where the kernel cannot take the call or does not pay (the planner asks once).
 int prefill_tile_m(const Args24& args) {
   if (!args.wgmma || args.prefill == 0 || args.legacy || args.m <= 64) return 0;
@@ -71,7 +71,7 @@ int prefill_tile_m(const Args24& args) {
       args.cluster_mode != -1)
     return 0;
   if (args.n % kPrefillTileN != 0 || args.k % kPrefillTileK != 0 || (args.z != nullptr && args.groups == 1)) return 0;
-  const int tile_m = prefill_pick_tile_m(args.m, args.n, args.k, args.sms, args.prefill_rows, false);
+  const int tile_m = prefill_pick_tile_m(args.m, args.n, args.k, args.sms, args.prefill_rows, PrefillRoundModel::kSparse24);
   if (prefill_24_smem_bytes(tile_m) > args.max_smem) return 0;
   return args.prefill == 1 || prefill_pays(args.m, args.n, args.k, args.sms, kPrefill24MinFill, tile_m) ? tile_m : 0;
 }
