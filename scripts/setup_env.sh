@@ -18,8 +18,10 @@ fi
 # compressed-tensors (tests of its checkpoints only) is left to .ci/run and `pip install .[test]`:
 # a pip attempt without network could stall the GPU machine's set-up.
 missing=()
+# accelerate: transformers' from_pretrained refuses any device_map without it (the integration
+# tests load with device_map; compressed-tensors, which used to pull it in, no longer does).
 for pair in setuptools:setuptools wheel:wheel ninja:ninja safetensors:safetensors tqdm:tqdm pytest:pytest \
-            numpy:numpy matplotlib:matplotlib transformers:transformers ${MARLIN_EXTRA_DEPS:-}; do
+            numpy:numpy matplotlib:matplotlib transformers:transformers accelerate:accelerate ${MARLIN_EXTRA_DEPS:-}; do
   mod=${pair%%:*}; pkg=${pair#*:}
   "$PY" -c "import $mod" 2>/dev/null || missing+=("$pkg")
 done
@@ -31,7 +33,8 @@ if "$PY" -c "import setuptools" 2>/dev/null &&
 fi
 if [ ${#missing[@]} -gt 0 ]; then
   echo "setup: installing ${missing[*]}"
-  "$PY" -m pip install -q "${missing[@]}" || {
+  # a short timeout and one retry: without network (the GPU machine) this fails in seconds, not minutes
+  "$PY" -m pip install -q --timeout 10 --retries 1 "${missing[@]}" || {
     echo "setup: could not install ${missing[*]} (no network?); continuing without them" >&2
   }
 fi
