@@ -515,3 +515,35 @@ def test_2_4_zero_point_kernel_bytes_and_checked_prep(monkeypatch):
     monkeypatch.setattr(marlin.ops, "gemm_2_4", lambda *a: real(*a) * 1.02)
     with pytest.raises(GP.CorrectnessError, match="WRONG"):
         GP.prepare("marlin_24_zp_g128", 256, 128, torch.device("cpu"), l2_bytes=0)
+
+
+def test_probe_tile_height_summary():
+    """probe_tile_height's summary: speedups over the faster FP16 of each process, averaged over
+    runs; the faster forced height; a default more than the tolerance slower than it is flagged,
+    one within it is not; FP16 and other kernels are not rows."""
+    from benchmarks import probe_tile_height as PT
+
+    def run(fp16, fp16_kn, times):
+        pts = [{"shape": "L", "K": 4096, "N": 4096, "M": 320, "kernel": "fp16", "time_us": fp16},
+               {"shape": "L", "K": 4096, "N": 4096, "M": 320, "kernel": "fp16_kn", "time_us": fp16_kn},
+               {"shape": "L", "K": 4096, "N": 4096, "M": 320, "kernel": "torch_int4", "time_us": 1.0}]
+        return pts + [{"shape": "L", "K": 4096, "N": 4096, "M": 320, "kernel": k, "time_us": t} for k, t in times.items()]
+
+    runs = {
+        # group 128: 128-row tiles 1.0x / 1.2x over the runs (mean 1.1), 256-row 0.8x; per column the reverse
+        "128": [run(20.0, 10.0, {"marlin_g128": 10.0, "marlin_gcol": 12.5}),
+                run(12.0, 12.0, {"marlin_g128": 10.0, "marlin_gcol": 15.0})],
+        "256": [run(10.0, 11.0, {"marlin_g128": 12.5, "marlin_gcol": 10.0}),
+                run(10.0, 10.0, {"marlin_g128": 12.5, "marlin_gcol": 10.0})],
+        # the default: group 128 on the slower height (0.8x), per column within 1% of the faster
+        "default": [run(10.0, 10.0, {"marlin_g128": 12.5, "marlin_gcol": 10.1})],
+    }
+    rows = {r["kernel"]: r for r in PT.summarize(runs, tol=0.02)}
+    assert set(rows) == {"marlin_g128", "marlin_gcol"}
+    g, c = rows["marlin_g128"], rows["marlin_gcol"]
+    assert g["x_128"] == pytest.approx(1.1) and g["x_256"] == pytest.approx(0.8) and g["faster"] == 128
+    assert g["x_default"] == pytest.approx(0.8) and g["default_short"] is True
+    assert c["x_128"] == pytest.approx(0.8) and c["x_256"] == pytest.approx(1.0) and c["faster"] == 256
+    assert c["default_short"] is False
+    with pytest.raises(SystemExit, match="--runs and --rounds must be >= 1"):
+        PT.main(["--shapes", "7B_o", "--ms", "256", "--runs", "0"])
