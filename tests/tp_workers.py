@@ -460,8 +460,8 @@ def compiled_decode_scenario(rank: int, world_size: int, arg) -> None:
 
 
 def hf_tp_plan_scenario(rank: int, world_size: int, directory: str) -> None:
-    """transformers' own tensor parallelism (from_pretrained(..., tp_plan="auto")) on a Marlin
-    checkpoint: refused on every rank with a ValueError that names marlin.parallel.load_sharded,
+    """transformers' own tensor parallelism (from_pretrained(..., tp_plan="auto"), or its
+    distributed_config where transformers has one) on a Marlin checkpoint: refused on every rank with a ValueError that names marlin.parallel.load_sharded,
     instead of the op failing on DTensor inputs at the first forward."""
     import transformers
 
@@ -471,12 +471,17 @@ def hf_tp_plan_scenario(rank: int, world_size: int, directory: str) -> None:
     dist.barrier()
     # transformers takes its tensor-parallel layout from torchrun's variables (spawn sets none)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
-    try:
-        transformers.AutoModelForCausalLM.from_pretrained(directory, tp_plan="auto")
-    except ValueError as e:
-        assert "marlin.parallel.load_sharded" in str(e), e
-    else:
-        raise AssertionError("from_pretrained(tp_plan='auto') of a Marlin checkpoint was not refused")
+    # the argument as it was, and as transformers asks for it from 5.18 on (distributed_config)
+    spellings = {"tp_plan='auto'": {"tp_plan": "auto"}}
+    if hasattr(transformers, "DistributedConfig"):
+        spellings["distributed_config"] = {"distributed_config": transformers.DistributedConfig(tp_plan="auto")}
+    for name, kwargs in spellings.items():
+        try:
+            transformers.AutoModelForCausalLM.from_pretrained(directory, **kwargs)
+        except ValueError as e:
+            assert "marlin.parallel.load_sharded" in str(e), (name, e)
+        else:
+            raise AssertionError(f"from_pretrained({name}) of a Marlin checkpoint was not refused")
 
 
 def bench_collectives_scenario(rank: int, world_size: int, arg) -> None:
