@@ -12,7 +12,7 @@ import torch
 
 from . import _C  # noqa: F401  (loads the library that defines the schemas)
 from . import packing
-from .sparse import K_MULTIPLE_2_4, N_MULTIPLE_2_4, STRIP_K, SUPPORTED_GROUP_SIZES_2_4
+from .sparse import K_MULTIPLE_2_4, N_MULTIPLE_2_4, STRIP_K, SUPPORTED_GROUP_SIZES_2_4, unpack_2_4
 
 __all__ = [
     "gemm",
@@ -73,7 +73,10 @@ def gemm(
     tile_n: Optional[int] = None,
 ) -> torch.Tensor:
     """C[M, N] = a[M, K] @ dequant(b_q, b_scales, b_zeros) in a's dtype (float16 or bfloat16).
-    See torch.ops.marlin.gemm and marlin.packing for the formats."""
+    See torch.ops.marlin.gemm and marlin.packing for the formats. Differentiable with respect to
+    ``a`` (below: _GemmGrad)."""
+    if torch.is_grad_enabled() and _wants_grad(a, b_scales, b_zeros):
+        return _GemmGrad.apply(a, b_q, b_scales, b_zeros, workspace, tile_k, tile_n, bits)
     return torch.ops.marlin.gemm(a, b_q, b_scales, b_zeros, workspace, tile_k, tile_n, bits)
 
 
@@ -125,7 +128,10 @@ def gemm_2_4(
     """C[M, N] = a[M, K] @ dequant(b_q, b_meta, b_scales, b_zeros) for 2:4-sparse weights packed by
     marlin.sparse.quantize_and_pack_2_4; a, b_scales, b_zeros and the result all float16 or all
     bfloat16. ``b_zeros`` None: symmetric weights; else the zero points of
-    ``quantize_and_pack_2_4(..., sym=False)``. See torch.ops.marlin.gemm_2_4."""
+    ``quantize_and_pack_2_4(..., sym=False)``. See torch.ops.marlin.gemm_2_4. Differentiable with
+    respect to ``a`` (below: _Gemm24Grad)."""
+    if torch.is_grad_enabled() and _wants_grad(a, b_scales, b_zeros):
+        return _Gemm24Grad.apply(a, b_q, b_meta, b_scales, workspace, b_zeros)
     return torch.ops.marlin.gemm_2_4(a, b_q, b_meta, b_scales, workspace, b_zeros)
 
 
@@ -176,3 +182,81 @@ def _gemm_2_4_fake(a, b_q, b_meta, b_scales, workspace=None, b_zeros=None):
             lambda: f"{op}: b_zeros is on {b_zeros.device} but a is on {a.device}; all tensors must be on one device",
         )
     return a.new_empty((a.shape[0], n))
+
+
+# -- gradients: with respect to the activations only ----------------------------------------
+# C = a @ W with W = dequant(packed weights) fixed, so dC/da = grad_C @ W^T. The raw ops have no
+# autograd formula: a Python one registered on them would cost every eager call ~5 us of host
+# time, also under no_grad (2.2 -> 7.2 us per call on the CPU machine), which eager decoding
+# pays 100+ times a step. So the Python entry points (marlin.gemm, marlin.gemm_2_4, and the
+# layers, which call them) take the autograd.Function below only when grad mode is on and an
+# operand requires grad; otherwise they call the op directly. A backward through the raw
+# torch.ops.marlin.* gets PyTorch's fallback (a warning, no gradient for `a`). The backward
+# dequantizes W (exact, float32 [K, N] per call) and multiplies: correct rather than fast. The
+# dequantization is an op of its own so that torch.compile traces the backward as one opaque
+# node (the unpacking's index tables and checks do not run on fake tensors). The packed weights,
+# scales and zero points are constants: asking for their gradient is refused at the forward.
+@torch.library.custom_op("marlin::dequantize_weight", mutates_args=())
+def _dequantize_weight(b_q: torch.Tensor, b_scales: torch.Tensor, b_zeros: Optional[torch.Tensor], bits: int) -> torch.Tensor:
+    """The float32 [K, N] weight of marlin::gemm's operands (packing.unpack, then dequantize)."""
+    return packing.dequantize(*packing.unpack(b_q, b_scales, b_zeros, bits))
+
+
+@_dequantize_weight.register_fake
+def _(b_q, b_scales, b_zeros, bits):
+    return b_q.new_empty((b_q.shape[0] * 16, b_q.shape[1] // (bits // 2)), dtype=torch.float32)
+
+
+@torch.library.custom_op("marlin::dequantize_weight_2_4", mutates_args=())
+def _dequantize_weight_2_4(
+    b_q: torch.Tensor, b_meta: torch.Tensor, b_scales: torch.Tensor, b_zeros: Optional[torch.Tensor]
+) -> torch.Tensor:
+    """The float32 [K, N] weight of marlin::gemm_2_4's operands, zeros at the pruned positions."""
+    return unpack_2_4(b_q, b_meta, b_scales, b_zeros)
+
+
+@_dequantize_weight_2_4.register_fake
+def _(b_q, b_meta, b_scales, b_zeros):
+    return b_q.new_empty((b_q.shape[0] * STRIP_K, b_meta.shape[1]), dtype=torch.float32)
+
+
+def _wants_grad(a: torch.Tensor, b_scales: torch.Tensor, b_zeros: Optional[torch.Tensor]) -> bool:
+    return a.requires_grad or b_scales.requires_grad or (b_zeros is not None and b_zeros.requires_grad)
+
+
+def _refuse_weight_grads(op: str, **tensors) -> None:
+    for name, t in tensors.items():
+        if t is not None and t.requires_grad:
+            raise ValueError(
+                f"{op}: {name}.requires_grad is True, but the op differentiates with respect to `a` only "
+                "(the quantized weights, scales and zero points are constants); detach it or set requires_grad=False"
+            )
+
+
+class _GemmGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, a, b_q, b_scales, b_zeros, workspace, tile_k, tile_n, bits):
+        _refuse_weight_grads("marlin.gemm", b_scales=b_scales, b_zeros=b_zeros)
+        ctx.bits = bits
+        ctx.save_for_backward(b_q, b_scales, b_zeros)
+        return torch.ops.marlin.gemm(a, b_q, b_scales, b_zeros, workspace, tile_k, tile_n, bits)
+
+    @staticmethod
+    def backward(ctx, grad):
+        b_q, b_scales, b_zeros = ctx.saved_tensors
+        w = torch.ops.marlin.dequantize_weight(b_q, b_scales, b_zeros, ctx.bits)  # [K, N] float32
+        return (grad.float() @ w.t()).to(grad.dtype), None, None, None, None, None, None, None
+
+
+class _Gemm24Grad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, a, b_q, b_meta, b_scales, workspace, b_zeros):
+        _refuse_weight_grads("marlin.gemm_2_4", b_scales=b_scales, b_zeros=b_zeros)
+        ctx.save_for_backward(b_q, b_meta, b_scales, b_zeros)
+        return torch.ops.marlin.gemm_2_4(a, b_q, b_meta, b_scales, workspace, b_zeros)
+
+    @staticmethod
+    def backward(ctx, grad):
+        b_q, b_meta, b_scales, b_zeros = ctx.saved_tensors
+        w = torch.ops.marlin.dequantize_weight_2_4(b_q, b_meta, b_scales, b_zeros)  # [K, N] float32
+        return (grad.float() @ w.t()).to(grad.dtype), None, None, None, None, None
