@@ -461,7 +461,8 @@ def compiled_decode_scenario(rank: int, world_size: int, arg) -> None:
 
 def hf_tp_plan_scenario(rank: int, world_size: int, directory: str) -> None:
     """transformers' own tensor parallelism (from_pretrained(..., tp_plan="auto"), or its
-    distributed_config where transformers has one) on a Marlin checkpoint: refused on every rank with a ValueError that names marlin.parallel.load_sharded,
+    distributed_config where transformers has one) on a Marlin checkpoint: refused on every rank
+    with a ValueError that names marlin.parallel.load_sharded,
     instead of the op failing on DTensor inputs at the first forward."""
     import transformers
 
