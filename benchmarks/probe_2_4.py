@@ -31,10 +31,17 @@ def plan_env(name: str) -> dict:
     """auto: the planner; legacy: the first kernel's plan; pN: N K parts (clusters by the
     planner's rule); pNg: N parts through global memory; pNc: in clusters wherever they fit;
     t128 / t256: the tile width; s1 / s2 / s4: 32-row warp slices per block (M > 16); st3: the
-    3-stage instances (M <= 16); kw2: two K warpgroups per block (the late-refill wgmma); pdl: programmatic dependent launch; mma: the mma.sync kernel
+    3-stage instances (M <= 16); kw1 / kw2: one / two K warpgroups per block (the late-refill wgmma);
+    1sm: the mma.sync kernel's shared memory for one block per SM; pdl: programmatic dependent launch; mma: the mma.sync kernel
     where the sparse wgmma would run (sm_90a, M > 8); wg: the sparse wgmma, wgl: its late-refill
     variant (the default), wge: its early-refill one, wg_<plan> / wgl_<plan> / wge_<plan>: with
-    another plan's knobs (e.g. wg_s1: 64-row block slices above 64 rows)."""
+    another plan's knobs (e.g. wg_s1: 64-row block slices above 64 rows); a+b: both plans' knobs
+    (e.g. mma+p4c: the mma.sync kernel with 4 parts in clusters)."""
+    if "+" in name:
+        env = {}
+        for part in name.split("+"):
+            env.update(plan_env(part))
+        return env
     if name == "auto":
         return {}
     if name == "mma":
@@ -50,6 +57,8 @@ def plan_env(name: str) -> dict:
         return {"MARLIN_2_4_PLAN": "legacy"}
     if name == "pdl":
         return {"MARLIN_2_4_PDL": "1"}
+    if name == "1sm":
+        return {"MARLIN_2_4_ONE_PER_SM": "1"}
     if name == "st3":
         return {"MARLIN_2_4_STAGES": "3"}
     if name.startswith("kw"):
@@ -63,7 +72,7 @@ def plan_env(name: str) -> dict:
         if name[-1] in "gc":
             env["MARLIN_2_4_CLUSTERS"] = "0" if name.endswith("g") else "1"
         return env
-    raise ValueError(f"PROBE_PLANS: unknown plan {name!r} (auto, legacy, pdl, t128, t256, s1, s2, s4, st3, kw2, pN, pNg, pNc, mma, wg, wgl, wge, wg_<plan>, wgl_<plan>, wge_<plan>)")
+    raise ValueError(f"PROBE_PLANS: unknown plan {name!r} (auto, legacy, pdl, 1sm, t128, t256, s1, s2, s4, st3, kw2, pN, pNg, pNc, mma, wg, wgl, wge, wg_<plan>, wgl_<plan>, wge_<plan>, a+b)")
 
 
 PLANS = os.environ.get("PROBE_PLANS", "auto,legacy").split(",")
@@ -79,6 +88,7 @@ _KNOBS = (
     "MARLIN_2_4_WGMMA",
     "MARLIN_2_4_WG_LATE",
     "MARLIN_2_4_KW",
+    "MARLIN_2_4_ONE_PER_SM",
     "MARLIN_LOG_PLAN",
 )
 

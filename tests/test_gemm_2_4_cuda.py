@@ -165,6 +165,40 @@ def test_forced_plans_zero_points(m, plan, g, monkeypatch):
     assert err <= ALLOWED * base + 1e-7, f"M={m} plan {plan} g={g} zp: error {err:.3g} vs fp16 matmul {base:.3g}"
 
 
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
+                    reason="thread-block clusters need compute capability 9.0 or newer")
+@pytest.mark.parametrize("shape", [(4096, 4096), (11008, 4096), (8192, 8192)], ids=["4096x4096", "11008x4096", "8192x8192"])
+def test_nine_to_fifteen_rows_take_the_sixteen_row_plan_where_parts_are_short(shape, monkeypatch, capfd):
+    """9-15 rows run in the 16-row slice. Where the 16-row plan's K parts are short (at most 8
+    stages of 128 rows each) they take that plan, parts in clusters (through global memory they
+    ran 1.2-1.4x slower on the H200); where they are long (11008 x 4096: 8 parts of 11 stages)
+    their parts go through global memory as before. mma.sync kernel (N < 8192) and sparse wgmma
+    (N >= 8192 on sm_90a) alike."""
+    import re
+
+    monkeypatch.setenv("MARLIN_LOG_PLAN", "1")
+    layer = get_layer(*shape, 128)
+    plans = {}
+    for m in (16, 9, 12, 15):
+        plan_lines(capfd)
+        err, base, _, _ = check(layer, m)
+        torch.cuda.synchronize()
+        lines = plan_lines(capfd)
+        assert len(lines) == 1, lines
+        assert err <= ALLOWED * base + 1e-7, f"M={m} {shape} g=128: error {err:.3g} vs fp16 matmul {base:.3g} ({lines[0]})"
+        plans[m] = lines[0].replace(f"m={m} ", "")
+    assert " cluster=1 " in plans[16], plans[16]
+    parts16 = int(re.search(r" parts=(\d+) ", plans[16]).group(1))
+    short = shape[0] // 128 <= 8 * parts16
+    for m in (9, 12, 15):
+        if short:
+            assert plans[m] == plans[16], (m, plans)
+        else:
+            assert " cluster=0 " in plans[m], (m, plans)
+    if torch.cuda.get_device_properties(0).multi_processor_count >= 100:  # both cases on an H100 / H200
+        assert short == (shape[0] != 11008), (shape, plans[16])
+
+
 @pytest.mark.parametrize("m", [1, 8])
 def test_long_k_runs_three_blocks_per_sm(m, monkeypatch, capfd):
     """At 1-8 rows on a long K (every part at least 128 stages of 128 rows) the planner takes more

@@ -236,6 +236,32 @@ def test_slices_follow_m(wgmma_on, capfd):
             assert rows + " " in line, (m, line)
 
 
+def test_two_k_warpgroups_where_the_parts_stop_at_the_cluster_limit(wgmma_on, capfd):
+    """Above 16 rows the planner takes two K warpgroups per block where one warpgroup's K parts
+    stop at the cluster limit (8 parts in clusters) with resident slots to spare: 4096 x 4096
+    (16 column tiles) on a GPU of 100 SMs or more; where the slots stop the parts first (8192 x
+    8192, 32 tiles: 7 parts on 132 SMs) it keeps one. The plan with MARLIN_2_4_KW=1 says which
+    case a call is; both must meet the error bound."""
+    import re
+
+    wgmma_on.delenv("MARLIN_2_4_WGMMA")
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    seen = set()
+    for k, n in [(4096, 4096), (8192, 8192)]:
+        layer = get_layer(k, n, 128)
+        for m in (24, 40, 64):
+            wgmma_on.setenv("MARLIN_2_4_KW", "1")
+            _, _, one = check(layer, m, capfd)
+            wgmma_on.delenv("MARLIN_2_4_KW")
+            err, base, line = check(layer, m, capfd)
+            capped = re.search(r" parts=(\d+) ", one).group(1) == "8" and " cluster=1 " in one
+            assert f" kw={2 if capped else 1}" in line, (one, line)
+            assert err <= ALLOWED * base + 1e-7, f"M={m} {k}x{n}: error {err:.3g} vs fp16 matmul {base:.3g} ({line})"
+            seen.add((k, capped))
+    if sms >= 100:  # 16 tiles x 8 parts fit; 32 x 8 do not (so that neither case goes untested)
+        assert (4096, True) in seen and (8192, False) in seen, seen
+
+
 def test_the_planner_rule(wgmma_on, capfd):
     """Without MARLIN_2_4_WGMMA=1: the wgmma above 16 rows, and at 9-16 rows where N >= 8192; =0 never."""
     wgmma_on.delenv("MARLIN_2_4_WGMMA")

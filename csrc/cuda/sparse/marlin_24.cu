@@ -133,8 +133,7 @@ std::string plan_24(const Args24& args, Plan24* plan) {
     // slices at 2 blocks per SM on all 8 layers at M = 128 (H100, the same part rule;
     // MARLIN_2_4_WARP_SLICES=2 takes them)
     plan->ms = plan->mb == 8 && args.force_ms == 2 ? 2 : 1;
-    // two K warpgroups per block (late refill, one warp slice): MARLIN_2_4_KW=2, for measurement
-    plan->kw = plan->wg == 2 && plan->ms == 1 && args.force_kw == 2 ? 2 : 1;
+    // one or two K warpgroups per block: partition() below
   } else {
     plan->mb = args.m <= 8 ? 1 : args.m <= 16 ? 2 : 4;
     plan->ms = 1;
@@ -156,28 +155,26 @@ std::string plan_24(const Args24& args, Plan24* plan) {
              std::to_string(args.n) + " with " + std::to_string(rows) +
              "-row slices (64, 128 or 256 dividing N; 128 for 128-row slices, 64 for one warp slice)";
   }
-  plan->stages = !plan->wg && args.force_stages == 3 && plan->nw == 4 && plan->ms == 1 && plan->mb <= 2 ? 3 : kStages;
-  if (plan->wg == 2 && plan->mb == 8 && plan->ms == 1 && plan->kw == 1) plan->stages = 3;
   // the FINE kernels (scales, and zero points, read per strip): groups of 64 or 32, or zero points
   // at any group size
   plan->strip_shift = strip_shift(args);
   plan->fine = plan->strip_shift < 2 || args.z != nullptr;
-  const Instance inst = find_instance(args.bf16, plan->fine, plan->mb, plan->nw, plan->ms, plan->stages, plan->wg, plan->kw);
-  // groups of 64 or 32, or zero points: a scale row and a zero-point row per strip and stage after
-  // the ring (marlin_24_kernel.cuh, StageScales)
-  plan->smem = inst.smem + (plan->fine ? plan->stages * kStrips * inst.scale_row_bytes * (args.z != nullptr ? 2 : 1) : 0);
-  if (plan->smem > args.max_smem)
-    return "marlin.gemm_2_4: the kernel needs " + std::to_string(plan->smem) + " bytes of shared memory per block, the device allows " +
-           std::to_string(args.max_smem);
   const long long tiles = static_cast<long long>(args.n / (64 * plan->nw)) * plan->slices;
   if (tiles > (1LL << 30))
     return "marlin.gemm_2_4: M = " + std::to_string(args.m) + " x N = " + std::to_string(args.n) + " makes too many tiles (split the batch)";
-  const int per_sm = inst.blocks_per_sm(plan->smem);
-  if (per_sm == 0) return "marlin.gemm_2_4: could not set up the kernel instance (cudaFuncSetAttribute / occupancy query failed)";
-  const long long slots = static_cast<long long>(args.sms) * per_sm;
   const bool locks_ok = tiles <= 2LL * args.sms;  // max_locks: 2 arrival counters per SM
-  const bool clusters = !args.legacy && args.clusters && args.cluster_mode != 0 && (rows_used >= 16 || args.cluster_mode == 1);
-
+  // K parts in clusters from 16-row slices on: at 16 rows and more everywhere; at 9-15 rows (the
+  // 16-row slice, partly used) where each part streams at most kShortPartStages stages. H200
+  // (probe_2_4, NOTES.md 2026-11-29), 12 rows, the 16-row plan in clusters against the parts
+  // through global memory: 7B o 7.8 against 11.6 us, 7B qkv 12.2 against 17.3, 70B o 14.7
+  // against 19.4, 5120 x 5120 and 4096 x 6144 10-13% faster; but 7B down (11 stages a part) and
+  // 14336 x 4096 (14) 6% and 13% slower, as at 1-8 rows, where the clusters lost wherever parts
+  // were long (and won on some short ones: not changed without the H100).
+  constexpr int kShortPartStages = 8;
+  const bool clusters = !args.legacy && args.clusters && args.cluster_mode != 0 && (rows >= 16 || args.cluster_mode == 1);
+  auto cluster_pays = [&](int parts) { return rows_used >= 16 || args.cluster_mode == 1 || k_tiles <= kShortPartStages * parts; };
+  // the part limit below counts a 16-row slice's 16 rows at 9-15 rows too (its plan is then 16 rows')
+  const int limit_rows = rows == 16 ? 16 : rows_used;
   const int max_parts = std::max(1, std::min(16, k_tiles / 2));
   const bool wg_parts = plan->wg && rows_used > 16 && clusters;  // the wgmma instances' part limit (above)
   // balance() above, for the group-128 / per-column kernels only: the FINE kernels (slower per
@@ -196,34 +193,71 @@ std::string plan_24(const Args24& args, Plan24* plan) {
   // 646 / 683 / 720 us, 3 parts 510 / 503 / 542 (probe_2_4, NOTES.md 2026-11-28 (fifth)); the
   // 70B and 7B layers (at most 224 stages per column) keep their picks.
   constexpr int kLongPartStages = 128, kLongBlocksPerSm = 3;
-  int best = 1;
-  bool best_cluster = false;
-  double best_fill = -1.0;
-  for (int parts = 1; parts <= max_parts; parts++) {
-    const int forced = args.force_parts > 0 ? std::min(args.force_parts, max_parts) : 0;
-    const bool over = wg_parts ? parts > kMaxClusterParts || 4 * parts > k_tiles
-                               : static_cast<long long>(parts) * parts * rows_used > 16LL * k_tiles;
-    if (forced > 0 ? parts != forced : (!args.legacy && parts > 1 && over)) continue;
-    if (tiles * parts > 0x7fffffffLL) break;
-    bool cluster = false;
-    long long cslots = slots;
-    if (parts > 1 && clusters && parts <= kMaxClusterParts) {
-      const int n_clusters = inst.max_clusters(parts, plan->smem);
-      if (n_clusters > 0) cluster = true, cslots = std::min(slots, static_cast<long long>(n_clusters) * parts);
+
+  // The instance of `kw` K warpgroups per block and its K parts (the rule above); an empty string,
+  // or why the shape cannot run.
+  auto partition = [&](int kw) -> std::string {
+    plan->kw = kw;
+    plan->stages = !plan->wg && args.force_stages == 3 && plan->nw == 4 && plan->ms == 1 && plan->mb <= 2 ? 3 : kStages;
+    if (plan->wg == 2 && plan->mb == 8 && plan->ms == 1 && plan->kw == 1) plan->stages = 3;
+    const Instance inst = find_instance(args.bf16, plan->fine, plan->mb, plan->nw, plan->ms, plan->stages, plan->wg, plan->kw);
+    // groups of 64 or 32, or zero points: a scale row and a zero-point row per strip and stage after
+    // the ring (marlin_24_kernel.cuh, StageScales)
+    plan->smem = inst.smem + (plan->fine ? plan->stages * kStrips * inst.scale_row_bytes * (args.z != nullptr ? 2 : 1) : 0);
+    if (plan->smem > args.max_smem)
+      return "marlin.gemm_2_4: the kernel needs " + std::to_string(plan->smem) + " bytes of shared memory per block, the device allows " +
+             std::to_string(args.max_smem);
+    // MARLIN_2_4_ONE_PER_SM=1 (probes): shared memory for one block per SM on the mma.sync kernel
+    if (args.one_per_sm && !plan->wg) plan->smem = std::max(plan->smem, std::min(args.max_smem, args.max_smem / 2 + 1024));
+    const int per_sm = inst.blocks_per_sm(plan->smem);
+    if (per_sm == 0) return "marlin.gemm_2_4: could not set up the kernel instance (cudaFuncSetAttribute / occupancy query failed)";
+    const long long slots = static_cast<long long>(args.sms) * per_sm;
+    int best = 1;
+    bool best_cluster = false;
+    double best_fill = -1.0;
+    for (int parts = 1; parts <= max_parts; parts++) {
+      const int forced = args.force_parts > 0 ? std::min(args.force_parts, max_parts) : 0;
+      const bool over = wg_parts ? parts > kMaxClusterParts || 4 * parts > k_tiles
+                                 : static_cast<long long>(parts) * parts * limit_rows > 16LL * k_tiles;
+      if (forced > 0 ? parts != forced : (!args.legacy && parts > 1 && over)) continue;
+      if (tiles * parts > 0x7fffffffLL) break;
+      bool cluster = false;
+      long long cslots = slots;
+      if (parts > 1 && clusters && parts <= kMaxClusterParts && cluster_pays(parts)) {
+        const int n_clusters = inst.max_clusters(parts, plan->smem);
+        if (n_clusters > 0) cluster = true, cslots = std::min(slots, static_cast<long long>(n_clusters) * parts);
+      }
+      if (parts > 1 && !cluster && (!locks_ok || (wg_parts && forced == 0))) continue;
+      const double f = even_sms ? balance(tiles * parts, cslots, args.sms) : fill(tiles * parts, cslots, args.sms);
+      const bool deeper = even_sms && parts > best && f >= best_fill - 0.02 &&
+                          k_tiles >= static_cast<long long>(parts) * kLongPartStages &&
+                          tiles * parts <= static_cast<long long>(kLongBlocksPerSm) * args.sms;
+      const bool take = forced > 0 || (wg_parts ? parts == 1 || tiles * parts <= cslots : f > best_fill + 0.02 || deeper);
+      if (take) best = parts, best_cluster = cluster, best_fill = f;
     }
-    if (parts > 1 && !cluster && (!locks_ok || (wg_parts && forced == 0))) continue;
-    const double f = even_sms ? balance(tiles * parts, cslots, args.sms) : fill(tiles * parts, cslots, args.sms);
-    const bool deeper = even_sms && parts > best && f >= best_fill - 0.02 &&
-                        k_tiles >= static_cast<long long>(parts) * kLongPartStages &&
-                        tiles * parts <= static_cast<long long>(kLongBlocksPerSm) * args.sms;
-    const bool take = forced > 0 || (wg_parts ? parts == 1 || tiles * parts <= cslots : f > best_fill + 0.02 || deeper);
-    if (take) best = parts, best_cluster = cluster, best_fill = f;
+    if (args.force_parts > 0 && best != std::min(args.force_parts, max_parts))
+      return "marlin.gemm_2_4: MARLIN_2_4_PARTS = " + std::to_string(args.force_parts) + " cannot run this shape (" +
+             std::to_string(tiles) + " tiles: more than the arrival counters and no cluster)";
+    plan->parts = best;
+    plan->cluster_reduce = best > 1 && best_cluster;
+    return "";
+  };
+
+  // two K warpgroups per block (late refill, one warp slice): MARLIN_2_4_KW=2, and by default
+  // where one warpgroup's K parts stop at the cluster limit (kMaxClusterParts) although more
+  // would still fit the resident slots: few column tiles, whose blocks then leave SMs short of
+  // warps. H200 (probe_2_4, NOTES.md 2026-11-29), 17-64 rows, 8 parts of one warpgroup against
+  // two warpgroups: 7B o 9.4-13.4 against 8.9-11.6 us, 7B down 17.8-23.7 against 14.6-19.4,
+  // 14336 x 4096, 5120 x 5120 and 4096 x 6144 too; where the slots stop the parts first (7B qkv
+  // 4 parts, 70B o 7, 70B qkv 5) two warpgroups ran 5-30% slower.
+  const bool kw2_ok = plan->wg == 2 && plan->ms == 1;
+  const bool forced_plan = args.force_parts || args.force_tile_n || args.force_ms || args.force_stages || args.cluster_mode != -1;
+  std::string why = partition(kw2_ok && args.force_kw == 2 ? 2 : 1);
+  if (!why.empty()) return why;
+  if (kw2_ok && args.force_kw == 0 && !forced_plan && wg_parts && plan->parts == kMaxClusterParts && plan->cluster_reduce) {
+    why = partition(2);
+    if (!why.empty()) return why;
   }
-  if (args.force_parts > 0 && best != std::min(args.force_parts, max_parts))
-    return "marlin.gemm_2_4: MARLIN_2_4_PARTS = " + std::to_string(args.force_parts) + " cannot run this shape (" +
-           std::to_string(tiles) + " tiles: more than the arrival counters and no cluster)";
-  plan->parts = best;
-  plan->cluster_reduce = best > 1 && best_cluster;
   plan->grid = static_cast<int>(tiles * plan->parts);
   const bool global = plan->parts > 1 && !plan->cluster_reduce;
   plan->partial_floats = global ? static_cast<long long>(plan->parts) * args.m * args.n : 0;

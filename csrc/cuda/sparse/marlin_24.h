@@ -46,6 +46,9 @@ struct Args24 {
   int force_stages = 0;  // 3: the 3-stage instances where they exist (8-16 rows, 256-column tile)
   int force_kw = 0;      // 2: two K warpgroups per block on the late-refill wgmma instances (one warp slice)
   int cluster_mode = -1;
+  // one_per_sm (MARLIN_2_4_ONE_PER_SM=1, probes): the mma.sync kernel asks for shared memory for
+  // one block per SM (a cluster's blocks then land on as many SMs)
+  bool one_per_sm = false;
   // the prefill kernel's 2:4 instances (MARLIN_PREFILL, as for gemm): -1 its rule, 0 never, 1
   // wherever it can run (above 64 rows; for tests)
   int prefill = -1;
@@ -62,7 +65,7 @@ struct Plan24 {
   int nw;      // 64-column chunks per tile: 4, or 2 where N % 256 != 0
   int ms;      // warp slices per block slice (block slice = 8 mb ms rows; warps = nw ms)
   int wg;      // the sparse wgmma instances (sm_90a; nw = 4, mb 2, 4 or 8, ms 1 or 2): 1 early, 2 late refill; 0 mma.sync
-  int kw;      // warpgroups along K per block (wg = 2, ms = 1: 1 or 2; else 1)
+  int kw;      // warpgroups along K per block (wg = 2, ms = 1: 1 or 2, plan_24's rule or MARLIN_2_4_KW; else 1)
   int stages;  // of the cp.async ring
   bool fine;   // the FINE kernel: groups of 64 or 32 rows, or zero points (scale rows per strip)
   int strip_shift;  // log2 of the 32-row strips per scale group (2: group 128 or per column)

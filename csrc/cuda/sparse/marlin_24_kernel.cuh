@@ -670,24 +670,39 @@ __global__ void __launch_bounds__(32 * NW * MS * KW) marlin_24_kernel(const Para
           if (8 * b + e % 2 < lim) __stcg(mine + static_cast<long long>(8 * b + e % 2) * p.n + 16 * j + 8 * (e / 2), tot[j][b][e]);
   }
   if (!last_to_arrive(p.locks + col, p.parts)) return;
-  // kPB parts' loads of a chunk in flight at once (a loop of dependent load-add pairs made the
-  // last block's reduction latency-bound), added in part order.
-  constexpr int kPB = 8;
+  // kPB parts' loads of kXB chunks in flight at once (a loop of dependent load-add pairs made the
+  // last block's reduction latency-bound; one chunk per round left 4 L2 round trips in a row at
+  // 8 rows, 512 chunks over 128 threads), each chunk's parts added in part order.
+  constexpr int kPB = 8, kXB = 2;
   const long long plane = static_cast<long long>(p.m) * p.n;
-  for (int x = tid; x < chunks; x += kThreads) {
-    const long long at = static_cast<long long>(row0 + x / kChunks) * p.n + nt * S::kTileN + 4 * (x % kChunks);
-    float4 sum = __ldcg(reinterpret_cast<const float4*>(p.partial + at));
+  for (int x0 = tid; x0 < chunks; x0 += kXB * kThreads) {
+    long long at[kXB];
+    float4 sum[kXB];
+#pragma unroll
+    for (int i = 0; i < kXB; i++) {
+      const int x = x0 + i * kThreads;
+      at[i] = static_cast<long long>(row0 + x / kChunks) * p.n + nt * S::kTileN + 4 * (x % kChunks);
+      if (x < chunks) sum[i] = __ldcg(reinterpret_cast<const float4*>(p.partial + at[i]));
+    }
 #pragma unroll 1
     for (int q0 = 1; q0 < p.parts; q0 += kPB) {
-      float4 v[kPB];
+      float4 v[kXB][kPB];
 #pragma unroll
-      for (int q = 0; q < kPB; q++)
-        if (q0 + q < p.parts) v[q] = __ldcg(reinterpret_cast<const float4*>(p.partial + (q0 + q) * plane + at));
+      for (int i = 0; i < kXB; i++)
 #pragma unroll
-      for (int q = 0; q < kPB; q++)
-        if (q0 + q < p.parts) sum.x += v[q].x, sum.y += v[q].y, sum.z += v[q].z, sum.w += v[q].w;
+        for (int q = 0; q < kPB; q++)
+          if (x0 + i * kThreads < chunks && q0 + q < p.parts)
+            v[i][q] = __ldcg(reinterpret_cast<const float4*>(p.partial + (q0 + q) * plane + at[i]));
+#pragma unroll
+      for (int i = 0; i < kXB; i++)
+#pragma unroll
+        for (int q = 0; q < kPB; q++)
+          if (x0 + i * kThreads < chunks && q0 + q < p.parts)
+            sum[i].x += v[i][q].x, sum[i].y += v[i][q].y, sum[i].z += v[i][q].z, sum[i].w += v[i][q].w;
     }
-    store_chunk(x, sum);
+#pragma unroll
+    for (int i = 0; i < kXB; i++)
+      if (x0 + i * kThreads < chunks) store_chunk(x0 + i * kThreads, sum[i]);
   }
 }
 
