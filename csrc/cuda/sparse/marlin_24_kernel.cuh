@@ -672,8 +672,11 @@ __global__ void __launch_bounds__(32 * NW * MS * KW) marlin_24_kernel(const Para
   if (!last_to_arrive(p.locks + col, p.parts)) return;
   // kPB parts' loads of kXB chunks in flight at once (a loop of dependent load-add pairs made the
   // last block's reduction latency-bound; one chunk per round left 4 L2 round trips in a row at
-  // 8 rows, 512 chunks over 128 threads), each chunk's parts added in part order.
-  constexpr int kPB = 8, kXB = 2;
+  // 8 rows, 512 chunks over 128 threads), each chunk's parts added in part order. Two chunks on
+  // the 8-row mma.sync slices and the wgmma instances (H200: 3-9% faster at 8 rows); one on the
+  // 16- and 32-row mma.sync slices, where two made ptxas schedule the loop worse (16-row slice,
+  // 8 parts through global memory: 2-3 us slower at 9-16 rows; NOTES.md 2026-11-29).
+  constexpr int kPB = 8, kXB = MB == 1 || WG != 0 ? 2 : 1;
   const long long plane = static_cast<long long>(p.m) * p.n;
   for (int x0 = tid; x0 < chunks; x0 += kXB * kThreads) {
     long long at[kXB];
