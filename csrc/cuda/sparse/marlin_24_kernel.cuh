@@ -673,10 +673,12 @@ __global__ void __launch_bounds__(32 * NW * MS * KW) marlin_24_kernel(const Para
   // kPB parts' loads of kXB chunks in flight at once (a loop of dependent load-add pairs made the
   // last block's reduction latency-bound; one chunk per round left 4 L2 round trips in a row at
   // 8 rows, 512 chunks over 128 threads), each chunk's parts added in part order. Two chunks on
-  // the 8-row mma.sync slices and the wgmma instances (H200: 3-9% faster at 8 rows); one on the
-  // 16- and 32-row mma.sync slices, where two made ptxas schedule the loop worse (16-row slice,
-  // 8 parts through global memory: 2-3 us slower at 9-16 rows; NOTES.md 2026-11-29).
-  constexpr int kPB = 8, kXB = MB == 1 || WG != 0 ? 2 : 1;
+  // the 8-row mma.sync slices of group 128 / per column and on the wgmma instances (H200: 3-9%
+  // faster at 4-8 rows); one elsewhere: on the 16- and 32-row mma.sync slices two made ptxas
+  // schedule the loop worse (8 parts through global memory: 2-3 us slower at 9-16 rows), and on
+  // the FINE 8-row slices their registers (80 -> 168) slowed the stage loop by 1-10% at 1-8 rows
+  // (NOTES.md 2026-11-29).
+  constexpr int kPB = 8, kXB = (MB == 1 && !FINE) || WG != 0 ? 2 : 1;
   const long long plane = static_cast<long long>(p.m) * p.n;
   for (int x0 = tid; x0 < chunks; x0 += kXB * kThreads) {
     long long at[kXB];
