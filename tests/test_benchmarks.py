@@ -547,3 +547,17 @@ def test_probe_tile_height_summary():
     assert c["default_short"] is False
     with pytest.raises(SystemExit, match="--runs and --rounds must be >= 1"):
         PT.main(["--shapes", "7B_o", "--ms", "256", "--runs", "0"])
+
+
+def test_probe_2_4_plan_names():
+    """probe_2_4's plan names map to the 2:4 op's knobs; `a+b` merges two plans, unknown names fail."""
+    from benchmarks.probe_2_4 import plan_env
+
+    assert plan_env("auto") == {}
+    assert plan_env("p8c") == {"MARLIN_2_4_PARTS": "8", "MARLIN_2_4_CLUSTERS": "1"}
+    assert plan_env("kw1") == {"MARLIN_2_4_KW": "1"}
+    assert plan_env("1sm") == {"MARLIN_2_4_ONE_PER_SM": "1"}
+    assert plan_env("mma+p4c") == {"MARLIN_2_4_WGMMA": "0", "MARLIN_2_4_PARTS": "4", "MARLIN_2_4_CLUSTERS": "1"}
+    assert plan_env("wg+kw2") == {"MARLIN_2_4_WGMMA": "1", "MARLIN_2_4_KW": "2"}
+    with pytest.raises(ValueError, match="unknown plan 'bogus'"):
+        plan_env("p4+bogus")
