@@ -166,7 +166,7 @@ def test_forced_plans_zero_points(m, plan, g, monkeypatch):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
-                    reason="thread-block clusters need compute capability 9.0 or newer")
+                    reason="needs a CUDA GPU of compute capability 9.0 or newer (thread-block clusters)")
 @pytest.mark.parametrize("shape", [(4096, 4096), (11008, 4096), (8192, 8192)], ids=["4096x4096", "11008x4096", "8192x8192"])
 def test_nine_to_fifteen_rows_take_the_sixteen_row_plan_where_parts_are_short(shape, monkeypatch, capfd):
     """9-15 rows run in the 16-row slice. Where the 16-row plan's K parts are short (at most 8
