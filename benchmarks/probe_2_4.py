@@ -31,9 +31,10 @@ def plan_env(name: str) -> dict:
     """auto: the planner; legacy: the first kernel's plan; pN: N K parts (clusters by the
     planner's rule); pNg: N parts through global memory; pNc: in clusters wherever they fit;
     t128 / t256: the tile width; s1 / s2 / s4: 32-row warp slices per block (M > 16); st3: the
-    3-stage instances (M <= 16); kw1 / kw2: one / two K warpgroups per block (the late-refill wgmma);
-    1sm: the mma.sync kernel's shared memory for one block per SM; pdl: programmatic dependent launch; mma: the mma.sync kernel
-    where the sparse wgmma would run (sm_90a, M > 8); wg: the sparse wgmma, wgl: its late-refill
+    3-stage instances (M <= 16); kw1 / kw2: one / two K warpgroups per block (the late-refill
+    wgmma); 1sm: the mma.sync kernel's shared memory for one block per SM; pdl: programmatic
+    dependent launch; mma: the mma.sync kernel where the sparse wgmma would run (sm_90a, M > 8);
+    wg: the sparse wgmma, wgl: its late-refill
     variant (the default), wge: its early-refill one, wg_<plan> / wgl_<plan> / wge_<plan>: with
     another plan's knobs (e.g. wg_s1: 64-row block slices above 64 rows); a+b: both plans' knobs
     (e.g. mma+p4c: the mma.sync kernel with 4 parts in clusters)."""
@@ -72,7 +73,7 @@ def plan_env(name: str) -> dict:
         if name[-1] in "gc":
             env["MARLIN_2_4_CLUSTERS"] = "0" if name.endswith("g") else "1"
         return env
-    raise ValueError(f"PROBE_PLANS: unknown plan {name!r} (auto, legacy, pdl, 1sm, t128, t256, s1, s2, s4, st3, kw2, pN, pNg, pNc, mma, wg, wgl, wge, wg_<plan>, wgl_<plan>, wge_<plan>, a+b)")
+    raise ValueError(f"PROBE_PLANS: unknown plan {name!r} (auto, legacy, pdl, 1sm, t128, t256, s1, s2, s4, st3, kw1, kw2, pN, pNg, pNc, mma, wg, wgl, wge, wg_<plan>, wgl_<plan>, wge_<plan>, a+b)")
 
 
 PLANS = os.environ.get("PROBE_PLANS", "auto,legacy").split(",")
