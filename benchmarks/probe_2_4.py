@@ -3,6 +3,7 @@
     python -m benchmarks.probe_2_4 [--out probe.json]
         PROBE_SHAPES=7B_qkv,70B_gateup,14336x4096  PROBE_IDEAL=1  PROBE_MS=1,16,64
         PROBE_PLANS=auto,legacy,p4,p8g,t128,wg,wg_s1   (see plan_env)
+        PROBE_GROUP=128 (or 64, 32: the FINE kernels)  PROBE_ZP=1 (zero points; FINE too)
 Same method as bench_gemm (weights rotated past L2, CUDA-graph replay, medians), fewer points, and
 several plans of gemm_2_4 in one process: csrc/cuda/sparse/gemm_2_4_cuda.cpp reads its tuning
 variables on every call. Weights are random (valid 2:4 metadata): the time does not depend on
@@ -25,6 +26,8 @@ from benchmarks.shapes import ideal_shape, shape_by_name
 _NAMES = os.environ.get("PROBE_SHAPES", "7B_qkv,7B_o,70B_gateup,70B_down")
 SHAPES = {s: shape_by_name(s) for s in _NAMES.split(",") if s}  # a name or "KxN"
 MS = [int(m) for m in os.environ.get("PROBE_MS", "1,8,16,32,64,128").split(",")]
+GROUP = int(os.environ.get("PROBE_GROUP", "128"))  # the 2:4 weights' scale group (dense stays g128)
+ZP = os.environ.get("PROBE_ZP", "0") == "1"  # the 2:4 weights with zero points
 
 
 def plan_env(name: str) -> dict:
@@ -32,7 +35,7 @@ def plan_env(name: str) -> dict:
     planner's rule); pNg: N parts through global memory; pNc: in clusters wherever they fit;
     t128 / t256: the tile width; s1 / s2 / s4: 32-row warp slices per block (M > 16); st3: the
     3-stage instances (M <= 16); kw1 / kw2: one / two K warpgroups per block (the late-refill
-    wgmma); 1sm: the mma.sync kernel's shared memory for one block per SM; pdl: programmatic
+    wgmma); pdl: programmatic
     dependent launch; mma: the mma.sync kernel where the sparse wgmma would run (sm_90a, M > 8);
     wg: the sparse wgmma, wgl: its late-refill
     variant (the default), wge: its early-refill one, wg_<plan> / wgl_<plan> / wge_<plan>: with
@@ -58,8 +61,6 @@ def plan_env(name: str) -> dict:
         return {"MARLIN_2_4_PLAN": "legacy"}
     if name == "pdl":
         return {"MARLIN_2_4_PDL": "1"}
-    if name == "1sm":
-        return {"MARLIN_2_4_ONE_PER_SM": "1"}
     if name == "st3":
         return {"MARLIN_2_4_STAGES": "3"}
     if name.startswith("kw"):
@@ -73,7 +74,7 @@ def plan_env(name: str) -> dict:
         if name[-1] in "gc":
             env["MARLIN_2_4_CLUSTERS"] = "0" if name.endswith("g") else "1"
         return env
-    raise ValueError(f"PROBE_PLANS: unknown plan {name!r} (auto, legacy, pdl, 1sm, t128, t256, s1, s2, s4, st3, kw1, kw2, pN, pNg, pNc, mma, wg, wgl, wge, wg_<plan>, wgl_<plan>, wge_<plan>, a+b)")
+    raise ValueError(f"PROBE_PLANS: unknown plan {name!r} (auto, legacy, pdl, t128, t256, s1, s2, s4, st3, kw1, kw2, pN, pNg, pNc, mma, wg, wgl, wge, wg_<plan>, wgl_<plan>, wge_<plan>, a+b)")
 
 
 PLANS = os.environ.get("PROBE_PLANS", "auto,legacy").split(",")
@@ -89,7 +90,6 @@ _KNOBS = (
     "MARLIN_2_4_WGMMA",
     "MARLIN_2_4_WG_LATE",
     "MARLIN_2_4_KW",
-    "MARLIN_2_4_ONE_PER_SM",
     "MARLIN_LOG_PLAN",
 )
 
@@ -123,9 +123,14 @@ def main():
         SHAPES["ideal"] = ideal_shape(props.multi_processor_count)
     envs = {p: plan_env(p) for p in PLANS}
     rows = []
+    if GROUP not in (32, 64, 128):
+        raise SystemExit(f"PROBE_GROUP: {GROUP}, expected 32, 64 or 128")
+    print(f"2:4 weights: group {GROUP}{', zero points' if ZP else ''}; dense: group 128")
     print(f"{props.name}: time in us; ratio = dense g128 / 2:4 (> 1: 2:4 faster)")
     print(f"{'shape':12s} {'M':>4s} {'fp16':>9s} {'dense':>9s} " + " ".join(f"{p:>9s}" for p in PLANS) + "  ratio(auto)")
     for name, (k, n) in SHAPES.items():
+        if k % GROUP:
+            raise SystemExit(f"PROBE_GROUP: {GROUP} does not divide K = {k} of {name}")
         torch.manual_seed(0)
         sp_bytes = k * n * 3 // 8
         cs = max(1, -(-4 * l2 // sp_bytes))
@@ -133,7 +138,9 @@ def main():
             (
                 torch.randint(-(2**31), 2**31 - 1, (k // 32, 2 * n), dtype=torch.int32, device="cuda"),
                 random_meta(k // 32, n),
-                (torch.rand(k // 128, n, device="cuda") * 0.01 + 0.001).half(),
+                (torch.rand(k // GROUP, n, device="cuda") * 0.01 + 0.001).half(),
+                None,
+                torch.randint(0, 16, (k // GROUP, n), device="cuda").half() if ZP else None,
             )
             for _ in range(cs)
         ]

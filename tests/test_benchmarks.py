@@ -556,7 +556,7 @@ def test_probe_2_4_plan_names():
     assert plan_env("auto") == {}
     assert plan_env("p8c") == {"MARLIN_2_4_PARTS": "8", "MARLIN_2_4_CLUSTERS": "1"}
     assert plan_env("kw1") == {"MARLIN_2_4_KW": "1"}
-    assert plan_env("1sm") == {"MARLIN_2_4_ONE_PER_SM": "1"}
+    assert plan_env("p6g") == {"MARLIN_2_4_PARTS": "6", "MARLIN_2_4_CLUSTERS": "0"}
     assert plan_env("mma+p4c") == {"MARLIN_2_4_WGMMA": "0", "MARLIN_2_4_PARTS": "4", "MARLIN_2_4_CLUSTERS": "1"}
     assert plan_env("wg+kw2") == {"MARLIN_2_4_WGMMA": "1", "MARLIN_2_4_KW": "2"}
     with pytest.raises(ValueError, match="unknown plan 'bogus'"):

@@ -41,8 +41,7 @@ bool kernel_enabled() {
 // MARLIN_2_4_WGMMA=0 keeps them off, =1 takes them wherever they can run (M > 8, N % 256 == 0;
 // MARLIN_2_4_WARP_SLICES=2 then picks 128-row block slices above 64 rows; MARLIN_2_4_WG_LATE=0
 // their early-refill variant; MARLIN_2_4_KW=1 or 2 one or two K warpgroups per block on the
-// late-refill ones with one warp slice, instead of plan_24's rule); MARLIN_2_4_ONE_PER_SM=1 asks
-// the mma.sync kernel's shared memory for one block per SM; MARLIN_LOG_PLAN=1 prints the plan.
+// late-refill ones with one warp slice, instead of plan_24's rule); MARLIN_LOG_PLAN=1 prints the plan.
 int env_or(const char* name, int fallback) {
   const char* env = std::getenv(name);
   return env != nullptr && *env != '\0' ? std::atoi(env) : fallback;
@@ -109,7 +108,6 @@ at::Tensor gemm_2_4_cuda(const at::Tensor& a, const at::Tensor& b_q, const at::T
   args.cluster_mode = env_or("MARLIN_2_4_CLUSTERS", -1);
   args.force_stages = env_or("MARLIN_2_4_STAGES", 0);
   args.force_kw = env_or("MARLIN_2_4_KW", 0);
-  args.one_per_sm = env_or("MARLIN_2_4_ONE_PER_SM", 0) == 1;
   args.prefill = env_or("MARLIN_PREFILL", -1);
   args.prefill_split = env_or("MARLIN_PREFILL_SPLIT", 0);
   args.prefill_lead = env_or("MARLIN_PREFILL_LEAD", -1);

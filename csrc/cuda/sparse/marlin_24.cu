@@ -1,5 +1,6 @@
 // Plan and launch of the 2:4-sparse kernel (marlin_24_kernel.cuh): slice size, K split, grid.
 #include <algorithm>
+#include <atomic>
 
 #include "../dequant.cuh"
 #include "../marlin_kernel.cuh"  // KernelParams, for the prefill kernel's launch
@@ -31,6 +32,23 @@ double balance(long long blocks, long long slots, int sms) {
   if (blocks > slots) return fill(blocks, slots, sms);
   const long long per_sm = (blocks + sms - 1) / sms;
   return static_cast<double>(blocks) / static_cast<double>(per_sm * sms);
+}
+
+// How many clusters of `parts` blocks the GPU can place with one block on each SM: the clusters
+// of that size resident at once when each block asks for more than half an SM's shared memory.
+// A property of the GPCs (H200: 66, 39, 30, about 22, 17, about 15, 15 for 2-8 blocks; its 132
+// SMs do not all take clusters of 8 at one block each), asked once per device and size. 0 where
+// the query fails (no cluster plan is then scored by placement).
+int spread_clusters(const Instance& inst, int parts, int max_smem) {
+  constexpr int kMaxDevices = 64;
+  static std::atomic<int> known[kMaxDevices][kMaxClusterParts + 1];  // count + 1; 0: not asked yet
+  int dev = 0;
+  if (parts < 2 || parts > kMaxClusterParts || cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= kMaxDevices) return 0;
+  const int k = known[dev][parts].load(std::memory_order_acquire);
+  if (k > 0) return k - 1;
+  const int n = inst.max_clusters(parts, std::min(max_smem, max_smem / 2 + 1024));
+  known[dev][parts].store(n + 1, std::memory_order_release);
+  return n;
 }
 
 // log2 of the 32-row strips per scale group: 2 for group 128 and per column (one scale row per
@@ -189,10 +207,26 @@ std::string plan_24(const Args24& args, Plan24* plan) {
   // Long K under balance(): one block per SM leaves too few bytes in flight on the H200 (4.8 TB/s
   // over 132 SMs). Where every part still streams kLongPartStages stages or more, balance() ties are
   // broken towards more parts, up to kLongBlocksPerSm blocks on every SM (the split end then costs
-  // under 1% of a part). H200, the ideal layer (135168 x 33792, 132 tiles) at M = 1 / 4 / 8: 1 part
-  // 646 / 683 / 720 us, 3 parts 510 / 503 / 542 (probe_2_4, NOTES.md 2026-11-28 (fifth)); the
-  // 70B and 7B layers (at most 224 stages per column) keep their picks.
-  constexpr int kLongPartStages = 128, kLongBlocksPerSm = 3;
+  // under 1% of a part). H200 (probe_2_4, NOTES.md): the ideal layer (135168 x 33792, 132 tiles) at
+  // M = 1 / 4 / 8: 1 part 646 / 683 / 720 us, 3 parts 510 / 503 / 542; 70B down (224 stages a
+  // column, 32 tiles) at 1-8 rows: 4 parts 33.4-36.1 us, 8 (28 stages each) 30.5-34.9.
+  constexpr int kLongPartStages = 24, kLongBlocksPerSm = 3;
+  // Placement (even_sms plans at 4-16 rows, few column tiles, no knob): the clusters of a tile's
+  // parts and the global reduction both compete for every part count. The hardware puts a
+  // cluster's blocks one per SM only while the clusters fit the GPCs that way (spread_clusters);
+  // beyond that it stacks them on the same SMs, so a cluster plan scores by the blocks on its
+  // busiest SM. H200, 16 column tiles (probe/clusters.cu, NOTES.md 2026-11-29 (seventeenth)): 6
+  // parts land one block per SM, 7 and 8 two (7B down at 16 rows: 6 parts 14.8 us, 7 17.8, 8
+  // 16.3). The global reduction's last block reads every part's rows, a cost that grows with the
+  // rows and with parts per stage of K: its score loses kGlobalSumCost x rows x parts / k-tiles.
+  // Fitted on the H200 at 4-16 rows (the same notes): 7B down, 14336 x 4096, 11008 x 5120,
+  // 28672 x 4096 (long K: global at 12-16 rows, 8 parts), 7B o, 5120 x 5120, 4096 x 6144 (short
+  // K: clusters of 4-6 from 4 rows on, 7-20% faster than the rule before). At 1-3 rows, or more
+  // than sms / 2 column tiles, the rule before (clusters from 16 rows).
+  constexpr double kGlobalSumCost = 0.3;
+  constexpr int kPlacedMinRows = 4;
+  const bool placed = even_sms && rows_used >= kPlacedMinRows && 2 * tiles <= args.sms && args.clusters &&
+                      args.cluster_mode == -1 && args.force_parts == 0;
 
   // The instance of `kw` K warpgroups per block and its K parts (the rule above); an empty string,
   // or why the shape cannot run.
@@ -207,20 +241,37 @@ std::string plan_24(const Args24& args, Plan24* plan) {
     if (plan->smem > args.max_smem)
       return "marlin.gemm_2_4: the kernel needs " + std::to_string(plan->smem) + " bytes of shared memory per block, the device allows " +
              std::to_string(args.max_smem);
-    // MARLIN_2_4_ONE_PER_SM=1 (probes): shared memory for one block per SM on the mma.sync kernel
-    if (args.one_per_sm && !plan->wg) plan->smem = std::max(plan->smem, std::min(args.max_smem, args.max_smem / 2 + 1024));
     const int per_sm = inst.blocks_per_sm(plan->smem);
     if (per_sm == 0) return "marlin.gemm_2_4: could not set up the kernel instance (cudaFuncSetAttribute / occupancy query failed)";
     const long long slots = static_cast<long long>(args.sms) * per_sm;
     int best = 1;
     bool best_cluster = false;
-    double best_fill = -1.0;
+    double best_fill = -1.0, best_raw = -1.0;
     for (int parts = 1; parts <= max_parts; parts++) {
       const int forced = args.force_parts > 0 ? std::min(args.force_parts, max_parts) : 0;
       const bool over = wg_parts ? parts > kMaxClusterParts || 4 * parts > k_tiles
                                  : static_cast<long long>(parts) * parts * limit_rows > 16LL * k_tiles;
       if (forced > 0 ? parts != forced : (!args.legacy && parts > 1 && over)) continue;
       if (tiles * parts > 0x7fffffffLL) break;
+      if (placed) {
+        const long long blocks = tiles * parts;
+        const double raw = balance(blocks, slots, args.sms);
+        auto consider = [&](double f, bool cluster) {
+          const bool deeper = !cluster && parts > best && raw >= best_raw - 0.02 &&
+                              k_tiles >= static_cast<long long>(parts) * kLongPartStages &&
+                              blocks <= static_cast<long long>(kLongBlocksPerSm) * args.sms;
+          if (f > best_fill + 0.02 || deeper) best = parts, best_cluster = cluster, best_fill = f, best_raw = raw;
+        };
+        if (parts > 1 && parts <= kMaxClusterParts && inst.max_clusters(parts, plan->smem) >= tiles) {
+          const int spread = spread_clusters(inst, parts, args.max_smem);
+          if (spread > 0) {
+            const long long per_sm = tiles <= spread ? 1 : (tiles + spread - 1) / spread;
+            consider(static_cast<double>(blocks) / static_cast<double>(per_sm * args.sms), true);
+          }
+        }
+        if (parts == 1 || locks_ok) consider(parts == 1 ? raw : raw * (1.0 - kGlobalSumCost * rows_used * parts / k_tiles), false);
+        continue;
+      }
       bool cluster = false;
       long long cslots = slots;
       if (parts > 1 && clusters && parts <= kMaxClusterParts && cluster_pays(parts)) {

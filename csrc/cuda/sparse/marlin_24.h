@@ -44,11 +44,8 @@ struct Args24 {
   int force_tile_n = 0;
   int force_ms = 0;
   int force_stages = 0;  // 3: the 3-stage instances where they exist (8-16 rows, 256-column tile)
-  int force_kw = 0;      // 2: two K warpgroups per block on the late-refill wgmma instances (one warp slice)
+  int force_kw = 0;      // 1 or 2: one or two K warpgroups per block on the late-refill wgmma instances (one warp slice); 0 the planner's rule
   int cluster_mode = -1;
-  // one_per_sm (MARLIN_2_4_ONE_PER_SM=1, probes): the mma.sync kernel asks for shared memory for
-  // one block per SM (a cluster's blocks then land on as many SMs)
-  bool one_per_sm = false;
   // the prefill kernel's 2:4 instances (MARLIN_PREFILL, as for gemm): -1 its rule, 0 never, 1
   // wherever it can run (above 64 rows; for tests)
   int prefill = -1;
