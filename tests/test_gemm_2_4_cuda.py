@@ -165,6 +165,18 @@ def test_forced_plans_zero_points(m, plan, g, monkeypatch):
     assert err <= ALLOWED * base + 1e-7, f"M={m} plan {plan} g={g} zp: error {err:.3g} vs fp16 matmul {base:.3g}"
 
 
+def checked_plan(layer, m, capfd, what):
+    """The planner's plan line for `m` rows (MARLIN_LOG_PLAN=1 set by the caller), after checking
+    that plan's output against the float64 reference."""
+    plan_lines(capfd)
+    err, base, _, _ = check(layer, m)
+    torch.cuda.synchronize()
+    lines = plan_lines(capfd)
+    assert len(lines) == 1, lines
+    assert err <= ALLOWED * base + 1e-7, f"M={m} {what}: error {err:.3g} vs fp16 matmul {base:.3g} ({lines[0]})"
+    return lines[0]
+
+
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
                     reason="needs a CUDA GPU of compute capability 9.0 or newer (thread-block clusters)")
 @pytest.mark.parametrize("shape", [(4096, 4096), (11008, 4096), (8192, 8192)], ids=["4096x4096", "11008x4096", "8192x8192"])
@@ -174,20 +186,13 @@ def test_nine_to_fifteen_rows_take_the_sixteen_row_plan_where_parts_are_short(sh
     ran 1.2-1.4x slower on the H200): on the mma.sync kernel (N < 8192) by the placement rule, on
     the sparse wgmma (N >= 8192 on sm_90a) by the short-part rule. 11008 x 4096 (long K) is left
     to the placement rule, which weighs clusters against the global reduction per row count."""
-    import re
-
     monkeypatch.setenv("MARLIN_LOG_PLAN", "1")
     layer = get_layer(*shape, 128)
     plans = {}
     for m in (16, 9, 12, 15):
-        plan_lines(capfd)
-        err, base, _, _ = check(layer, m)
-        torch.cuda.synchronize()
-        lines = plan_lines(capfd)
-        assert len(lines) == 1, lines
-        assert err <= ALLOWED * base + 1e-7, f"M={m} {shape} g=128: error {err:.3g} vs fp16 matmul {base:.3g} ({lines[0]})"
-        assert " slice_rows=16 " in lines[0], lines[0]
-        plans[m] = lines[0].replace(f"m={m} ", "")
+        line = checked_plan(layer, m, capfd, f"{shape} g=128")
+        assert " slice_rows=16 " in line, line
+        plans[m] = line.replace(f"m={m} ", "")
     if shape[0] == 4096:
         assert " cluster=1 " in plans[16] and all(plans[m] == plans[16] for m in (9, 12, 15)), plans
 
@@ -202,14 +207,9 @@ def test_placement_rule_rows(shape, monkeypatch, capfd):
     monkeypatch.setenv("MARLIN_LOG_PLAN", "1")
     layer = get_layer(*shape, 128)
     for m in (1, 3, 4, 6, 8, 10, 16):
-        plan_lines(capfd)
-        err, base, _, _ = check(layer, m)
-        torch.cuda.synchronize()
-        lines = plan_lines(capfd)
-        assert len(lines) == 1, lines
-        assert err <= ALLOWED * base + 1e-7, f"M={m} {shape}: error {err:.3g} vs fp16 matmul {base:.3g} ({lines[0]})"
+        line = checked_plan(layer, m, capfd, str(shape))
         if m < 4:
-            assert " cluster=0 " in lines[0], lines[0]
+            assert " cluster=0 " in line, line
 
 
 @pytest.mark.parametrize("m", [1, 8])
