@@ -28,6 +28,8 @@ SHAPES = {s: shape_by_name(s) for s in _NAMES.split(",") if s}  # a name or "KxN
 MS = [int(m) for m in os.environ.get("PROBE_MS", "1,8,16,32,64,128").split(",")]
 GROUP = int(os.environ.get("PROBE_GROUP", "128"))  # the 2:4 weights' scale group (dense stays g128)
 ZP = os.environ.get("PROBE_ZP", "0") == "1"  # the 2:4 weights with zero points
+if GROUP not in (32, 64, 128):
+    raise SystemExit(f"PROBE_GROUP: {GROUP}, expected 32, 64 or 128")
 
 
 def plan_env(name: str) -> dict:
@@ -35,10 +37,9 @@ def plan_env(name: str) -> dict:
     planner's rule); pNg: N parts through global memory; pNc: in clusters wherever they fit;
     t128 / t256: the tile width; s1 / s2 / s4: 32-row warp slices per block (M > 16); st3: the
     3-stage instances (M <= 16); kw1 / kw2: one / two K warpgroups per block (the late-refill
-    wgmma); pdl: programmatic
-    dependent launch; mma: the mma.sync kernel where the sparse wgmma would run (sm_90a, M > 8);
-    wg: the sparse wgmma, wgl: its late-refill
-    variant (the default), wge: its early-refill one, wg_<plan> / wgl_<plan> / wge_<plan>: with
+    wgmma); pdl: programmatic dependent launch; mma: the mma.sync kernel where the sparse wgmma
+    would run (sm_90a, M > 8); wg: the sparse wgmma, wgl: its late-refill variant (the default),
+    wge: its early-refill one, wg_<plan> / wgl_<plan> / wge_<plan>: with
     another plan's knobs (e.g. wg_s1: 64-row block slices above 64 rows); a+b: both plans' knobs
     (e.g. mma+p4c: the mma.sync kernel with 4 parts in clusters)."""
     if "+" in name:
@@ -123,8 +124,6 @@ def main():
         SHAPES["ideal"] = ideal_shape(props.multi_processor_count)
     envs = {p: plan_env(p) for p in PLANS}
     rows = []
-    if GROUP not in (32, 64, 128):
-        raise SystemExit(f"PROBE_GROUP: {GROUP}, expected 32, 64 or 128")
     print(f"2:4 weights: group {GROUP}{', zero points' if ZP else ''}; dense: group 128")
     print(f"{props.name}: time in us; ratio = dense g128 / 2:4 (> 1: 2:4 faster)")
     print(f"{'shape':12s} {'M':>4s} {'fp16':>9s} {'dense':>9s} " + " ".join(f"{p:>9s}" for p in PLANS) + "  ratio(auto)")
@@ -139,7 +138,7 @@ def main():
                 torch.randint(-(2**31), 2**31 - 1, (k // 32, 2 * n), dtype=torch.int32, device="cuda"),
                 random_meta(k // 32, n),
                 (torch.rand(k // GROUP, n, device="cuda") * 0.01 + 0.001).half(),
-                None,
+                None,  # workspace: the op's own zeroed lock slot
                 torch.randint(0, 16, (k // GROUP, n), device="cuda").half() if ZP else None,
             )
             for _ in range(cs)
