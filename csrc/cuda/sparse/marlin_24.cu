@@ -51,6 +51,29 @@ int spread_clusters(const Instance& inst, int parts, int max_smem) {
   return n;
 }
 
+// A plan's time in microseconds, as a sum of what sets it where the blocks' streams are short
+// (few rows, or the FINE kernels' heavier stages): `stage` for each stage of a part, `shared_stage`
+// more for each stage and each block on the busiest SM, `block` for each block there, and for the
+// reduction through global memory (fence, arrival counter, the last block's reads) `global_sum`
+// plus `global_rows` x rows x parts / k-tiles. Fitted by least squares on forced plans (probe_2_4,
+// NOTES.md 2026-11-29 (eighteenth)); only the differences between plans of one call matter.
+struct PlanCost {
+  double stage, shared_stage, block, global_sum, global_rows;
+  double operator()(long long stages, long long per_sm, bool global, int rows, int parts, int k_tiles) const {
+    const double s = static_cast<double>(stages), b = static_cast<double>(per_sm);
+    return stage * s + shared_stage * s * b + block * b +
+           (global ? global_sum + global_rows * rows * parts / static_cast<double>(k_tiles) : 0.0);
+  }
+};
+// group 128 / per column at 1-3 rows: 607 plans on 18 layers, then 72 more on six long-K ones;
+// each layer left out of the fit in turn, its pick was within 3% of its best plan (0.4% on
+// average)
+constexpr PlanCost kLatencyCost{0.16, 0.34, 0.17, 1.03, 0.0};
+// the FINE kernels (groups of 64 / 32, zero points) at 1-16 rows: 267 plans (group 64) on 8
+// layers; left-out layers' picks within 7% of the best (0.9% on average), where the fill rule
+// lost 9.6% on average and up to 27%
+constexpr PlanCost kFineCost{0.57, 0.37, 0.89, 0.26, 1.55};
+
 // log2 of the 32-row strips per scale group: 2 for group 128 and per column (one scale row per
 // stage), 1 for group 64, 0 for group 32 (gemm_2_4_checks.h admits no other group count).
 int strip_shift(const Args24& args) {
@@ -181,13 +204,14 @@ std::string plan_24(const Args24& args, Plan24* plan) {
   if (tiles > (1LL << 30))
     return "marlin.gemm_2_4: M = " + std::to_string(args.m) + " x N = " + std::to_string(args.n) + " makes too many tiles (split the batch)";
   const bool locks_ok = tiles <= 2LL * args.sms;  // max_locks: 2 arrival counters per SM
-  // K parts in clusters from 16-row slices on: at 16 rows and more everywhere; at 9-15 rows (the
-  // 16-row slice, partly used) where each part streams at most kShortPartStages stages. H200
-  // (probe_2_4, NOTES.md 2026-11-29), 12 rows, the 16-row plan in clusters against the parts
-  // through global memory: 7B o 7.8 against 11.6 us, 7B qkv 12.2 against 17.3, 70B o 14.7
-  // against 19.4, 5120 x 5120 and 4096 x 6144 10-13% faster; but 7B down (11 stages a part) and
-  // 14336 x 4096 (14) 6% and 13% slower, as at 1-8 rows, where the clusters lost wherever parts
-  // were long (and won on some short ones: not changed without the H100).
+  // K parts in clusters from 16-row slices on, where the placement rule below does not decide (it
+  // weighs clusters against the global reduction for the even-SM plans on few column tiles, at
+  // any row count): at 16 rows and more everywhere; at 9-15 rows (the 16-row slice, partly used)
+  // where each part streams at most kShortPartStages stages. H200 (probe_2_4, NOTES.md
+  // 2026-11-29), 12 rows, the 16-row plan in clusters against the parts through global memory:
+  // 7B o 7.8 against 11.6 us, 7B qkv 12.2 against 17.3, 70B o 14.7 against 19.4, 5120 x 5120 and
+  // 4096 x 6144 10-13% faster; but 7B down (11 stages a part) and 14336 x 4096 (14) 6% and 13%
+  // slower, as at 1-8 rows, where the clusters lost wherever parts were long.
   constexpr int kShortPartStages = 8;
   const bool clusters = !args.legacy && args.clusters && args.cluster_mode != 0 && (rows >= 16 || args.cluster_mode == 1);
   auto cluster_pays = [&](int parts) { return rows_used >= 16 || args.cluster_mode == 1 || k_tiles <= kShortPartStages * parts; };
@@ -196,14 +220,16 @@ std::string plan_24(const Args24& args, Plan24* plan) {
   const int max_parts = std::max(1, std::min(16, k_tiles / 2));
   const bool wg_parts = plan->wg && rows_used > 16 && clusters;  // the wgmma instances' part limit (above)
   // balance() above, for the group-128 / per-column kernels only: the FINE kernels (slower per
-  // block: a scale row per strip) lost 13-50% with it on the large layers (H100, NOTES.md). Up to
-  // 16 rows on the mma.sync kernel (N < 8192 there): 7B down at 12 / 16 rows 8 parts (128 blocks)
-  // 15.3 / 17.0 us against the fill rule's 10 / 9 parts through global memory 20.0 / 21.0. Not on
-  // the sparse wgmma at 9-16 rows: one block per SM left it 1.1-1.5x slower on 70B o / qkv / down
-  // and the ideal layer (it runs 3 blocks per SM and needs them to hide its loads). Only on the
-  // 256-column tile (four warps): the one-warp 64-column tile of N % 128 = 64 needs several blocks
-  // per SM (4096 x 2752 at 9-16 rows: 3 parts, 129 blocks, 11.0-14.5 us; 8 parts 7.6-11.2).
-  const bool even_sms = !plan->wg && plan->nw == 4 && rows_used <= 16 && !args.legacy && !plan->fine;
+  // block: a scale row per strip) lost 13-50% with it on the large layers (H100, NOTES.md; on few
+  // column tiles they are costed instead, below). Up to 16 rows on the mma.sync kernel (N < 8192
+  // there): 7B down at 12 / 16 rows 8 parts (128 blocks) 15.3 / 17.0 us against the fill rule's 10 /
+  // 9 parts through global memory 20.0 / 21.0. Not on the sparse wgmma at 9-16 rows: one block per
+  // SM left it 1.1-1.5x slower on 70B o / qkv / down and the ideal layer (it runs 3 blocks per SM
+  // and needs them to hide its loads). Only on the 256-column tile (four warps): the one-warp
+  // 64-column tile of N % 128 = 64 needs several blocks per SM (4096 x 2752 at 9-16 rows: 3 parts,
+  // 129 blocks, 11.0-14.5 us; 8 parts 7.6-11.2).
+  const bool wide_tile = !plan->wg && plan->nw == 4 && rows_used <= 16 && !args.legacy;  // mma.sync, 256 columns, 1-16 rows
+  const bool even_sms = wide_tile && !plan->fine;
   // Long K under balance(): one block per SM leaves too few bytes in flight on the H200 (4.8 TB/s
   // over 132 SMs). Where every part still streams kLongPartStages stages or more, balance() ties are
   // broken towards more parts, up to kLongBlocksPerSm blocks on every SM (the split end then costs
@@ -211,22 +237,35 @@ std::string plan_24(const Args24& args, Plan24* plan) {
   // M = 1 / 4 / 8: 1 part 646 / 683 / 720 us, 3 parts 510 / 503 / 542; 70B down (224 stages a
   // column, 32 tiles) at 1-8 rows: 4 parts 33.4-36.1 us, 8 (28 stages each) 30.5-34.9.
   constexpr int kLongPartStages = 24, kLongBlocksPerSm = 3;
-  // Placement (even_sms plans at 4-16 rows, few column tiles, no knob): the clusters of a tile's
-  // parts and the global reduction both compete for every part count. The hardware puts a
-  // cluster's blocks one per SM only while the clusters fit the GPCs that way (spread_clusters);
-  // beyond that it stacks them on the same SMs, so a cluster plan scores by the blocks on its
-  // busiest SM. H200, 16 column tiles (probe/clusters.cu, NOTES.md 2026-11-29 (seventeenth)): 6
-  // parts land one block per SM, 7 and 8 two (7B down at 16 rows: 6 parts 14.8 us, 7 17.8, 8
-  // 16.3). The global reduction's last block reads every part's rows, a cost that grows with the
-  // rows and with parts per stage of K: its score loses kGlobalSumCost x rows x parts / k-tiles.
-  // Fitted on the H200 at 4-16 rows (the same notes): 7B down, 14336 x 4096, 11008 x 5120,
-  // 28672 x 4096 (long K: global at 12-16 rows, 8 parts), 7B o, 5120 x 5120, 4096 x 6144 (short
-  // K: clusters of 4-6 from 4 rows on, 7-20% faster than the rule before). At 1-3 rows, or more
-  // than sms / 2 column tiles, the rule before (clusters from 16 rows).
+  // Placement (wide_tile plans, at most sms / 2 column tiles, no knob): the clusters of a tile's
+  // parts and the global reduction both compete for every part count. The hardware puts a cluster's
+  // blocks one per SM only while the clusters fit the GPCs that way (spread_clusters); beyond that
+  // it stacks them on the same SMs, so a cluster plan scores by the blocks on its busiest SM. H200,
+  // 16 column tiles (benchmarks/cluster_placement.cu, NOTES.md 2026-11-29 (seventeenth)): 6 parts
+  // land one block per SM, 7 and 8 two (7B down at 16 rows: 6 parts 14.8 us, 7 17.8, 8 16.3). Group
+  // 128 / per column from 4 rows on: the global reduction's last block reads every part's rows, a
+  // cost that grows with the rows and with parts per stage of K: its score loses kGlobalSumCost x
+  // rows x parts / k-tiles. Fitted on the H200 at 4-16 rows (the same notes): 7B down, 14336 x 4096,
+  // 11008 x 5120, 28672 x 4096 (long K: global at 12-16 rows, 8 parts), 7B o, 5120 x 5120, 4096 x
+  // 6144 (short K: clusters of 4-6 from 4 rows on, 7-20% faster than the rule before). A cluster
+  // sums its parts in shared memory, so the part limit above (set by that last block's reads) binds
+  // only the global plans here: 7B o at 12 / 16 rows takes 6 parts in clusters, 8.1 / 8.5 us where
+  // the 5 that the limit allowed took 8.5 / 8.6 (forced, NOTES.md, eighteenth). More than sms / 2 column tiles: the rule
+  // above (clusters from 16 rows).
   constexpr double kGlobalSumCost = 0.3;
   constexpr int kPlacedMinRows = 4;
-  const bool placed = even_sms && rows_used >= kPlacedMinRows && 2 * tiles <= args.sms && args.clusters &&
-                      args.cluster_mode == -1 && args.force_parts == 0;
+  // At 1-3 rows a block's time is mostly latency, not its SM's share of the stream; and the FINE
+  // kernels (a scale row per strip) are slower per block at every row count. There every plan of
+  // one wave is costed (PlanCost above: kLatencyCost, kFineCost) and the cheapest wins. H200
+  // (NOTES.md, eighteenth): 5120 x 15360 at 1 row 4 parts in clusters 13.2 us where the fill rule
+  // took 13 parts in two waves (17.7); 5120 x 5120 5 in clusters 7.4 (8.8); group 64 on 7B down at
+  // 16 rows 8 parts global 19.5 (9, 23.4), 4096 x 6144 at 16 rows 8 in clusters 11.0 (5, 14.0).
+  // At 1-3 rows (group 128 / per column) a global plan stacks blocks on an SM only where its parts
+  // are long (kLongPartStages): 70B down at 1 / 3 rows 12 parts (3 blocks on an SM, 19 stages)
+  // 31.9 / 33.6 us against 8 (2, 28) 30.4 / 31.2; 14336 x 4096 16 parts (2, 7 stages) 12.1 / 12.8
+  // against 8 (1) 11.5 / 12.3.
+  const bool placed = wide_tile && 2 * tiles <= args.sms && args.clusters && args.cluster_mode == -1 && args.force_parts == 0;
+  const bool costed = placed && (plan->fine || rows_used < kPlacedMinRows);
 
   // The instance of `kw` K warpgroups per block and its K parts (the rule above); an empty string,
   // or why the shape cannot run.
@@ -246,15 +285,36 @@ std::string plan_24(const Args24& args, Plan24* plan) {
     const long long slots = static_cast<long long>(args.sms) * per_sm;
     int best = 1;
     bool best_cluster = false;
-    double best_fill = -1.0, best_raw = -1.0;
+    double best_fill = -1.0, best_raw = -1.0, best_cost = -1.0;
     for (int parts = 1; parts <= max_parts; parts++) {
       const int forced = args.force_parts > 0 ? std::min(args.force_parts, max_parts) : 0;
       const bool over = wg_parts ? parts > kMaxClusterParts || 4 * parts > k_tiles
                                  : static_cast<long long>(parts) * parts * limit_rows > 16LL * k_tiles;
-      if (forced > 0 ? parts != forced : (!args.legacy && parts > 1 && over)) continue;
+      if (forced > 0 && parts != forced) continue;
       if (tiles * parts > 0x7fffffffLL) break;
-      if (placed) {
+      if (placed) {  // no knob: forced == 0
         const long long blocks = tiles * parts;
+        // the blocks on the busiest SM of the cluster plan (0: no cluster plan)
+        long long cluster_sm = 0;
+        if (parts > 1 && parts <= kMaxClusterParts && inst.max_clusters(parts, plan->smem) >= tiles) {
+          const int spread = spread_clusters(inst, parts, args.max_smem);
+          if (spread > 0) cluster_sm = tiles <= spread ? 1 : (tiles + spread - 1) / spread;
+        }
+        const bool global_ok = parts == 1 || (locks_ok && !over);
+        if (costed) {
+          if (blocks > slots) break;  // one wave
+          const long long stages = (k_tiles + parts - 1) / parts;
+          const PlanCost& model = plan->fine ? kFineCost : kLatencyCost;
+          auto take = [&](long long per_sm, bool cluster) {
+            const bool global = parts > 1 && !cluster;
+            if (global && !plan->fine && (per_sm > 2 || (per_sm == 2 && stages < kLongPartStages))) return;
+            const double cost = model(stages, per_sm, global, rows_used, parts, k_tiles);
+            if (best_cost < 0.0 || cost < best_cost) best = parts, best_cluster = cluster, best_cost = cost;
+          };
+          if (cluster_sm > 0) take(cluster_sm, true);
+          if (global_ok) take((blocks + args.sms - 1) / args.sms, false);
+          continue;
+        }
         const double raw = balance(blocks, slots, args.sms);
         auto consider = [&](double f, bool cluster) {
           const bool deeper = !cluster && parts > best && raw >= best_raw - 0.02 &&
@@ -262,16 +322,11 @@ std::string plan_24(const Args24& args, Plan24* plan) {
                               blocks <= static_cast<long long>(kLongBlocksPerSm) * args.sms;
           if (f > best_fill + 0.02 || deeper) best = parts, best_cluster = cluster, best_fill = f, best_raw = raw;
         };
-        if (parts > 1 && parts <= kMaxClusterParts && inst.max_clusters(parts, plan->smem) >= tiles) {
-          const int spread = spread_clusters(inst, parts, args.max_smem);
-          if (spread > 0) {
-            const long long per_sm = tiles <= spread ? 1 : (tiles + spread - 1) / spread;
-            consider(static_cast<double>(blocks) / static_cast<double>(per_sm * args.sms), true);
-          }
-        }
-        if (parts == 1 || locks_ok) consider(parts == 1 ? raw : raw * (1.0 - kGlobalSumCost * rows_used * parts / k_tiles), false);
+        if (cluster_sm > 0) consider(static_cast<double>(blocks) / static_cast<double>(cluster_sm * args.sms), true);
+        if (global_ok) consider(parts == 1 ? raw : raw * (1.0 - kGlobalSumCost * rows_used * parts / k_tiles), false);
         continue;
       }
+      if (forced == 0 && !args.legacy && parts > 1 && over) continue;
       bool cluster = false;
       long long cslots = slots;
       if (parts > 1 && clusters && parts <= kMaxClusterParts && cluster_pays(parts)) {
