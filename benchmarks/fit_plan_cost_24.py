@@ -123,6 +123,15 @@ def pick_losses(points: list[dict], c: dict) -> dict:
     return out
 
 
+def left_out_losses(train: list[dict], kind: str) -> list[float]:
+    """Each layer left out of the fit in turn: its picks' losses over its best plans."""
+    losses = []
+    for layer in sorted({p["layer"] for p in train}):
+        held = fit([p for p in train if p["layer"] != layer], kind)
+        losses += list(pick_losses([p for p in train if p["layer"] == layer], held).values())
+    return losses
+
+
 def main() -> None:
     points = load()
     for kind in ("latency", "fine"):
@@ -131,10 +140,7 @@ def main() -> None:
         c = fit(train, kind)
         print(f"{kind}: {len(train)} plans; fitted " + ", ".join(f"{t} {v:.2f}" for t, v in c.items()))
         print("  landed   " + ", ".join(f"{t} {v:.2f}" for t, v in LANDED[kind].items()))
-        losses = []
-        for layer in sorted({p["layer"] for p in train}):
-            held = fit([p for p in train if p["layer"] != layer], kind)
-            losses += list(pick_losses([p for p in train if p["layer"] == layer], held).values())
+        losses = left_out_losses(train, kind)
         print(f"  each layer left out: its pick {100 * np.mean(losses):.1f}% over its best plan on average, "
               f"{100 * max(losses):.1f}% at most ({len(losses)} layer x rows points)")
         check = [p for p in pts if p["role"] == "check"]

@@ -43,8 +43,5 @@ def test_left_out_layers_pick_near_their_best_plan():
     points = fit.load()
     for kind in ("latency", "fine"):
         train = [p for p in fit.select(points, kind) if p["role"] == "fit"]
-        losses = []
-        for layer in sorted({p["layer"] for p in train}):
-            held = fit.fit([p for p in train if p["layer"] != layer], kind)
-            losses += list(fit.pick_losses([p for p in train if p["layer"] == layer], held).values())
+        losses = fit.left_out_losses(train, kind)
         assert max(losses) < 0.07 and np.mean(losses) < 0.015, (kind, max(losses), np.mean(losses))
