@@ -3,6 +3,8 @@
 
     compute-sanitizer --tool memcheck python scripts/sanitize_2_4.py
     SANITIZE_QUICK=1 compute-sanitizer --tool racecheck python scripts/sanitize_2_4.py   (two plans only)
+    SANITIZE_CASES=fine,zp ...   (only those groups of cases: dense, fine, bf16, zp; racecheck on
+                                  every case takes longer than a device call)
 Checks the results against the spec too, so a run that is clean but wrong still fails.
 """
 
@@ -56,8 +58,17 @@ if os.environ.get("SANITIZE_QUICK") == "1":  # racecheck / synccheck are slow: t
 def main():
     torch.manual_seed(0)
     ok = True
-    cases = [(*c, torch.float16, False) for c in CASES + FINE_CASES] + [(*c, torch.bfloat16, False) for c in BF16_CASES]
-    cases += [(*c, True) for c in ZP_CASES]
+    groups = {
+        "dense": [(*c, torch.float16, False) for c in CASES],
+        "fine": [(*c, torch.float16, False) for c in FINE_CASES],
+        "bf16": [(*c, torch.bfloat16, False) for c in BF16_CASES],
+        "zp": [(*c, True) for c in ZP_CASES],
+    }
+    chosen = os.environ.get("SANITIZE_CASES", ",".join(groups)).split(",")
+    unknown = [g for g in chosen if g not in groups]
+    if unknown:
+        raise SystemExit(f"SANITIZE_CASES: unknown group(s) {unknown}, expected some of {list(groups)}")
+    cases = [c for g in chosen for c in groups[g]]
     for m, k, n, g, dtype, zp in cases:
         w = torch.randn(k, n, device="cuda")
         if zp:  # an offset per column, so that the zero points spread over 0..15
