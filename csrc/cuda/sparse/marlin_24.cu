@@ -66,8 +66,8 @@ struct PlanCost {
   }
 };
 // group 128 / per column at 1-3 rows: 607 plans on 18 layers, then 72 more on six long-K ones;
-// each layer left out of the fit in turn, its pick was within 3% of its best plan (0.4% on
-// average)
+// each layer left out of the fit in turn, its pick was within 5.2% of its best plan (2048 x 4096
+// at 2 rows; 0.4% on average; benchmarks/fit_plan_cost_24.py)
 constexpr PlanCost kLatencyCost{0.16, 0.34, 0.17, 1.03, 0.0};
 // the FINE kernels (groups of 64 / 32, zero points) at 1-16 rows: 267 plans (group 64) on 8
 // layers; left-out layers' picks within 7% of the best (0.9% on average), where the fill rule
@@ -250,8 +250,8 @@ std::string plan_24(const Args24& args, Plan24* plan) {
   // 6144 (short K: clusters of 4-6 from 4 rows on, 7-20% faster than the rule before). A cluster
   // sums its parts in shared memory, so the part limit above (set by that last block's reads) binds
   // only the global plans here: 7B o at 12 / 16 rows takes 6 parts in clusters, 8.1 / 8.5 us where
-  // the 5 that the limit allowed took 8.5 / 8.6 (forced, NOTES.md, eighteenth). More than sms / 2 column tiles: the rule
-  // above (clusters from 16 rows).
+  // the 5 that the limit allowed took 8.5 / 8.6 (forced, NOTES.md, eighteenth). More than sms / 2
+  // column tiles: the rule above (clusters from 16 rows).
   constexpr double kGlobalSumCost = 0.3;
   constexpr int kPlacedMinRows = 4;
   // At 1-3 rows a block's time is mostly latency, not its SM's share of the stream; and the FINE
@@ -275,8 +275,9 @@ std::string plan_24(const Args24& args, Plan24* plan) {
     if (plan->wg == 2 && plan->mb == 8 && plan->ms == 1 && plan->kw == 1) plan->stages = 3;
     const Instance inst = find_instance(args.bf16, plan->fine, plan->mb, plan->nw, plan->ms, plan->stages, plan->wg, plan->kw);
     // groups of 64 or 32, or zero points: a scale row and a zero-point row per strip and stage after
-    // the ring (marlin_24_kernel.cuh, StageScales)
-    plan->smem = inst.smem + (plan->fine ? plan->stages * kStrips * inst.scale_row_bytes * (args.z != nullptr ? 2 : 1) : 0);
+    // the ring, without zero points one row of 8s (marlin_24_kernel.cuh, StageScales)
+    const int fine_rows = plan->stages * kStrips + (args.z != nullptr ? plan->stages * kStrips : 1);
+    plan->smem = inst.smem + (plan->fine ? fine_rows * inst.scale_row_bytes : 0);
     if (plan->smem > args.max_smem)
       return "marlin.gemm_2_4: the kernel needs " + std::to_string(plan->smem) + " bytes of shared memory per block, the device allows " +
              std::to_string(args.max_smem);

@@ -112,42 +112,68 @@ __device__ __forceinline__ void scale_by_pair(uint32_t (&lo)[2], uint32_t (&hi)[
 
 // The fine loops' scales and zero points (groups of 64 or 32 rows, or zero points at any group
 // size): one row per strip, the row of the strip's group (group 64 copies each row twice, group
-// 128 four times; per column the one row, permuted once before the loop), kStrips scale rows
-// per ring slot in the area after the STAGES-deep ring, then as many zero-point rows (with zero
-// points). Per strip rather
-// than per group, so that the loops address a strip's rows at a constant offset and keep no
-// group size in registers (the 64-row wgmma instances are at their register limit). shift: log2
-// of the strips per group (2: group 128, 1: group 64, 0: group 32).
+// 128 four times), kStrips scale rows per ring slot in the area after the STAGES-deep ring, then
+// the zero-point rows. Per strip rather than per group, so that the loops address a strip's rows
+// at a constant offset and keep no group size in registers (the 64-row wgmma instances are at
+// their register limit). shift: log2 of the strips per group (2: group 128, 1: group 64, 0: group
+// 32).
+// The loops read both rows of every strip unconditionally: where a kind of row is not streamed
+// its rows are written once before the loop (per column: scale rows of 1, the zero-point row
+// permuted into every slot; without zero points: one row of 8s, zero_stride 0). A branch on the
+// format around each strip's scale and zero-point code split the unrolled stage into a chain of
+// small basic blocks, which kept ptxas from hoisting the next strip's shared loads (sm_90a, MB 1:
+// 25 branches and 588 instructions per stage against 335 for group 128).
 template <int MB, int NW, int MS, bool WG, int KW, int STAGES>
 struct StageScales {
   using S = Shape<MB, NW, MS, WG, KW>;
   int4* smem;  // the ring's start
   int shift;
+  int zero_stride;  // int4 from one strip's zero-point row to the next: kSStage, or 0 (one row of 8s)
   __device__ __forceinline__ int4* strip_row(int slot, int u) const {
     return smem + STAGES * S::kStageInt4 + (slot * kStrips + u) * S::kSStage;
   }
   __device__ __forceinline__ int4* zero_row(int slot, int u) const {
-    return smem + STAGES * S::kStageInt4 + (STAGES + slot) * kStrips * S::kSStage + u * S::kSStage;
+    return smem + STAGES * S::kStageInt4 + STAGES * kStrips * S::kSStage + (slot * kStrips + u) * zero_stride;
   }
-  // The lane's scales (grouped; word j: the pair of fragment rows g and g + 8 of block j, for
-  // scale_by_pair) and zero-point constants (u4_zero_pair; 8 without zero points) of strip u
-  // (idx = wn * 8 + g: the b_scales permutation puts column 16 j + g at position 8 g + 2 j and
-  // 16 j + 8 + g at 8 g + 2 j + 1).
+  // The lane's scales (word j: the pair of fragment rows g and g + 8 of block j, for
+  // scale_by_pair) and zero-point constants (u4_zero_pair) of strip u (idx = wn * 8 + g: the
+  // b_scales permutation puts column 16 j + g at position 8 g + 2 j and 16 j + 8 + g at
+  // 8 g + 2 j + 1; the pair (z_lo, z_hi) of block j is word j of the zero-point row's int4).
   template <typename ET>
-  __device__ __forceinline__ void strip_params(int slot, int u, int idx, bool grouped, bool zeros, uint32_t (&sw)[4],
-                                               U4Zero (&z)[4]) const {
-    if (grouped) {
-      const int4 sv = strip_row(slot, u)[idx];
-      sw[0] = static_cast<uint32_t>(sv.x), sw[1] = static_cast<uint32_t>(sv.y);
-      sw[2] = static_cast<uint32_t>(sv.z), sw[3] = static_cast<uint32_t>(sv.w);
+  __device__ __forceinline__ void strip_params(int slot, int u, int idx, uint32_t (&sw)[4], U4Zero (&z)[4]) const {
+    const int4 sv = strip_row(slot, u)[idx];
+    const int4 zv = zero_row(slot, u)[idx];
+    sw[0] = static_cast<uint32_t>(sv.x), sw[1] = static_cast<uint32_t>(sv.y);
+    sw[2] = static_cast<uint32_t>(sv.z), sw[3] = static_cast<uint32_t>(sv.w);
+    z[0] = u4_zero_pair<ET>(static_cast<uint32_t>(zv.x)), z[1] = u4_zero_pair<ET>(static_cast<uint32_t>(zv.y));
+    z[2] = u4_zero_pair<ET>(static_cast<uint32_t>(zv.z)), z[3] = u4_zero_pair<ET>(static_cast<uint32_t>(zv.w));
+  }
+  // The rows the fetch does not stream, written once before the loop (the caller's barrier makes
+  // them visible): per column (!grouped), every scale row 1 and every zero-point row the one row
+  // of p.z in the grouped permutation; without zero points, the one row of 8s.
+  template <typename ET>
+  __device__ __forceinline__ void write_constant_rows(const Params& p, int nt, int tid, bool grouped, bool zeros) const {
+    constexpr int kThreads = S::kThreads;
+    static_assert(kThreads % S::kSStage == 0, "each thread keeps one int4 of a row");
+    const int o = tid % S::kSStage;
+    if (!grouped) {
+      const uint32_t one = kIsBf16<ET> ? 0x3F803F80u : 0x3C003C00u;
+      for (int x = tid; x < STAGES * kStrips * S::kSStage; x += kThreads) strip_row(0, 0)[x] = make_int4(one, one, one, one);
     }
-    // the pair (z_lo, z_hi) of block j is word j of the row's int4; 8 (symmetric) as an ET pair
-    const int4 zv = zeros ? zero_row(slot, u)[idx] : make_int4(0, 0, 0, 0);
-    const uint32_t eight = kIsBf16<ET> ? 0x41004100u : 0x48004800u;
-    const uint32_t zw[4] = {static_cast<uint32_t>(zv.x), static_cast<uint32_t>(zv.y), static_cast<uint32_t>(zv.z),
-                            static_cast<uint32_t>(zv.w)};
+    if (zeros && !grouped) {
+      // one row in natural column order (b_scales' layout for one group, packing.permute_scales),
+      // read in the grouped permutation (position 8 i + j of a 64-column chunk is column i + 8 j):
+      // the thread's int4 o of the row (chunk o / 8, positions 8 (o % 8) + j)
+      const ET* zc = reinterpret_cast<const ET*>(p.z) + nt * S::kTileN;
+      alignas(16) ET v[8];
 #pragma unroll
-    for (int j = 0; j < 4; j++) z[j] = u4_zero_pair<ET>(zeros ? zw[j] : eight);
+      for (int j = 0; j < 8; j++) v[j] = zc[(o / 8) * 64 + o % 8 + 8 * j];
+      for (int x = tid; x < STAGES * kStrips * S::kSStage; x += kThreads) zero_row(0, 0)[x] = *reinterpret_cast<const int4*>(v);
+    }
+    if (!zeros && tid < S::kSStage) {
+      const uint32_t eight = kIsBf16<ET> ? 0x41004100u : 0x48004800u;
+      zero_row(0, 0)[tid] = make_int4(eight, eight, eight, eight);
+    }
   }
 };
 
@@ -215,7 +241,7 @@ __device__ __forceinline__ void mma_sp_16832_first(const uint32_t (&a)[4], const
 // StageScales rows (a separate instantiation, so that the plain loop keeps its code and registers).
 template <int MB, int NW, int MS, int STAGES, bool LATE, int KW, bool FINE, typename ET, typename Fetch>
 __device__ __forceinline__ void main_loop_wg(const int4* smem, Fetch& fetch, float (&tot)[4][MB][4], int kt0, int n_k, int wn,
-                                             int wrow0, int wk, int lane, int g, bool grouped, bool zeros,
+                                             int wrow0, int wk, int lane, int g, bool grouped,
                                              const StageScales<MB, NW, MS, true, KW, STAGES>& scales) {
   using S = Shape<MB, NW, MS, true, KW>;
   constexpr int kAhead = LATE ? STAGES - 1 : STAGES - 2;
@@ -275,7 +301,7 @@ __device__ __forceinline__ void main_loop_wg(const int4* smem, Fetch& fetch, flo
 #pragma unroll
     for (int l = 0; l < kLocal; l++) {
       const int buf = l % 2;
-      if constexpr (FINE) scales.template strip_params<ET>(slot, wk * kLocal + l, wn * 8 + g, grouped, zeros, sw, zz);
+      if constexpr (FINE) scales.template strip_params<ET>(slot, wk * kLocal + l, wn * 8 + g, sw, zz);
       const int4 wq4 = sb[(l * NW + strip_chunk) * 32 + lane];
       // metadata as in the mma.sync loop: the lane's words (blocks 0, 1) and lane ^ 2's (2, 3), selector 0
       const uint2* mrow = reinterpret_cast<const uint2*>(sm + (l * NW + strip_chunk) * 16);
@@ -291,7 +317,7 @@ __device__ __forceinline__ void main_loop_wg(const int4* smem, Fetch& fetch, flo
         else
           dequant_u4<ET, false>(wq[j], lo, hi, U4Zero{});
         if constexpr (FINE) {
-          if (grouped) scale_by_pair<ET>(lo, hi, sw[j]);
+          scale_by_pair<ET>(lo, hi, sw[j]);  // per column: scale rows of 1
         } else if (grouped) {
           lo[0] = as_u32<ET>(__hmul2(as_t2<ET>(lo[0]), s_lo[j]));
           lo[1] = as_u32<ET>(__hmul2(as_t2<ET>(lo[1]), s_lo[j]));
@@ -386,7 +412,7 @@ __global__ void __launch_bounds__(32 * NW * MS * KW) marlin_24_kernel(const Para
   const bool grouped = p.groups > 1;
   const bool zeros = p.z != nullptr;
   // the fine kernels' per-strip rows (strip_shift: log2 of the strips per scale group)
-  const StageScales<MB, NW, MS, WG != 0, KW, STAGES> scales{smem, p.strip_shift};
+  const StageScales<MB, NW, MS, WG != 0, KW, STAGES> scales{smem, p.strip_shift, zeros ? S::kSStage : 0};
 
   const long long bq_row = p.n / 2;  // int4 per row of b_q (one strip)
   const long long bm_row = p.n / 4;  // int4 per row of b_meta
@@ -456,28 +482,15 @@ __global__ void __launch_bounds__(32 * NW * MS * KW) marlin_24_kernel(const Para
   // Programmatic dependent launch: the previous kernel of the stream may still be running until
   // here (A, the locks and C may be its inputs or outputs).
   grid_dependency_wait();
-  if (FINE && zeros && !grouped) {
-    // Per-column zero points: one row in natural column order (b_scales' layout for one group,
-    // packing.permute_scales), while the loops read a row in the grouped permutation (position
-    // 8 i + j of a 64-column chunk is column i + 8 j). The row is the same for every stage, so
-    // it is permuted here once into every ring slot's zero-point rows and never fetched again.
-    const ET* zc = reinterpret_cast<const ET*>(p.z) + nt * S::kTileN;
-    // the thread's int4 o of the row (chunk o / 8, positions 8 (o % 8) + j), read once and
-    // stored into every slot's rows (kThreads is a multiple of the row's kSStage int4)
-    static_assert(kThreads % S::kSStage == 0, "each thread keeps one int4 of the row");
-    const int o = tid % S::kSStage;
-    alignas(16) ET v[8];
-#pragma unroll
-    for (int j = 0; j < 8; j++) v[j] = zc[(o / 8) * 64 + o % 8 + 8 * j];
-    int4* zrows = scales.zero_row(0, 0);
-    for (int x = tid; x < STAGES * kStrips * S::kSStage; x += kThreads) zrows[x] = *reinterpret_cast<const int4*>(v);
+  if constexpr (FINE) {
+    scales.template write_constant_rows<ET>(p, nt, tid, grouped, zeros);
     __syncthreads();  // the loops' first reads follow barriers of one warpgroup only
   }
   // The main loop: one scale row per stage (group 128, per column), or (FINE) each strip's scale
   // and zero-point rows applied to the dequantized weights.
   if constexpr (WG) {
     main_loop_wg<MB, NW, MS, STAGES, WG == 2, KW, FINE, ET>(smem, fetch, tot, kt0, n_k, wn, wrow0, wk, lane, g, grouped,
-                                                              zeros, scales);
+                                                              scales);
   } else {
 #pragma unroll
   for (int s = 0; s < STAGES - 1; s++) {
@@ -542,7 +555,7 @@ __global__ void __launch_bounds__(32 * NW * MS * KW) marlin_24_kernel(const Para
       // tot: no group sums, no group size in the loop
       uint32_t sw[4];
       U4Zero zz[4];
-      if constexpr (FINE) scales.template strip_params<ET>(slot, u, wn * 8 + g, grouped, zeros, sw, zz);
+      if constexpr (FINE) scales.template strip_params<ET>(slot, u, wn * 8 + g, sw, zz);
 #pragma unroll
       for (int j = 0; j < 4; j++) {
         uint32_t lo[2], hi[2];
@@ -550,7 +563,7 @@ __global__ void __launch_bounds__(32 * NW * MS * KW) marlin_24_kernel(const Para
           dequant_u4<ET, true>(wq[j], lo, hi, zz[j]);  // u - z (z = 8 without zero points)
         else
           dequant_u4<ET, false>(wq[j], lo, hi, U4Zero{});
-        if (FINE && grouped) scale_by_pair<ET>(lo, hi, sw[j]);
+        if constexpr (FINE) scale_by_pair<ET>(lo, hi, sw[j]);  // per column: scale rows of 1
         const uint32_t a[4] = {lo[0], hi[0], lo[1], hi[1]};
         const uint32_t e = j == 0 ? mw.x : j == 1 ? mw.y : j == 2 ? mw2.x : mw2.y;
 #pragma unroll
