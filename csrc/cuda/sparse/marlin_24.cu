@@ -69,10 +69,11 @@ struct PlanCost {
 // each layer left out of the fit in turn, its pick was within 5.2% of its best plan (2048 x 4096
 // at 2 rows; 0.4% on average; benchmarks/fit_plan_cost_24.py)
 constexpr PlanCost kLatencyCost{0.16, 0.34, 0.17, 1.03, 0.0};
-// the FINE kernels (groups of 64 / 32, zero points) at 1-16 rows: 267 plans (group 64) on 8
-// layers; left-out layers' picks within 7% of the best (0.9% on average), where the fill rule
-// lost 9.6% on average and up to 27%
-constexpr PlanCost kFineCost{0.57, 0.37, 0.89, 0.26, 1.55};
+// the FINE kernels (groups of 64 / 32, zero points) at 1-16 rows: 345 plans (group 64) on 13
+// layers, timed on the loops without format branches; left-out layers' picks within 8.1% of the
+// best (28672 x 4096 at 16 rows; 0.8% on average), where the constants fitted on the loops before
+// lost 3.3% on average and up to 19% (13824 x 5120 at 16 rows)
+constexpr PlanCost kFineCost{0.27, 0.36, 1.11, 0.47, 1.83};
 
 // log2 of the 32-row strips per scale group: 2 for group 128 and per column (one scale row per
 // stage), 1 for group 64, 0 for group 32 (gemm_2_4_checks.h admits no other group count).
@@ -308,7 +309,10 @@ std::string plan_24(const Args24& args, Plan24* plan) {
           const PlanCost& model = plan->fine ? kFineCost : kLatencyCost;
           auto take = [&](long long per_sm, bool cluster) {
             const bool global = parts > 1 && !cluster;
-            if (global && !plan->fine && (per_sm > 2 || (per_sm == 2 && stages < kLongPartStages))) return;
+            // global plans that stack blocks on an SM ran slower than the model has them: more
+            // than two (FINE, group 64: 70B down at 1-4 rows 12 parts 34.5-37.4 us, 8 parts
+            // 31.6-33.5), and at 1-3 rows with group 128 two where the parts are short
+            if (global && (per_sm > 2 || (!plan->fine && per_sm == 2 && stages < kLongPartStages))) return;
             const double cost = model(stages, per_sm, global, rows_used, parts, k_tiles);
             if (best_cost < 0.0 || cost < best_cost) best = parts, best_cluster = cluster, best_cost = cost;
           };
