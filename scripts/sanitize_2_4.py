@@ -31,9 +31,14 @@ FINE_CASES = [(1, 1024, 512, 64), (24, 1024, 512, 32), (40, 2048, 768, 64), (130
 # bf16 activations, scales and output: the mma.sync and (sm_90a) the wgmma instances of that type
 BF16_CASES = [(1, 1024, 512, 128), (24, 1024, 512, 128), (40, 2048, 768, -1), (40, 1024, 512, 32)]
 # zero points (b_zeros, loaded like the scales): the mma.sync loop at M = 1 (K split), and at M = 40
-# (sm_90a: the 64-row wgmma slice) in groups of 64, with bf16, and per column (the zero-point row
-# permuted into shared memory once before the loop)
-ZP_CASES = [(1, 1024, 512, 128, torch.float16), (40, 2048, 768, 64, torch.bfloat16), (40, 2048, 768, -1, torch.float16)]
+# (sm_90a: the 64-row wgmma slice) in groups of 64, with bf16, and per column (scale rows of 1 and
+# the zero-point row permuted into shared memory once before the loop) on both loops
+ZP_CASES = [
+    (1, 1024, 512, 128, torch.float16),
+    (40, 2048, 768, 64, torch.bfloat16),
+    (40, 2048, 768, -1, torch.float16),
+    (1, 1024, 512, -1, torch.float16),
+]
 # each case under the planner's choice, with the K parts forced through global memory, forced
 # into clusters (sm_90+), with 128-row slices, under the first kernel's plan, and (sm_90a, where
 # M > 8 runs the sparse wgmma) its early-refill variant, the mma.sync kernel instead, and two K
