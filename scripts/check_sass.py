@@ -14,11 +14,19 @@ checks, for every kernel, that
     register (S2R / S2UR): where too many values were live across that loop, ptxas re-derived the
     shared-memory base from SR_CgaCtaId before the first wgmma of every stage pair, and the kernel
     ran 3% slower at 4096 rows on an H200 (benchmarks/NOTES.md, 2026-11-28 tenth),
+  * the stage loops of the 2:4 kernels with groups of 64 / 32 or zero points (marlin_24_kernel
+    with FINE = true) hold at most MAX_FINE_24_LOOP_BRANCHES branches: a branch on the format
+    around each 32-row strip's scale and zero-point code (17-26 per stage loop) kept ptxas from
+    scheduling across the strips, and those kernels ran 1.08-1.16x slower at 1-16 rows on an H200
+    (benchmarks/NOTES.md, 2026-11-29 nineteenth),
 and prints a per-kernel instruction summary. Exits non-zero if a kernel fails.
 
     python scripts/check_sass.py [path/to/_C.so]     # cuobjdump -sass
     python scripts/check_sass.py path/to/x.cubin     # nvdisasm (e.g. nvcc -cubin of one source;
                                                      # pip's nvidia-cuda-nvdisasm has the tool)
+    python scripts/check_sass.py x.cubin --loops marlin_24_kernel   # and, for the kernels whose
+        # name matches the regex, each stage loop's (innermost HMMA / HGMMA loop's) instruction
+        # count, branches and most frequent opcodes
 """
 
 import collections
@@ -65,10 +73,16 @@ def check_kernel(name, body, arch):
         problems.append("wgmma instance without HGMMA in its sm_90a code")
     if PREFILL_KERNEL.search(name) and arch == "sm_90a":
         problems += stage_loop_problems(body)
+    if FINE_24_KERNEL.search(name):
+        problems += fine_24_loop_problems(body)
     return ops, descs, problems
 
 
 PREFILL_KERNEL = re.compile(r"marlin_prefill_kernel")
+# marlin_24_kernel<MB, NW, MS, STAGES, WG, KW, ET, FINE> with FINE = true: its last template
+# argument, mangled "Lb1E" before the argument list's end ("EEv" then the Params parameter)
+FINE_24_KERNEL = re.compile(r"marlin_24_kernelI\w*Lb1EEEv")
+MAX_FINE_24_LOOP_BRANCHES = 8  # 4-6 on sm_90a with CUDA 13.0 (the group-128 kernels' mma.sync loops: 4)
 
 
 def instructions(body):
@@ -89,6 +103,11 @@ def instructions(body):
 def innermost_wgmma_loops(body):
     """The backward branches' ranges [target, branch] that hold an HGMMA, no exit and no smaller
     such range: the kernels' stage loops. Each as a list of instruction texts."""
+    return innermost_loops(body, r"\bHGMMA\b")
+
+
+def innermost_loops(body, op):
+    """innermost_wgmma_loops for the instructions matching the regex `op` (e.g. HMMA or HGMMA)."""
     labels, ins = instructions(body)
     at = {a: i for i, (a, _) in enumerate(ins)}
     loops = []
@@ -100,7 +119,7 @@ def innermost_wgmma_loops(body):
         span = [t for _, t in ins[j:i + 1]] if j is not None and j <= i else []
         # (a range over an EXIT is no loop: the out-of-line retries of an mbarrier wait sit after
         # the kernel's exits and branch back into the loop they came from)
-        if any(re.search(r"\bHGMMA\b", t) for t in span) and not any(re.search(r"\b(EXIT|RET)\b", t) for t in span):
+        if any(re.search(op, t) for t in span) and not any(re.search(r"\b(EXIT|RET)\b", t) for t in span):
             loops.append((j, i))
     inner = [(j, i) for j, i in loops if not any((j2, i2) != (j, i) and j <= j2 and i2 <= i for j2, i2 in loops)]
     return [[t for _, t in ins[j:i + 1]] for j, i in inner]
@@ -113,6 +132,17 @@ def stage_loop_problems(body):
         reads = [t for t in loop if re.search(r"\bS2U?R\b", t)]
         if reads:
             problems.append(f"a special-register read inside a {len(loop)}-instruction wgmma loop: {reads[0][:80]}")
+    return problems
+
+
+def fine_24_loop_problems(body):
+    """Branches in the FINE 2:4 kernels' stage loops beyond MAX_FINE_24_LOOP_BRANCHES."""
+    problems = []
+    for loop in innermost_loops(body, r"\bH(?:G)?MMA\b"):
+        branches = sum(bool(re.search(r"\bBRA\b", t)) for t in loop)
+        if branches > MAX_FINE_24_LOOP_BRANCHES:
+            problems.append(f"{branches} branches in a {len(loop)}-instruction stage loop of a FINE 2:4 kernel "
+                            f"(at most {MAX_FINE_24_LOOP_BRANCHES}: a branch on the format per strip?)")
     return problems
 
 
@@ -150,8 +180,26 @@ def kernels_of(path):
     return kernels
 
 
+def loop_summary(body):
+    """One line per stage loop (innermost HMMA / HGMMA loop): instructions, branches, top opcodes."""
+    out = []
+    for loop in innermost_loops(body, r"\bH(?:G)?MMA\b"):
+        ops = collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", t).split()[0].split(".")[0] for t in loop)
+        out.append(f"{len(loop)} instructions, {ops['BRA']} branches: " + " ".join(f"{o} {n}" for o, n in ops.most_common(12)))
+    return out
+
+
 def main():
-    so = sys.argv[1] if len(sys.argv) > 1 else None
+    args = sys.argv[1:]
+    loops_of = None
+    if "--loops" in args:
+        i = args.index("--loops")
+        if i + 1 >= len(args):
+            print("--loops needs a regex of kernel names, e.g. --loops marlin_24_kernel")
+            return 2
+        loops_of = re.compile(args[i + 1])
+        del args[i:i + 2]
+    so = args[0] if args else None
     if so is None:
         found = glob.glob(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "marlin", "_C*.so"))
         if not found:
@@ -167,6 +215,9 @@ def main():
         name = body.split("\n", 1)[0].strip()
         ops, descs, problems = check_kernel(name, body, arch)
         print(f"{name} [{arch}]\n   ops {dict(ops)}\n   cp.async descriptors {dict(descs)}")
+        if loops_of is not None and loops_of.search(name):
+            for line in loop_summary(body):
+                print("   stage loop:", line)
         for p in problems:
             print("   PROBLEM:", p)
         bad += bool(problems)

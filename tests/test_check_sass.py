@@ -65,3 +65,40 @@ def test_prefill_kernels_only_at_sm90a():
     body = _body(NVDISASM, True)
     assert check_sass.check_kernel("marlin_prefill_kernel<...>", body, "sm_90a")[2]
     assert not check_sass.check_kernel("marlin_prefill_kernel<...>", body, "sm_80")[2]
+
+
+# a FINE 2:4 kernel's stage loop (mma.sync): `branches` forward branches around scale code
+def _fine_24(branches):
+    lines = [".L_x_1:", "        /*0000*/                   LDS.128 R12, [R44] ;"]
+    addr = 0x10
+    for i in range(branches):
+        lines += [f"        /*{addr:04x}*/               @!P3 BRA `(.L_x_{100 + i}) ;",
+                  f"        /*{addr + 0x10:04x}*/                   HMUL2 R16, R16, R12.H0_H0 ;",
+                  f".L_x_{100 + i}:"]
+        addr += 0x20
+    lines += [f"        /*{addr:04x}*/                   HMMA.SP.16832.F32 R40, R16, R36, R40, R52, 0x0 ;",
+              f"        /*{addr + 0x10:04x}*/               @!P1 BRA `(.L_x_1) ;",
+              f"        /*{addr + 0x20:04x}*/                   EXIT ;"]
+    return "\n".join(lines)
+
+
+FINE_NAME = "_ZN6marlin8sparse2416marlin_24_kernelILi1ELi4ELi1ELi4ELi0ELi1E6__halfLb1EEEvNS0_6ParamsE"
+PLAIN_NAME = FINE_NAME.replace("Lb1EEEv", "Lb0EEEv")
+
+
+def test_fine_24_stage_loop_branches():
+    """The FINE 2:4 kernels' stage loops may branch a few times (the loop's own branch, the
+    refill's), not once per strip and block around the scales (the kernel before had 25)."""
+    few, many = _fine_24(3), _fine_24(25)
+    assert check_sass.check_kernel(FINE_NAME, few, "sm_90a")[2] == []
+    problems = check_sass.check_kernel(FINE_NAME, many, "sm_90a")[2]
+    assert len(problems) == 1 and "26 branches" in problems[0], problems
+    bf16 = FINE_NAME.replace("6__half", "13__nv_bfloat16")
+    assert check_sass.check_kernel(bf16, many, "sm_80")[2]
+    # the group-128 / per-column kernels are not held to it (their wgmma loop branches on the format)
+    assert check_sass.check_kernel(PLAIN_NAME, many, "sm_90a")[2] == []
+
+
+def test_loop_summary_counts_the_stage_loop():
+    (line,) = check_sass.loop_summary(_fine_24(3))
+    assert line.startswith("9 instructions, 4 branches") and "HMUL2 3" in line and "HMMA 1" in line, line
