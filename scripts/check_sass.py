@@ -83,6 +83,7 @@ PREFILL_KERNEL = re.compile(r"marlin_prefill_kernel")
 # argument, mangled "Lb1E" before the argument list's end ("EEv" then the Params parameter)
 FINE_24_KERNEL = re.compile(r"marlin_24_kernelI\w*Lb1EEEv")
 MAX_FINE_24_LOOP_BRANCHES = 8  # 4-6 on sm_90a with CUDA 13.0 (the group-128 kernels' mma.sync loops: 4)
+MMA_OP = r"\bHG?MMA\b"  # a stage loop's tensor-core instruction: mma.sync / mma.sp (HMMA) or wgmma (HGMMA)
 
 
 def instructions(body):
@@ -138,7 +139,7 @@ def stage_loop_problems(body):
 def fine_24_loop_problems(body):
     """Branches in the FINE 2:4 kernels' stage loops beyond MAX_FINE_24_LOOP_BRANCHES."""
     problems = []
-    for loop in innermost_loops(body, r"\bH(?:G)?MMA\b"):
+    for loop in innermost_loops(body, MMA_OP):
         branches = sum(bool(re.search(r"\bBRA\b", t)) for t in loop)
         if branches > MAX_FINE_24_LOOP_BRANCHES:
             problems.append(f"{branches} branches in a {len(loop)}-instruction stage loop of a FINE 2:4 kernel "
@@ -183,7 +184,7 @@ def kernels_of(path):
 def loop_summary(body):
     """One line per stage loop (innermost HMMA / HGMMA loop): instructions, branches, top opcodes."""
     out = []
-    for loop in innermost_loops(body, r"\bH(?:G)?MMA\b"):
+    for loop in innermost_loops(body, MMA_OP):
         ops = collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", t).split()[0].split(".")[0] for t in loop)
         out.append(f"{len(loop)} instructions, {ops['BRA']} branches: " + " ".join(f"{o} {n}" for o, n in ops.most_common(12)))
     return out
