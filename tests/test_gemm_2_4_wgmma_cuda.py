@@ -198,6 +198,9 @@ PLANS = {
     "kw2_one_part": {"MARLIN_2_4_KW": "2", "MARLIN_2_4_PARTS": "1"},
     "kw2_parts_4_clusters": {"MARLIN_2_4_KW": "2", "MARLIN_2_4_PARTS": "4", "MARLIN_2_4_CLUSTERS": "1"},
     "kw2_global_5": {"MARLIN_2_4_KW": "2", "MARLIN_2_4_PARTS": "5", "MARLIN_2_4_CLUSTERS": "0"},
+    # the 3-stage ring of the 16-row slice (9-16 rows; other row counts keep their instance)
+    "stages_3": {"MARLIN_2_4_STAGES": "3"},
+    "stages_3_global_3": {"MARLIN_2_4_STAGES": "3", "MARLIN_2_4_PARTS": "3", "MARLIN_2_4_CLUSTERS": "0"},
 }
 
 
@@ -210,11 +213,13 @@ def test_forced_plans(m, plan, g, wgmma_on, capfd):
     err, base, line = check(get_layer(4096, 1024, g), m, capfd, wgmma=1 if "MARLIN_2_4_WG_LATE" in PLANS[plan] else 2)
     assert err <= ALLOWED * base + 1e-7, f"M={m} plan {plan} g={g}: error {err:.3g} vs fp16 matmul {base:.3g} ({line})"
     assert f" kw={PLANS[plan].get('MARLIN_2_4_KW', '1')}" in line, line
+    if "MARLIN_2_4_STAGES" in PLANS[plan] and m <= 16:
+        assert " stages=3 " in line, line
 
 
 @pytest.mark.parametrize("g", GROUPS)
 @pytest.mark.parametrize("plan", ["global_3", "parts_8_clusters", "one_part", "warp_slices_1", "early_parts_8_clusters",
-                                  "kw2_parts_4_clusters"])
+                                  "kw2_parts_4_clusters", "stages_3"])
 @pytest.mark.parametrize("m", [12, 40, 130])
 def test_forced_plans_zero_points(m, plan, g, wgmma_on, capfd):
     """A partition of each kind (K parts through global memory or in clusters, one part, 64-row

@@ -274,6 +274,7 @@ std::string plan_24(const Args24& args, Plan24* plan) {
     plan->kw = kw;
     plan->stages = !plan->wg && args.force_stages == 3 && plan->nw == 4 && plan->ms == 1 && plan->mb <= 2 ? 3 : kStages;
     if (plan->wg == 2 && plan->mb == 8 && plan->ms == 1 && plan->kw == 1) plan->stages = 3;
+    if (plan->wg == 2 && plan->mb == 2 && plan->kw == 1 && args.force_stages == 3) plan->stages = 3;
     const Instance inst = find_instance(args.bf16, plan->fine, plan->mb, plan->nw, plan->ms, plan->stages, plan->wg, plan->kw);
     // groups of 64 or 32, or zero points: a scale row and a zero-point row per strip and stage after
     // the ring, without zero points one row of 8s (marlin_24_kernel.cuh, StageScales)

@@ -93,6 +93,7 @@ Instance find(int mb, int nw, int ms, int stages, int wg, int kw) {
     return make<ET, FINE, 8, 4, 1, kStages, 1>();
   }
   if (wg == 2) {
+    if (mb == 2 && stages == 3) return make<ET, FINE, 2, 4, 1, 3, 2>();
     if (mb == 2) return make<ET, FINE, 2, 4, 1, kStages, 2>();
     if (mb == 4) return make<ET, FINE, 4, 4, 1, kStages, 2>();
     if (ms == 2) return make<ET, FINE, 8, 4, 2, kStages, 2>();
