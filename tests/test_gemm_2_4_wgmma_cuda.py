@@ -299,3 +299,33 @@ def test_cuda_graph(wgmma_on):
     expected = marlin.gemm_2_4(a, layer.b_q, layer.b_meta, layer.b_s)
     static_a = a.clone()
     assert_graph_replays(lambda: marlin.gemm_2_4(static_a, layer.b_q, layer.b_meta, layer.b_s), expected)
+
+
+@pytest.mark.parametrize("g", [128, 64])
+def test_many_column_tiles_run_one_wave_at_nine_to_sixteen_rows(g, monkeypatch, capfd):
+    """At 9-16 rows on more than sms / 2 column tiles (short K) the planner takes the most K parts
+    (in clusters) that run in one wave of resident blocks, on the 3-stage 16-row instance where
+    that holds more of them: always with groups of 64 (the FINE kernel), with group 128 where the
+    4-stage instance's wave holds one part. 2 x sms tiles: group 128 then takes the 3-stage
+    instance (its blocks fit 4 to an SM), group 64 too (3 to an SM, one part). Random words, valid
+    metadata; the output checked on sampled tiles against unpack_2_4 (the spec)."""
+    from benchmarks.gemm_prep import check_marlin_24, random_meta_2_4
+
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    k, n = 2048, 2 * 256 * sms
+    gen = torch.Generator(device="cuda").manual_seed(11)
+    b_q = torch.randint(-(2**31), 2**31, (k // 32, 2 * n), dtype=torch.int32, device="cuda", generator=gen)
+    b_meta = random_meta_2_4(k, n, "cuda")
+    b_s = torch.empty(k // g, n, dtype=torch.float16, device="cuda").uniform_(0.001, 0.01)
+    monkeypatch.setenv("MARLIN_LOG_PLAN", "1")
+    for m in (9, 12, 16):
+        a = torch.randn(m, k, device="cuda", dtype=torch.float16)
+        plan_lines(capfd)
+        marlin.gemm_2_4(a, b_q, b_meta, b_s)
+        torch.cuda.synchronize()
+        line = plan_lines(capfd)[0]
+        grid = int(line.split(" grid=")[1].split()[0])
+        assert " wgmma=2 " in line and " stages=3 " in line, line
+        assert grid <= (4 if g == 128 else 3) * sms, line  # one wave
+        assert " parts=1 " in line or " cluster=1 " in line, line
+    check_marlin_24(b_q, b_meta, b_s, k, n, torch.device("cuda"), ms=(9, 12, 16))  # raises if wrong

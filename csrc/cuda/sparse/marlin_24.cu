@@ -220,6 +220,21 @@ std::string plan_24(const Args24& args, Plan24* plan) {
   const int limit_rows = rows == 16 ? 16 : rows_used;
   const int max_parts = std::max(1, std::min(16, k_tiles / 2));
   const bool wg_parts = plan->wg && rows_used > 16 && clusters;  // the wgmma instances' part limit (above)
+  // The same one-wave rule at 9-16 rows on layers of more than sms / 2 column tiles with K up to
+  // kWaveMaxKTiles stages (the fill rule there took 7-8 parts in 4-6 waves), all parts in clusters
+  // (at 9-15 rows too), on the 3-stage 16-row instance where that holds more parts in one wave:
+  // always for the FINE kernels (their strip rows cost the 4-stage instance its third block on an
+  // H200 SM; 3 stages keep 3), for group 128 / per column where one wave of the 4-stage instance
+  // holds only one part (the 3-stage one runs 4 blocks per SM). H200 (probe_2_4, NOTES.md 2026-11-29
+  // (twentieth)), 9-16 rows, group 128, the fill rule's plan against this one: 70B gate_up 65-69
+  // us (7-8 parts) against 54-55 (3 stages, 2 parts), 5120 x 55296 41-45 against 36, 3584 x 37888
+  // 23-24 against 22-23, 4096 x 28672 19-22 against 18-19; group 64: 70B gate_up 79-91 against
+  // 67-69, 8192 x 49152 61-72 against 50-51, 7B gate_up 18-22 against 16. Long K (the ideal layer,
+  // K = 135168) keeps the fill rule, whose deeper parts were measured there.
+  constexpr int kWaveMaxKTiles = 128;
+  const bool wg_wave = plan->wg == 2 && plan->mb == 2 && plan->ms == 1 && rows_used <= 16 && clusters &&
+                       args.cluster_mode == -1 && 2 * tiles > args.sms && k_tiles <= kWaveMaxKTiles;
+  const bool one_wave = wg_parts || wg_wave;
   // balance() above, for the group-128 / per-column kernels only: the FINE kernels (slower per
   // block: a scale row per strip) lost 13-50% with it on the large layers (H100, NOTES.md; on few
   // column tiles they are costed instead, below). Up to 16 rows on the mma.sync kernel (N < 8192
@@ -270,11 +285,11 @@ std::string plan_24(const Args24& args, Plan24* plan) {
 
   // The instance of `kw` K warpgroups per block and its K parts (the rule above); an empty string,
   // or why the shape cannot run.
-  auto partition = [&](int kw) -> std::string {
+  auto partition = [&](int kw, bool three_stages) -> std::string {
     plan->kw = kw;
     plan->stages = !plan->wg && args.force_stages == 3 && plan->nw == 4 && plan->ms == 1 && plan->mb <= 2 ? 3 : kStages;
     if (plan->wg == 2 && plan->mb == 8 && plan->ms == 1 && plan->kw == 1) plan->stages = 3;
-    if (plan->wg == 2 && plan->mb == 2 && plan->kw == 1 && args.force_stages == 3) plan->stages = 3;
+    if (plan->wg == 2 && plan->mb == 2 && plan->kw == 1 && (args.force_stages == 3 || three_stages)) plan->stages = 3;
     const Instance inst = find_instance(args.bf16, plan->fine, plan->mb, plan->nw, plan->ms, plan->stages, plan->wg, plan->kw);
     // groups of 64 or 32, or zero points: a scale row and a zero-point row per strip and stage after
     // the ring, without zero points one row of 8s (marlin_24_kernel.cuh, StageScales)
@@ -291,7 +306,7 @@ std::string plan_24(const Args24& args, Plan24* plan) {
     double best_fill = -1.0, best_raw = -1.0, best_cost = -1.0;
     for (int parts = 1; parts <= max_parts; parts++) {
       const int forced = args.force_parts > 0 ? std::min(args.force_parts, max_parts) : 0;
-      const bool over = wg_parts ? parts > kMaxClusterParts || 4 * parts > k_tiles
+      const bool over = one_wave ? parts > kMaxClusterParts || 4 * parts > k_tiles
                                  : static_cast<long long>(parts) * parts * limit_rows > 16LL * k_tiles;
       if (forced > 0 && parts != forced) continue;
       if (tiles * parts > 0x7fffffffLL) break;
@@ -335,16 +350,16 @@ std::string plan_24(const Args24& args, Plan24* plan) {
       if (forced == 0 && !args.legacy && parts > 1 && over) continue;
       bool cluster = false;
       long long cslots = slots;
-      if (parts > 1 && clusters && parts <= kMaxClusterParts && cluster_pays(parts)) {
+      if (parts > 1 && clusters && parts <= kMaxClusterParts && (wg_wave || cluster_pays(parts))) {
         const int n_clusters = inst.max_clusters(parts, plan->smem);
         if (n_clusters > 0) cluster = true, cslots = std::min(slots, static_cast<long long>(n_clusters) * parts);
       }
-      if (parts > 1 && !cluster && (!locks_ok || (wg_parts && forced == 0))) continue;
+      if (parts > 1 && !cluster && (!locks_ok || (one_wave && forced == 0))) continue;
       const double f = even_sms ? balance(tiles * parts, cslots, args.sms) : fill(tiles * parts, cslots, args.sms);
       const bool deeper = even_sms && parts > best && f >= best_fill - 0.02 &&
                           k_tiles >= static_cast<long long>(parts) * kLongPartStages &&
                           tiles * parts <= static_cast<long long>(kLongBlocksPerSm) * args.sms;
-      const bool take = forced > 0 || (wg_parts ? parts == 1 || tiles * parts <= cslots : f > best_fill + 0.02 || deeper);
+      const bool take = forced > 0 || (one_wave ? parts == 1 || tiles * parts <= cslots : f > best_fill + 0.02 || deeper);
       if (take) best = parts, best_cluster = cluster, best_fill = f;
     }
     if (args.force_parts > 0 && best != std::min(args.force_parts, max_parts))
@@ -364,10 +379,17 @@ std::string plan_24(const Args24& args, Plan24* plan) {
   // 4 parts, 70B o 7, 70B qkv 5) two warpgroups ran 5-30% slower.
   const bool kw2_ok = plan->wg == 2 && plan->ms == 1;
   const bool forced_plan = args.force_parts || args.force_tile_n || args.force_ms || args.force_stages || args.cluster_mode != -1;
-  std::string why = partition(kw2_ok && args.force_kw == 2 ? 2 : 1);
+  const int kw = kw2_ok && args.force_kw == 2 ? 2 : 1;
+  std::string why = partition(kw, wg_wave && plan->fine);
   if (!why.empty()) return why;
+  if (wg_wave && kw == 1 && !plan->fine && plan->parts == 1 && args.force_stages == 0) {  // the 3-stage instance's wave
+    const Plan24 four = *plan;
+    why = partition(1, true);
+    if (!why.empty()) return why;
+    if (plan->parts == 1) *plan = four;  // one part either way: the 4-stage instance
+  }
   if (kw2_ok && args.force_kw == 0 && !forced_plan && wg_parts && plan->parts == kMaxClusterParts && plan->cluster_reduce) {
-    why = partition(2);
+    why = partition(2, false);
     if (!why.empty()) return why;
   }
   plan->grid = static_cast<int>(tiles * plan->parts);
