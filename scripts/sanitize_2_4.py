@@ -5,6 +5,7 @@
     SANITIZE_QUICK=1 compute-sanitizer --tool racecheck python scripts/sanitize_2_4.py   (two plans only)
     SANITIZE_CASES=fine,zp ...   (only those groups of cases: dense, fine, bf16, zp; racecheck on
                                   every case takes longer than a device call)
+    SANITIZE_PLANS=0,10 ...      (only those plans, by their index in PLANS)
 Checks the results against the spec too, so a run that is clean but wrong still fails.
 """
 
@@ -25,9 +26,10 @@ CASES = [  # (M, K, N, group size): 8/16/32/64-row slices, the three tiles, K sp
     (24, 1024, 512, 128),  # sm_90a: the 32-row wgmma slice, K split
     (40, 2048, 768, -1),  # sm_90a: the 64-row wgmma slice (3-stage late refill), 3 column tiles
     (130, 1024, 512, 128),  # sm_90a: 128-row wgmma block slices (MARLIN_2_4_WARP_SLICES=2)
+    (13, 1024, 512, 128),  # sm_90a: the 16-row wgmma slice (its 3-stage instance: MARLIN_2_4_STAGES=3)
 ]
 # groups of 64 and 32 (a scale row per strip after the ring): the mma.sync and wgmma loops
-FINE_CASES = [(1, 1024, 512, 64), (24, 1024, 512, 32), (40, 2048, 768, 64), (130, 1024, 512, 32)]
+FINE_CASES = [(1, 1024, 512, 64), (24, 1024, 512, 32), (40, 2048, 768, 64), (130, 1024, 512, 32), (13, 1024, 512, 64)]
 # bf16 activations, scales and output: the mma.sync and (sm_90a) the wgmma instances of that type
 BF16_CASES = [(1, 1024, 512, 128), (24, 1024, 512, 128), (40, 2048, 768, -1), (40, 1024, 512, 32)]
 # zero points (b_zeros, loaded like the scales): the mma.sync loop at M = 1 (K split), and at M = 40
@@ -55,9 +57,12 @@ PLANS = [
     {"MARLIN_2_4_WARP_SLICES": "2"},
     {"MARLIN_2_4_KW": "2", "MARLIN_2_4_WGMMA": "1"},
     {"MARLIN_2_4_KW": "2", "MARLIN_2_4_WGMMA": "1", "MARLIN_2_4_CLUSTERS": "0", "MARLIN_2_4_PARTS": "3"},
+    {"MARLIN_2_4_STAGES": "3", "MARLIN_2_4_WGMMA": "1"},  # sm_90a, 9-16 rows: the 3-stage 16-row slice
 ]
 if os.environ.get("SANITIZE_QUICK") == "1":  # racecheck / synccheck are slow: the planner's plan and clusters
     PLANS = PLANS[:1] + PLANS[2:3]
+if os.environ.get("SANITIZE_PLANS"):  # e.g. SANITIZE_PLANS=0,10: only these plans (indices into PLANS)
+    PLANS = [PLANS[int(i)] for i in os.environ["SANITIZE_PLANS"].split(",")]
 
 
 def main():
