@@ -37,6 +37,19 @@ class Layer24:
         return self._w64
 
 
+def random_words_2_4(k, n, group_size, seed):
+    """(b_q, b_meta, b_s) of a 2:4 layer too large to prune and pack in a test: random packed words,
+    valid random metadata, fp16 scales in [0.001, 0.01] (groups of `group_size` rows). Check the op
+    on it with benchmarks.gemm_prep.check_marlin_24 (sampled tiles against unpack_2_4)."""
+    from benchmarks.gemm_prep import random_meta_2_4
+
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    b_q = torch.randint(-(2**31), 2**31, (k // 32, 2 * n), dtype=torch.int32, device="cuda", generator=gen)
+    b_meta = random_meta_2_4(k, n, "cuda")
+    b_s = torch.empty(k // group_size, n, dtype=torch.float16, device="cuda").uniform_(0.001, 0.01)
+    return b_q, b_meta, b_s
+
+
 _layers = {}
 
 

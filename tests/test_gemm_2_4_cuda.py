@@ -18,7 +18,7 @@ import torch
 import marlin
 from marlin import sparse
 from conftest import fp32_matmul, poison_allocator, rel_err, requires_cuda_2_4
-from gemm_2_4_helpers import assert_graph_replays, assert_repeats_bit_identical, get_layer, plan_lines
+from gemm_2_4_helpers import assert_graph_replays, assert_repeats_bit_identical, get_layer, plan_lines, random_words_2_4
 
 pytestmark = [requires_cuda_2_4, pytest.mark.gpu]
 
@@ -227,14 +227,11 @@ def test_long_k_runs_three_blocks_per_sm(m, monkeypatch, capfd):
     128 run 3 parts (a long-K layer at 1 part per SM streamed 1.27x slower on the H200). Random
     words and valid metadata (a layer this size is too slow to prune and pack here); the output is
     checked on sampled tiles against unpack_2_4 (the spec) and against the forced 1-part plan."""
-    from benchmarks.gemm_prep import check_marlin_24, random_meta_2_4
+    from benchmarks.gemm_prep import check_marlin_24
 
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     k, n = 3 * 128 * 128, 256 * sms
-    gen = torch.Generator(device="cuda").manual_seed(7)
-    b_q = torch.randint(-(2**31), 2**31, (k // 32, 2 * n), dtype=torch.int32, device="cuda", generator=gen)
-    b_meta = random_meta_2_4(k, n, "cuda")
-    b_s = torch.empty(k // 128, n, dtype=torch.float16, device="cuda").uniform_(0.001, 0.01)
+    b_q, b_meta, b_s = random_words_2_4(k, n, 128, seed=7)
     monkeypatch.setenv("MARLIN_LOG_PLAN", "1")
     a = torch.randn(m, k, device="cuda", dtype=torch.float16)
     plan_lines(capfd)

@@ -26,7 +26,7 @@ import torch
 
 import marlin
 from conftest import poison_allocator, rel_err, requires_cuda_2_4, wgmma_device
-from gemm_2_4_helpers import assert_graph_replays, assert_repeats_bit_identical, get_layer, plan_lines
+from gemm_2_4_helpers import assert_graph_replays, assert_repeats_bit_identical, get_layer, plan_lines, random_words_2_4
 
 
 
@@ -309,14 +309,11 @@ def test_many_column_tiles_run_one_wave_at_nine_to_sixteen_rows(g, monkeypatch, 
     4-stage instance's wave holds one part. 2 x sms tiles: group 128 then takes the 3-stage
     instance (its blocks fit 4 to an SM), group 64 too (3 to an SM, one part). Random words, valid
     metadata; the output checked on sampled tiles against unpack_2_4 (the spec)."""
-    from benchmarks.gemm_prep import check_marlin_24, random_meta_2_4
+    from benchmarks.gemm_prep import check_marlin_24
 
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     k, n = 2048, 2 * 256 * sms
-    gen = torch.Generator(device="cuda").manual_seed(11)
-    b_q = torch.randint(-(2**31), 2**31, (k // 32, 2 * n), dtype=torch.int32, device="cuda", generator=gen)
-    b_meta = random_meta_2_4(k, n, "cuda")
-    b_s = torch.empty(k // g, n, dtype=torch.float16, device="cuda").uniform_(0.001, 0.01)
+    b_q, b_meta, b_s = random_words_2_4(k, n, g, seed=11)
     monkeypatch.setenv("MARLIN_LOG_PLAN", "1")
     for m in (9, 12, 16):
         a = torch.randn(m, k, device="cuda", dtype=torch.float16)
