@@ -34,7 +34,8 @@ bool kernel_enabled() {
 // MARLIN_2_4_TILE_N=128 or 256 forces the tile width; MARLIN_2_4_WARP_SLICES=1, 2 or 4 forces the
 // 32-row warp slices per block where M > 16; MARLIN_2_4_CLUSTERS=0 keeps the K parts out of
 // clusters, =1 puts them in clusters wherever they fit; MARLIN_2_4_STAGES=3 takes the 3-stage
-// instances at 8-16 rows on the 256-column tile (4 blocks per SM); MARLIN_2_4_PDL=1 launches with
+// instances at 1-16 rows on the 256-column tile (mma.sync; and the sparse wgmma's 16-row slice,
+// which the planner also takes for its one-wave rule: 4 blocks per SM); MARLIN_2_4_PDL=1 launches with
 // programmatic dependent launch (sm_90+; off by default: 7B qkv M = 1-16 ran 20% slower with it
 // on an H100), MARLIN_PDL=0 (as for gemm) keeps it off; the sparse wgmma instances (sm_90a
 // builds on a compute capability 9.0 device) run where plan_24's rule picks them,

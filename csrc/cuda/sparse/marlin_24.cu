@@ -130,6 +130,21 @@ struct Prefill24Instances {
        {nullptr, &launch_prefill_24<true, kU4Zp, true, TILE_M>}}};
 };
 
+namespace {
+
+// The stages of the ring of a plan's instance (marlin_24_instances.cuh): 3 for the late-refill
+// wgmma's one 64-row warp slice (88 KB, so that 2 blocks share an SM); 3 for its 16-row slice where
+// `wg_three` (the one-wave rule, or MARLIN_2_4_STAGES=3); 3 for the mma.sync 8- and 16-row slices of
+// the 256-column tile where `mma_three` (MARLIN_2_4_STAGES=3); else kStages.
+int ring_stages(const Plan24& p, bool wg_three, bool mma_three) {
+  if (p.wg == 2 && p.kw == 1 && p.ms == 1 && p.mb == 8) return 3;
+  if (p.wg == 2 && p.kw == 1 && p.mb == 2 && wg_three) return 3;
+  if (!p.wg && p.nw == 4 && p.ms == 1 && p.mb <= 2 && mma_three) return 3;
+  return kStages;
+}
+
+}  // namespace
+
 std::string plan_24(const Args24& args, Plan24* plan) {
   if (args.n % 64 != 0) return "marlin.gemm_2_4: N = " + std::to_string(args.n) + " is not a multiple of 64";
   *plan = Plan24{};
@@ -213,9 +228,16 @@ std::string plan_24(const Args24& args, Plan24* plan) {
   // 7B o 7.8 against 11.6 us, 7B qkv 12.2 against 17.3, 70B o 14.7 against 19.4, 5120 x 5120 and
   // 4096 x 6144 10-13% faster; but 7B down (11 stages a part) and 14336 x 4096 (14) 6% and 13%
   // slower, as at 1-8 rows, where the clusters lost wherever parts were long.
-  constexpr int kShortPartStages = 8;
+  // The FINE kernels on the sparse wgmma's 16-row slice keep clusters up to kShortPartStagesFine
+  // stages a part. H200 (probe_2_4, NOTES.md 2026-11-29 (twentieth, twenty-first)), groups of 64 /
+  // 32 and zero points at 9-12 rows, parts through global memory (the 8-stage line) against the
+  // 16-row plan in clusters: 70B o (7 parts of 10 stages) 17.1-17.8 against 14.3-14.8 us, 5120 x
+  // 15360 (4 of 10) 17.2-17.8 against 14.6-14.7, 14336 x 8192 (8 of 14) 21.2-22.0 against 20.5-21.0,
+  // 70B qkv 17.9-18.7 against 17.3-17.6; 70B down (28-32 stages a part) 34.6-36.2 against 35.9-36.3.
+  constexpr int kShortPartStages = 8, kShortPartStagesFine = 16;
+  const int short_part = plan->wg && plan->fine ? kShortPartStagesFine : kShortPartStages;
   const bool clusters = !args.legacy && args.clusters && args.cluster_mode != 0 && (rows >= 16 || args.cluster_mode == 1);
-  auto cluster_pays = [&](int parts) { return rows_used >= 16 || args.cluster_mode == 1 || k_tiles <= kShortPartStages * parts; };
+  auto cluster_pays = [&](int parts) { return rows_used >= 16 || args.cluster_mode == 1 || k_tiles <= short_part * parts; };
   // the part limit below counts a 16-row slice's 16 rows at 9-15 rows too (its plan is then 16 rows')
   const int limit_rows = rows == 16 ? 16 : rows_used;
   const int max_parts = std::max(1, std::min(16, k_tiles / 2));
@@ -287,9 +309,7 @@ std::string plan_24(const Args24& args, Plan24* plan) {
   // or why the shape cannot run.
   auto partition = [&](int kw, bool three_stages) -> std::string {
     plan->kw = kw;
-    plan->stages = !plan->wg && args.force_stages == 3 && plan->nw == 4 && plan->ms == 1 && plan->mb <= 2 ? 3 : kStages;
-    if (plan->wg == 2 && plan->mb == 8 && plan->ms == 1 && plan->kw == 1) plan->stages = 3;
-    if (plan->wg == 2 && plan->mb == 2 && plan->kw == 1 && (args.force_stages == 3 || three_stages)) plan->stages = 3;
+    plan->stages = ring_stages(*plan, args.force_stages == 3 || three_stages, args.force_stages == 3);
     const Instance inst = find_instance(args.bf16, plan->fine, plan->mb, plan->nw, plan->ms, plan->stages, plan->wg, plan->kw);
     // groups of 64 or 32, or zero points: a scale row and a zero-point row per strip and stage after
     // the ring, without zero points one row of 8s (marlin_24_kernel.cuh, StageScales)
