@@ -326,3 +326,28 @@ def test_many_column_tiles_run_one_wave_at_nine_to_sixteen_rows(g, monkeypatch, 
         assert grid <= (4 if g == 128 else 3) * sms, line  # one wave
         assert " parts=1 " in line or " cluster=1 " in line, line
     check_marlin_24(b_q, b_meta, b_s, k, n, torch.device("cuda"), ms=(9, 12, 16))  # raises if wrong
+
+
+def test_fine_parts_of_up_to_sixteen_stages_sum_in_clusters_at_nine_to_fifteen_rows(monkeypatch, capfd):
+    """At 9-15 rows on at most sms / 2 column tiles the FINE kernels (here groups of 64) keep their K
+    parts in clusters wherever a part streams up to 16 stages (group 128: 8), as at 16 rows: 8192 x
+    8192 (32 tiles of 64 stages) takes 4-8 parts of 8-16 stages, which went through global memory
+    under the 8-stage line (1.2x slower on an H200). Checked against unpack_2_4 (the spec)."""
+    from benchmarks.gemm_prep import check_marlin_24
+
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    k, n = 8192, 8192
+    if 2 * (n // 256) > sms:
+        pytest.skip(f"{n // 256} column tiles are more than half of this GPU's {sms} SMs")
+    b_q, b_meta, b_s = random_words_2_4(k, n, 64, seed=12)
+    monkeypatch.setenv("MARLIN_LOG_PLAN", "1")
+    for m in (9, 12, 15):
+        a = torch.randn(m, k, device="cuda", dtype=torch.float16)
+        plan_lines(capfd)
+        marlin.gemm_2_4(a, b_q, b_meta, b_s)
+        torch.cuda.synchronize()
+        line = plan_lines(capfd)[0]
+        plan = dict(field.split("=", 1) for field in line.split("plan:")[1].split())
+        assert plan["wgmma"] == "2" and plan["fine"] == "1", line
+        assert 4 <= int(plan["parts"]) <= 8 and plan["cluster"] == "1", line
+    check_marlin_24(b_q, b_meta, b_s, k, n, torch.device("cuda"), ms=(9, 12, 15))  # raises if wrong
