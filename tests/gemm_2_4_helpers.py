@@ -100,3 +100,15 @@ def assert_repeats_bit_identical(layer: Layer24, m: int) -> None:
 def plan_lines(capfd) -> list[str]:
     """The 2:4 op's plan lines (MARLIN_LOG_PLAN=1) printed since capfd was last read."""
     return [line for line in capfd.readouterr().err.splitlines() if line.startswith("marlin.gemm_2_4 plan:")]
+
+
+def plan_of_call(capfd, a, b_q, b_meta, b_s) -> dict:
+    """The plan of one gemm_2_4 call (the caller sets MARLIN_LOG_PLAN=1): its log line's fields, name
+    -> value, and the whole line under "line" (for assertion messages)."""
+    plan_lines(capfd)
+    marlin.gemm_2_4(a, b_q, b_meta, b_s)
+    torch.cuda.synchronize()
+    line = plan_lines(capfd)[0]
+    plan = dict(field.split("=", 1) for field in line.split("plan:")[1].split())
+    plan["line"] = line
+    return plan

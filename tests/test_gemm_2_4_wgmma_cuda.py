@@ -26,7 +26,7 @@ import torch
 
 import marlin
 from conftest import poison_allocator, rel_err, requires_cuda_2_4, wgmma_device
-from gemm_2_4_helpers import assert_graph_replays, assert_repeats_bit_identical, get_layer, plan_lines, random_words_2_4
+from gemm_2_4_helpers import assert_graph_replays, assert_repeats_bit_identical, get_layer, plan_lines, plan_of_call, random_words_2_4
 
 
 
@@ -316,15 +316,10 @@ def test_many_column_tiles_run_one_wave_at_nine_to_sixteen_rows(g, monkeypatch, 
     b_q, b_meta, b_s = random_words_2_4(k, n, g, seed=11)
     monkeypatch.setenv("MARLIN_LOG_PLAN", "1")
     for m in (9, 12, 16):
-        a = torch.randn(m, k, device="cuda", dtype=torch.float16)
-        plan_lines(capfd)
-        marlin.gemm_2_4(a, b_q, b_meta, b_s)
-        torch.cuda.synchronize()
-        line = plan_lines(capfd)[0]
-        grid = int(line.split(" grid=")[1].split()[0])
-        assert " wgmma=2 " in line and " stages=3 " in line, line
-        assert grid <= (4 if g == 128 else 3) * sms, line  # one wave
-        assert " parts=1 " in line or " cluster=1 " in line, line
+        plan = plan_of_call(capfd, torch.randn(m, k, device="cuda", dtype=torch.float16), b_q, b_meta, b_s)
+        assert plan["wgmma"] == "2" and plan["stages"] == "3", plan["line"]
+        assert int(plan["grid"]) <= (4 if g == 128 else 3) * sms, plan["line"]  # one wave
+        assert plan["parts"] == "1" or plan["cluster"] == "1", plan["line"]
     check_marlin_24(b_q, b_meta, b_s, k, n, torch.device("cuda"), ms=(9, 12, 16))  # raises if wrong
 
 
@@ -342,12 +337,7 @@ def test_fine_parts_of_up_to_sixteen_stages_sum_in_clusters_at_nine_to_fifteen_r
     b_q, b_meta, b_s = random_words_2_4(k, n, 64, seed=12)
     monkeypatch.setenv("MARLIN_LOG_PLAN", "1")
     for m in (9, 12, 15):
-        a = torch.randn(m, k, device="cuda", dtype=torch.float16)
-        plan_lines(capfd)
-        marlin.gemm_2_4(a, b_q, b_meta, b_s)
-        torch.cuda.synchronize()
-        line = plan_lines(capfd)[0]
-        plan = dict(field.split("=", 1) for field in line.split("plan:")[1].split())
-        assert plan["wgmma"] == "2" and plan["fine"] == "1", line
-        assert 4 <= int(plan["parts"]) <= 8 and plan["cluster"] == "1", line
+        plan = plan_of_call(capfd, torch.randn(m, k, device="cuda", dtype=torch.float16), b_q, b_meta, b_s)
+        assert plan["wgmma"] == "2" and plan["fine"] == "1", plan["line"]
+        assert 4 <= int(plan["parts"]) <= 8 and plan["cluster"] == "1", plan["line"]
     check_marlin_24(b_q, b_meta, b_s, k, n, torch.device("cuda"), ms=(9, 12, 15))  # raises if wrong
