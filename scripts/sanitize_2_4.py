@@ -62,7 +62,10 @@ PLANS = [
 if os.environ.get("SANITIZE_QUICK") == "1":  # racecheck / synccheck are slow: the planner's plan and clusters
     PLANS = PLANS[:1] + PLANS[2:3]
 if os.environ.get("SANITIZE_PLANS"):  # e.g. SANITIZE_PLANS=0,10: only these plans (indices into PLANS)
-    PLANS = [PLANS[int(i)] for i in os.environ["SANITIZE_PLANS"].split(",")]
+    _picked = os.environ["SANITIZE_PLANS"].split(",")
+    if not all(i.strip().isdigit() and int(i) < len(PLANS) for i in _picked):
+        raise SystemExit(f"SANITIZE_PLANS: {os.environ['SANITIZE_PLANS']!r}, expected comma-separated indices 0..{len(PLANS) - 1}")
+    PLANS = [PLANS[int(i)] for i in _picked]
 
 
 def main():
