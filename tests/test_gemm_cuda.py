@@ -132,6 +132,24 @@ def test_mma_sync_small_batch_instances_with_wgmma_off():
     _pytest_subprocess({"MARLIN_WGMMA": "0"}, "test_every_small_batch_instance")
 
 
+@pytest.mark.parametrize("knob", ["1", "0"])
+def test_one_block_instances(knob):
+    """The 8-row, 256-column mma.sync instances come in two register bounds: where the plan keeps
+    one block per SM the twin built without the 128-register bound runs (plan log
+    one_block_regs=1), where it keeps two (large layers) the bounded one; MARLIN_ONE_BLOCK_REGS=0
+    runs the bounded one everywhere. The shape and instance tests pass either way."""
+    select = "test_llama_shapes or test_small_shapes or test_every_small_batch_instance"
+    _, log = _pytest_subprocess({"MARLIN_ONE_BLOCK_REGS": knob, "MARLIN_LOG_PLAN": "1"}, select)
+    lines = [l for l in log.splitlines() if l.startswith("marlin.gemm plan:") and " m_blocks=1 kernel=small_m " in l]
+    eight_rows = [l for l in lines if " tile_n=256 " in l]
+    assert eight_rows, log[-2000:]
+    for line in lines:
+        one = " one_block_regs=1" in line
+        assert one == (knob == "1" and line in eight_rows and " blocks_per_sm=1 " in line), line
+    if knob == "1":
+        assert any(" one_block_regs=1" in l for l in eight_rows) and any(" blocks_per_sm=2 " in l for l in eight_rows)
+
+
 def test_repeated_calls_are_bit_identical():
     layer = get_layer(4096, 4096, 128)
     a = torch.randn(33, 4096, device="cuda", dtype=torch.float16)

@@ -166,11 +166,14 @@ def test_repeated_calls_are_bit_identical(fmt):
     assert int(ws.abs().sum()) == 0
 
 
-def test_bf16_large_values_do_not_overflow():
-    """bf16 keeps fp32's range: activations and scales far beyond fp16's 65504 still give the
-    right product (fp32 accumulation, bf16 rounding only at the end)."""
-    layer = get_layer(1152, 640, (torch.bfloat16, 4, True, 128))
-    a = torch.randn(16, 1152, device="cuda", dtype=torch.bfloat16) * 1e6
+@pytest.mark.parametrize("m", [1, 8, 16])
+@pytest.mark.parametrize("sym", [True, False], ids=["sym", "zero"])
+def test_bf16_large_values_do_not_overflow(m, sym):
+    """bf16 keeps fp32's range: activations far beyond fp16's 65504 still give the right product
+    (fp32 accumulation, bf16 rounding only at the end), on the 8-row group-sum path (1-8 rows,
+    whose raw sums run up to 136x the products) as on the 16-row one."""
+    layer = get_layer(1152, 640, (torch.bfloat16, 4, sym, 128))
+    a = torch.randn(m, 1152, device="cuda", dtype=torch.bfloat16) * 1e30
     c = run(layer, a)
     ref = a.double() @ layer.w_exact.double()
     assert torch.isfinite(c).all()
@@ -232,21 +235,23 @@ def test_default_plans_use_both_kernels():
     assert kernels == {"small_m", "tiled"} | ({"small_m_wgmma", "prefill_wgmma"} if wgmma_device() else set()), kernels
 
 
-@pytest.mark.parametrize("zp_sums", ["1", "0"])
-def test_zero_point_group_sums_plans(zp_sums):
-    """fp16 zero points in groups of 128 at 1-8 rows run the raw group-sum instance (plan log
-    zp_sums=1; the zero point applied to each group's sums), and with MARLIN_ZP_SUMS=0 the
-    run-time-group instance that dequantizes every weight: both pass test_formats and the partial
-    last tile test, in a subprocess that reads the plans, so that neither path goes untested."""
+@pytest.mark.parametrize("group_sums", ["1", "0"])
+def test_group_sums_plans(group_sums):
+    """Zero points (fp16, bf16) and bf16 in groups of 128 at 1-8 rows run the raw group-sum
+    instances (plan log group_sums=1; scale and zero point applied to each group's sums), and with
+    MARLIN_GROUP_SUMS=0 the run-time-group instances that dequantize every weight: both pass
+    test_formats and the partial last tile test, in a subprocess that reads the plans, so that
+    neither path goes untested. Group 64 never takes the group-sum path."""
     import os
     import re
     import subprocess
     import sys
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ, MARLIN_LOG_PLAN="1", MARLIN_ZP_SUMS=zp_sums)
+    env = dict(os.environ, MARLIN_LOG_PLAN="1", MARLIN_GROUP_SUMS=group_sums)
     cmd = [sys.executable, "-m", "pytest", __file__, "-q", "-s", "-p", "no:cacheprovider", "-k",
-           "(test_formats or test_small_batch_partial_last_tile) and fp16-u4-zero-g128"]
+           "(test_formats or test_small_batch_partial_last_tile) and "
+           "(fp16-u4-zero-g128 or bf16-u4-zero-g128 or bf16-u4-g128 or bf16-u4-g64)"]
     r = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0 and " passed" in r.stdout, r.stdout[-3000:] + r.stderr[-3000:]
     plans = re.findall(r"^marlin\.gemm plan: m=(\d+) .* kernel=(\w+) .*$", r.stderr, re.M)
@@ -255,8 +260,9 @@ def test_zero_point_group_sums_plans(zp_sums):
     small = [l for l in lines if " m_blocks=1 kernel=small_m " in l]
     assert small, "no call ran the 8-row mma.sync slice"
     for line in lines:
-        sums = " zp_sums=1" in line
-        assert sums == (zp_sums == "1" and line in small), line
+        sums = " group_sums=1" in line
+        k, groups = (int(v) for v in re.search(r" k=(\d+) groups=(-?\d+) ", line).groups())
+        assert sums == (group_sums == "1" and line in small and groups > 1 and k == 128 * groups), line
 
 
 

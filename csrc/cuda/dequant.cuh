@@ -85,6 +85,21 @@ __device__ __forceinline__ U4Zero u4_zero_pair(uint32_t zpair) {
   return out;
 }
 
+// Eight 4-bit weights of one int32 as bf16 128 + u, in dequant_u4's fragment order: 0x4300 is bf16
+// 128 (7 mantissa bits), so OR-ing a nibble into the low mantissa bits gives 128 + u exactly. A
+// nibble at bits 4..7 would reach the exponent, so all four are shifted down: 4 LOP3 and 3 shifts.
+// The offset (128 + 8, or 128 + z) is taken off by the caller: one HSUB2 per pair (dequant_u4), or
+// once per group on fp32 sums (the small-batch kernel's raw path, SmallMShape::kBf16Raw).
+__device__ __forceinline__ void dequant_u4_biased_bf16(uint32_t w, uint32_t (&lo)[2], uint32_t (&hi)[2]) {
+  constexpr uint32_t kLowMask = 0x000f000f;
+  constexpr uint32_t kAndOr = (0xf0 & 0xcc) | 0xaa;  // lop3 truth table of (a & b) | c
+  constexpr uint32_t kExp = 0x43004300;
+  lo[0] = lop3<kAndOr>(w, kLowMask, kExp);
+  lo[1] = lop3<kAndOr>(w >> 4, kLowMask, kExp);
+  hi[0] = lop3<kAndOr>(w >> 8, kLowMask, kExp);
+  hi[1] = lop3<kAndOr>(w >> 12, kLowMask, kExp);
+}
+
 // Eight 4-bit weights of one int32 (nibbles in 64207531 order) into the two mma B fragments of a
 // 16x16 block: lo = column g (K rows 2c, 2c+1 | 2c+8, 2c+9), hi = column 8 + g. ZP: subtract the
 // columns' zero points (z from u4_zero_pair) instead of the symmetric 8.
@@ -94,22 +109,16 @@ __device__ __forceinline__ void dequant_u4(uint32_t w, uint32_t (&lo)[2], uint32
   constexpr uint32_t kLowMask = 0x000f000f;
   constexpr uint32_t kAndOr = (0xf0 & 0xcc) | 0xaa;  // lop3 truth table of (a & b) | c
   if constexpr (kIsBf16<T>) {
-    // 0x4300 is bf16 128 (7 mantissa bits): OR-ing a nibble into the low mantissa bits gives
-    // 128 + u exactly. A nibble at bits 4..7 would not fit, so all four are shifted down.
-    constexpr uint32_t kExp = 0x43004300;
-    uint32_t t0 = lop3<kAndOr>(w, kLowMask, kExp);
-    uint32_t t1 = lop3<kAndOr>(w >> 4, kLowMask, kExp);
-    uint32_t t2 = lop3<kAndOr>(w >> 8, kLowMask, kExp);
-    uint32_t t3 = lop3<kAndOr>(w >> 12, kLowMask, kExp);
+    dequant_u4_biased_bf16(w, lo, hi);
     nv_bfloat162 s_lo = const2<T>(0x43084308), s_hi = s_lo;  // symmetric: 136 = 128 + 8
     if constexpr (ZP) {
       s_lo = __low2bfloat162(as_t2<T>(z.sub));
       s_hi = __high2bfloat162(as_t2<T>(z.sub));
     }
-    lo[0] = as_u32<T>(__hsub2(as_t2<T>(t0), s_lo));
-    lo[1] = as_u32<T>(__hsub2(as_t2<T>(t1), s_lo));
-    hi[0] = as_u32<T>(__hsub2(as_t2<T>(t2), s_hi));
-    hi[1] = as_u32<T>(__hsub2(as_t2<T>(t3), s_hi));
+    lo[0] = as_u32<T>(__hsub2(as_t2<T>(lo[0]), s_lo));
+    lo[1] = as_u32<T>(__hsub2(as_t2<T>(lo[1]), s_lo));
+    hi[0] = as_u32<T>(__hsub2(as_t2<T>(hi[0]), s_hi));
+    hi[1] = as_u32<T>(__hsub2(as_t2<T>(hi[1]), s_hi));
   } else if constexpr (!ZP) {
     dequant_int4x8(w, lo, hi);
   } else {

@@ -34,8 +34,10 @@ struct Knobs {
   int wg_slice_rows;          // MARLIN_WG_SLICE=64 or 128 forces the wgmma variant's slices above 64 rows
   bool g128_runtime_group;    // MARLIN_G128_RG=0 keeps fp16 group 128 at 9-16 rows (wgmma) on the
                               // group-sum instance
-  bool zp_sums;               // MARLIN_ZP_SUMS=0 keeps fp16 zero points in groups of 128 at <= 8 rows on
-                              // the run-time-group instance instead of the raw group-sum one
+  bool group_sums;            // MARLIN_GROUP_SUMS=0 keeps zero points and bf16 in groups of 128 at <= 8 rows
+                              // on the run-time-group instances instead of the raw group-sum ones
+  bool one_block_regs;        // MARLIN_ONE_BLOCK_REGS=0 keeps the 8-row mma.sync instances at their
+                              // 128-register bound (built for two blocks per SM) where the plan keeps one
   bool small_layer_clusters;  // MARLIN_SMALL_LAYER_CLUSTERS=0 keeps layers under 80 KB of weights per SM
                               // at 9-64 rows (wgmma) on the tiled kernel
   bool cluster_fit;           // MARLIN_CLUSTER_FIT=0 keeps split columns that do not fit as resident
@@ -59,7 +61,8 @@ const Knobs& knobs() {
                        env_int("MARLIN_SPLIT", 1),
                        env_int("MARLIN_WG_SLICE", 0),
                        env_int("MARLIN_G128_RG", 1) != 0,
-                       env_int("MARLIN_ZP_SUMS", 1) != 0,
+                       env_int("MARLIN_GROUP_SUMS", 1) != 0,
+                       env_int("MARLIN_ONE_BLOCK_REGS", 1) != 0,
                        env_int("MARLIN_SMALL_LAYER_CLUSTERS", 1) != 0,
                        env_int("MARLIN_CLUSTER_FIT", 1) != 0,
                        env_int("MARLIN_SPLIT_PARTS", 0),
@@ -147,7 +150,8 @@ at::Tensor gemm_cuda(const at::Tensor& a, const at::Tensor& b_q, const at::Tenso
   args.wg_slice_rows = knobs().wg_slice_rows;
   args.wg_tile_n = knobs().wg_tile_n;
   args.g128_runtime_group = knobs().g128_runtime_group;
-  args.zp_sums = knobs().zp_sums;
+  args.group_sums = knobs().group_sums;
+  args.one_block_regs = knobs().one_block_regs;
   args.small_layer_clusters = knobs().small_layer_clusters;
   args.prefill = knobs().prefill;
   args.prefill_split = knobs().prefill_split;

@@ -85,7 +85,7 @@ struct Format {
   int w = kU4;                     // WType
   int group_mode = kPerColumn;     // kGroupBlocks128 (fp16 kU4 only), kGroupBlocksRuntime or kPerColumn
   int group_shift = 0;             // log2 of the group size in k16 blocks (run-time groups)
-  bool zp_dequant = false;         // zero points: never the raw group-sum instance (GemmArgs::zp_sums off)
+  bool no_group_sums = false;      // never a raw group-sum instance (GemmArgs::group_sums off)
   // fp16 symmetric INT4 in groups of 128 or per column: the format every kernel and instance
   // runs; the others run on the tiled kernel and on the small-batch kernel with the 256-column
   // tile only (all but per-column zero points): mma.sync with 8 or 16 rows, wgmma with 16-128
@@ -100,7 +100,7 @@ std::string format_of(const GemmArgs& a, Format* f) {
     return "marlin.gemm: zero points (b_zeros) are supported with 4-bit weights only, got bits = 8";
   f->bf16 = a.bf16;
   f->w = a.bits == 8 ? kU8 : a.zeros != nullptr ? kU4Zp : kU4;
-  f->zp_dequant = !a.zp_sums;
+  f->no_group_sums = !a.group_sums;
   if (a.groups == 1) {
     f->group_mode = kPerColumn;
     f->group_shift = 0;
@@ -228,37 +228,47 @@ int tiled_m_blocks(int m, const Format& f, bool partial_n) {
   return mb == 3 && (!f.base() || partial_n) ? 4 : mb;
 }
 
-template <int MB, int NW, bool G, bool WG, typename ET = half, int W = kU4, bool RG = false>
+template <int MB, int NW, bool G, bool WG, typename ET = half, int W = kU4, bool RG = false,
+          int MINB = kSmallMMinBlocksPerSm<MB, WG>>
 Instance make_smallm_instance() {
   using S = SmallMShapeOf<MB, NW, G, WG, ET, W, RG>;
-  return Instance{kSmallMMinBlocksPerSm<MB, WG>, S::kSmemBytes, S::kPartialFloats,
-                  &launch_smallm<MB, NW, G, WG, ET, W, RG>, &smallm_max_clusters<MB, NW, G, WG, ET, W, RG>};
+  return Instance{MINB, S::kSmemBytes, S::kPartialFloats, &launch_smallm<MB, NW, G, WG, ET, W, RG, MINB>,
+                  &smallm_max_clusters<MB, NW, G, WG, ET, W, RG, MINB>};
 }
 
-// fp16 zero points in groups of 128 on the 8-row mma.sync slice run the raw group-sum instance
-// (SmallMShape::kZpSums), where the zero point costs one FFMA per group sum instead of a
-// dequantization of every weight with a per-column constant at every k16 step.
-bool zp_group_sums(const Format& f, int mb, bool wg) {
-  return f.w == kU4Zp && !f.bf16 && f.group_mode != kPerColumn && f.group_shift == 3 && mb == 1 && !wg && !f.zp_dequant;
+// Zero points (fp16, bf16) and bf16 symmetric INT4 in groups of 128 on the 8-row mma.sync slice run
+// the raw group-sum instances (SmallMShape::kZpSums, kBf16Raw): the weights enter the mma with
+// their offset, which one correction mma per k16 step and each group's end take off the fp32
+// sums, and the scale (and zero point) cost one FFMA per sum and group instead of a dequantization
+// and scale multiply of every weight at every k16 step.
+bool fmt_group_sums(const Format& f, int mb, bool wg) {
+  return (f.w == kU4Zp || (f.w == kU4 && f.bf16)) && f.group_mode != kPerColumn && f.group_shift == 3 && mb == 1 &&
+         !wg && !f.no_group_sums;
 }
 
 // The other formats' small-batch instances (smallm_instances.cuh, MARLIN_INSTANTIATE_SMALLM_FORMATS_WG):
-// 256 columns; grouped ones take the group size at run time, but for zp_group_sums.
+// 256 columns; grouped ones take the group size at run time, but for fmt_group_sums (whose
+// instances come in two register bounds: `one_block` takes the one for a single block per SM).
 template <int MB, bool WG, typename ET>
-bool find_smallm_format_mb(const Format& f, Instance* out) {
+bool find_smallm_format_mb(const Format& f, bool one_block, Instance* out) {
   const bool grouped = f.group_mode != kPerColumn;
+  if constexpr (MB == 1 && !WG) {
+    if (fmt_group_sums(f, MB, WG)) {
+      if (f.w == kU4Zp)
+        *out = one_block ? make_smallm_instance<1, 4, true, false, ET, kU4Zp, false, 1>()
+                         : make_smallm_instance<1, 4, true, false, ET, kU4Zp, false, 2>();
+      else
+        *out = one_block ? make_smallm_instance<1, 4, true, false, nv_bfloat16, kU4, false, 1>()
+                         : make_smallm_instance<1, 4, true, false, nv_bfloat16, kU4, false, 2>();
+      return true;
+    }
+  }
   if (f.w == kU4) {
     if (grouped) *out = make_smallm_instance<MB, 4, true, WG, ET, kU4, true>();
     else if (std::is_same<ET, nv_bfloat16>::value) *out = make_smallm_instance<MB, 4, false, WG, nv_bfloat16, kU4, false>();
     else return false;  // fp16 per column is the base format
   } else if (f.w == kU4Zp) {
     if (!grouped) return false;  // per-column zero points: tiled kernel only
-    if constexpr (MB == 1 && !WG && std::is_same<ET, half>::value) {
-      if (zp_group_sums(f, MB, WG)) {
-        *out = make_smallm_instance<1, 4, true, false, half, kU4Zp, false>();
-        return true;
-      }
-    }
     *out = make_smallm_instance<MB, 4, true, WG, ET, kU4Zp, true>();
   } else {
     *out = grouped ? make_smallm_instance<MB, 4, true, WG, ET, kU8, true>()
@@ -268,35 +278,43 @@ bool find_smallm_format_mb(const Format& f, Instance* out) {
 }
 
 template <bool WG, typename ET>
-bool find_smallm_format_et(int mb, const Format& f, Instance* out) {
+bool find_smallm_format_et(int mb, const Format& f, bool one_block, Instance* out) {
   if constexpr (WG) {  // smallm_wg_fmt_instances_*.cu
     switch (mb) {
-      case 2: return find_smallm_format_mb<2, true, ET>(f, out);
-      case 4: return find_smallm_format_mb<4, true, ET>(f, out);
-      case 8: return find_smallm_format_mb<8, true, ET>(f, out);
-      case 16: return find_smallm_format_mb<16, true, ET>(f, out);
+      case 2: return find_smallm_format_mb<2, true, ET>(f, one_block, out);
+      case 4: return find_smallm_format_mb<4, true, ET>(f, one_block, out);
+      case 8: return find_smallm_format_mb<8, true, ET>(f, one_block, out);
+      case 16: return find_smallm_format_mb<16, true, ET>(f, one_block, out);
       default: return false;
     }
   } else {  // smallm_fmt_instances_mb*.cu
     switch (mb) {
-      case 1: return find_smallm_format_mb<1, false, ET>(f, out);
-      case 2: return find_smallm_format_mb<2, false, ET>(f, out);
+      case 1: return find_smallm_format_mb<1, false, ET>(f, one_block, out);
+      case 2: return find_smallm_format_mb<2, false, ET>(f, one_block, out);
       default: return false;
     }
   }
 }
 
 // mma.sync: MB 1 or 2; wgmma: MB 2, 4, 8 or 16; 256 columns only.
-bool find_smallm_format(int mb, int tile_n, bool wg, const Format& f, Instance* out) {
+bool find_smallm_format(int mb, int tile_n, bool wg, const Format& f, bool one_block, Instance* out) {
   if (tile_n != 256) return false;
-  if (f.bf16) return wg ? find_smallm_format_et<true, nv_bfloat16>(mb, f, out) : find_smallm_format_et<false, nv_bfloat16>(mb, f, out);
-  return wg ? find_smallm_format_et<true, half>(mb, f, out) : find_smallm_format_et<false, half>(mb, f, out);
+  if (f.bf16)
+    return wg ? find_smallm_format_et<true, nv_bfloat16>(mb, f, one_block, out)
+              : find_smallm_format_et<false, nv_bfloat16>(mb, f, one_block, out);
+  return wg ? find_smallm_format_et<true, half>(mb, f, one_block, out) : find_smallm_format_et<false, half>(mb, f, one_block, out);
 }
 
 // The small-batch instances: MB n8 tiles of the batch (1, 2, 4 with mma.sync; 2, 4, 8 with
 // wgmma) x 256 or 512 columns x scales; MB = 16 with wgmma, 256 columns only; and with wgmma at
-// MB = 2-16 the 128-column tile, group 128 only.
-bool find_smallm_instance(int mb, int tile_n, bool grouped, bool wg, Instance* out) {
+// MB = 2-16 the 128-column tile, group 128 only. `one_block`: the 8-row, 256-column mma.sync
+// instances built for one block per SM (no 128-register bound), where the plan keeps one.
+bool find_smallm_instance(int mb, int tile_n, bool grouped, bool wg, bool one_block, Instance* out) {
+  if (one_block && mb == 1 && tile_n == 256 && !wg) {
+    *out = grouped ? make_smallm_instance<1, 4, true, false, half, kU4, false, 1>()
+                   : make_smallm_instance<1, 4, false, false, half, kU4, false, 1>();
+    return true;
+  }
 #define MARLIN_TRY(MB, NW, WG)                                                                                \
   if (mb == MB && tile_n == 64 * NW && wg == WG) {                                                           \
     *out = grouped ? make_smallm_instance<MB, NW, true, WG>() : make_smallm_instance<MB, NW, false, WG>(); \
@@ -408,6 +426,20 @@ void plan_split(const GemmArgs& args, const Instance& inst, int k_tiles, int n_t
   plan->partial_floats = clusters ? 0 : static_cast<std::size_t>(inst.partial_floats) * 2 * plan->grid;
 }
 
+// Two blocks per SM (where registers and shared memory allow) hide more latency on large layers,
+// but double the split columns and reductions; measured on an H200 it pays only when a single
+// block per SM would stream at least kBytesFor2PerSm of weights (benchmarks/NOTES.md). (Tried for
+// the small-batch kernel: two blocks everywhere made 7B layers 10-15% slower.) MARLIN_BLOCKS_PER_SM=1
+// keeps one everywhere.
+bool two_blocks_pay(const GemmArgs& args, TileConfig tile, int m_slices) {
+  constexpr long long kBytesFor2PerSm = 64LL * 128 * 128 / 2;
+  if (args.blocks_per_sm == 1) return false;
+  const long long k_tiles = args.k / tile.tile_k;
+  const long long n_tiles = (args.n + tile.tile_n - 1) / tile.tile_n;
+  const long long tile_bytes = static_cast<long long>(tile.tile_k) * tile.tile_n / 2;
+  return m_slices * n_tiles * k_tiles * tile_bytes >= kBytesFor2PerSm * args.sms;
+}
+
 // Fills the partition of a plan whose tile and instance are chosen.
 std::string finish_plan(const GemmArgs& args, const Instance& inst, GemmPlan* plan) {
   plan->blocks_per_sm = std::min(inst.blocks_per_sm, std::max(1, args.max_smem_per_sm / std::max(1, inst.smem_bytes)));
@@ -420,13 +452,7 @@ std::string finish_plan(const GemmArgs& args, const Instance& inst, GemmPlan* pl
   const int n_tiles = (args.n + plan->tile.tile_n - 1) / plan->tile.tile_n;
   const long long total = static_cast<long long>(plan->m_slices) * n_tiles * k_tiles;
   if (total >= (1LL << 31)) return "marlin.gemm: problem too large for 32-bit tile indices; " + describe(args, plan->tile, plan->m_blocks);
-  // Two blocks per SM (where registers and shared memory allow) hide more latency on large
-  // layers, but double the split columns and reductions; measured on an H200 it pays only when a
-  // single block per SM would stream at least kBytesFor2PerSm of weights (benchmarks/NOTES.md).
-  // (Tried for the small-batch kernel: two blocks everywhere made 7B layers 10-15% slower.)
-  constexpr long long kBytesFor2PerSm = 64LL * 128 * 128 / 2;
-  const long long tile_bytes = static_cast<long long>(plan->tile.tile_k) * plan->tile.tile_n / 2;
-  if (plan->blocks_per_sm > 1 && total * tile_bytes < kBytesFor2PerSm * args.sms) plan->blocks_per_sm = 1;
+  if (plan->blocks_per_sm > 1 && !two_blocks_pay(args, plan->tile, plan->m_slices)) plan->blocks_per_sm = 1;
   const int blocks = static_cast<int>(std::min<long long>(static_cast<long long>(args.sms) * plan->blocks_per_sm, total));
   plan->tiles_per_block = static_cast<int>((total + blocks - 1) / blocks);
   plan->grid = static_cast<int>((total + plan->tiles_per_block - 1) / plan->tiles_per_block);
@@ -469,11 +495,15 @@ std::string plan_small_m(const GemmArgs& args, int tile_n, GemmPlan* plan) {
   if (!f.base() && !plan->wgmma && plan->m_blocks > 2) plan->m_blocks = 2;  // their mma.sync slices: 8 or 16 rows
   plan->m_slices = (args.m + 8 * plan->m_blocks - 1) / (8 * plan->m_blocks);
   if (!narrow) g128_as_runtime_group(args, *plan, &f);
-  plan->zp_sums = zp_group_sums(f, plan->m_blocks, plan->wgmma);
+  plan->group_sums = fmt_group_sums(f, plan->m_blocks, plan->wgmma);
+  // the 8-row instances of the base format and the group-sum ones of the others have twins without
+  // the 128-register bound, for plans with one block per SM
+  const bool one_block = args.one_block_regs && !two_blocks_pay(args, plan->tile, plan->m_slices);
   Instance inst;
-  const bool found = f.base() ? find_smallm_instance(plan->m_blocks, tile_n, grouped, plan->wgmma, &inst)
-                              : find_smallm_format(plan->m_blocks, tile_n, plan->wgmma, f, &inst);
+  const bool found = f.base() ? find_smallm_instance(plan->m_blocks, tile_n, grouped, plan->wgmma, one_block, &inst)
+                              : find_smallm_format(plan->m_blocks, tile_n, plan->wgmma, f, one_block, &inst);
   if (!found) return "marlin.gemm: internal error, no small-batch kernel for " + describe(args, plan->tile, plan->m_blocks);
+  plan->one_block_regs = one_block && plan->m_blocks == 1 && !plan->wgmma && (f.base() ? tile_n == 256 : plan->group_sums);
   // some instances of the other formats take a partial last tile of whole 64-column chunks
   const bool partial_n = small_m_partial_n(f, plan->wgmma, plan->m_blocks);
   if (args.k % 128 != 0 || args.n % (partial_n ? 64 : tile_n) != 0)
@@ -682,7 +712,7 @@ std::string describe_plan(const GemmArgs& args, const GemmPlan& plan) {
          " tiles_per_block=" + std::to_string(plan.tiles_per_block) + " split_parts=" + std::to_string(plan.split_parts) +
          (plan.prefill ? " split_first=" + std::to_string(plan.split_first) + " split_stages=" + std::to_string(plan.split_stages) : "") +
          " clusters=" + (plan.cluster_reduce ? "1" : "0") + " global_reduction=" + (plan.needs_partial ? "1" : "0") +
-         (plan.zp_sums ? " zp_sums=1" : "") + " dram_gbps=" + std::to_string(static_cast<long long>(args.dram_gbps)) +
+         (plan.group_sums ? " group_sums=1" : "") + (plan.one_block_regs ? " one_block_regs=1" : "") + " dram_gbps=" + std::to_string(static_cast<long long>(args.dram_gbps)) +
          " wg512_bytes_per_sm=" + std::to_string(wg512_bytes_per_sm(args));
 }
 

@@ -56,9 +56,14 @@ struct GemmArgs {
   // fp16 group 128 on the wgmma variant's 16-row slices: the run-time-group instance (true) or the
   // group-sum one (false); see g128_as_runtime_group in marlin_gemm.cu
   bool g128_runtime_group = true;
-  // fp16 zero points in groups of 128 on the 8-row mma.sync slice: the raw group-sum instance
-  // (true) or the run-time-group one that dequantizes every weight (false; probes, tests)
-  bool zp_sums = true;
+  // zero points (fp16, bf16) and bf16 symmetric INT4 in groups of 128 on the 8-row mma.sync
+  // slice: the raw group-sum instances (true) or the run-time-group ones that dequantize and
+  // scale every weight (false; probes, tests)
+  bool group_sums = true;
+  // the 8-row mma.sync instances built for one block per SM (no 128-register bound: the base
+  // format's 256-column ones and the group-sum ones of the others) where the plan keeps one block
+  // per SM (true), or always the two-block ones (false; probes, tests)
+  bool one_block_regs = true;
   // layers under 80 KB of weights per SM at 9-64 rows (wgmma): the small-batch kernel where its
   // split columns reduce in clusters (true), or always the tiled kernel (false; probes, tests)
   bool small_layer_clusters = true;
@@ -86,7 +91,8 @@ struct GemmPlan {
   bool small_m = false;  // the small-batch kernel (smallm_kernel.cuh) rather than marlin_kernel.cuh
   bool wgmma = false;    // its sm_90a variant (warpgroup mma; slices of up to 128 rows)
   bool prefill = false;  // the warp-specialized prefill kernel (prefill/prefill_kernel.cuh) instead of either
-  bool zp_sums = false;  // small_m: zero points applied to raw group sums (SmallMShape::kZpSums)
+  bool group_sums = false;  // small_m, a format other than the base one: scales and zero points on raw group sums (SmallMShape::kZpSums, kBf16Raw)
+  bool one_block_regs = false;  // small_m, 8-row slice: the instance built for one block per SM (no 128-register bound)
   int m_blocks = 0;      // rows of M per slice: 16 * m_blocks, or 8 * m_blocks for small_m
   int m_slices = 0;      // slices of M
   int blocks_per_sm = 1;

@@ -7,8 +7,17 @@ MARLIN_DEFINE_SMALLM_LAUNCH
 MARLIN_INSTANTIATE_SMALLM_FORMATS(1, half)
 MARLIN_INSTANTIATE_SMALLM_FORMATS(1, nv_bfloat16)
 MARLIN_INSTANTIATE_SMALLM_FMT(1, nv_bfloat16, kU4, false)
-// fp16 zero points in groups of 128: the raw group-sum path (SmallMShape::kZpSums)
-template cudaError_t launch_smallm<1, 4, true, false, half, kU4Zp, false>(const KernelParams&, int, int, cudaStream_t,
-                                                                         bool, int);
-template int smallm_max_clusters<1, 4, true, false, half, kU4Zp, false>(int, int);
+// zero points (fp16, bf16) and bf16 symmetric INT4 in groups of 128: the raw group-sum path
+// (SmallMShape::kZpSums, kBf16Raw; marlin_gemm.cu's fmt_group_sums), for two blocks per SM (128
+// registers) and for one (MINB = 1)
+#define MARLIN_INSTANTIATE_SMALLM_SUMS(ET, W, MINB)                                                                \
+  template cudaError_t launch_smallm<1, 4, true, false, ET, W, false, MINB>(const KernelParams&, int, int,        \
+                                                                           cudaStream_t, bool, int);             \
+  template int smallm_max_clusters<1, 4, true, false, ET, W, false, MINB>(int, int);
+MARLIN_INSTANTIATE_SMALLM_SUMS(half, kU4Zp, 2)
+MARLIN_INSTANTIATE_SMALLM_SUMS(half, kU4Zp, 1)
+MARLIN_INSTANTIATE_SMALLM_SUMS(nv_bfloat16, kU4Zp, 2)
+MARLIN_INSTANTIATE_SMALLM_SUMS(nv_bfloat16, kU4Zp, 1)
+MARLIN_INSTANTIATE_SMALLM_SUMS(nv_bfloat16, kU4, 2)
+MARLIN_INSTANTIATE_SMALLM_SUMS(nv_bfloat16, kU4, 1)
 }  // namespace marlin

@@ -82,9 +82,15 @@ struct SmallMShape {
   // correction mma sums the activations (the -1 matrix instead of -8) and the group's end adds z
   // times that sum per column before the scale. The zero point then costs one FFMA per sum and
   // group instead of a full dequantization with a per-column constant at every k16 step.
-  static constexpr bool kZpSums = std::is_same<ET, half>::value && W == kU4Zp && GROUPED && !RG && !WG && MB == 1;
+  // bf16 does the same (kBf16Raw), symmetric or with zero points, but without subnormals (a
+  // bf16 nibble times 2^-133 would make fp32 subnormal products): each nibble under the exponent
+  // of 128 gives 128 + u exactly (dequant_u4_biased_bf16: 7 instructions per 8 weights, against
+  // 15 with the subtraction and the scale multiply), and the correction mma adds -136 sum a
+  // (symmetric) or -sum a (zero points: times 128 + z at the group's end).
+  static constexpr bool kZpSums = W == kU4Zp && GROUPED && !RG && !WG && MB == 1;
+  static constexpr bool kBf16Raw = kIsBf16<ET> && (W == kU4 || W == kU4Zp) && GROUPED && !RG && !WG && MB == 1;
   // (Not on the 128-column wgmma tile: its warps hold half a chunk each, which needs scaled weights.)
-  static constexpr bool kGroupSums = (kBase && GROUPED && (WG ? MB == 2 && NW != 2 : MB == 1)) || kZpSums;
+  static constexpr bool kGroupSums = (kBase && GROUPED && (WG ? MB == 2 && NW != 2 : MB == 1)) || kZpSums || kBf16Raw;
   static constexpr bool kScaleWeights = GROUPED && !kGroupSums;
   // Where scales act on fp32 sums, the weights enter the mma as raw subnormals (see
   // unpack_int4x8_subnormal): 5 instructions per 8 weights instead of 9. The sums are then
@@ -95,12 +101,15 @@ struct SmallMShape {
   // per stage, when they have landed (kPrescale).
   // WG from MB == 4 per column: plain dequantization, scales on the fp32 result (measured: the
   // raw path's correction wgmma and prescale made per column 30% slower than group 128 there).
-  static constexpr bool kRaw = (kBase && !kScaleWeights && !(WG && MB >= 4)) || kZpSums;
-  // The correction matrix of the raw path, as fp16 subnormal pairs for K rows 0..7 and 8..15
+  static constexpr bool kRaw = (kBase && !kScaleWeights && !(WG && MB >= 4)) || kZpSums || kBf16Raw;
+  // fp16's raw weights are subnormals (x 2^-24, K rows 8..15 stored x 16); bf16's are 128 + u.
+  static constexpr bool kSubnormal = kRaw && !kIsBf16<ET>;
+  // The correction matrix of the raw path. fp16: subnormal pairs for K rows 0..7 and 8..15
   // (whose activations are / 16): -8 * 2^-24 and -128 * 2^-24 (symmetric: the +8 offset), or
   // -2^-24 and -16 * 2^-24 (kZpSums: the activations' sum, scaled by each column's z later).
-  static constexpr uint32_t kCorrLo = kZpSums ? 0x80018001u : 0x80088008u;
-  static constexpr uint32_t kCorrHi = kZpSums ? 0x80108010u : 0x80808080u;
+  // bf16: -136 (symmetric: 128 + 8) or -1 (zero points: scaled by each column's 128 + z later).
+  static constexpr uint32_t kCorrLo = kIsBf16<ET> ? (kZpSums ? 0xBF80BF80u : 0xC308C308u) : kZpSums ? 0x80018001u : 0x80088008u;
+  static constexpr uint32_t kCorrHi = kIsBf16<ET> ? kCorrLo : kZpSums ? 0x80108010u : 0x80808080u;
   static constexpr bool kPrescale = WG && kRaw;
   // Stages loaded ahead of the one computed. Each stage's last step refills a slot of the ring.
   // mma.sync: before the stage barrier, the slot of the previous stage (every warp has read it
@@ -180,7 +189,7 @@ struct SmallMShape {
   // their bound: there the checks made the 16-row mma.sync (128 registers) and the 64- and
   // 128-row wgmma instances (255) spill 8-32 more bytes inside the main loop.
   static constexpr bool kPartialN = !kBase && (MB == 1 || (WG && MB <= 4));
-  static_assert(kBase || kZpSums || !GROUPED || RG, "other formats take their group size at run time");
+  static_assert(kBase || kZpSums || kBf16Raw || !GROUPED || RG, "other formats take their group size at run time");
   static_assert(!kZeros || GROUPED, "per-column zero points run on the tiled kernel");
   static_assert(kSStage <= kThreads, "one copy per thread loads a stage's scales (and zero points)");
 };
@@ -195,11 +204,17 @@ __device__ __forceinline__ void add4(float4& a, const float4& b) {
 
 // MB <= 2 fits in 128 registers, so two blocks can share an SM (more warps to hide latency).
 // WG instances keep group sums and double-buffered A fragments: one block, up to 255 registers.
+// MINB (the kernel's last parameter) overrides it: the 8-row group-sum instances of the other
+// formats also come with MINB = 1 for the plans that keep one block per SM anyway (most layers
+// at 1-8 rows, marlin_gemm.cu's two_blocks_pay), where the 128-register bound only makes ptxas
+// recompute shared-memory addresses at every stage (fp16 zero points: 300 -> 250 instructions
+// per warp and stage).
 template <int MB, bool WG>
 constexpr int kSmallMMinBlocksPerSm = !WG && MB <= 2 ? 2 : 1;
 
-template <int MB, int NW, int STAGES, bool GROUPED, bool WG, typename ET = half, int W = kU4, bool RG = false>
-__global__ void __launch_bounds__(kThreads, kSmallMMinBlocksPerSm<MB, WG>) marlin_smallm_kernel(const KernelParams p) {
+template <int MB, int NW, int STAGES, bool GROUPED, bool WG, typename ET = half, int W = kU4, bool RG = false,
+          int MINB = kSmallMMinBlocksPerSm<MB, WG>>
+__global__ void __launch_bounds__(kThreads, MINB) marlin_smallm_kernel(const KernelParams p) {
   using S = SmallMShape<MB, NW, STAGES, GROUPED, WG, ET, W, RG>;
   using E = Elem<ET>;
   using T2 = typename E::T2;
@@ -287,7 +302,7 @@ __global__ void __launch_bounds__(kThreads, kSmallMMinBlocksPerSm<MB, WG>) marli
   constexpr int JW = S::kJW;
   float tot[JW][MB][4];                        // the column's result so far
   float grp[S::kGroupSums ? JW : 1][MB][4];    // this group's mma sums (kGroupSums only)
-  float corr[MB][4];                           // kRaw: -8 (kZpSums: -1) * 2^-24 * (sum of the activations)
+  float corr[MB][4];                           // kRaw: the correction mma's sums (kCorrLo / kCorrHi times the activations)
   uint32_t act[2][MB][2];                      // activation B fragments, double buffered
   uint32_t afrag[2][JW][4];                    // WG: dequantized A fragments, double buffered
   alignas(16) uint32_t wq[2][JW * S::kBLane];  // packed weights (8 nibbles / 2 x 4 bytes per block), double buffered
@@ -475,7 +490,7 @@ __global__ void __launch_bounds__(kThreads, kSmallMMinBlocksPerSm<MB, WG>) marli
     } else {
       read_blocks(sh + S::kAStage + ((wk * SUB + u) * NW + wn) * 32 + lane, wq[buf]);
     }
-    if constexpr (S::kRaw && !WG) {  // rows 8..15 of K meet weights stored x16: divide them by 16 here
+    if constexpr (S::kSubnormal && !WG) {  // rows 8..15 of K meet weights stored x16: divide them by 16 here
       const half2 sixteenth = __float2half2_rn(1.f / 16.f);
 #pragma unroll
       for (int b = 0; b < MB; b++) {
@@ -491,8 +506,10 @@ __global__ void __launch_bounds__(kThreads, kSmallMMinBlocksPerSm<MB, WG>) marli
   // jcol + 16 j + g (lo) and jcol + 16 j + 8 + g (hi) where kScaleWeights.
   auto weight_frag = [&](int buf, int j, uint32_t (&a)[4]) {
     uint32_t lo[2], hi[2];
-    if constexpr (S::kRaw) {
+    if constexpr (S::kSubnormal) {
       unpack_int4x8_subnormal(wq[buf][j], lo, hi);
+    } else if constexpr (S::kRaw) {
+      dequant_u4_biased_bf16(wq[buf][j], lo, hi);
     } else if constexpr (W == kU8) {
       dequant_u8<ET>(wq[buf][2 * j], lo);
       dequant_u8<ET>(wq[buf][2 * j + 1], hi);
@@ -583,23 +600,24 @@ __global__ void __launch_bounds__(kThreads, kSmallMMinBlocksPerSm<MB, WG>) marli
       for (int b = 0; b < MB; b++) {
         if constexpr (S::kGroupSums) {
           if (first)
-            mma_16816_first(a, act[buf][b], grp[j][b]);
+            mma_16816_first<kBf16>(a, act[buf][b], grp[j][b]);
           else
-            mma_16816(a, act[buf][b], grp[j][b]);
+            mma_16816<kBf16>(a, act[buf][b], grp[j][b]);
         } else
           mma_16816<kBf16>(a, act[buf][b], tot[j][b]);
       }
     }
     if constexpr (S::kRaw) {
-      // -8 * 2^-24 on K rows 0..7 and -128 * 2^-24 on rows 8..15 (whose activations are / 16):
-      // both exact fp16 subnormals, the same for every row of N (kZpSums: -1 and -16 times 2^-24).
+      // fp16: -8 * 2^-24 on K rows 0..7 and -128 * 2^-24 on rows 8..15 (whose activations are
+      // / 16): both exact fp16 subnormals, the same for every row of N (kZpSums: -1 and -16 times
+      // 2^-24). bf16: -136 or -1 on every row (exact).
       const uint32_t corr_frag[4] = {S::kCorrLo, S::kCorrLo, S::kCorrHi, S::kCorrHi};
 #pragma unroll
       for (int b = 0; b < MB; b++) {
         if (S::kGroupSums && first)
-          mma_16816_first(corr_frag, act[buf][b], corr[b]);
+          mma_16816_first<kBf16>(corr_frag, act[buf][b], corr[b]);
         else
-          mma_16816(corr_frag, act[buf][b], corr[b]);
+          mma_16816<kBf16>(corr_frag, act[buf][b], corr[b]);
       }
     }
   };
@@ -655,14 +673,15 @@ __global__ void __launch_bounds__(kThreads, kSmallMMinBlocksPerSm<MB, WG>) marli
   auto apply_group = [&]() {
     if constexpr (S::kGroupSums) {
       if constexpr (WG) wgmma_drain(grp);  // the group's last wgmma must land before grp and corr are read
-      const half* sc = reinterpret_cast<const half*>(s_cur);
-      constexpr float k2p24 = 16777216.f;  // the raw sums carry 2^-24
+      const ET* sc = reinterpret_cast<const ET*>(s_cur);
+      constexpr float kRawScale = S::kSubnormal ? 16777216.f : 1.f;  // fp16's raw sums carry 2^-24
 #pragma unroll
       for (int j = 0; j < JW; j++) {
-        const float s_lo = __half2float(sc[2 * j]) * k2p24, s_hi = __half2float(sc[2 * j + 1]) * k2p24;
-        if constexpr (S::kZpSums) {  // corr is -2^-24 sum a: each column's z times it
-          const half* zc = reinterpret_cast<const half*>(z_cur);
-          const float z_lo = __half2float(zc[2 * j]), z_hi = __half2float(zc[2 * j + 1]);
+        const float s_lo = E::to_float(sc[2 * j]) * kRawScale, s_hi = E::to_float(sc[2 * j + 1]) * kRawScale;
+        if constexpr (S::kZpSums) {  // corr is -sum a (fp16: x 2^-24): each column's z (bf16: 128 + z) times it
+          const ET* zc = reinterpret_cast<const ET*>(z_cur);
+          float z_lo = E::to_float(zc[2 * j]), z_hi = E::to_float(zc[2 * j + 1]);
+          if constexpr (!S::kSubnormal) z_lo += 128.f, z_hi += 128.f;  // bf16's raw weights are 128 + u
 #pragma unroll
           for (int b = 0; b < MB; b++) {
             tot[j][b][0] = fmaf(s_lo, fmaf(z_lo, corr[b][0], grp[j][b][0]), tot[j][b][0]);
