@@ -440,6 +440,18 @@ bool two_blocks_pay(const GemmArgs& args, TileConfig tile, int m_slices) {
   return m_slices * n_tiles * k_tiles * tile_bytes >= kBytesFor2PerSm * args.sms;
 }
 
+// The 8-row mma.sync instances built for one block per SM (no 128-register bound) save ptxas's
+// recomputed addresses at every stage: measured on an H200 at 1-8 rows (NOTES.md, 2026-11-29,
+// twenty-second), fp16 group 128 2-8% faster where each SM streams 10-22 stages (7B qkv / down /
+// gate_up, 70B o / qkv), but 3% slower on 7B o, whose blocks stream 4 stages each. Taken where the
+// plan keeps one block per SM and the tiles make at least kOneBlockMinStages stages per SM.
+constexpr int kOneBlockMinStages = 8;
+bool one_block_regs_pay(const GemmArgs& args, TileConfig tile, int m_slices) {
+  const long long k_tiles = args.k / tile.tile_k;
+  const long long n_tiles = (args.n + tile.tile_n - 1) / tile.tile_n;
+  return !two_blocks_pay(args, tile, m_slices) && m_slices * n_tiles * k_tiles >= kOneBlockMinStages * args.sms;
+}
+
 // Fills the partition of a plan whose tile and instance are chosen.
 std::string finish_plan(const GemmArgs& args, const Instance& inst, GemmPlan* plan) {
   plan->blocks_per_sm = std::min(inst.blocks_per_sm, std::max(1, args.max_smem_per_sm / std::max(1, inst.smem_bytes)));
@@ -498,7 +510,7 @@ std::string plan_small_m(const GemmArgs& args, int tile_n, GemmPlan* plan) {
   plan->group_sums = fmt_group_sums(f, plan->m_blocks, plan->wgmma);
   // the 8-row instances of the base format and the group-sum ones of the others have twins without
   // the 128-register bound, for plans with one block per SM
-  const bool one_block = args.one_block_regs && !two_blocks_pay(args, plan->tile, plan->m_slices);
+  const bool one_block = args.one_block_regs && one_block_regs_pay(args, plan->tile, plan->m_slices);
   Instance inst;
   const bool found = f.base() ? find_smallm_instance(plan->m_blocks, tile_n, grouped, plan->wgmma, one_block, &inst)
                               : find_smallm_format(plan->m_blocks, tile_n, plan->wgmma, f, one_block, &inst);

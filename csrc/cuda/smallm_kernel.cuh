@@ -205,10 +205,10 @@ __device__ __forceinline__ void add4(float4& a, const float4& b) {
 // MB <= 2 fits in 128 registers, so two blocks can share an SM (more warps to hide latency).
 // WG instances keep group sums and double-buffered A fragments: one block, up to 255 registers.
 // MINB (the kernel's last parameter) overrides it: the 8-row group-sum instances of the other
-// formats also come with MINB = 1 for the plans that keep one block per SM anyway (most layers
-// at 1-8 rows, marlin_gemm.cu's two_blocks_pay), where the 128-register bound only makes ptxas
-// recompute shared-memory addresses at every stage (fp16 zero points: 300 -> 250 instructions
-// per warp and stage).
+// formats, and the base format's 256-column ones, also come with MINB = 1 for the plans that keep
+// one block per SM anyway (most layers at 1-8 rows; marlin_gemm.cu's one_block_regs_pay), where
+// the 128-register bound only makes ptxas recompute shared-memory addresses at every stage (fp16
+// zero points: ~300 -> ~250 instructions per warp and stage, fp16 group 128 ~235 -> ~227).
 template <int MB, bool WG>
 constexpr int kSmallMMinBlocksPerSm = !WG && MB <= 2 ? 2 : 1;
 
