@@ -48,6 +48,9 @@ CASES = [  # (M, K, N, group size, forced tile): both kernels, split columns, se
     # shared memory; at 1 row (mma.sync) and at 16 rows (wgmma, per-column scales)
     (1, 4096, 12288, 128, None),
     (16, 4096, 12288, -1, None),
+    # the 8-row instances built for one block per SM (layers of >= 8 stages per SM): per column,
+    # 32 columns x 4 parts reduced through global memory on 132 SMs
+    (2, 8192, 8192, -1, None),
     # on H100/H200: 16 rows (wgmma) of 7B down, 16 columns x 8 parts reduced through global memory
     # (at 16 rows the planner keeps the planned parts where they do not fit as clusters)
     (16, 11008, 4096, 128, None),
