@@ -129,6 +129,22 @@ def test_formats(fmt, shape):
         check(layer, m)
 
 
+# The 8-row instances built for one block per SM (the group-sum ones of bf16 and zero points) run
+# only where each SM streams at least 8 stages (marlin_gemm.cu's one_block_regs_pay), which none of
+# SHAPES reaches: 32 x 48 tiles of 128 x 256 (1536 stages), and one more column of 64 (a partial
+# last tile).
+ONE_BLOCK_SHAPES = {"4096x12288": (4096, 12288), "4096x12352": (4096, 12352)}
+GROUPED_U4 = [f for f in FORMATS if f[1] == 4 and f[3] > 0]
+
+
+@pytest.mark.parametrize("shape", list(ONE_BLOCK_SHAPES), ids=list(ONE_BLOCK_SHAPES))
+@pytest.mark.parametrize("fmt", GROUPED_U4, ids=[fmt_id(f) for f in GROUPED_U4])
+def test_one_block_group_sum_instances(fmt, shape):
+    layer = get_layer(*ONE_BLOCK_SHAPES[shape], fmt)
+    for m in (1, 5, 8):
+        check(layer, m)
+
+
 # K and N multiples of 64 only (SmolLM2-135M has widths 576 and 192; tensor-parallel shards): the
 # tiled kernel with a partial last column of tiles, the 64 x 256 tile where K % 128 != 0, and (the
 # other formats, 1024x1600) the small-batch kernel's partial last tile. Every format, the fp16 base
@@ -250,7 +266,7 @@ def test_group_sums_plans(group_sums):
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ, MARLIN_LOG_PLAN="1", MARLIN_GROUP_SUMS=group_sums)
     cmd = [sys.executable, "-m", "pytest", __file__, "-q", "-s", "-p", "no:cacheprovider", "-k",
-           "(test_formats or test_small_batch_partial_last_tile) and "
+           "(test_formats or test_small_batch_partial_last_tile or test_one_block_group_sum_instances) and "
            "(fp16-u4-zero-g128 or bf16-u4-zero-g128 or bf16-u4-g128 or bf16-u4-g64)"]
     r = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0 and " passed" in r.stdout, r.stdout[-3000:] + r.stderr[-3000:]
@@ -259,10 +275,18 @@ def test_group_sums_plans(group_sums):
     assert lines and len(plans) == len(lines)
     small = [l for l in lines if " m_blocks=1 kernel=small_m " in l]
     assert small, "no call ran the 8-row mma.sync slice"
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    one_block = 0
     for line in lines:
         sums = " group_sums=1" in line
-        k, groups = (int(v) for v in re.search(r" k=(\d+) groups=(-?\d+) ", line).groups())
+        m, n, k, groups = (int(v) for v in re.search(r" m=(\d+) n=(\d+) k=(\d+) groups=(-?\d+) ", line).groups())
         assert sums == (group_sums == "1" and line in small and groups > 1 and k == 128 * groups), line
+        # the twin without the 128-register bound where one block per SM streams >= 8 stages
+        stages = -(-m // 8) * -(-n // 256) * (k // 128)
+        expected = sums and " blocks_per_sm=1 " in line and stages >= 8 * sms
+        assert (" one_block_regs=1" in line) == expected, line
+        one_block += expected
+    assert one_block or group_sums == "0"
 
 
 
