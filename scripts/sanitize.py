@@ -77,9 +77,14 @@ FORMAT_CASES = [
     # equal parts (16 columns x 8 parts), and with a partial last tile (N = 1600)
     (3, 4096, 4096, (torch.float16, 4, False, 128), None),
     (8, 1024, 1600, (torch.float16, 4, False, 128), None),
-    # the bf16 group-sum instances (symmetric, zero points) alike
-    (2, 4096, 4096, (torch.bfloat16, 4, True, 128), None),
+    # the bf16 group-sum instances (symmetric, zero points) alike; 4096 x 12288 (1536 stages) on
+    # the one built for one block per SM
+    (2, 4096, 12288, (torch.bfloat16, 4, True, 128), None),
     (7, 1024, 1600, (torch.bfloat16, 4, False, 128), None),
+    # groups of 64 / 32 on run-time group sums (one-block instances only): fp16 groups of 64, bf16
+    # zero points in groups of 32 with a partial last tile (N = 12352)
+    (3, 4096, 12288, (torch.float16, 4, True, 64), None),
+    (6, 4096, 12352, (torch.bfloat16, 4, False, 32), None),
     (13, 1152, 1536, (torch.float16, 8, True, 64), (128, 256)),  # small-batch, 16-row slice, 8-bit (wgmma on H100/H200)
     # on H100/H200 the wgmma variant: bf16 zero points in 64-row slices with 4 scale rows per stage;
     # 8-bit bf16 in one 128-row slice (MARLIN_WG_SLICE=128 below; three stages), columns split

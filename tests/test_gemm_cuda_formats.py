@@ -257,7 +257,7 @@ def test_group_sums_plans(group_sums):
     instances (plan log group_sums=1; scale and zero point applied to each group's sums), and with
     MARLIN_GROUP_SUMS=0 the run-time-group instances that dequantize every weight: both pass
     test_formats and the partial last tile test, in a subprocess that reads the plans, so that
-    neither path goes untested. Group 64 never takes the group-sum path."""
+    neither path goes untested. Groups of 64 / 32 take it on the one-block instances only."""
     import os
     import re
     import subprocess
@@ -267,7 +267,7 @@ def test_group_sums_plans(group_sums):
     env = dict(os.environ, MARLIN_LOG_PLAN="1", MARLIN_GROUP_SUMS=group_sums)
     cmd = [sys.executable, "-m", "pytest", __file__, "-q", "-s", "-p", "no:cacheprovider", "-k",
            "(test_formats or test_small_batch_partial_last_tile or test_one_block_group_sum_instances) and "
-           "(fp16-u4-zero-g128 or bf16-u4-zero-g128 or bf16-u4-g128 or bf16-u4-g64)"]
+           "(fp16-u4-zero-g128 or bf16-u4-zero-g128 or bf16-u4-g128 or bf16-u4-g64 or fp16-u4-zero-g32 or fp16-u4-g64)"]
     r = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0 and " passed" in r.stdout, r.stdout[-3000:] + r.stderr[-3000:]
     plans = re.findall(r"^marlin\.gemm plan: m=(\d+) .* kernel=(\w+) .*$", r.stderr, re.M)
@@ -280,12 +280,14 @@ def test_group_sums_plans(group_sums):
     for line in lines:
         sums = " group_sums=1" in line
         m, n, k, groups = (int(v) for v in re.search(r" m=(\d+) n=(\d+) k=(\d+) groups=(-?\d+) ", line).groups())
-        assert sums == (group_sums == "1" and line in small and groups > 1 and k == 128 * groups), line
-        # the twin without the 128-register bound where one block per SM streams >= 8 stages
+        # the twins without the 128-register bound where one block per SM streams >= 8 stages;
+        # groups of 64 / 32 take group sums there only
         stages = -(-m // 8) * -(-n // 256) * (k // 128)
-        expected = sums and " blocks_per_sm=1 " in line and stages >= 8 * sms
-        assert (" one_block_regs=1" in line) == expected, line
-        one_block += expected
+        ob = line in small and " blocks_per_sm=1 " in line and stages >= 8 * sms
+        expected = group_sums == "1" and line in small and groups > 1 and (k == 128 * groups or ob)
+        assert sums == expected, line
+        assert (" one_block_regs=1" in line) == (expected and ob), line
+        one_block += expected and ob
     assert one_block or group_sums == "0"
 
 

@@ -34,8 +34,8 @@ struct Knobs {
   int wg_slice_rows;          // MARLIN_WG_SLICE=64 or 128 forces the wgmma variant's slices above 64 rows
   bool g128_runtime_group;    // MARLIN_G128_RG=0 keeps fp16 group 128 at 9-16 rows (wgmma) on the
                               // group-sum instance
-  bool group_sums;            // MARLIN_GROUP_SUMS=0 keeps zero points and bf16 in groups of 128 at <= 8 rows
-                              // on the run-time-group instances instead of the raw group-sum ones
+  bool group_sums;            // MARLIN_GROUP_SUMS=0 keeps zero points and bf16 in groups of 128, and groups of
+                              // 64 / 32, at <= 8 rows on the run-time-group instances instead of the raw group-sum ones
   bool one_block_regs;        // MARLIN_ONE_BLOCK_REGS=0 keeps the 8-row mma.sync instances at their
                               // 128-register bound (built for two blocks per SM) where the plan keeps one
   bool small_layer_clusters;  // MARLIN_SMALL_LAYER_CLUSTERS=0 keeps layers under 80 KB of weights per SM

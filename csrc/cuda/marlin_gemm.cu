@@ -228,7 +228,7 @@ int tiled_m_blocks(int m, const Format& f, bool partial_n) {
   return mb == 3 && (!f.base() || partial_n) ? 4 : mb;
 }
 
-template <int MB, int NW, bool G, bool WG, typename ET = half, int W = kU4, bool RG = false,
+template <int MB, int NW, bool G, bool WG, typename ET = half, int W = kU4, int RG = 0,
           int MINB = kSmallMMinBlocksPerSm<MB, WG>>
 Instance make_smallm_instance() {
   using S = SmallMShapeOf<MB, NW, G, WG, ET, W, RG>;
@@ -240,10 +240,14 @@ Instance make_smallm_instance() {
 // the raw group-sum instances (SmallMShape::kZpSums, kBf16Raw): the weights enter the mma with
 // their offset, which one correction mma per k16 step and each group's end take off the fp32
 // sums, and the scale (and zero point) cost one FFMA per sum and group instead of a dequantization
-// and scale multiply of every weight at every k16 step.
-bool fmt_group_sums(const Format& f, int mb, bool wg) {
-  return (f.w == kU4Zp || (f.w == kU4 && f.bf16)) && f.group_mode != kPerColumn && f.group_shift == 3 && mb == 1 &&
-         !wg && !f.no_group_sums;
+// and scale multiply of every weight at every k16 step. Groups of 64 / 32 (4-bit, symmetric or
+// with zero points, fp16 or bf16) take the same path with the group size at run time
+// (SmallMShape::kRgSums), on one-block instances only (`one_block`: the plan keeps one block per
+// SM); elsewhere they scale every weight.
+bool fmt_group_sums(const Format& f, int mb, bool wg, bool one_block) {
+  if (f.group_mode == kPerColumn || f.w == kU8 || mb != 1 || wg || f.no_group_sums) return false;
+  if (f.group_shift == 3) return f.w == kU4Zp || f.bf16;  // fp16 symmetric group 128 is the base format
+  return one_block;
 }
 
 // The other formats' small-batch instances (smallm_instances.cuh, MARLIN_INSTANTIATE_SMALLM_FORMATS_WG):
@@ -253,7 +257,12 @@ template <int MB, bool WG, typename ET>
 bool find_smallm_format_mb(const Format& f, bool one_block, Instance* out) {
   const bool grouped = f.group_mode != kPerColumn;
   if constexpr (MB == 1 && !WG) {
-    if (fmt_group_sums(f, MB, WG)) {
+    if (fmt_group_sums(f, MB, WG, one_block)) {
+      if (f.group_shift != 3) {
+        *out = f.w == kU4Zp ? make_smallm_instance<1, 4, true, false, ET, kU4Zp, kRgSumsMode, 1>()
+                            : make_smallm_instance<1, 4, true, false, ET, kU4, kRgSumsMode, 1>();
+        return true;
+      }
       if (f.w == kU4Zp)
         *out = one_block ? make_smallm_instance<1, 4, true, false, ET, kU4Zp, false, 1>()
                          : make_smallm_instance<1, 4, true, false, ET, kU4Zp, false, 2>();
@@ -507,10 +516,10 @@ std::string plan_small_m(const GemmArgs& args, int tile_n, GemmPlan* plan) {
   if (!f.base() && !plan->wgmma && plan->m_blocks > 2) plan->m_blocks = 2;  // their mma.sync slices: 8 or 16 rows
   plan->m_slices = (args.m + 8 * plan->m_blocks - 1) / (8 * plan->m_blocks);
   if (!narrow) g128_as_runtime_group(args, *plan, &f);
-  plan->group_sums = fmt_group_sums(f, plan->m_blocks, plan->wgmma);
   // the 8-row instances of the base format and the group-sum ones of the others have twins without
   // the 128-register bound, for plans with one block per SM
   const bool one_block = args.one_block_regs && one_block_regs_pay(args, plan->tile, plan->m_slices);
+  plan->group_sums = fmt_group_sums(f, plan->m_blocks, plan->wgmma, one_block);
   Instance inst;
   const bool found = f.base() ? find_smallm_instance(plan->m_blocks, tile_n, grouped, plan->wgmma, one_block, &inst)
                               : find_smallm_format(plan->m_blocks, tile_n, plan->wgmma, f, one_block, &inst);

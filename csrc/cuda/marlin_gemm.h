@@ -56,9 +56,9 @@ struct GemmArgs {
   // fp16 group 128 on the wgmma variant's 16-row slices: the run-time-group instance (true) or the
   // group-sum one (false); see g128_as_runtime_group in marlin_gemm.cu
   bool g128_runtime_group = true;
-  // zero points (fp16, bf16) and bf16 symmetric INT4 in groups of 128 on the 8-row mma.sync
-  // slice: the raw group-sum instances (true) or the run-time-group ones that dequantize and
-  // scale every weight (false; probes, tests)
+  // zero points (fp16, bf16) and bf16 symmetric INT4 in groups of 128, and 4-bit groups of 64 / 32
+  // (one-block plans), on the 8-row mma.sync slice: the raw group-sum instances (true) or the
+  // run-time-group ones that dequantize and scale every weight (false; probes, tests)
   bool group_sums = true;
   // the 8-row mma.sync instances built for one block per SM (no 128-register bound: the base
   // format's 256-column ones and the group-sum ones of the others) where the plan keeps one block

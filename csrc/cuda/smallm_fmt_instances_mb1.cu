@@ -20,4 +20,14 @@ MARLIN_INSTANTIATE_SMALLM_SUMS(nv_bfloat16, kU4Zp, 2)
 MARLIN_INSTANTIATE_SMALLM_SUMS(nv_bfloat16, kU4Zp, 1)
 MARLIN_INSTANTIATE_SMALLM_SUMS(nv_bfloat16, kU4, 2)
 MARLIN_INSTANTIATE_SMALLM_SUMS(nv_bfloat16, kU4, 1)
+// groups of 64 / 32 (symmetric and zero points, fp16 and bf16) on raw group sums with the group
+// size at run time (SmallMShape::kRgSums), for one block per SM only
+#define MARLIN_INSTANTIATE_SMALLM_RG_SUMS(ET, W)                                                                   \
+  template cudaError_t launch_smallm<1, 4, true, false, ET, W, kRgSumsMode, 1>(const KernelParams&, int, int,    \
+                                                                              cudaStream_t, bool, int);          \
+  template int smallm_max_clusters<1, 4, true, false, ET, W, kRgSumsMode, 1>(int, int);
+MARLIN_INSTANTIATE_SMALLM_RG_SUMS(half, kU4)
+MARLIN_INSTANTIATE_SMALLM_RG_SUMS(half, kU4Zp)
+MARLIN_INSTANTIATE_SMALLM_RG_SUMS(nv_bfloat16, kU4)
+MARLIN_INSTANTIATE_SMALLM_RG_SUMS(nv_bfloat16, kU4Zp)
 }  // namespace marlin

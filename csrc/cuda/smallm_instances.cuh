@@ -25,34 +25,34 @@ constexpr int kSmallMStages = !WG ? ((NW == 8 && MB <= 2) ? 3 : 4)
 // ET, W, RG: element type, weight format and run-time group size (smallm_kernel.cuh); the
 // defaults are the base format, fp16 symmetric INT4 (group 128 or per column). MINB: the
 // kernel's minimum blocks per SM (register bound), kSmallMMinBlocksPerSm by default.
-template <int MB, int NW, bool GROUPED, bool WG = false, typename ET = half, int W = kU4, bool RG = false>
+template <int MB, int NW, bool GROUPED, bool WG = false, typename ET = half, int W = kU4, int RG = 0>
 using SmallMShapeOf = SmallMShape<MB, NW, kSmallMStages<MB, NW, WG, W>, GROUPED, WG, ET, W, RG>;
 
-template <int MB, int NW, bool GROUPED, bool WG, typename ET = half, int W = kU4, bool RG = false,
+template <int MB, int NW, bool GROUPED, bool WG, typename ET = half, int W = kU4, int RG = 0,
           int MINB = kSmallMMinBlocksPerSm<MB, WG>>
 cudaError_t launch_smallm(const KernelParams& p, int grid, int smem, cudaStream_t stream, bool pdl, int cluster);
 
 // How many clusters of `cluster` blocks of the instance can be resident at once (0: none).
-template <int MB, int NW, bool GROUPED, bool WG, typename ET = half, int W = kU4, bool RG = false,
+template <int MB, int NW, bool GROUPED, bool WG, typename ET = half, int W = kU4, int RG = 0,
           int MINB = kSmallMMinBlocksPerSm<MB, WG>>
 int smallm_max_clusters(int cluster, int smem);
 
 // One shared-memory opt-in and occupancy cache per instance.
-template <int MB, int NW, bool GROUPED, bool WG, typename ET, int W, bool RG, int MINB>
+template <int MB, int NW, bool GROUPED, bool WG, typename ET, int W, int RG, int MINB>
 SmemAttrCache& smallm_cache() {
   static SmemAttrCache cache;
   return cache;
 }
 
 #define MARLIN_DEFINE_SMALLM_LAUNCH                                                                                 \
-  template <int MB, int NW, bool GROUPED, bool WG, typename ET, int W, bool RG, int MINB>                           \
+  template <int MB, int NW, bool GROUPED, bool WG, typename ET, int W, int RG, int MINB>                           \
   cudaError_t launch_smallm(const KernelParams& p, int grid, int smem, cudaStream_t stream, bool pdl,               \
                             int cluster) {                                                                          \
     return launch_kernel(marlin_smallm_kernel<MB, NW, kSmallMStages<MB, NW, WG, W>, GROUPED, WG, ET, W, RG, MINB>,     \
                          smallm_cache<MB, NW, GROUPED, WG, ET, W, RG, MINB>(), p, grid, kThreads, smem, stream, pdl, \
                          cluster);                                                                                  \
   }                                                                                                                 \
-  template <int MB, int NW, bool GROUPED, bool WG, typename ET, int W, bool RG, int MINB>                           \
+  template <int MB, int NW, bool GROUPED, bool WG, typename ET, int W, int RG, int MINB>                           \
   int smallm_max_clusters(int cluster, int smem) {                                                                  \
     return smallm_cache<MB, NW, GROUPED, WG, ET, W, RG, MINB>().max_clusters(                                       \
         marlin_smallm_kernel<MB, NW, kSmallMStages<MB, NW, WG, W>, GROUPED, WG, ET, W, RG, MINB>, cluster, kThreads, \

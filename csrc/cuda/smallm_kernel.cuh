@@ -64,11 +64,16 @@ namespace marlin {
 // and gives each wgmma twice the N.
 // ET, W: element type and weight format (dequant.cuh). RG: grouped with the group size taken at
 // run time (KernelParams::group_shift; 32, 64 or 128 rows, so a 128-row stage holds 1, 2 or 4
-// scale rows, read per k16 step). The base format (fp16, symmetric INT4, group 128 fixed or per
+// scale rows, read per k16 step): 1 with the scales on the weights, kRgSums (2) on raw group
+// sums. The base format (fp16, symmetric INT4, group 128 fixed or per
 // column) keeps the raw-subnormal and group-sum paths below; every other format dequantizes
 // fully and scales the weights (or, per column, the fp32 sums), with mma.sync or wgmma (bf16:
 // the wgmma of bf16 operands), on the 256-column tile only.
-template <int MB, int NW, int STAGES, bool GROUPED, bool WG = false, typename ET = half, int W = kU4, bool RG = false>
+// RG values: 0 the group size fixed by the instance (128 rows, or per column), 1 at run time with
+// the scales on the weights, kRgSumsMode at run time on raw group sums.
+constexpr int kRgSumsMode = 2;
+
+template <int MB, int NW, int STAGES, bool GROUPED, bool WG = false, typename ET = half, int W = kU4, int RG = 0>
 struct SmallMShape {
   static constexpr bool kWG = WG;
   static constexpr bool kBase = std::is_same<ET, half>::value && W == kU4 && !RG;
@@ -87,10 +92,15 @@ struct SmallMShape {
   // of 128 gives 128 + u exactly (dequant_u4_biased_bf16: 7 instructions per 8 weights, against
   // 15 with the subtraction and the scale multiply), and the correction mma adds -136 sum a
   // (symmetric) or -sum a (zero points: times 128 + z at the group's end).
-  static constexpr bool kZpSums = W == kU4Zp && GROUPED && !RG && !WG && MB == 1;
-  static constexpr bool kBf16Raw = kIsBf16<ET> && (W == kU4 || W == kU4Zp) && GROUPED && !RG && !WG && MB == 1;
+  // RG == kRgSums: the same with the group size at run time (groups of 64 / 32). A warp's four k16
+  // steps of a stage (two K warps per 128-row stage) are one group of 64, or two of 32: the sums
+  // are restarted at the stage's first step and scaled at its end, and with groups of 32 also
+  // scaled and restarted after its second step.
+  static constexpr bool kRgSums = RG == kRgSumsMode;
+  static constexpr bool kZpSums = W == kU4Zp && GROUPED && (!RG || kRgSums) && !WG && MB == 1;
+  static constexpr bool kBf16Raw = kIsBf16<ET> && (W == kU4 || W == kU4Zp) && GROUPED && (!RG || kRgSums) && !WG && MB == 1;
   // (Not on the 128-column wgmma tile: its warps hold half a chunk each, which needs scaled weights.)
-  static constexpr bool kGroupSums = (kBase && GROUPED && (WG ? MB == 2 && NW != 2 : MB == 1)) || kZpSums || kBf16Raw;
+  static constexpr bool kGroupSums = (kBase && GROUPED && (WG ? MB == 2 && NW != 2 : MB == 1)) || kZpSums || kBf16Raw || kRgSums;
   static constexpr bool kScaleWeights = GROUPED && !kGroupSums;
   // Where scales act on fp32 sums, the weights enter the mma as raw subnormals (see
   // unpack_int4x8_subnormal): 5 instructions per 8 weights instead of 9. The sums are then
@@ -101,7 +111,7 @@ struct SmallMShape {
   // per stage, when they have landed (kPrescale).
   // WG from MB == 4 per column: plain dequantization, scales on the fp32 result (measured: the
   // raw path's correction wgmma and prescale made per column 30% slower than group 128 there).
-  static constexpr bool kRaw = (kBase && !kScaleWeights && !(WG && MB >= 4)) || kZpSums || kBf16Raw;
+  static constexpr bool kRaw = (kBase && !kScaleWeights && !(WG && MB >= 4)) || kZpSums || kBf16Raw || kRgSums;
   // fp16's raw weights are subnormals (x 2^-24, K rows 8..15 stored x 16); bf16's are 128 + u.
   static constexpr bool kSubnormal = kRaw && !kIsBf16<ET>;
   // The correction matrix of the raw path. fp16: subnormal pairs for K rows 0..7 and 8..15
@@ -190,6 +200,8 @@ struct SmallMShape {
   // 128-row wgmma instances (255) spill 8-32 more bytes inside the main loop.
   static constexpr bool kPartialN = !kBase && (MB == 1 || (WG && MB <= 4));
   static_assert(kBase || kZpSums || kBf16Raw || !GROUPED || RG, "other formats take their group size at run time");
+  static_assert(!kRgSums || (GROUPED && !WG && MB == 1 && (W == kU4 || W == kU4Zp) && kSub == 4),
+                "run-time group sums: 4-bit weights on the 8-row mma.sync slice, four k16 steps per warp and stage");
   static_assert(!kZeros || GROUPED, "per-column zero points run on the tiled kernel");
   static_assert(kSStage <= kThreads, "one copy per thread loads a stage's scales (and zero points)");
 };
@@ -212,7 +224,7 @@ __device__ __forceinline__ void add4(float4& a, const float4& b) {
 template <int MB, bool WG>
 constexpr int kSmallMMinBlocksPerSm = !WG && MB <= 2 ? 2 : 1;
 
-template <int MB, int NW, int STAGES, bool GROUPED, bool WG, typename ET = half, int W = kU4, bool RG = false,
+template <int MB, int NW, int STAGES, bool GROUPED, bool WG, typename ET = half, int W = kU4, int RG = 0,
           int MINB = kSmallMMinBlocksPerSm<MB, WG>>
 __global__ void __launch_bounds__(kThreads, MINB) marlin_smallm_kernel(const KernelParams p) {
   using S = SmallMShape<MB, NW, STAGES, GROUPED, WG, ET, W, RG>;
@@ -986,6 +998,16 @@ __global__ void __launch_bounds__(kThreads, MINB) marlin_smallm_kernel(const Ker
           compute_wg(buf, stage, u);
         else
           compute(buf, u == 0);
+        if constexpr (S::kRgSums) {  // groups of 32: the first of the warp's two groups ends here
+          if (u == 1 && p.group_shift == 1) {
+            apply_group();
+            zero(grp);
+#pragma unroll
+            for (int b = 0; b < MB; b++)
+#pragma unroll
+              for (int e = 0; e < 4; e++) corr[b][e] = 0.f;
+          }
+        }
         if constexpr (S::kLateRefill) {
           if (u == SUB - 1) fetch_stage(refill);
         }
