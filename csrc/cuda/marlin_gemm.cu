@@ -264,24 +264,24 @@ bool find_smallm_format_mb(const Format& f, bool one_block, Instance* out) {
         return true;
       }
       if (f.w == kU4Zp)
-        *out = one_block ? make_smallm_instance<1, 4, true, false, ET, kU4Zp, false, 1>()
-                         : make_smallm_instance<1, 4, true, false, ET, kU4Zp, false, 2>();
+        *out = one_block ? make_smallm_instance<1, 4, true, false, ET, kU4Zp, 0, 1>()
+                         : make_smallm_instance<1, 4, true, false, ET, kU4Zp, 0, 2>();
       else
-        *out = one_block ? make_smallm_instance<1, 4, true, false, nv_bfloat16, kU4, false, 1>()
-                         : make_smallm_instance<1, 4, true, false, nv_bfloat16, kU4, false, 2>();
+        *out = one_block ? make_smallm_instance<1, 4, true, false, nv_bfloat16, kU4, 0, 1>()
+                         : make_smallm_instance<1, 4, true, false, nv_bfloat16, kU4, 0, 2>();
       return true;
     }
   }
   if (f.w == kU4) {
-    if (grouped) *out = make_smallm_instance<MB, 4, true, WG, ET, kU4, true>();
-    else if (std::is_same<ET, nv_bfloat16>::value) *out = make_smallm_instance<MB, 4, false, WG, nv_bfloat16, kU4, false>();
+    if (grouped) *out = make_smallm_instance<MB, 4, true, WG, ET, kU4, 1>();
+    else if (std::is_same<ET, nv_bfloat16>::value) *out = make_smallm_instance<MB, 4, false, WG, nv_bfloat16, kU4, 0>();
     else return false;  // fp16 per column is the base format
   } else if (f.w == kU4Zp) {
     if (!grouped) return false;  // per-column zero points: tiled kernel only
-    *out = make_smallm_instance<MB, 4, true, WG, ET, kU4Zp, true>();
+    *out = make_smallm_instance<MB, 4, true, WG, ET, kU4Zp, 1>();
   } else {
-    *out = grouped ? make_smallm_instance<MB, 4, true, WG, ET, kU8, true>()
-                   : make_smallm_instance<MB, 4, false, WG, ET, kU8, false>();
+    *out = grouped ? make_smallm_instance<MB, 4, true, WG, ET, kU8, 1>()
+                   : make_smallm_instance<MB, 4, false, WG, ET, kU8, 0>();
   }
   return true;
 }
@@ -320,8 +320,8 @@ bool find_smallm_format(int mb, int tile_n, bool wg, const Format& f, bool one_b
 // instances built for one block per SM (no 128-register bound), where the plan keeps one.
 bool find_smallm_instance(int mb, int tile_n, bool grouped, bool wg, bool one_block, Instance* out) {
   if (one_block && mb == 1 && tile_n == 256 && !wg) {
-    *out = grouped ? make_smallm_instance<1, 4, true, false, half, kU4, false, 1>()
-                   : make_smallm_instance<1, 4, false, false, half, kU4, false, 1>();
+    *out = grouped ? make_smallm_instance<1, 4, true, false, half, kU4, 0, 1>()
+                   : make_smallm_instance<1, 4, false, false, half, kU4, 0, 1>();
     return true;
   }
 #define MARLIN_TRY(MB, NW, WG)                                                                                \
@@ -440,13 +440,13 @@ void plan_split(const GemmArgs& args, const Instance& inst, int k_tiles, int n_t
 // block per SM would stream at least kBytesFor2PerSm of weights (benchmarks/NOTES.md). (Tried for
 // the small-batch kernel: two blocks everywhere made 7B layers 10-15% slower.) MARLIN_BLOCKS_PER_SM=1
 // keeps one everywhere.
+long long tiles_of(const GemmArgs& args, TileConfig tile, int m_slices) {
+  return static_cast<long long>(m_slices) * ((args.n + tile.tile_n - 1) / tile.tile_n) * (args.k / tile.tile_k);
+}
 bool two_blocks_pay(const GemmArgs& args, TileConfig tile, int m_slices) {
   constexpr long long kBytesFor2PerSm = 64LL * 128 * 128 / 2;
-  if (args.blocks_per_sm == 1) return false;
-  const long long k_tiles = args.k / tile.tile_k;
-  const long long n_tiles = (args.n + tile.tile_n - 1) / tile.tile_n;
   const long long tile_bytes = static_cast<long long>(tile.tile_k) * tile.tile_n / 2;
-  return m_slices * n_tiles * k_tiles * tile_bytes >= kBytesFor2PerSm * args.sms;
+  return args.blocks_per_sm != 1 && tiles_of(args, tile, m_slices) * tile_bytes >= kBytesFor2PerSm * args.sms;
 }
 
 // The 8-row mma.sync instances built for one block per SM (no 128-register bound) save ptxas's
@@ -456,9 +456,7 @@ bool two_blocks_pay(const GemmArgs& args, TileConfig tile, int m_slices) {
 // plan keeps one block per SM and the tiles make at least kOneBlockMinStages stages per SM.
 constexpr int kOneBlockMinStages = 8;
 bool one_block_regs_pay(const GemmArgs& args, TileConfig tile, int m_slices) {
-  const long long k_tiles = args.k / tile.tile_k;
-  const long long n_tiles = (args.n + tile.tile_n - 1) / tile.tile_n;
-  return !two_blocks_pay(args, tile, m_slices) && m_slices * n_tiles * k_tiles >= kOneBlockMinStages * args.sms;
+  return !two_blocks_pay(args, tile, m_slices) && tiles_of(args, tile, m_slices) >= kOneBlockMinStages * args.sms;
 }
 
 // Fills the partition of a plan whose tile and instance are chosen.

@@ -11,9 +11,9 @@ MARLIN_INSTANTIATE_SMALLM_FMT(1, nv_bfloat16, kU4, false)
 // (SmallMShape::kZpSums, kBf16Raw; marlin_gemm.cu's fmt_group_sums), for two blocks per SM (128
 // registers) and for one (MINB = 1)
 #define MARLIN_INSTANTIATE_SMALLM_SUMS(ET, W, MINB)                                                                \
-  template cudaError_t launch_smallm<1, 4, true, false, ET, W, false, MINB>(const KernelParams&, int, int,        \
+  template cudaError_t launch_smallm<1, 4, true, false, ET, W, 0, MINB>(const KernelParams&, int, int,        \
                                                                            cudaStream_t, bool, int);             \
-  template int smallm_max_clusters<1, 4, true, false, ET, W, false, MINB>(int, int);
+  template int smallm_max_clusters<1, 4, true, false, ET, W, 0, MINB>(int, int);
 MARLIN_INSTANTIATE_SMALLM_SUMS(half, kU4Zp, 2)
 MARLIN_INSTANTIATE_SMALLM_SUMS(half, kU4Zp, 1)
 MARLIN_INSTANTIATE_SMALLM_SUMS(nv_bfloat16, kU4Zp, 2)
