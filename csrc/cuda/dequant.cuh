@@ -89,7 +89,7 @@ __device__ __forceinline__ U4Zero u4_zero_pair(uint32_t zpair) {
 // 128 (7 mantissa bits), so OR-ing a nibble into the low mantissa bits gives 128 + u exactly. A
 // nibble at bits 4..7 would reach the exponent, so all four are shifted down: 4 LOP3 and 3 shifts.
 // The offset (128 + 8, or 128 + z) is taken off by the caller: one HSUB2 per pair (dequant_u4), or
-// once per group on fp32 sums (the small-batch kernel's raw path, SmallMShape::kBf16Raw).
+// once per group on fp32 sums (the small-batch kernel's raw path, SmallMShape::kFmtSums).
 __device__ __forceinline__ void dequant_u4_biased_bf16(uint32_t w, uint32_t (&lo)[2], uint32_t (&hi)[2]) {
   constexpr uint32_t kLowMask = 0x000f000f;
   constexpr uint32_t kAndOr = (0xf0 & 0xcc) | 0xaa;  // lop3 truth table of (a & b) | c

@@ -237,7 +237,7 @@ Instance make_smallm_instance() {
 }
 
 // Zero points (fp16, bf16) and bf16 symmetric INT4 in groups of 128 on the 8-row mma.sync slice run
-// the raw group-sum instances (SmallMShape::kZpSums, kBf16Raw): the weights enter the mma with
+// the raw group-sum instances (SmallMShape::kFmtSums): the weights enter the mma with
 // their offset, which one correction mma per k16 step and each group's end take off the fp32
 // sums, and the scale (and zero point) cost one FFMA per sum and group instead of a dequantization
 // and scale multiply of every weight at every k16 step. Groups of 64 / 32 (4-bit, symmetric or

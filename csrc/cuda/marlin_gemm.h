@@ -91,7 +91,7 @@ struct GemmPlan {
   bool small_m = false;  // the small-batch kernel (smallm_kernel.cuh) rather than marlin_kernel.cuh
   bool wgmma = false;    // its sm_90a variant (warpgroup mma; slices of up to 128 rows)
   bool prefill = false;  // the warp-specialized prefill kernel (prefill/prefill_kernel.cuh) instead of either
-  bool group_sums = false;  // small_m, a format other than the base one: scales and zero points on raw group sums (SmallMShape::kZpSums, kBf16Raw, kRgSums)
+  bool group_sums = false;  // small_m, a format other than the base one: scales and zero points on raw group sums (SmallMShape::kFmtSums)
   bool one_block_regs = false;  // small_m, 8-row slice: the instance built for one block per SM (no 128-register bound)
   int m_blocks = 0;      // rows of M per slice: 16 * m_blocks, or 8 * m_blocks for small_m
   int m_slices = 0;      // slices of M

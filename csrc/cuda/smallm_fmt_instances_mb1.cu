@@ -8,7 +8,7 @@ MARLIN_INSTANTIATE_SMALLM_FORMATS(1, half)
 MARLIN_INSTANTIATE_SMALLM_FORMATS(1, nv_bfloat16)
 MARLIN_INSTANTIATE_SMALLM_FMT(1, nv_bfloat16, kU4, false)
 // zero points (fp16, bf16) and bf16 symmetric INT4 in groups of 128: the raw group-sum path
-// (SmallMShape::kZpSums, kBf16Raw; marlin_gemm.cu's fmt_group_sums), for two blocks per SM (128
+// (SmallMShape::kFmtSums; marlin_gemm.cu's fmt_group_sums), for two blocks per SM (128
 // registers) and for one (MINB = 1)
 #define MARLIN_INSTANTIATE_SMALLM_SUMS(ET, W, MINB)                                                                \
   template cudaError_t launch_smallm<1, 4, true, false, ET, W, 0, MINB>(const KernelParams&, int, int,        \

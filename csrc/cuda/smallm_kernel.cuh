@@ -87,7 +87,7 @@ struct SmallMShape {
   // correction mma sums the activations (the -1 matrix instead of -8) and the group's end adds z
   // times that sum per column before the scale. The zero point then costs one FFMA per sum and
   // group instead of a full dequantization with a per-column constant at every k16 step.
-  // bf16 does the same (kBf16Raw), symmetric or with zero points, but without subnormals (a
+  // bf16 does the same, symmetric or with zero points, but without subnormals (a
   // bf16 nibble times 2^-133 would make fp32 subnormal products): each nibble under the exponent
   // of 128 gives 128 + u exactly (dequant_u4_biased_bf16: 7 instructions per 8 weights, against
   // 15 with the subtraction and the scale multiply), and the correction mma adds -136 sum a
@@ -96,11 +96,13 @@ struct SmallMShape {
   // steps of a stage (two K warps per 128-row stage) are one group of 64, or two of 32: the sums
   // are restarted at the stage's first step and scaled at its end, and with groups of 32 also
   // scaled and restarted after its second step.
+  // kFmtSums: these group-sum paths of the other formats (4-bit, grouped, 8-row mma.sync slice,
+  // group 128 fixed or kRgSums); kZpSums: those with zero points.
   static constexpr bool kRgSums = RG == kRgSumsMode;
-  static constexpr bool kZpSums = W == kU4Zp && GROUPED && (!RG || kRgSums) && !WG && MB == 1;
-  static constexpr bool kBf16Raw = kIsBf16<ET> && (W == kU4 || W == kU4Zp) && GROUPED && (!RG || kRgSums) && !WG && MB == 1;
+  static constexpr bool kFmtSums = !kBase && W != kU8 && GROUPED && (!RG || kRgSums) && !WG && MB == 1;
+  static constexpr bool kZpSums = kFmtSums && W == kU4Zp;
   // (Not on the 128-column wgmma tile: its warps hold half a chunk each, which needs scaled weights.)
-  static constexpr bool kGroupSums = (kBase && GROUPED && (WG ? MB == 2 && NW != 2 : MB == 1)) || kZpSums || kBf16Raw || kRgSums;
+  static constexpr bool kGroupSums = (kBase && GROUPED && (WG ? MB == 2 && NW != 2 : MB == 1)) || kFmtSums;
   static constexpr bool kScaleWeights = GROUPED && !kGroupSums;
   // Where scales act on fp32 sums, the weights enter the mma as raw subnormals (see
   // unpack_int4x8_subnormal): 5 instructions per 8 weights instead of 9. The sums are then
@@ -111,7 +113,7 @@ struct SmallMShape {
   // per stage, when they have landed (kPrescale).
   // WG from MB == 4 per column: plain dequantization, scales on the fp32 result (measured: the
   // raw path's correction wgmma and prescale made per column 30% slower than group 128 there).
-  static constexpr bool kRaw = (kBase && !kScaleWeights && !(WG && MB >= 4)) || kZpSums || kBf16Raw || kRgSums;
+  static constexpr bool kRaw = (kBase && !kScaleWeights && !(WG && MB >= 4)) || kFmtSums;
   // fp16's raw weights are subnormals (x 2^-24, K rows 8..15 stored x 16); bf16's are 128 + u.
   static constexpr bool kSubnormal = kRaw && !kIsBf16<ET>;
   // The correction matrix of the raw path. fp16: subnormal pairs for K rows 0..7 and 8..15
@@ -199,7 +201,7 @@ struct SmallMShape {
   // their bound: there the checks made the 16-row mma.sync (128 registers) and the 64- and
   // 128-row wgmma instances (255) spill 8-32 more bytes inside the main loop.
   static constexpr bool kPartialN = !kBase && (MB == 1 || (WG && MB <= 4));
-  static_assert(kBase || kZpSums || kBf16Raw || !GROUPED || RG, "other formats take their group size at run time");
+  static_assert(kBase || kFmtSums || !GROUPED || RG, "other formats take their group size at run time");
   static_assert(!kRgSums || (GROUPED && !WG && MB == 1 && (W == kU4 || W == kU4Zp) && kSub == 4),
                 "run-time group sums: 4-bit weights on the 8-row mma.sync slice, four k16 steps per warp and stage");
   static_assert(!kZeros || GROUPED, "per-column zero points run on the tiled kernel");
