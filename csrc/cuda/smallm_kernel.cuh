@@ -138,6 +138,16 @@ struct SmallMShape {
   // single stage in flight, issued and waited for in the same step: late refill there too.
   static constexpr bool kLateRefill = WG && (MB == 16 || kGroupSums || STAGES == 3);
   static constexpr int kAhead = WG && !kLateRefill ? STAGES - 2 : STAGES - 1;
+  // WG: the wgmma descriptors in uniform registers. The K warp index wk (the only per-warp term of
+  // a step's shared-memory descriptor) is read from lane 0, so that the compiler knows it is
+  // warp-uniform: it then adds each step's constant with one uniform instruction, where a
+  // descriptor in ordinary registers costs two R2UR per wgmma (16-row slice: 8 of ~70
+  // instructions per k16 step; 5% of the 16-row instance's instructions, 10-20 fewer registers).
+  // Not where it made ptxas spill more at the 255-register bound (ptxas -v, sm_90a): the 512-column
+  // tile but for its 16-row group-128 instance, the 128-row slice on 256 columns, 8-bit weights on
+  // the 64-row slice.
+  static constexpr bool kUniformDesc =
+      WG && (NW == 8 ? MB == 2 && GROUPED : MB <= 4 || NW == 2 || (MB == 8 && W != kU8));
   // 16-column blocks of its chunk per warp: half a chunk at MB == 16 (accumulators) and on the
   // 128-column wgmma tile (NW == 2: the eight warps are 2 chunks x 2 halves x 2 K halves, so that
   // each warpgroup still covers one K half)
@@ -251,7 +261,8 @@ __global__ void __launch_bounds__(kThreads, MINB) marlin_smallm_kernel(const Ker
   const int warp = tid / 32;
   const int wn = warp % NW;                     // which 64 columns of the tile
   const int jh = (warp / NW) % S::kJSplit;      // which kJW of the chunk's 16-column blocks
-  const int wk = warp / (NW * S::kJSplit);      // which half of a stage's k16 blocks (KW == 2)
+  // which half of a stage's k16 blocks (KW == 2); read from lane 0 where S::kUniformDesc
+  const int wk = S::kUniformDesc ? __shfl_sync(0xffffffffu, warp / (NW * S::kJSplit), 0) : warp / (NW * S::kJSplit);
   const int jcol = jh * S::kJW * 16;            // the warp's first column in its chunk
   const int g = lane / 4, c4 = lane % 4;
 
@@ -564,12 +575,13 @@ __global__ void __launch_bounds__(kThreads, MINB) marlin_smallm_kernel(const Ker
     if constexpr (WG) {  // not instantiated for the mma.sync instances (no wgmma of their width)
 #pragma unroll
       for (int j = 0; j < JW; j++) weight_frag(buf, j, afrag[buf][j]);
-      // k16 block kb of the stage: 64-half block kb / 4, 32 bytes per step in it. The base goes
+      // k16 block kb of the stage: 64-half block kb / 4, 32 bytes per step in it. kUniformDesc:
+      // warp-uniform, the constant added in uniform registers at each step. Else the base goes
       // through an empty asm so that the compiler adds the constant here instead of keeping one
       // 64-bit descriptor per (stage, step) alive in registers.
       const int kb = wk * SUB + u;
       uint32_t desc_lo = static_cast<uint32_t>(desc_base);
-      fence_operand(desc_lo);
+      if constexpr (!S::kUniformDesc) fence_operand(desc_lo);
       desc_lo += (stage * S::kStageInt4 * 16 + (kb / 4) * (S::kRows * 128) + (kb % 4) * 32) >> 4;
       const uint64_t desc = (desc_base & ~0xFFFFFFFFull) | desc_lo;
       const bool restart = S::kGroupSums && u == 0;  // compile-time once unrolled
