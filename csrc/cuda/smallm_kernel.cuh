@@ -261,8 +261,8 @@ __global__ void __launch_bounds__(kThreads, MINB) marlin_smallm_kernel(const Ker
   const int warp = tid / 32;
   const int wn = warp % NW;                     // which 64 columns of the tile
   const int jh = (warp / NW) % S::kJSplit;      // which kJW of the chunk's 16-column blocks
-  // which half of a stage's k16 blocks (KW == 2); read from lane 0 where S::kUniformDesc
-  const int wk = S::kUniformDesc ? __shfl_sync(0xffffffffu, warp / (NW * S::kJSplit), 0) : warp / (NW * S::kJSplit);
+  const int warp_k = warp / (NW * S::kJSplit);  // which half of a stage's k16 blocks (KW == 2)
+  const int wk = S::kUniformDesc ? __shfl_sync(0xffffffffu, warp_k, 0) : warp_k;  // see kUniformDesc
   const int jcol = jh * S::kJW * 16;            // the warp's first column in its chunk
   const int g = lane / 4, c4 = lane % 4;
 
