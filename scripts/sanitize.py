@@ -97,6 +97,11 @@ FORMAT_CASES = [
     (24, 8192, 4160, (torch.float16, 4, False, 32), None),
     (7, 1024, 640, (torch.float16, 4, False, -1), None),  # tiled, per-column zero points
     (40, 576, 192, (torch.bfloat16, 4, False, 64), None),  # tiled 64 x 256, one chunk of four valid
+    # the wgmma instances with the group size fixed at 128 (H100/H200): fp16 zero points at 24 rows
+    # (32-row slice) with a partial last tile, bf16 zero points in one 128-row slice, bf16 at 60 rows
+    (24, 8192, 4160, (torch.float16, 4, False, 128), None),
+    (100, 2048, 1536, (torch.bfloat16, 4, False, 128), (128, 256)),
+    (60, 2048, 1536, (torch.bfloat16, 4, True, 128), (128, 256)),
     (100, 320, 1344, (torch.float16, 4, True, -1), None),  # tiled, fp16 per column, partial last tile
     (70, 1024, 1600, (torch.bfloat16, 8, True, 128), None),  # tiled, bf16 8-bit, partial last tile
 ]

@@ -353,6 +353,40 @@ def test_plans_of_the_wgmma_format_tests(rows):
                        ("fp16", "4", "1"), ("fp16", "8", "0")}, formats
 
 
+@pytest.mark.parametrize("fixed", ["1", "0"])
+def test_fixed_g128_plans(fixed):
+    """Zero points (fp16, bf16) in groups of 128 at every wgmma slice run the instances with the
+    group size fixed at 128 (plan log fixed_g128=1), and with MARLIN_FMT_G128=0 the run-time-group
+    ones that groups of 64 / 32 run: both pass the wgmma
+    format tests and the partial-tile test (slices above 64 rows forced to 128 rows, so that
+    16-, 32-, 64- and 128-row slices all run), in a subprocess that reads the plans."""
+    import os
+    import re
+    import subprocess
+    import sys
+
+    if not wgmma_device():
+        pytest.skip("the wgmma variant runs on compute capability 9.0 only")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, MARLIN_LOG_PLAN="1", MARLIN_FMT_G128=fixed, MARLIN_PREFILL="0", MARLIN_WG_SLICE="128")
+    cmd = [sys.executable, "-m", "pytest", __file__, "-q", "-s", "-p", "no:cacheprovider", "-k",
+           "(test_wgmma_formats or test_wgmma_default_plan or test_small_batch_partial_last_tile) and "
+           "(fp16-u4-zero-g128 or bf16-u4-zero-g128 or bf16-u4-g128)"]
+    r = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0 and re.search(r"\b15 passed", r.stdout), r.stdout[-3000:] + r.stderr[-3000:]
+    lines = [l for l in r.stderr.splitlines() if l.startswith("marlin.gemm plan:")]
+    fixed_seen = {2: 0, 4: 0, 8: 0, 16: 0}
+    for line in lines:
+        zeros, m_blocks, kernel = re.search(r" zeros=(\d) .* m_blocks=(\d+) kernel=(\w+) ", line).groups()
+        m_blocks = int(m_blocks)
+        expected = fixed == "1" and kernel == "small_m_wgmma" and zeros == "1"
+        assert (" fixed_g128=1" in line) == expected, line
+        if expected:
+            fixed_seen[m_blocks] += 1
+    # every wgmma slice (16, 32, 64, 128 rows) ran a fixed-group-128 instance
+    assert fixed == "0" or all(fixed_seen.values()), fixed_seen
+
+
 # The small-batch instances of the other formats with 8-row mma.sync slices and 16- or 32-row wgmma
 # slices take N a multiple of 64: a partial last tile of 1, 2 or 3 chunks of 64 columns (N = 5504 is
 # Llama-2-7B's MLP width 11008 split over 2 GPUs). A forced tile must divide N (the op's contract),

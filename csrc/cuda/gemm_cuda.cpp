@@ -36,6 +36,8 @@ struct Knobs {
                               // group-sum instance
   bool group_sums;            // MARLIN_GROUP_SUMS=0 keeps zero points and bf16 in groups of 128, and groups of
                               // 64 / 32, at <= 8 rows on the run-time-group instances instead of the raw group-sum ones
+  bool fmt_fixed_g128;        // MARLIN_FMT_G128=0 keeps zero points in groups of 128 on the wgmma slices on
+                              // the run-time-group instances instead of the fixed-group-128 ones
   bool one_block_regs;        // MARLIN_ONE_BLOCK_REGS=0 keeps the 8-row mma.sync instances at their
                               // 128-register bound (built for two blocks per SM) where the plan keeps one
   bool small_layer_clusters;  // MARLIN_SMALL_LAYER_CLUSTERS=0 keeps layers under 80 KB of weights per SM
@@ -62,6 +64,7 @@ const Knobs& knobs() {
                        env_int("MARLIN_WG_SLICE", 0),
                        env_int("MARLIN_G128_RG", 1) != 0,
                        env_int("MARLIN_GROUP_SUMS", 1) != 0,
+                       env_int("MARLIN_FMT_G128", 1) != 0,
                        env_int("MARLIN_ONE_BLOCK_REGS", 1) != 0,
                        env_int("MARLIN_SMALL_LAYER_CLUSTERS", 1) != 0,
                        env_int("MARLIN_CLUSTER_FIT", 1) != 0,
@@ -151,6 +154,7 @@ at::Tensor gemm_cuda(const at::Tensor& a, const at::Tensor& b_q, const at::Tenso
   args.wg_tile_n = knobs().wg_tile_n;
   args.g128_runtime_group = knobs().g128_runtime_group;
   args.group_sums = knobs().group_sums;
+  args.fmt_fixed_g128 = knobs().fmt_fixed_g128;
   args.one_block_regs = knobs().one_block_regs;
   args.small_layer_clusters = knobs().small_layer_clusters;
   args.prefill = knobs().prefill;

@@ -86,6 +86,7 @@ struct Format {
   int group_mode = kPerColumn;     // kGroupBlocks128 (fp16 kU4 only), kGroupBlocksRuntime or kPerColumn
   int group_shift = 0;             // log2 of the group size in k16 blocks (run-time groups)
   bool no_group_sums = false;      // never a raw group-sum instance (GemmArgs::group_sums off)
+  bool fixed_g128 = true;          // GemmArgs::fmt_fixed_g128
   // fp16 symmetric INT4 in groups of 128 or per column: the format every kernel and instance
   // runs; the others run on the tiled kernel and on the small-batch kernel with the 256-column
   // tile only (all but per-column zero points): mma.sync with 8 or 16 rows, wgmma with 16-128
@@ -101,6 +102,7 @@ std::string format_of(const GemmArgs& a, Format* f) {
   f->bf16 = a.bf16;
   f->w = a.bits == 8 ? kU8 : a.zeros != nullptr ? kU4Zp : kU4;
   f->no_group_sums = !a.group_sums;
+  f->fixed_g128 = a.fmt_fixed_g128;
   if (a.groups == 1) {
     f->group_mode = kPerColumn;
     f->group_shift = 0;
@@ -250,6 +252,17 @@ bool fmt_group_sums(const Format& f, int mb, bool wg, bool one_block) {
   return one_block;
 }
 
+// Zero points (fp16, bf16) in groups of 128 on the wgmma slices run instances with the group size
+// fixed at 128 (MARLIN_INSTANTIATE_SMALLM_FMT_G128): one scale and zero-point row per stage, read
+// and made into dequantization constants at its first k16 step, instead of the run-time-group
+// instance's scale row per step with its address and its test for a new group. Their column loops
+// (nvdisasm, sm_90a, 256 columns) have 5-8% fewer instructions at 16-128 rows; measured (H200, 9
+// layers, median new / old time) 0.97 at 16 rows, 0.99 at 32, 0.98 at 64 (benchmarks/NOTES.md,
+// 2026-11-29 twenty-fourth). bf16 symmetric INT4: 0-3.5% fewer instructions, no time gain at 64 rows.
+bool fixed_g128_instance(const Format& f, bool wg) {
+  return wg && f.fixed_g128 && f.w == kU4Zp && f.group_mode != kPerColumn && f.group_shift == 3;
+}
+
 // The other formats' small-batch instances (smallm_instances.cuh, MARLIN_INSTANTIATE_SMALLM_FORMATS_WG):
 // 256 columns; grouped ones take the group size at run time, but for fmt_group_sums (whose
 // instances come in two register bounds: `one_block` takes the one for a single block per SM).
@@ -271,6 +284,9 @@ bool find_smallm_format_mb(const Format& f, bool one_block, Instance* out) {
                          : make_smallm_instance<1, 4, true, false, nv_bfloat16, kU4, 0, 2>();
       return true;
     }
+  }
+  if constexpr (WG) {
+    if (fixed_g128_instance(f, WG)) return *out = make_smallm_instance<MB, 4, true, true, ET, kU4Zp, 0>(), true;
   }
   if (f.w == kU4) {
     if (grouped) *out = make_smallm_instance<MB, 4, true, WG, ET, kU4, 1>();
@@ -518,6 +534,7 @@ std::string plan_small_m(const GemmArgs& args, int tile_n, GemmPlan* plan) {
   // the 128-register bound, for plans with one block per SM
   const bool one_block = args.one_block_regs && one_block_regs_pay(args, plan->tile, plan->m_slices);
   plan->group_sums = fmt_group_sums(f, plan->m_blocks, plan->wgmma, one_block);
+  plan->fixed_g128 = fixed_g128_instance(f, plan->wgmma);
   Instance inst;
   const bool found = f.base() ? find_smallm_instance(plan->m_blocks, tile_n, grouped, plan->wgmma, one_block, &inst)
                               : find_smallm_format(plan->m_blocks, tile_n, plan->wgmma, f, one_block, &inst);
@@ -731,7 +748,7 @@ std::string describe_plan(const GemmArgs& args, const GemmPlan& plan) {
          " tiles_per_block=" + std::to_string(plan.tiles_per_block) + " split_parts=" + std::to_string(plan.split_parts) +
          (plan.prefill ? " split_first=" + std::to_string(plan.split_first) + " split_stages=" + std::to_string(plan.split_stages) : "") +
          " clusters=" + (plan.cluster_reduce ? "1" : "0") + " global_reduction=" + (plan.needs_partial ? "1" : "0") +
-         (plan.group_sums ? " group_sums=1" : "") + (plan.one_block_regs ? " one_block_regs=1" : "") + " dram_gbps=" + std::to_string(static_cast<long long>(args.dram_gbps)) +
+         (plan.group_sums ? " group_sums=1" : "") + (plan.fixed_g128 ? " fixed_g128=1" : "") + (plan.one_block_regs ? " one_block_regs=1" : "") + " dram_gbps=" + std::to_string(static_cast<long long>(args.dram_gbps)) +
          " wg512_bytes_per_sm=" + std::to_string(wg512_bytes_per_sm(args));
 }
 

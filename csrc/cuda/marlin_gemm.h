@@ -60,6 +60,10 @@ struct GemmArgs {
   // (one-block plans), on the 8-row mma.sync slice: the raw group-sum instances (true) or the
   // run-time-group ones that dequantize and scale every weight (false; probes, tests)
   bool group_sums = true;
+  // zero points (fp16, bf16) in groups of 128 on the wgmma slices: the instances with the group
+  // size fixed at 128 (true; fixed_g128_instance in marlin_gemm.cu), or
+  // the run-time-group ones that groups of 64 / 32 run (false; probes, tests)
+  bool fmt_fixed_g128 = true;
   // the 8-row mma.sync instances built for one block per SM (no 128-register bound: the base
   // format's 256-column ones and the group-sum ones of the others) where the plan keeps one block
   // per SM (true), or always the two-block ones (false; probes, tests)
@@ -92,6 +96,7 @@ struct GemmPlan {
   bool wgmma = false;    // its sm_90a variant (warpgroup mma; slices of up to 128 rows)
   bool prefill = false;  // the warp-specialized prefill kernel (prefill/prefill_kernel.cuh) instead of either
   bool group_sums = false;  // small_m, a format other than the base one: scales and zero points on raw group sums (SmallMShape::kFmtSums)
+  bool fixed_g128 = false;  // small_m wgmma, a format other than the base one: the fixed-group-128 instance (fixed_g128_instance)
   bool one_block_regs = false;  // small_m, 8-row slice: the instance built for one block per SM (no 128-register bound)
   int m_blocks = 0;      // rows of M per slice: 16 * m_blocks, or 8 * m_blocks for small_m
   int m_slices = 0;      // slices of M

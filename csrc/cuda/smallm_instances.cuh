@@ -81,6 +81,14 @@ SmemAttrCache& smallm_cache() {
   MARLIN_INSTANTIATE_SMALLM_FMT_WG(MB, ET, kU8, false, WG)
 #define MARLIN_INSTANTIATE_SMALLM_FORMATS(MB, ET) MARLIN_INSTANTIATE_SMALLM_FORMATS_WG(MB, ET, false)
 
+// A wgmma instance of another format with the group size fixed at 128 rows (RG 0: one scale row
+// per stage, read once per stage, the zero points' dequantization constants made once per stage),
+// for the planner's fixed_g128_instance: zero points (fp16, bf16) at every wgmma slice.
+#define MARLIN_INSTANTIATE_SMALLM_FMT_G128(MB, ET, W)                                                     \
+  template cudaError_t launch_smallm<MB, 4, true, true, ET, W, 0>(const KernelParams&, int, int, cudaStream_t, \
+                                                                  bool, int);                               \
+  template int smallm_max_clusters<MB, 4, true, true, ET, W, 0>(int, int);
+
 // Both tile widths x (group 128, per column) for one MB, with mma.sync (WG false) or wgmma.
 #define MARLIN_INSTANTIATE_SMALLM(MB, WG)        \
   MARLIN_INSTANTIATE_SMALLM_ONE(MB, 4, true, WG)  \

@@ -69,8 +69,9 @@ namespace marlin {
 // column) keeps the raw-subnormal and group-sum paths below; every other format dequantizes
 // fully and scales the weights (or, per column, the fp32 sums), with mma.sync or wgmma (bf16:
 // the wgmma of bf16 operands), on the 256-column tile only.
-// RG values: 0 the group size fixed by the instance (128 rows, or per column), 1 at run time with
-// the scales on the weights, kRgSumsMode at run time on raw group sums.
+// RG values: 0 the group size fixed by the instance (128 rows, or per column; for the other formats
+// the group-sum instances and, on wgmma, zero points in groups of 128), 1 at run time with the
+// scales on the weights, kRgSumsMode at run time on raw group sums.
 constexpr int kRgSumsMode = 2;
 
 template <int MB, int NW, int STAGES, bool GROUPED, bool WG = false, typename ET = half, int W = kU4, int RG = 0>
@@ -211,7 +212,8 @@ struct SmallMShape {
   // their bound: there the checks made the 16-row mma.sync (128 registers) and the 64- and
   // 128-row wgmma instances (255) spill 8-32 more bytes inside the main loop.
   static constexpr bool kPartialN = !kBase && (MB == 1 || (WG && MB <= 4));
-  static_assert(kBase || kFmtSums || !GROUPED || RG, "other formats take their group size at run time");
+  static_assert(kBase || kFmtSums || !GROUPED || RG || WG,
+                "other formats on mma.sync take their group size at run time (wgmma: also fixed at 128)");
   static_assert(!kRgSums || (GROUPED && !WG && MB == 1 && (W == kU4 || W == kU4Zp) && kSub == 4),
                 "run-time group sums: 4-bit weights on the 8-row mma.sync slice, four k16 steps per warp and stage");
   static_assert(!kZeros || GROUPED, "per-column zero points run on the tiled kernel");
@@ -673,6 +675,10 @@ __global__ void __launch_bounds__(kThreads, MINB) marlin_smallm_kernel(const Ker
     } else if constexpr (GROUPED) {
       read_blocks(smem + stage * S::kStageInt4 + s_sh_rd, s_cur);
       if constexpr (S::kZeros) read_blocks(smem + stage * S::kStageInt4 + s_sh_rd + S::kSStage, z_cur);
+      if constexpr (S::kZeroConstPerGroup) {
+#pragma unroll
+        for (int j = 0; j < JW; j++) z_const[j] = u4_zero_pair<ET>(z_cur[j]);
+      }
     }
   };
 

@@ -5,5 +5,6 @@
 namespace marlin {
 MARLIN_DEFINE_SMALLM_LAUNCH
 MARLIN_INSTANTIATE_SMALLM_FORMATS_WG(16, nv_bfloat16, true)
+MARLIN_INSTANTIATE_SMALLM_FMT_G128(16, nv_bfloat16, kU4Zp)
 MARLIN_INSTANTIATE_SMALLM_FMT_WG(16, nv_bfloat16, kU4, false, true)
 }  // namespace marlin

@@ -5,4 +5,5 @@
 namespace marlin {
 MARLIN_DEFINE_SMALLM_LAUNCH
 MARLIN_INSTANTIATE_SMALLM_FORMATS_WG(8, half, true)
+MARLIN_INSTANTIATE_SMALLM_FMT_G128(8, half, kU4Zp)
 }  // namespace marlin

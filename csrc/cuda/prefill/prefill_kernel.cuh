@@ -90,6 +90,7 @@ struct PrefillShape {
   static constexpr int kEpiBytes = 128 * 64 * 2;
   static constexpr int kBarrierBytes = 2 * kStages * 8 + 16;  // full[] and empty[] mbarriers, the split's flag
   static constexpr int kSmemBytes = kStages * kStageBytes + 2 * kEpiBytes + kBarrierBytes + 1024;  // + alignment slack
+  static_assert(kTileK == 64, "a stage holds one group row for groups of 64 and 128, two for 32 (dequant_stage)");
   static_assert(kStageBytes % 1024 == 0 && kEpiBytes % 1024 == 0 && kPackedBytes % 1024 == 0,
                 "parts must keep the 1024-byte alignment");
   static_assert(!SPARSE || BITS == 4, "2:4 weights are 4-bit");
@@ -322,7 +323,10 @@ __global__ void __launch_bounds__(PrefillShape<>::kThreads, 1) marlin_prefill_ke
 #pragma unroll
     for (int ks = 0; ks < S::kSteps; ks++) {
       uint32_t lo[2], hi[2];
-      const int grow = ((S::kStepK * ks) >> group_log2) * S::kScaleRowBytes;
+      // the step's group row: (kStepK ks) >> group_log2, which is 0 for groups of 64 and 128 (one
+      // row per 64-deep stage); spelled so that the compiler sees that the steps share at most two
+      // rows and loads each scale (zero-point) word and makes each zero-point constant once
+      const int grow = group_log2 == 5 ? ((S::kStepK * ks) >> 5) * S::kScaleRowBytes : 0;
       if constexpr (SPARSE)
         e[ks] = *reinterpret_cast<const uint32_t*>(packed + S::kPackedBytes + ks * 512 + meta_offset);
       if constexpr (W == kU8) {
