@@ -56,7 +56,7 @@ import torch
 from .bench_gemm import dump_results
 from .bench_math import RESULTS_DIR
 from .e2e_model import (MODEL_SPECS, DecodeStep, build_model, compile_decode, compile_layers, decode_forward, free_memory,
-                        fuse_fp16, profile_step, time_generate, to_marlin, weight_bytes)
+                        fuse_fp16, profile_step, set_inductor_pdl, time_generate, to_marlin, weight_bytes)
 from .e2e_slots import SlotStep
 from .provenance import collect_meta, dirty_warning
 from .timing import measure_copy_bandwidth
@@ -99,6 +99,9 @@ def parse_args(argv=None):
                    help="the decode step's KV cache: transformers' StaticCache (static), or the serving engine's "
                         "(slots: one tensor for all layers; the compiled mode then compiles each decoder layer, 4 "
                         "compiles per kernel whatever the depth and batch sizes: for 32 layers and many batches)")
+    p.add_argument("--inductor-pdl", action="store_true",
+                   help="inductor's Triton kernels with programmatic dependent launch (torch._inductor.config."
+                        "triton.enable_pdl; what compile_for_decode(pdl=True) sets), for every kernel alike")
     p.add_argument("--profile", action="store_true",
                    help="torch.profiler summary (time by kernel category) of a decode step per kernel, in the "
                         "compiled mode if it runs, else the graph mode's traced step, else eager")
@@ -313,7 +316,8 @@ def main(argv=None) -> int:
     meta.update(transformers=transformers.__version__, model=args.model, batches=args.batches,
                 modes=args.modes, kernels=args.kernels, backend=args.backend, samples=args.samples,
                 compile_scope=args.compile_scope, cache=args.cache, compile_mode=args.compile_mode,
-                profile_mode=args.profile_mode)
+                profile_mode=args.profile_mode, inductor_pdl=args.inductor_pdl)
+    set_inductor_pdl(args.inductor_pdl)
     warn = dirty_warning(meta)
     suffix = f"-{args.layers}L" if args.layers else ""
     if args.out:

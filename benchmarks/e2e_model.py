@@ -170,6 +170,20 @@ def decode_forward(model, ids, pos, cache):
     return model(input_ids=ids, position_ids=pos, use_cache=True, **{cache_kwarg(model): cache}).logits
 
 
+def set_inductor_pdl(on: bool) -> None:
+    """--inductor-pdl: programmatic dependent launch for every inductor kernel this process
+    compiles (FP16 and Marlin models alike); exits with a message where this torch lacks it."""
+    if not on:
+        return
+    from marlin.decode import inductor_pdl_supported
+
+    if not inductor_pdl_supported():
+        raise SystemExit(f"--inductor-pdl: torch {torch.__version__} has no torch._inductor.config.triton.enable_pdl")
+    import torch._inductor.config as inductor_config
+
+    inductor_config.triton.enable_pdl = True
+
+
 def compile_decode(mode: str, backend: str = "inductor", compile_mode: Optional[str] = None) -> Callable:
     """decode_forward traced with fullgraph=True: backend "eager" for mode "graph" (the eager
     kernels), ``backend`` for mode "compiled" (with torch.compile's ``compile_mode``, e.g.

@@ -33,7 +33,7 @@ from torch import nn
 
 from .fuse import FuseReport, fuse_projections
 
-__all__ = ["compile_for_decode", "DecodeSetup"]
+__all__ = ["compile_for_decode", "DecodeSetup", "inductor_pdl_supported", "inductor_pdl_options"]
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +47,36 @@ class DecodeSetup:
     compile_config: Any  # transformers.CompileConfig
 
 
+def inductor_pdl_supported() -> bool:
+    """Whether this torch's inductor can launch its Triton kernels with programmatic dependent
+    launch (``torch._inductor.config.triton.enable_pdl``; it generates the code on compute
+    capability 9.0 and newer only)."""
+    try:
+        from torch._inductor import config
+    except ImportError:  # a torch without inductor
+        return False
+    return getattr(config.triton, "enable_pdl", None) is not None
+
+
+def inductor_pdl_options(mode: Optional[str], options: Optional[dict]) -> dict:
+    """torch.compile options for inductor with programmatic dependent launch on: ``mode``'s own
+    options (torch.compile takes either a mode or options, not both), then
+    ``triton.enable_pdl``, then ``options`` (which win). Raises ValueError where this torch's
+    inductor has no such option."""
+    import torch
+
+    if not inductor_pdl_supported():
+        raise ValueError(
+            f"pdl=True: torch {torch.__version__} has no torch._inductor.config.triton.enable_pdl "
+            "(programmatic dependent launch of inductor's kernels); leave pdl off"
+        )
+    from torch._inductor import list_mode_options
+
+    # list_mode_options(None) lists every mode's options; no mode is torch.compile's default, none
+    mode_options = list_mode_options(mode) if mode else {}
+    return {**mode_options, "triton.enable_pdl": True, **(options or {})}
+
+
 def compile_for_decode(
     model: nn.Module,
     *,
@@ -57,6 +87,7 @@ def compile_for_decode(
     dynamic: Optional[bool] = None,
     options: Optional[dict] = None,
     compile_on_cpu: bool = False,
+    pdl: bool = False,
 ) -> nn.Module:
     """Set up ``model`` (a transformers causal LM, usually with Marlin layers) so that
     ``model.generate`` decodes with a static cache and a compiled, CUDA-graphed step; returns it.
@@ -68,7 +99,15 @@ def compile_for_decode(
     for the first batch size and cache length and once more, with the sizes that changed made
     symbolic, when another comes; ``dynamic=False`` compiles every new shape). A
     ``cache_implementation`` or ``compile_config`` passed to generate() later overrides these.
-    Raises TypeError for a model without ``generation_config``.
+
+    ``pdl=True`` (inductor only, a torch whose inductor has ``triton.enable_pdl``; it acts on
+    compute capability 9.0 and newer): inductor's Triton kernels are launched with programmatic
+    dependent launch, as Marlin's kernels are, so that each kernel of the step starts under the
+    tail of the one before and waits only where it reads that one's output. Off by default until
+    it has been checked on the GPU against the step without it (benchmarks/NOTES.md).
+
+    Raises TypeError for a model without ``generation_config``, ValueError for ``pdl=True`` with
+    another backend or a torch without the option.
     """
     from transformers import CompileConfig
 
@@ -77,6 +116,10 @@ def compile_for_decode(
             f"compile_for_decode: expected a transformers generative model (with generate and generation_config), "
             f"got {type(model).__name__}"
         )
+    if pdl:
+        if backend != "inductor":
+            raise ValueError(f"compile_for_decode: pdl=True needs backend='inductor', got backend={backend!r}")
+        options, mode = inductor_pdl_options(mode, options), None
     report = fuse_projections(model) if fuse else None
     if report is not None and report.skipped:
         log.warning("compile_for_decode: %s", report)

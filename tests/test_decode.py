@@ -62,6 +62,30 @@ def test_without_fusion_and_bad_input():
         compile_for_decode(torch.nn.Linear(4, 4))
 
 
+def test_pdl_option():
+    """compile_for_decode(pdl=True): inductor's options with triton.enable_pdl, the mode's own
+    options folded in (torch.compile takes a mode or options, not both); a clear error with another
+    backend or where this torch's inductor has no such option."""
+    from marlin.decode import inductor_pdl_supported
+
+    model = tiny_marlin_llama()
+    if not inductor_pdl_supported():
+        with pytest.raises(ValueError, match="enable_pdl"):
+            compile_for_decode(model, pdl=True, compile_on_cpu=True)
+        return
+    compile_for_decode(model, pdl=True, compile_on_cpu=True)
+    cc = model.marlin_decode.compile_config
+    assert cc.mode is None and cc.options == {"triton.cudagraphs": True, "triton.enable_pdl": True}
+    compile_for_decode(model, fuse=False, pdl=True, mode=None, options={"max_autotune": True}, compile_on_cpu=True)
+    assert model.generation_config.compile_config.options == {"triton.enable_pdl": True, "max_autotune": True}
+    with pytest.raises(ValueError, match="pdl=True needs backend='inductor', got backend='eager'"):
+        compile_for_decode(model, fuse=False, pdl=True, backend="eager", compile_on_cpu=True)
+    # off by default: the caller's mode and options as given
+    compile_for_decode(model, fuse=False, compile_on_cpu=True)
+    cc = model.generation_config.compile_config
+    assert cc.mode == "reduce-overhead" and cc.options is None
+
+
 def _check_tokens_are_greedy(model_eager, sequences, prompt_len, tol):
     """Every generated token is (within tol of) the eager model's argmax given the same prefix."""
     with torch.no_grad():
@@ -83,6 +107,31 @@ def test_compiled_decode_on_cuda():
         assert out.shape == (2, 15)
         _check_tokens_are_greedy(eager, out, 7, tol=2e-2)
     assert hasattr(model, "_compiled_call")
+
+
+@requires_cuda
+def test_compiled_decode_with_pdl_matches_without():
+    """Inductor's kernels with programmatic dependent launch (compute capability 9.0+) start under
+    the previous kernel's tail and must wait for what they read: the compiled step with pdl=True
+    gives the eager model's greedy tokens and the scores of the step without it (a missed wait
+    would read a previous kernel's output before it is written). Not bit for bit: each
+    compilation autotunes its reductions on its own."""
+    from marlin.decode import inductor_pdl_supported
+
+    if not inductor_pdl_supported() or torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("programmatic dependent launch: inductor's enable_pdl and compute capability 9.0+")
+    model = tiny_marlin_llama("cuda")
+    eager, with_pdl = copy.deepcopy(model), copy.deepcopy(model)
+    compile_for_decode(model)
+    compile_for_decode(with_pdl, pdl=True)
+    p = prompt(device="cuda")
+    kw = dict(max_new_tokens=8, do_sample=False, output_scores=True, return_dict_in_generate=True)
+    for _ in range(2):  # the second call replays the captured graphs
+        ref, out = model.generate(**p, **kw), with_pdl.generate(**p, **kw)
+        _check_tokens_are_greedy(eager, out.sequences, 7, tol=2e-2)
+        if torch.equal(out.sequences, ref.sequences):  # the same prefixes: the same scores, to rounding
+            for a, b in zip(out.scores, ref.scores):
+                assert (a.float() - b.float()).abs().max() <= 1e-2 * b.float().abs().max(), (a, b)
 
 
 def test_compiled_decode_of_a_loaded_checkpoint(tmp_path):

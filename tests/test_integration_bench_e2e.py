@@ -55,6 +55,26 @@ def test_dry_run_and_report(tmp_path):
     assert (tmp_path / "e2e-profile.png").is_file()
 
 
+def test_dry_run_with_inductor_pdl(tmp_path):
+    # --inductor-pdl turns on inductor's programmatic dependent launch for the whole process (both
+    # kernels alike) and says so in the meta; the config is put back after the run here
+    import torch._inductor.config as inductor_config
+
+    from marlin.decode import inductor_pdl_supported
+
+    out = tmp_path / "e2e.json"
+    argv = ["--dry-run", "--kernels", "fp16,marlin", "--modes", "graph", "--inductor-pdl", "--out", str(out)]
+    with inductor_config.patch({"triton.enable_pdl": False}):
+        if not inductor_pdl_supported():
+            with pytest.raises(SystemExit, match="enable_pdl"):
+                bench_e2e.main(argv)
+            return
+        assert bench_e2e.main(argv) == 0
+        assert inductor_config.triton.enable_pdl is True
+    meta = json.loads(out.read_text())["meta"]
+    assert meta["inductor_pdl"] is True and meta["complete"]
+
+
 def test_dry_run_with_the_2_4_kernel_after_the_dense_one(tmp_path):
     # marlin_24 runs after marlin: the dense conversion replaced the FP16 weights, so it rebuilds
     # the model from its seed, prunes it 2:4 and fuses the projections
