@@ -47,7 +47,7 @@ import torch
 
 from .bench_gemm import dump_results
 from .bench_math import RESULTS_DIR
-from .e2e_model import MODEL_SPECS, build_model, free_memory, fuse_fp16, to_marlin
+from .e2e_model import MODEL_SPECS, build_model, free_memory, fuse_fp16, set_inductor_pdl, to_marlin
 from .provenance import collect_meta
 
 # run in this order (fp16_fused is undone after its rates; marlin converts the model; marlin_24
@@ -249,8 +249,6 @@ def main(argv=None) -> int:
     if args.engine == "slots":
         meta.update(slots=args.slots, kv_bucket=args.kv_bucket, compile=args.compile, backend=args.backend,
                     inductor_pdl=args.inductor_pdl)
-    from .e2e_model import set_inductor_pdl
-
     set_inductor_pdl(args.inductor_pdl)
     model = build_model(args.model, args.layers, dev, seed=args.seed)
     meta["layers"] = model.config.num_hidden_layers
