@@ -102,6 +102,10 @@ FORMAT_CASES = [
     (24, 8192, 4160, (torch.float16, 4, False, 128), None),
     (100, 2048, 1536, (torch.bfloat16, 4, False, 128), (128, 256)),
     (60, 2048, 1536, (torch.bfloat16, 4, True, 128), (128, 256)),
+    # the 128-column wgmma tile of those formats (default plan on 4096 x 4096): fp16 zero points in
+    # a 64-row slice, bf16 at 24 rows with a partial last tile (N = 4160)
+    (40, 4096, 4096, (torch.float16, 4, False, 128), None),
+    (24, 4096, 4160, (torch.bfloat16, 4, True, 128), None),
     (100, 320, 1344, (torch.float16, 4, True, -1), None),  # tiled, fp16 per column, partial last tile
     (70, 1024, 1600, (torch.bfloat16, 8, True, 128), None),  # tiled, bf16 8-bit, partial last tile
 ]

@@ -387,6 +387,61 @@ def test_fixed_g128_plans(fixed):
     assert fixed == "0" or all(fixed_seen.values()), fixed_seen
 
 
+# The wgmma variant's 128-column tile for zero points (fp16, bf16) and bf16 in groups of 128 at
+# 17-64 rows: the planner takes it on a layer as small as 4096 x 4096 (as for fp16 group 128), and
+# N = 4160 (32 tiles of 128 columns and one chunk of 64) gives its 32-row slice a partial last tile.
+NARROW_FORMATS = [(torch.float16, 4, False, 128), (torch.bfloat16, 4, False, 128), (torch.bfloat16, 4, True, 128)]
+NARROW_M = [17, 24, 32, 33, 48, 64]
+
+
+@pytest.mark.parametrize("n", [4096, 4160])
+@pytest.mark.parametrize("fmt", NARROW_FORMATS, ids=[fmt_id(f) for f in NARROW_FORMATS])
+def test_narrow_tile_formats(fmt, n):
+    layer = get_layer(4096, n, fmt)
+    for m in NARROW_M:
+        if n % 128 == 0 or m <= 32:
+            check(layer, m)
+
+
+@pytest.mark.parametrize("forced", ["", "128"])
+def test_plans_of_the_narrow_tile_tests(forced):
+    """The test above in a subprocess with the plan log: at 17-64 rows these formats ran the wgmma
+    variant's 128-column tile (the planner's rule, and MARLIN_WG_TILE_N=128); and with the tile
+    forced, the wgmma format tests (every format, 16-128 rows) still pass, the formats without a
+    128-column instance on the 256-column tile."""
+    import os
+    import re
+    import subprocess
+    import sys
+
+    if not wgmma_device():
+        pytest.skip("the wgmma variant runs on compute capability 9.0 only")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, MARLIN_LOG_PLAN="1", MARLIN_PREFILL="0")
+    tests = "test_narrow_tile_formats"
+    if forced:
+        env["MARLIN_WG_TILE_N"] = forced
+        tests += " or test_wgmma_formats"
+    cmd = [sys.executable, "-m", "pytest", __file__, "-q", "-s", "-p", "no:cacheprovider", "-k", tests]
+    r = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=900)
+    n_tests = 2 * len(NARROW_FORMATS) + (len(WG_FORMATS) if forced else 0)
+    assert r.returncode == 0 and re.search(rf"\b{n_tests} passed", r.stdout), r.stdout[-3000:] + r.stderr[-3000:]
+    lines = [l for l in r.stderr.splitlines() if l.startswith("marlin.gemm plan:")]
+    narrow_seen = 0
+    for line in lines:
+        m, n, k, groups, dtype, bits, zeros, tile_n, m_blocks, kernel = re.search(
+            r" m=(\d+) n=(\d+) k=(\d+) groups=(-?\d+) dtype=(\w+) bits=(\d) zeros=(\d) .* tile_n=(\d+) m_blocks=(\d+) kernel=(\w+) ",
+            line).groups()
+        fmt_ok = int(k) == 128 * int(groups) and bits == "4" and (zeros == "1" or dtype == "bf16")
+        if kernel == "small_m_wgmma" and m_blocks in ("4", "8") and fmt_ok:
+            # the planner's rule takes 128 columns on this small layer (forced: everywhere it can)
+            assert tile_n == "128", line
+            narrow_seen += 1
+        elif kernel == "small_m_wgmma":
+            assert tile_n == "256", line
+    assert narrow_seen, r.stderr[-3000:]
+
+
 # The small-batch instances of the other formats with 8-row mma.sync slices and 16- or 32-row wgmma
 # slices take N a multiple of 64: a partial last tile of 1, 2 or 3 chunks of 64 columns (N = 5504 is
 # Llama-2-7B's MLP width 11008 split over 2 GPUs). A forced tile must divide N (the op's contract),

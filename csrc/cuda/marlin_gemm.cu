@@ -263,11 +263,21 @@ bool fixed_g128_instance(const Format& f, bool wg) {
   return wg && f.fixed_g128 && f.w == kU4Zp && f.group_mode != kPerColumn && f.group_shift == 3;
 }
 
+// The other formats on the wgmma variant's 128-column tile (MARLIN_INSTANTIATE_SMALLM_FMT_NARROW):
+// zero points (fp16, bf16) in groups of 128 on their fixed-group instances and bf16 symmetric INT4
+// in groups of 128, at 17-64 rows (32- and 64-row slices), where narrow_tile_where_it_pays takes
+// the 128-column tile for fp16 group 128 (on 7B o and 70B o they ran 1.10-1.23x of fp16 g128 on
+// the 256-column tile, twice the parts per column; H200, benchmarks/NOTES.md twenty-fourth).
+bool fmt_narrow_instance(const Format& f, int mb) {
+  if ((mb != 4 && mb != 8) || f.group_mode == kPerColumn || f.group_shift != 3) return false;
+  return fixed_g128_instance(f, true) || (f.bf16 && f.w == kU4);
+}
+
 // The other formats' small-batch instances (smallm_instances.cuh, MARLIN_INSTANTIATE_SMALLM_FORMATS_WG):
 // 256 columns; grouped ones take the group size at run time, but for fmt_group_sums (whose
 // instances come in two register bounds: `one_block` takes the one for a single block per SM).
 template <int MB, bool WG, typename ET>
-bool find_smallm_format_mb(const Format& f, bool one_block, Instance* out) {
+bool find_smallm_format_mb(const Format& f, int tile_n, bool one_block, Instance* out) {
   const bool grouped = f.group_mode != kPerColumn;
   if constexpr (MB == 1 && !WG) {
     if (fmt_group_sums(f, MB, WG, one_block)) {
@@ -286,6 +296,14 @@ bool find_smallm_format_mb(const Format& f, bool one_block, Instance* out) {
     }
   }
   if constexpr (WG) {
+    if (tile_n == 128) {
+      if constexpr (MB == 4 || MB == 8) {
+        if (!fmt_narrow_instance(f, MB)) return false;
+        if (f.w == kU4Zp) return *out = make_smallm_instance<MB, 2, true, true, ET, kU4Zp, 0>(), true;
+        if constexpr (std::is_same<ET, nv_bfloat16>::value) return *out = make_smallm_instance<MB, 2, true, true, ET, kU4, 1>(), true;
+      }
+      return false;
+    }
     if (fixed_g128_instance(f, WG)) return *out = make_smallm_instance<MB, 4, true, true, ET, kU4Zp, 0>(), true;
   }
   if (f.w == kU4) {
@@ -303,31 +321,32 @@ bool find_smallm_format_mb(const Format& f, bool one_block, Instance* out) {
 }
 
 template <bool WG, typename ET>
-bool find_smallm_format_et(int mb, const Format& f, bool one_block, Instance* out) {
+bool find_smallm_format_et(int mb, int tile_n, const Format& f, bool one_block, Instance* out) {
   if constexpr (WG) {  // smallm_wg_fmt_instances_*.cu
     switch (mb) {
-      case 2: return find_smallm_format_mb<2, true, ET>(f, one_block, out);
-      case 4: return find_smallm_format_mb<4, true, ET>(f, one_block, out);
-      case 8: return find_smallm_format_mb<8, true, ET>(f, one_block, out);
-      case 16: return find_smallm_format_mb<16, true, ET>(f, one_block, out);
+      case 2: return find_smallm_format_mb<2, true, ET>(f, tile_n, one_block, out);
+      case 4: return find_smallm_format_mb<4, true, ET>(f, tile_n, one_block, out);
+      case 8: return find_smallm_format_mb<8, true, ET>(f, tile_n, one_block, out);
+      case 16: return find_smallm_format_mb<16, true, ET>(f, tile_n, one_block, out);
       default: return false;
     }
   } else {  // smallm_fmt_instances_mb*.cu
     switch (mb) {
-      case 1: return find_smallm_format_mb<1, false, ET>(f, one_block, out);
-      case 2: return find_smallm_format_mb<2, false, ET>(f, one_block, out);
+      case 1: return find_smallm_format_mb<1, false, ET>(f, tile_n, one_block, out);
+      case 2: return find_smallm_format_mb<2, false, ET>(f, tile_n, one_block, out);
       default: return false;
     }
   }
 }
 
-// mma.sync: MB 1 or 2; wgmma: MB 2, 4, 8 or 16; 256 columns only.
+// mma.sync: MB 1 or 2; wgmma: MB 2, 4, 8 or 16; 256 columns (wgmma at MB 4 / 8 also 128: fmt_narrow_instance).
 bool find_smallm_format(int mb, int tile_n, bool wg, const Format& f, bool one_block, Instance* out) {
-  if (tile_n != 256) return false;
+  if (tile_n != 256 && !(tile_n == 128 && wg)) return false;
   if (f.bf16)
-    return wg ? find_smallm_format_et<true, nv_bfloat16>(mb, f, one_block, out)
-              : find_smallm_format_et<false, nv_bfloat16>(mb, f, one_block, out);
-  return wg ? find_smallm_format_et<true, half>(mb, f, one_block, out) : find_smallm_format_et<false, half>(mb, f, one_block, out);
+    return wg ? find_smallm_format_et<true, nv_bfloat16>(mb, tile_n, f, one_block, out)
+              : find_smallm_format_et<false, nv_bfloat16>(mb, tile_n, f, one_block, out);
+  return wg ? find_smallm_format_et<true, half>(mb, tile_n, f, one_block, out)
+            : find_smallm_format_et<false, half>(mb, tile_n, f, one_block, out);
 }
 
 // The small-batch instances: MB n8 tiles of the batch (1, 2, 4 with mma.sync; 2, 4, 8 with
@@ -510,14 +529,15 @@ std::string plan_small_m(const GemmArgs& args, int tile_n, GemmPlan* plan) {
   const std::string bad = format_of(args, &f);
   if (!bad.empty()) return bad;
   if (!f.base() && (tile_n != 256 || !f.small_batch()))
-    return "marlin.gemm: the small-batch kernel runs this format with tile_n=256 only, and per-column zero points "
+    return "marlin.gemm: the small-batch kernel runs this format with tile_n=256 only (the planner may take 128), and per-column zero points "
            "not at all; " + describe(args, TileConfig{128, tile_n}, 0) +
            " (leave tile_k / tile_n unset to let the planner choose)";
   plan->small_m = true;
   // GemmArgs::wg_tile_n == 128 (narrow_tile_where_it_pays, or forced by MARLIN_WG_TILE_N=128): the
-  // wgmma variant's 256-column tile as 128 columns, fp16 group 128 only
-  const bool narrow = args.wg_tile_n == 128 && tile_n == 256 && f.base() && grouped && args.wgmma && args.m > 8;
-  if (narrow) tile_n = 128;
+  // wgmma variant's 256-column tile as 128 columns, fp16 group 128 (and fmt_narrow_instance's
+  // formats at 17-64 rows: see below)
+  bool narrow = args.wg_tile_n == 128 && tile_n == 256 && grouped && args.wgmma && args.m > 8;
+  if (narrow && f.base()) tile_n = 128;
   // 8-bit weights run the wgmma variant from one row on: its 16-row slice, at M = 1 on an H100,
   // took 21.6 instead of 24.5 us on 7B qkv and 160 instead of 170 us on 70B gate_up (7B down and
   // 70B o within 2%), where the 8-row mma.sync slice's two 8-bit fragments per block cost more.
@@ -526,8 +546,10 @@ std::string plan_small_m(const GemmArgs& args, int tile_n, GemmPlan* plan) {
   const bool wide = plan->wgmma && args.m > kWgSliceRows && (tile_n == 256 || tile_n == 128);
   plan->m_blocks = args.m <= 8 ? (plan->wgmma ? 2 : 1) : args.m <= 16 ? 2 : (args.m <= 32 || !plan->wgmma) ? 4 : wide ? wg_slice_rows(args) / 8 : 8;
   plan->m_slices = (args.m + 8 * plan->m_blocks - 1) / (8 * plan->m_blocks);
-  plan->tile = TileConfig{128, tile_n};
   if (!f.base() && !plan->wgmma && plan->m_blocks > 2) plan->m_blocks = 2;  // their mma.sync slices: 8 or 16 rows
+  narrow = narrow && (f.base() || fmt_narrow_instance(f, plan->m_blocks));
+  if (narrow) tile_n = 128;
+  plan->tile = TileConfig{128, tile_n};
   plan->m_slices = (args.m + 8 * plan->m_blocks - 1) / (8 * plan->m_blocks);
   if (!narrow) g128_as_runtime_group(args, *plan, &f);
   // the 8-row instances of the base format and the group-sum ones of the others have twins without
@@ -640,7 +662,7 @@ void narrow_tile_where_it_pays(const GemmArgs& args, GemmPlan* plan) {
       args.m > 2 * kWgSliceRows || args.groups <= 1 || args.k > kNarrowMaxK)
     return;
   Format f;
-  if (!format_of(args, &f).empty() || !f.base()) return;
+  if (!format_of(args, &f).empty() || !(f.base() || fmt_narrow_instance(f, plan->m_blocks))) return;
   if (weight_bytes_per_sm(args) >= kWgBytesPerSm && !plan->needs_partial) return;
   GemmArgs narrow = args;
   narrow.wg_tile_n = 128;

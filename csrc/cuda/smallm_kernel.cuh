@@ -203,8 +203,8 @@ struct SmallMShape {
   static_assert((STAGES * kSub) % 2 == 0, "register double buffer needs an even sub-step count");
   static_assert(kBStage % kThreads == 0, "B stage must split evenly over threads");
   static_assert(kThreads % (NW * kChunkInt4) == 0, "a round of B copies must cover whole k16 rows");
-  static_assert(kBase || NW == 4, "other formats: instances with the 256-column tile only");
-  static_assert(NW != 2 || (WG && kBase && GROUPED), "the 128-column tile: wgmma, fp16 group 128 only");
+  static_assert(kBase || NW == 4 || (NW == 2 && WG), "other formats: the 256-column tile, and with wgmma the 128-column one");
+  static_assert(NW != 2 || (WG && GROUPED), "the 128-column tile: wgmma, group scales only");
   // N a multiple of 64 only (the other formats; 8-row mma.sync slices, 16- and 32-row wgmma
   // ones): the last tile of N may hold fewer than NW chunks of 64 columns. Their copies re-read
   // chunk 0 of the tile (in bounds, no branch in the copy loop) and their results are not stored.
