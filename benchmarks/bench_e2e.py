@@ -99,9 +99,10 @@ def parse_args(argv=None):
                    help="the decode step's KV cache: transformers' StaticCache (static), or the serving engine's "
                         "(slots: one tensor for all layers; the compiled mode then compiles each decoder layer, 4 "
                         "compiles per kernel whatever the depth and batch sizes: for 32 layers and many batches)")
-    p.add_argument("--inductor-pdl", action="store_true",
+    p.add_argument("--inductor-pdl", action=argparse.BooleanOptionalAction, default=None,
                    help="inductor's Triton kernels with programmatic dependent launch (torch._inductor.config."
-                        "triton.enable_pdl; what compile_for_decode(pdl=True) sets), for every kernel alike")
+                        "triton.enable_pdl; what compile_for_decode sets), for every kernel alike; default: on "
+                        "where this torch has the option")
     p.add_argument("--profile", action="store_true",
                    help="torch.profiler summary (time by kernel category) of a decode step per kernel, in the "
                         "compiled mode if it runs, else the graph mode's traced step, else eager")
@@ -175,7 +176,8 @@ def run_kernel(model, kernel: str, args, dev, points: list, notes: list, bar, pr
             if mode == "generate":
                 try:
                     ttft, tpot = time_generate(model, batch, args.prompt_len, args.gen_len, dev, args.samples,
-                                               args.backend, seed=args.seed)
+                                               args.backend, seed=args.seed,
+                                               pdl=args.inductor_pdl and args.backend == "inductor")
                     point.update(ttft_ms=ttft * 1e3, tpot_ms=tpot * 1e3, tokens_per_s=batch / tpot)
                 except Exception as e:
                     point["error"] = f"{type(e).__name__}: {e}"[:500]
@@ -316,8 +318,8 @@ def main(argv=None) -> int:
     meta.update(transformers=transformers.__version__, model=args.model, batches=args.batches,
                 modes=args.modes, kernels=args.kernels, backend=args.backend, samples=args.samples,
                 compile_scope=args.compile_scope, cache=args.cache, compile_mode=args.compile_mode,
-                profile_mode=args.profile_mode, inductor_pdl=args.inductor_pdl)
-    set_inductor_pdl(args.inductor_pdl)
+                profile_mode=args.profile_mode)
+    args.inductor_pdl = meta["inductor_pdl"] = set_inductor_pdl(args.inductor_pdl)
     warn = dirty_warning(meta)
     suffix = f"-{args.layers}L" if args.layers else ""
     if args.out:

@@ -176,8 +176,9 @@ def parse_args(argv=None):
                    help="slots engine: decoder layers compiled with inductor (layer) or eager kernels (none); the "
                         "same for both kernels")
     p.add_argument("--backend", default="inductor", help="slots engine: torch.compile backend for --compile layer")
-    p.add_argument("--inductor-pdl", action="store_true",
-                   help="inductor's Triton kernels with programmatic dependent launch (as bench_e2e --inductor-pdl)")
+    p.add_argument("--inductor-pdl", action=argparse.BooleanOptionalAction, default=None,
+                   help="inductor's Triton kernels with programmatic dependent launch (as bench_e2e --inductor-pdl; "
+                        "default: on where this torch has the option)")
     p.add_argument("--model", default="Llama-2-7B", choices=sorted(MODEL_SPECS))
     p.add_argument("--layers", type=int, default=None)
     p.add_argument("--kernels", default="fp16,marlin")
@@ -247,9 +248,8 @@ def main(argv=None) -> int:
     if args.engine == "transformers":
         meta.update(tf_compile_level=args.tf_compile_level, q_padding=args.q_padding, kv_padding=args.kv_padding)
     if args.engine == "slots":
-        meta.update(slots=args.slots, kv_bucket=args.kv_bucket, compile=args.compile, backend=args.backend,
-                    inductor_pdl=args.inductor_pdl)
-    set_inductor_pdl(args.inductor_pdl)
+        meta.update(slots=args.slots, kv_bucket=args.kv_bucket, compile=args.compile, backend=args.backend)
+    meta["inductor_pdl"] = set_inductor_pdl(args.inductor_pdl)
     model = build_model(args.model, args.layers, dev, seed=args.seed)
     meta["layers"] = model.config.num_hidden_layers
     reqs = workload(args.num_requests, args.prompt_median, args.output_median, args.max_len,

@@ -170,18 +170,22 @@ def decode_forward(model, ids, pos, cache):
     return model(input_ids=ids, position_ids=pos, use_cache=True, **{cache_kwarg(model): cache}).logits
 
 
-def set_inductor_pdl(on: bool) -> None:
-    """--inductor-pdl: programmatic dependent launch for every inductor kernel this process
-    compiles (FP16 and Marlin models alike); exits with a message where this torch lacks it."""
-    if not on:
-        return
+def set_inductor_pdl(on: Optional[bool]) -> bool:
+    """--inductor-pdl / --no-inductor-pdl: programmatic dependent launch on or off for every
+    inductor kernel this process compiles (FP16 and Marlin models alike), as compile_for_decode
+    sets it. None (the default): on where this torch's inductor has the option. Returns what was
+    set; exits with a message for an explicit --inductor-pdl that this torch lacks."""
     from marlin.decode import inductor_pdl_supported
 
-    if not inductor_pdl_supported():
+    supported = inductor_pdl_supported()
+    if on and not supported:
         raise SystemExit(f"--inductor-pdl: torch {torch.__version__} has no torch._inductor.config.triton.enable_pdl")
+    if not supported:
+        return False
     import torch._inductor.config as inductor_config
 
-    inductor_config.triton.enable_pdl = True
+    inductor_config.triton.enable_pdl = on = supported if on is None else on
+    return on
 
 
 def compile_decode(mode: str, backend: str = "inductor", compile_mode: Optional[str] = None) -> Callable:
@@ -371,12 +375,13 @@ def _timed(fn, dev) -> float:
 
 @torch.no_grad()
 def time_generate(model, batch: int, prompt_len: int, gen_len: int, dev, samples: int, backend: str,
-                  seed: int = 0) -> tuple[float, float]:
+                  seed: int = 0, pdl: Optional[bool] = None) -> tuple[float, float]:
     """(ttft, tpot) in seconds of ``model.generate`` as a user runs it after
     marlin.compile_for_decode (static cache, compiled decode steps in CUDA graphs; the model's
     projections are left as they are): ttft is a generate() of one new token (the prefill),
     tpot = (time of gen_len new tokens - ttft) / (gen_len - 1); medians of ``samples``.
-    Includes generate()'s own per-step work (logits processing, stopping criteria)."""
+    Includes generate()'s own per-step work (logits processing, stopping criteria). ``pdl``: as
+    compile_for_decode's."""
     import marlin
 
     gen = torch.Generator(device=dev).manual_seed(seed)
@@ -384,7 +389,7 @@ def time_generate(model, batch: int, prompt_len: int, gen_len: int, dev, samples
     mask = torch.ones_like(ids)
     on_cpu = dev.type != "cuda"
     marlin.compile_for_decode(model, fuse=False, backend=backend, mode=None if on_cpu else "reduce-overhead",
-                              compile_on_cpu=on_cpu)
+                              compile_on_cpu=on_cpu, pdl=pdl)
     kw = dict(attention_mask=mask, do_sample=False, pad_token_id=0)
 
     def run(n):

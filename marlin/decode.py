@@ -87,7 +87,7 @@ def compile_for_decode(
     dynamic: Optional[bool] = None,
     options: Optional[dict] = None,
     compile_on_cpu: bool = False,
-    pdl: bool = False,
+    pdl: Optional[bool] = None,
 ) -> nn.Module:
     """Set up ``model`` (a transformers causal LM, usually with Marlin layers) so that
     ``model.generate`` decodes with a static cache and a compiled, CUDA-graphed step; returns it.
@@ -100,11 +100,12 @@ def compile_for_decode(
     symbolic, when another comes; ``dynamic=False`` compiles every new shape). A
     ``cache_implementation`` or ``compile_config`` passed to generate() later overrides these.
 
-    ``pdl=True`` (inductor only, a torch whose inductor has ``triton.enable_pdl``; it acts on
-    compute capability 9.0 and newer): inductor's Triton kernels are launched with programmatic
-    dependent launch, as Marlin's kernels are, so that each kernel of the step starts under the
-    tail of the one before and waits only where it reads that one's output. Off by default until
-    it has been checked on the GPU against the step without it (benchmarks/NOTES.md).
+    ``pdl``: inductor's Triton kernels launched with programmatic dependent launch, as Marlin's
+    kernels are, so that each kernel of the step starts under the tail of the one before and waits
+    only where it reads that one's output (it acts on compute capability 9.0 and newer). ``None``
+    (the default): on where ``backend="inductor"`` and this torch's inductor has
+    ``triton.enable_pdl``, off otherwise; ``True``: on, or an error where it cannot be;
+    ``False``: off.
 
     Raises TypeError for a model without ``generation_config``, ValueError for ``pdl=True`` with
     another backend or a torch without the option.
@@ -116,6 +117,8 @@ def compile_for_decode(
             f"compile_for_decode: expected a transformers generative model (with generate and generation_config), "
             f"got {type(model).__name__}"
         )
+    if pdl is None:  # on where it can be
+        pdl = backend == "inductor" and inductor_pdl_supported()
     if pdl:
         if backend != "inductor":
             raise ValueError(f"compile_for_decode: pdl=True needs backend='inductor', got backend={backend!r}")

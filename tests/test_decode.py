@@ -63,15 +63,18 @@ def test_without_fusion_and_bad_input():
 
 
 def test_pdl_option():
-    """compile_for_decode(pdl=True): inductor's options with triton.enable_pdl, the mode's own
-    options folded in (torch.compile takes a mode or options, not both); a clear error with another
-    backend or where this torch's inductor has no such option."""
+    """compile_for_decode's pdl: inductor's options with triton.enable_pdl, the mode's own options
+    folded in (torch.compile takes a mode or options, not both), by default where the backend is
+    inductor and this torch has the option; pdl=True gives a clear error with another backend or
+    where this torch's inductor has no such option."""
     from marlin.decode import inductor_pdl_supported
 
     model = tiny_marlin_llama()
     if not inductor_pdl_supported():
         with pytest.raises(ValueError, match="enable_pdl"):
             compile_for_decode(model, pdl=True, compile_on_cpu=True)
+        compile_for_decode(model, compile_on_cpu=True)  # the default: off, without an error
+        assert model.marlin_decode.compile_config.mode == "reduce-overhead"
         return
     compile_for_decode(model, pdl=True, compile_on_cpu=True)
     cc = model.marlin_decode.compile_config
@@ -80,10 +83,16 @@ def test_pdl_option():
     assert model.generation_config.compile_config.options == {"triton.enable_pdl": True, "max_autotune": True}
     with pytest.raises(ValueError, match="pdl=True needs backend='inductor', got backend='eager'"):
         compile_for_decode(model, fuse=False, pdl=True, backend="eager", compile_on_cpu=True)
-    # off by default: the caller's mode and options as given
+    # on by default where it can be; pdl=False and other backends: the caller's mode and options as given
     compile_for_decode(model, fuse=False, compile_on_cpu=True)
     cc = model.generation_config.compile_config
+    assert cc.mode is None and cc.options == {"triton.cudagraphs": True, "triton.enable_pdl": True}
+    compile_for_decode(model, fuse=False, pdl=False, compile_on_cpu=True)
+    cc = model.generation_config.compile_config
     assert cc.mode == "reduce-overhead" and cc.options is None
+    compile_for_decode(model, fuse=False, backend="eager", mode=None, compile_on_cpu=True)
+    cc = model.generation_config.compile_config
+    assert cc.backend == "eager" and cc.options is None
 
 
 def _check_tokens_are_greedy(model_eager, sequences, prompt_len, tol):
@@ -122,7 +131,7 @@ def test_compiled_decode_with_pdl_matches_without():
         pytest.skip("programmatic dependent launch: inductor's enable_pdl and compute capability 9.0+")
     model = tiny_marlin_llama("cuda")
     eager, with_pdl = copy.deepcopy(model), copy.deepcopy(model)
-    compile_for_decode(model)
+    compile_for_decode(model, pdl=False)
     compile_for_decode(with_pdl, pdl=True)
     p = prompt(device="cuda")
     kw = dict(max_new_tokens=8, do_sample=False, output_scores=True, return_dict_in_generate=True)

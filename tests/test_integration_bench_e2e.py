@@ -18,6 +18,21 @@ pytest.importorskip("matplotlib")
 from benchmarks import bench_e2e, report  # noqa: E402
 
 
+@pytest.fixture(autouse=True)
+def restore_inductor_pdl():
+    """bench_e2e sets inductor's enable_pdl for the whole process (on by default where it exists):
+    put it back after each test so that later tests compile as they would alone."""
+    from marlin.decode import inductor_pdl_supported
+
+    if not inductor_pdl_supported():
+        yield
+        return
+    import torch._inductor.config as inductor_config
+
+    with inductor_config.patch({"triton.enable_pdl": inductor_config.triton.enable_pdl}):
+        yield
+
+
 def test_dry_run_and_report(tmp_path):
     out = tmp_path / "e2e.json"
     rc = bench_e2e.main(["--dry-run", "--kernels", "fp16,marlin", "--modes", "eager,graph", "--out", str(out),
@@ -57,7 +72,7 @@ def test_dry_run_and_report(tmp_path):
 
 def test_dry_run_with_inductor_pdl(tmp_path):
     # --inductor-pdl turns on inductor's programmatic dependent launch for the whole process (both
-    # kernels alike) and says so in the meta; the config is put back after the run here
+    # kernels alike; on by default where this torch has it) and says so in the meta
     import torch._inductor.config as inductor_config
 
     from marlin.decode import inductor_pdl_supported
@@ -73,6 +88,14 @@ def test_dry_run_with_inductor_pdl(tmp_path):
         assert inductor_config.triton.enable_pdl is True
     meta = json.loads(out.read_text())["meta"]
     assert meta["inductor_pdl"] is True and meta["complete"]
+    # on by default; --no-inductor-pdl turns it off (also where the environment turned it on)
+    with inductor_config.patch({"triton.enable_pdl": True}):
+        assert bench_e2e.main(argv[:-3] + ["--no-inductor-pdl", "--out", str(out)]) == 0
+        assert inductor_config.triton.enable_pdl is False
+    assert json.loads(out.read_text())["meta"]["inductor_pdl"] is False
+    with inductor_config.patch({"triton.enable_pdl": False}):
+        assert bench_e2e.main(argv[:-3] + ["--out", str(out)]) == 0
+    assert json.loads(out.read_text())["meta"]["inductor_pdl"] is True
 
 
 def test_dry_run_with_the_2_4_kernel_after_the_dense_one(tmp_path):
