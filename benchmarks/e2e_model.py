@@ -184,7 +184,7 @@ def set_inductor_pdl(on: Optional[bool]) -> bool:
         return False
     import torch._inductor.config as inductor_config
 
-    inductor_config.triton.enable_pdl = on = supported if on is None else on
+    inductor_config.triton.enable_pdl = on = on is not False
     return on
 
 
