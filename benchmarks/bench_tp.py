@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from .e2e_model import set_inductor_pdl
 from .tp_model import LLAMA2_70B, DecodeModel, LlamaShape, random_linear  # noqa: F401
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
@@ -46,6 +47,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--no-graph", action="store_true", help="eager steps instead of one CUDA graph per step")
     p.add_argument("--compile", choices=("auto", "on", "off"), default="auto",
                    help="torch.compile the layers' element-wise code (auto: on GPUs, off on the CPU)")
+    p.add_argument("--inductor-pdl", action=argparse.BooleanOptionalAction, default=None,
+                   help="the compiled element-wise code's Triton kernels with programmatic dependent launch (as "
+                        "bench_e2e --inductor-pdl; default: on where this torch has the option and the code is compiled)")
     p.add_argument("--profile-batches", default="",
                    help="comma-separated batches whose step is also profiled (torch.profiler over eager calls of the "
                         "step, kernel time by category: GEMMs, collectives, attention, element-wise; rank 0's)")
@@ -275,7 +279,9 @@ def main(argv=None) -> int:
         args.steps, args.repeats, args.prompt = min(args.steps, 4), 1, min(args.prompt, 4)
     batches = [int(b) for b in args.batches.split(",") if b]
     kinds = [k for k in args.kinds.split(",") if k]
-    result = {"meta": meta(device, world, shape, args), "runs": []}
+    # inductor's programmatic launch, process-wide as in bench_e2e; nothing to launch without compile
+    pdl = set_inductor_pdl(args.inductor_pdl) if compiled(args, device) else False
+    result = {"meta": {**meta(device, world, shape, args), "inductor_pdl": pdl}, "runs": []}
     if rank == 0:
         what = "a tiny shape (dry run)" if args.dry_run else "Llama-2-70B shape"
         print(f"decode, {shape.layers} layers of {what}, TP={world}, {args.prompt}+{args.steps} tokens", flush=True)

@@ -17,6 +17,7 @@ def test_dry_run_writes_every_kind(tmp_path, monkeypatch, capsys):
     assert bench_tp.main(["--dry-run", "--batches", "1,2", "--kinds", "fp16,marlin,marlin_24", "--out", str(out)]) == 0
     result = json.loads(out.read_text())
     assert result["meta"]["world_size"] == 1 and result["meta"]["shape"]["layers"] == 2
+    assert result["meta"]["inductor_pdl"] is False  # the dry run does not compile: nothing to launch
     runs = {r["kind"]: r for r in result["runs"]}
     assert set(runs) == {"fp16", "marlin", "marlin_24"}
     for run in runs.values():
