@@ -16,6 +16,8 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
+from benchmarks.report_e2e import _pdl_note  # noqa: E402
+
 __all__ = ["report_tp", "tokens_per_s"]
 
 
@@ -57,7 +59,8 @@ def _model_code(meta: dict) -> str:
     if "compiled" not in meta:
         return "Separate q/k/v and gate/up layers, element-wise code eager."
     fused = "q/k/v and gate/up fused per rank" if meta.get("fused_projections") else "separate q/k/v and gate/up"
-    return f"{fused[0].upper()}{fused[1:]}, element-wise code {'compiled (torch.compile)' if meta['compiled'] else 'eager'}."
+    code = "compiled (torch.compile)" + _pdl_note(meta) if meta["compiled"] else "eager"
+    return f"{fused[0].upper()}{fused[1:]}, element-wise code {code}."
 
 
 def _profile_lines(data: dict) -> list:
@@ -93,6 +96,10 @@ def _profile_lines(data: dict) -> list:
                   "alone is the step's all-reduces (two per layer) and lm_head's all-gather, with the step's "
                   "shapes, replayed on their own in one CUDA graph (slowest rank). Where it exceeds the rest, the "
                   "collectives cost less inside the step than back to back, and the rest bounds them."]
+        if data["meta"].get("inductor_pdl"):
+            lines[-1] += (" With programmatic dependent launch a kernel may start before the one ahead of it "
+                          "ends and wait inside for it: its column then includes that wait (inductor's fused "
+                          "kernels most), and the rest can come out negative.")
     elif any(p["profile"]["idle_us_per_step"] < 0 for _, p in rows):
         lines += ["", "A negative idle time means the profiled kernels took longer than the timed step. The profile "
                   "is taken over eager calls of the step, where a collective's kernel also waits for the other "
