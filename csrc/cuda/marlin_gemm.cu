@@ -495,7 +495,7 @@ bool one_block_regs_pay(const GemmArgs& args, TileConfig tile, int m_slices) {
 }
 
 // Fills the partition of a plan whose tile and instance are chosen.
-std::string finish_plan(const GemmArgs& args, const Instance& inst, GemmPlan* plan) {
+std::string finish_plan(const GemmArgs& args, const Instance& inst, GemmPlan* plan, bool keep_two = false) {
   plan->blocks_per_sm = std::min(inst.blocks_per_sm, std::max(1, args.max_smem_per_sm / std::max(1, inst.smem_bytes)));
   if (args.blocks_per_sm > 0) plan->blocks_per_sm = std::min(plan->blocks_per_sm, args.blocks_per_sm);
   plan->smem_bytes = inst.smem_bytes;
@@ -506,7 +506,7 @@ std::string finish_plan(const GemmArgs& args, const Instance& inst, GemmPlan* pl
   const int n_tiles = (args.n + plan->tile.tile_n - 1) / plan->tile.tile_n;
   const long long total = static_cast<long long>(plan->m_slices) * n_tiles * k_tiles;
   if (total >= (1LL << 31)) return "marlin.gemm: problem too large for 32-bit tile indices; " + describe(args, plan->tile, plan->m_blocks);
-  if (plan->blocks_per_sm > 1 && !two_blocks_pay(args, plan->tile, plan->m_slices)) plan->blocks_per_sm = 1;
+  if (plan->blocks_per_sm > 1 && !keep_two && !two_blocks_pay(args, plan->tile, plan->m_slices)) plan->blocks_per_sm = 1;
   const int blocks = static_cast<int>(std::min<long long>(static_cast<long long>(args.sms) * plan->blocks_per_sm, total));
   plan->tiles_per_block = static_cast<int>((total + blocks - 1) / blocks);
   plan->grid = static_cast<int>((total + plan->tiles_per_block - 1) / plan->tiles_per_block);
@@ -558,8 +558,12 @@ std::string plan_small_m(const GemmArgs& args, int tile_n, GemmPlan* plan) {
   plan->group_sums = fmt_group_sums(f, plan->m_blocks, plan->wgmma, one_block);
   plan->fixed_g128 = fixed_g128_instance(f, plan->wgmma);
   Instance inst;
-  const bool found = f.base() ? find_smallm_instance(plan->m_blocks, tile_n, grouped, plan->wgmma, one_block, &inst)
-                              : find_smallm_format(plan->m_blocks, tile_n, plan->wgmma, f, one_block, &inst);
+  // GemmArgs::wg16_narrow_two: the 16-row slice's 128-column tile held to 128 registers, two
+  // blocks per SM (probes)
+  const bool narrow_two = args.wg16_narrow_two && narrow && f.base() && plan->m_blocks == 2;
+  const bool found = narrow_two ? (inst = make_smallm_instance<2, 2, true, true, half, kU4, 0, 2>(), true)
+                     : f.base() ? find_smallm_instance(plan->m_blocks, tile_n, grouped, plan->wgmma, one_block, &inst)
+                                : find_smallm_format(plan->m_blocks, tile_n, plan->wgmma, f, one_block, &inst);
   if (!found) return "marlin.gemm: internal error, no small-batch kernel for " + describe(args, plan->tile, plan->m_blocks);
   plan->one_block_regs = one_block && plan->m_blocks == 1 && !plan->wgmma && (f.base() ? tile_n == 256 : plan->group_sums);
   // some instances of the other formats take a partial last tile of whole 64-column chunks
@@ -570,7 +574,7 @@ std::string plan_small_m(const GemmArgs& args, int tile_n, GemmPlan* plan) {
   if (inst.smem_bytes > args.max_smem)
     return "marlin.gemm: tile needs " + std::to_string(inst.smem_bytes) + " bytes of shared memory, the device allows " +
            std::to_string(args.max_smem) + "; " + describe(args, plan->tile, plan->m_blocks);
-  return finish_plan(args, inst, plan);
+  return finish_plan(args, inst, plan, narrow_two);
 }
 
 }  // namespace
