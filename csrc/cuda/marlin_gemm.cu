@@ -537,7 +537,6 @@ std::string plan_small_m(const GemmArgs& args, int tile_n, GemmPlan* plan) {
   // wgmma variant's 256-column tile as 128 columns, fp16 group 128 (and fmt_narrow_instance's
   // formats at 17-64 rows: see below)
   bool narrow = args.wg_tile_n == 128 && tile_n == 256 && grouped && args.wgmma && args.m > 8;
-  if (narrow && f.base()) tile_n = 128;
   // 8-bit weights run the wgmma variant from one row on: its 16-row slice, at M = 1 on an H100,
   // took 21.6 instead of 24.5 us on 7B qkv and 160 instead of 170 us on 70B gate_up (7B down and
   // 70B o within 2%), where the 8-row mma.sync slice's two 8-bit fragments per block cost more.
@@ -545,9 +544,8 @@ std::string plan_small_m(const GemmArgs& args, int tile_n, GemmPlan* plan) {
   // rows per slice / 8: above 64 rows (wgmma) 64 or 128, the latter with the 128- or 256-column tile
   const bool wide = plan->wgmma && args.m > kWgSliceRows && (tile_n == 256 || tile_n == 128);
   plan->m_blocks = args.m <= 8 ? (plan->wgmma ? 2 : 1) : args.m <= 16 ? 2 : (args.m <= 32 || !plan->wgmma) ? 4 : wide ? wg_slice_rows(args) / 8 : 8;
-  plan->m_slices = (args.m + 8 * plan->m_blocks - 1) / (8 * plan->m_blocks);
   if (!f.base() && !plan->wgmma && plan->m_blocks > 2) plan->m_blocks = 2;  // their mma.sync slices: 8 or 16 rows
-  narrow = narrow && (f.base() || fmt_narrow_instance(f, plan->m_blocks));
+  narrow = narrow && (f.base() || fmt_narrow_instance(f, plan->m_blocks));  // (wide holds for 128 or 256 alike)
   if (narrow) tile_n = 128;
   plan->tile = TileConfig{128, tile_n};
   plan->m_slices = (args.m + 8 * plan->m_blocks - 1) / (8 * plan->m_blocks);
