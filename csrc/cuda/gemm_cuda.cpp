@@ -47,8 +47,9 @@ struct Knobs {
   int max_split_parts;        // MARLIN_SPLIT_PARTS=N caps the split parts per column (0: the planner's)
   int wg_tile_n;              // MARLIN_WG_TILE_N=128 or 256 forces the wgmma variant's fp16 group-128 tile
                               // (128 wherever it can run; 256: never the 128-column one)
-  bool wg16_narrow_two;       // MARLIN_WG16_NARROW_TWO=1: the 16-row slice's 128-column tile as two blocks
-                              // per SM (GemmArgs::wg16_narrow_two; probes)
+  bool wg16_narrow_two;       // MARLIN_WG16_NARROW_TWO=0: fp16 group 128 at 9-16 rows (wgmma) keeps the
+                              // 256-column tile, and MARLIN_WG_TILE_N=128 takes the one-block 128-column one
+                              // there (GemmArgs::wg16_narrow_two)
   int prefill;                // MARLIN_PREFILL=0 keeps large batches off the prefill kernel; 1 runs it
                               // wherever it can above 64 rows (default -1: the planner's rule)
   int prefill_split;          // MARLIN_PREFILL_SPLIT=P: the prefill kernel splits K in P parts; -1: stream-K (probes)
@@ -72,7 +73,7 @@ const Knobs& knobs() {
                        env_int("MARLIN_CLUSTER_FIT", 1) != 0,
                        env_int("MARLIN_SPLIT_PARTS", 0),
                        env_int("MARLIN_WG_TILE_N", 0),
-                       env_int("MARLIN_WG16_NARROW_TWO", 0) != 0,
+                       env_int("MARLIN_WG16_NARROW_TWO", 1) != 0,
                        env_int("MARLIN_PREFILL", -1),
                        env_int("MARLIN_PREFILL_SPLIT", 0),
                        env_int("MARLIN_PREFILL_ROWS", 0),

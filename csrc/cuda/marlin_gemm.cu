@@ -557,7 +557,7 @@ std::string plan_small_m(const GemmArgs& args, int tile_n, GemmPlan* plan) {
   plan->fixed_g128 = fixed_g128_instance(f, plan->wgmma);
   Instance inst;
   // GemmArgs::wg16_narrow_two: the 16-row slice's 128-column tile held to 128 registers, two
-  // blocks per SM (probes)
+  // blocks per SM whatever the layer's size (narrow_tile_where_it_pays: rows_16_narrow_two)
   const bool narrow_two = args.wg16_narrow_two && narrow && f.base() && plan->m_blocks == 2;
   const bool found = narrow_two ? (inst = make_smallm_instance<2, 2, true, true, half, kU4, 0, 2>(), true)
                      : f.base() ? find_smallm_instance(plan->m_blocks, tile_n, grouped, plan->wgmma, one_block, &inst)
@@ -652,19 +652,37 @@ void take_if_no_global_reduction(const GemmArgs& variant, GemmPlan* plan) {
 // M = 32 / 64 / 128 10.0 / 12.2 / 16.4 -> 9.0 / 10.9 / 13.6 (FP16 14.3 at 128), 2048 x 4096 12-21%
 // faster, 8192 x 8192 at M = 32 / 64 (a global reduction before) 6% / 12% faster. Slower, and left
 // out by the rule: the larger layers whose 256-column columns already reduce in clusters
-// (11008 x 4096 +1-3%, 4096 x 12288 +4-16%), 16 rows (8192 x 8192 +7%), 8192 x 8192 above 64
+// (11008 x 4096 +1-3%, 4096 x 12288 +4-16%), 16 rows on one block per SM (8192 x 8192 +7%; see
+// rows_16_narrow_two for two), 8192 x 8192 above 64
 // rows, where the 128-column plan falls back to stream-K stripes, and layers deeper than
 // kNarrowMaxK: 28672 x 8192 at M = 32 / 64 / 128 took 55.4 / 77.3 / 115.9 us on the 128-column
 // tile (clusters) against 50.9 / 74.0 / 114.1 on the 256-column one (global reduction); likely
 // because twice the column tiles each stream the whole depth of A. MARLIN_WG_TILE_N=256 keeps the
 // 256-column tile everywhere, =128 takes the 128-column one wherever it can run (probes).
 constexpr int kNarrowMaxK = 16384;
+
+// fp16 group 128 at 9-16 rows (one 16-row slice): the 128-column tile with two blocks per SM (the
+// instance held to 128 registers), 16 warps per SM where the 256-column tile runs 8. H200 A/B
+// (benchmarks/NOTES.md, twenty-sixth), new / old time at 12 / 16 rows: 7B down 0.95 / 0.91, the
+// ideal layer 0.93 at 12 rows, 70B o and qkv 0.98-0.99, the others within 1%. Taken where it plans,
+// unless it would end columns through global memory that the 256-column plan reduces in clusters or
+// does not split (small_layer_small_m relies on those). Returns whether the rule applied (9-16 rows).
+bool rows_16_narrow_two(const GemmArgs& args, GemmPlan* plan) {
+  if (!args.wg16_narrow_two || args.m <= 8 || plan->m_blocks != 2) return false;
+  GemmArgs narrow = args;
+  narrow.wg_tile_n = 128;
+  GemmPlan trial;
+  if (plan_small_m(narrow, 256, &trial).empty() && (!trial.needs_partial || plan->needs_partial)) *plan = trial;
+  return true;
+}
+
 void narrow_tile_where_it_pays(const GemmArgs& args, GemmPlan* plan) {
-  if (args.wg_tile_n != 0 || !plan->small_m || !plan->wgmma || plan->tile.tile_n != 256 || plan->m_blocks < 4 ||
-      args.m > 2 * kWgSliceRows || args.groups <= 1 || args.k > kNarrowMaxK)
-    return;
+  if (args.wg_tile_n != 0 || !plan->small_m || !plan->wgmma || plan->tile.tile_n != 256 || args.groups <= 1) return;
   Format f;
-  if (!format_of(args, &f).empty() || !(f.base() || fmt_narrow_instance(f, plan->m_blocks))) return;
+  if (!format_of(args, &f).empty()) return;
+  if (f.base() && rows_16_narrow_two(args, plan)) return;
+  if (plan->m_blocks < 4 || args.m > 2 * kWgSliceRows || args.k > kNarrowMaxK) return;
+  if (!(f.base() || fmt_narrow_instance(f, plan->m_blocks))) return;
   if (weight_bytes_per_sm(args) >= kWgBytesPerSm && !plan->needs_partial) return;
   GemmArgs narrow = args;
   narrow.wg_tile_n = 128;
