@@ -509,7 +509,8 @@ def test_512_column_tile_from_the_streaming_line():
         pytest.skip("the wgmma variant runs on compute capability 9.0 only")
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     shapes = [(8192, 16384), (8192, 24576), (28672, 8192), (16384, 16384), (8192, 40960), (8192, 57344)]
-    default, _ = _default_and_forced_plans(shapes, [9, 16], {"MARLIN_PREFILL": "0"})
+    # the 16-row rule's 128-column tile kept off: it replaces the 256-column one (its own test)
+    default, _ = _default_and_forced_plans(shapes, [9, 16], {"MARLIN_PREFILL": "0", "MARLIN_WG16_NARROW_TWO": "0"})
     tiles = set()
     for d in default:
         m, n, k = (int(re.search(key + r"=(\d+) ", d)[1]) for key in ("m", "n", "k"))
@@ -534,10 +535,11 @@ def _narrow_wgmma(plan):
 def test_small_layers_take_the_128_column_tile():
     """fp16 group 128 at 17-128 rows on an H100/H200: the 128-column tile of the wgmma variant where
     the layer is small (under 80 KB of weights per SM) or the 256-column plan ends columns through
-    global memory, and only where the 128-column plan then ends none there; never at 16 rows or
-    fewer, nor deeper than K = 16384; MARLIN_WG_TILE_N=256 keeps the 256-column tile. Every call
-    checked against fp64 (also with the 128-column tile forced wherever it can run, in 64- and
-    128-row slices)."""
+    global memory, and only where the 128-column plan then ends none there; never deeper than
+    K = 16384, nor at 16 rows or fewer by this rule (MARLIN_WG16_NARROW_TWO=0 keeps the 16-row one
+    off, which has its own test); MARLIN_WG_TILE_N=256 keeps the 256-column tile. Every call checked
+    against fp64 (also with the 128-column tile forced wherever it can run, in 64- and 128-row
+    slices)."""
     if not wgmma_device():
         pytest.skip("the wgmma variant runs on compute capability 9.0 only")
     sms = torch.cuda.get_device_properties(0).multi_processor_count
@@ -545,7 +547,7 @@ def test_small_layers_take_the_128_column_tile():
     ms = [13, 16, 32, 64, 100, 128]
     # the prefill kernel kept off (MARLIN_PREFILL=0): it takes some of these layers above 64 rows,
     # and this is the wgmma variant's rule
-    default, _ = _default_and_forced_plans(shapes, ms, {"MARLIN_PREFILL": "0"})
+    default, _ = _default_and_forced_plans(shapes, ms, {"MARLIN_PREFILL": "0", "MARLIN_WG16_NARROW_TWO": "0"})
     wide, _ = _default_and_forced_plans(shapes, ms, {"MARLIN_WG_TILE_N": "256", "MARLIN_PREFILL": "0"})
     narrow_seen = 0
     for d, w in zip(default, wide):
@@ -565,6 +567,35 @@ def test_small_layers_take_the_128_column_tile():
         assert sum(_narrow_wgmma(f) for f in forced) >= 16, forced
         if slice_rows == "128":
             assert any(" tile_n=128 m_blocks=16 " in f for f in forced), forced
+
+
+def test_16_rows_take_the_128_column_tile_with_two_blocks_per_sm():
+    """fp16 group 128 at 9-16 rows on an H100/H200: where the 256-column wgmma plan would run, the
+    128-column tile with two blocks per SM (what MARLIN_WG_TILE_N=128 forces there), unless that
+    plan ends columns through global memory where the 256-column one does not; the 512-column tile,
+    the tiled kernel's small layers and 8 rows stay as they were; MARLIN_WG16_NARROW_TWO=0 turns the
+    rule off. Every call checked against fp64."""
+    if not wgmma_device():
+        pytest.skip("the wgmma variant runs on compute capability 9.0 only")
+    # 7B qkv / down / gate_up, 70B o / qkv / down, a small layer (tiled kernel or clusters), a layer
+    # on the 512-column tile
+    shapes = [(4096, 12288), (11008, 4096), (4096, 22016), (8192, 8192), (8192, 10240), (28672, 8192),
+              (3072, 3072), (8192, 57344)]
+    ms = [8, 9, 12, 16]
+    on, _ = _default_and_forced_plans(shapes, ms, {"MARLIN_PREFILL": "0"})
+    off, _ = _default_and_forced_plans(shapes, ms, {"MARLIN_PREFILL": "0", "MARLIN_WG16_NARROW_TWO": "0"})
+    forced, _ = _default_and_forced_plans(shapes, ms, {"MARLIN_PREFILL": "0", "MARLIN_WG_TILE_N": "128"})
+    taken = 0
+    for d, o, f in zip(on, off, forced):
+        m = int(re.search(r"m=(\d+) ", d)[1])
+        if _narrow_wgmma(f):  # 9-16 rows where the 128-column tile plans (only those with it forced)
+            assert m > 8 and " blocks_per_sm=2 " in f, f
+        # the rule's plan where it plans and ends no column through global memory that the rule-less
+        # plan (256 columns, or a small layer's tiled kernel) reduces in clusters or does not split
+        takes = _narrow_wgmma(f) and (" global_reduction=0" in f or " global_reduction=0" not in o)
+        assert d == (f if takes else o), (d, o, f)
+        taken += takes
+    assert taken >= 10, taken
 
 
 def test_split_parts_fall_back_to_what_fits_as_clusters():

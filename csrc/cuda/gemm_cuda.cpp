@@ -47,6 +47,9 @@ struct Knobs {
   int max_split_parts;        // MARLIN_SPLIT_PARTS=N caps the split parts per column (0: the planner's)
   int wg_tile_n;              // MARLIN_WG_TILE_N=128 or 256 forces the wgmma variant's fp16 group-128 tile
                               // (128 wherever it can run; 256: never the 128-column one)
+  bool wg16_narrow_two;       // MARLIN_WG16_NARROW_TWO=0: fp16 group 128 at 9-16 rows (wgmma) keeps the
+                              // 256-column tile, and MARLIN_WG_TILE_N=128 takes the one-block 128-column one
+                              // there (GemmArgs::wg16_narrow_two)
   int prefill;                // MARLIN_PREFILL=0 keeps large batches off the prefill kernel; 1 runs it
                               // wherever it can above 64 rows (default -1: the planner's rule)
   int prefill_split;          // MARLIN_PREFILL_SPLIT=P: the prefill kernel splits K in P parts; -1: stream-K (probes)
@@ -70,6 +73,7 @@ const Knobs& knobs() {
                        env_int("MARLIN_CLUSTER_FIT", 1) != 0,
                        env_int("MARLIN_SPLIT_PARTS", 0),
                        env_int("MARLIN_WG_TILE_N", 0),
+                       env_int("MARLIN_WG16_NARROW_TWO", 1) != 0,
                        env_int("MARLIN_PREFILL", -1),
                        env_int("MARLIN_PREFILL_SPLIT", 0),
                        env_int("MARLIN_PREFILL_ROWS", 0),
@@ -152,6 +156,7 @@ at::Tensor gemm_cuda(const at::Tensor& a, const at::Tensor& b_q, const at::Tenso
   args.max_split_parts = knobs().max_split_parts;
   args.wg_slice_rows = knobs().wg_slice_rows;
   args.wg_tile_n = knobs().wg_tile_n;
+  args.wg16_narrow_two = knobs().wg16_narrow_two;
   args.g128_runtime_group = knobs().g128_runtime_group;
   args.group_sums = knobs().group_sums;
   args.fmt_fixed_g128 = knobs().fmt_fixed_g128;

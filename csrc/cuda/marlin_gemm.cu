@@ -495,7 +495,7 @@ bool one_block_regs_pay(const GemmArgs& args, TileConfig tile, int m_slices) {
 }
 
 // Fills the partition of a plan whose tile and instance are chosen.
-std::string finish_plan(const GemmArgs& args, const Instance& inst, GemmPlan* plan) {
+std::string finish_plan(const GemmArgs& args, const Instance& inst, GemmPlan* plan, bool keep_two = false) {
   plan->blocks_per_sm = std::min(inst.blocks_per_sm, std::max(1, args.max_smem_per_sm / std::max(1, inst.smem_bytes)));
   if (args.blocks_per_sm > 0) plan->blocks_per_sm = std::min(plan->blocks_per_sm, args.blocks_per_sm);
   plan->smem_bytes = inst.smem_bytes;
@@ -506,7 +506,7 @@ std::string finish_plan(const GemmArgs& args, const Instance& inst, GemmPlan* pl
   const int n_tiles = (args.n + plan->tile.tile_n - 1) / plan->tile.tile_n;
   const long long total = static_cast<long long>(plan->m_slices) * n_tiles * k_tiles;
   if (total >= (1LL << 31)) return "marlin.gemm: problem too large for 32-bit tile indices; " + describe(args, plan->tile, plan->m_blocks);
-  if (plan->blocks_per_sm > 1 && !two_blocks_pay(args, plan->tile, plan->m_slices)) plan->blocks_per_sm = 1;
+  if (plan->blocks_per_sm > 1 && !keep_two && !two_blocks_pay(args, plan->tile, plan->m_slices)) plan->blocks_per_sm = 1;
   const int blocks = static_cast<int>(std::min<long long>(static_cast<long long>(args.sms) * plan->blocks_per_sm, total));
   plan->tiles_per_block = static_cast<int>((total + blocks - 1) / blocks);
   plan->grid = static_cast<int>((total + plan->tiles_per_block - 1) / plan->tiles_per_block);
@@ -537,7 +537,6 @@ std::string plan_small_m(const GemmArgs& args, int tile_n, GemmPlan* plan) {
   // wgmma variant's 256-column tile as 128 columns, fp16 group 128 (and fmt_narrow_instance's
   // formats at 17-64 rows: see below)
   bool narrow = args.wg_tile_n == 128 && tile_n == 256 && grouped && args.wgmma && args.m > 8;
-  if (narrow && f.base()) tile_n = 128;
   // 8-bit weights run the wgmma variant from one row on: its 16-row slice, at M = 1 on an H100,
   // took 21.6 instead of 24.5 us on 7B qkv and 160 instead of 170 us on 70B gate_up (7B down and
   // 70B o within 2%), where the 8-row mma.sync slice's two 8-bit fragments per block cost more.
@@ -545,9 +544,8 @@ std::string plan_small_m(const GemmArgs& args, int tile_n, GemmPlan* plan) {
   // rows per slice / 8: above 64 rows (wgmma) 64 or 128, the latter with the 128- or 256-column tile
   const bool wide = plan->wgmma && args.m > kWgSliceRows && (tile_n == 256 || tile_n == 128);
   plan->m_blocks = args.m <= 8 ? (plan->wgmma ? 2 : 1) : args.m <= 16 ? 2 : (args.m <= 32 || !plan->wgmma) ? 4 : wide ? wg_slice_rows(args) / 8 : 8;
-  plan->m_slices = (args.m + 8 * plan->m_blocks - 1) / (8 * plan->m_blocks);
   if (!f.base() && !plan->wgmma && plan->m_blocks > 2) plan->m_blocks = 2;  // their mma.sync slices: 8 or 16 rows
-  narrow = narrow && (f.base() || fmt_narrow_instance(f, plan->m_blocks));
+  narrow = narrow && (f.base() || fmt_narrow_instance(f, plan->m_blocks));  // (wide holds for 128 or 256 alike)
   if (narrow) tile_n = 128;
   plan->tile = TileConfig{128, tile_n};
   plan->m_slices = (args.m + 8 * plan->m_blocks - 1) / (8 * plan->m_blocks);
@@ -558,8 +556,12 @@ std::string plan_small_m(const GemmArgs& args, int tile_n, GemmPlan* plan) {
   plan->group_sums = fmt_group_sums(f, plan->m_blocks, plan->wgmma, one_block);
   plan->fixed_g128 = fixed_g128_instance(f, plan->wgmma);
   Instance inst;
-  const bool found = f.base() ? find_smallm_instance(plan->m_blocks, tile_n, grouped, plan->wgmma, one_block, &inst)
-                              : find_smallm_format(plan->m_blocks, tile_n, plan->wgmma, f, one_block, &inst);
+  // GemmArgs::wg16_narrow_two: the 16-row slice's 128-column tile held to 128 registers, two
+  // blocks per SM whatever the layer's size (narrow_tile_where_it_pays: rows_16_narrow_two)
+  const bool narrow_two = args.wg16_narrow_two && narrow && f.base() && plan->m_blocks == 2;
+  const bool found = narrow_two ? (inst = make_smallm_instance<2, 2, true, true, half, kU4, 0, 2>(), true)
+                     : f.base() ? find_smallm_instance(plan->m_blocks, tile_n, grouped, plan->wgmma, one_block, &inst)
+                                : find_smallm_format(plan->m_blocks, tile_n, plan->wgmma, f, one_block, &inst);
   if (!found) return "marlin.gemm: internal error, no small-batch kernel for " + describe(args, plan->tile, plan->m_blocks);
   plan->one_block_regs = one_block && plan->m_blocks == 1 && !plan->wgmma && (f.base() ? tile_n == 256 : plan->group_sums);
   // some instances of the other formats take a partial last tile of whole 64-column chunks
@@ -570,7 +572,7 @@ std::string plan_small_m(const GemmArgs& args, int tile_n, GemmPlan* plan) {
   if (inst.smem_bytes > args.max_smem)
     return "marlin.gemm: tile needs " + std::to_string(inst.smem_bytes) + " bytes of shared memory, the device allows " +
            std::to_string(args.max_smem) + "; " + describe(args, plan->tile, plan->m_blocks);
-  return finish_plan(args, inst, plan);
+  return finish_plan(args, inst, plan, narrow_two);
 }
 
 }  // namespace
@@ -650,19 +652,37 @@ void take_if_no_global_reduction(const GemmArgs& variant, GemmPlan* plan) {
 // M = 32 / 64 / 128 10.0 / 12.2 / 16.4 -> 9.0 / 10.9 / 13.6 (FP16 14.3 at 128), 2048 x 4096 12-21%
 // faster, 8192 x 8192 at M = 32 / 64 (a global reduction before) 6% / 12% faster. Slower, and left
 // out by the rule: the larger layers whose 256-column columns already reduce in clusters
-// (11008 x 4096 +1-3%, 4096 x 12288 +4-16%), 16 rows (8192 x 8192 +7%), 8192 x 8192 above 64
+// (11008 x 4096 +1-3%, 4096 x 12288 +4-16%), 16 rows on one block per SM (8192 x 8192 +7%; see
+// rows_16_narrow_two for two), 8192 x 8192 above 64
 // rows, where the 128-column plan falls back to stream-K stripes, and layers deeper than
 // kNarrowMaxK: 28672 x 8192 at M = 32 / 64 / 128 took 55.4 / 77.3 / 115.9 us on the 128-column
 // tile (clusters) against 50.9 / 74.0 / 114.1 on the 256-column one (global reduction); likely
 // because twice the column tiles each stream the whole depth of A. MARLIN_WG_TILE_N=256 keeps the
 // 256-column tile everywhere, =128 takes the 128-column one wherever it can run (probes).
 constexpr int kNarrowMaxK = 16384;
+
+// fp16 group 128 at 9-16 rows (one 16-row slice): the 128-column tile with two blocks per SM (the
+// instance held to 128 registers), 16 warps per SM where the 256-column tile runs 8. H200 A/B
+// (benchmarks/NOTES.md, twenty-sixth), new / old time at 12 / 16 rows: 7B down 0.95 / 0.91, the
+// ideal layer 0.93 at 12 rows, 70B o and qkv 0.98-0.99, the others within 1%. Taken where it plans,
+// unless it would end columns through global memory that the 256-column plan reduces in clusters or
+// does not split (small_layer_small_m relies on those). Returns whether the rule applied (9-16 rows).
+bool rows_16_narrow_two(const GemmArgs& args, GemmPlan* plan) {
+  if (!args.wg16_narrow_two || args.m <= 8 || plan->m_blocks != 2) return false;
+  GemmArgs narrow = args;
+  narrow.wg_tile_n = 128;
+  GemmPlan trial;
+  if (plan_small_m(narrow, 256, &trial).empty() && (!trial.needs_partial || plan->needs_partial)) *plan = trial;
+  return true;
+}
+
 void narrow_tile_where_it_pays(const GemmArgs& args, GemmPlan* plan) {
-  if (args.wg_tile_n != 0 || !plan->small_m || !plan->wgmma || plan->tile.tile_n != 256 || plan->m_blocks < 4 ||
-      args.m > 2 * kWgSliceRows || args.groups <= 1 || args.k > kNarrowMaxK)
-    return;
+  if (args.wg_tile_n != 0 || !plan->small_m || !plan->wgmma || plan->tile.tile_n != 256 || args.groups <= 1) return;
   Format f;
-  if (!format_of(args, &f).empty() || !(f.base() || fmt_narrow_instance(f, plan->m_blocks))) return;
+  if (!format_of(args, &f).empty()) return;
+  if (f.base() && rows_16_narrow_two(args, plan)) return;
+  if (plan->m_blocks < 4 || args.m > 2 * kWgSliceRows || args.k > kNarrowMaxK) return;
+  if (!(f.base() || fmt_narrow_instance(f, plan->m_blocks))) return;
   if (weight_bytes_per_sm(args) >= kWgBytesPerSm && !plan->needs_partial) return;
   GemmArgs narrow = args;
   narrow.wg_tile_n = 128;

@@ -53,6 +53,11 @@ struct GemmArgs {
   // The wgmma variant's tile for fp16 group 128: 0 the planner's choice (narrow_tile_where_it_pays
   // in marlin_gemm.cu); 128 the 128-column tile wherever it can run, 256 never (probes, tests)
   int wg_tile_n = 0;
+  // fp16 group 128 at 9-16 rows on the wgmma variant (16-row slice): the 128-column tile held to
+  // 128 registers, two blocks per SM (true: narrow_tile_where_it_pays's 16-row rule, and what
+  // wg_tile_n = 128 takes there), or the 256-column plan and the one-block 128-column instance
+  // under wg_tile_n = 128 (false; probes)
+  bool wg16_narrow_two = true;
   // fp16 group 128 on the wgmma variant's 16-row slices: the run-time-group instance (true) or the
   // group-sum one (false); see g128_as_runtime_group in marlin_gemm.cu
   bool g128_runtime_group = true;

@@ -81,17 +81,18 @@ SmemAttrCache& smallm_cache() {
   MARLIN_INSTANTIATE_SMALLM_FMT_WG(MB, ET, kU8, false, WG)
 #define MARLIN_INSTANTIATE_SMALLM_FORMATS(MB, ET) MARLIN_INSTANTIATE_SMALLM_FORMATS_WG(MB, ET, false)
 
-// A wgmma instance of another format with the group size fixed at 128 rows (RG 0: one scale row
-// per stage, read once per stage, the zero points' dequantization constants made once per stage),
-// for the planner's fixed_g128_instance: zero points (fp16, bf16) at every wgmma slice.
-// A wgmma instance of another format on the 128-column tile (NW 2), group scales, RG as above:
-// for narrow_tile_where_it_pays at 17-64 rows (fixed_g128_instance's zero points, bf16 symmetric
-// INT4 in groups of 128 on the run-time-group instance).
+// A wgmma instance of another format on the 128-column tile (NW 2), group scales, RG 0 (fixed
+// group of 128, below) or 1 (run-time group): for narrow_tile_where_it_pays at 17-64 rows
+// (fixed_g128_instance's zero points, bf16 symmetric INT4 in groups of 128 on the run-time-group
+// instance).
 #define MARLIN_INSTANTIATE_SMALLM_FMT_NARROW(MB, ET, W, RG)                                                 \
   template cudaError_t launch_smallm<MB, 2, true, true, ET, W, RG>(const KernelParams&, int, int, cudaStream_t, \
                                                                    bool, int);                               \
   template int smallm_max_clusters<MB, 2, true, true, ET, W, RG>(int, int);
 
+// A wgmma instance of another format with the group size fixed at 128 rows (RG 0: one scale row
+// per stage, read once per stage, the zero points' dequantization constants made once per stage),
+// for the planner's fixed_g128_instance: zero points (fp16, bf16) at every wgmma slice.
 #define MARLIN_INSTANTIATE_SMALLM_FMT_G128(MB, ET, W)                                                     \
   template cudaError_t launch_smallm<MB, 4, true, true, ET, W, 0>(const KernelParams&, int, int, cudaStream_t, \
                                                                   bool, int);                               \
