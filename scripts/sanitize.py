@@ -57,9 +57,10 @@ CASES = [  # (M, K, N, group size, forced tile): both kernels, split columns, se
 ]
 
 # --narrow (H100/H200, MARLIN_WG_TILE_N=128): the wgmma variant's 128-column tile (fp16 group 128)
-# at 16 rows (scaled weights; two blocks per SM, the planner's 16-row rule), in 32- and 64-row slices, and in 128-row slices (MARLIN_WG_SLICE=128
-# below; three stages) with a partial second slice; split columns in clusters (4096 x 4096) and
-# through global memory (16 rows of 7B down; 4096 x 12288 in stream-K stripes)
+# at 16 rows (scaled weights; two blocks per SM, the planner's 16-row rule), in 32- and 64-row
+# slices, and in 128-row slices (MARLIN_WG_SLICE=128 below; three stages) with a partial second
+# slice; split columns in clusters (4096 x 4096) and through global memory (16 rows of 7B down;
+# 4096 x 12288 in stream-K stripes)
 NARROW_CASES = [
     (16, 11008, 4096, 128, None),
     (40, 4096, 4096, 128, None),
