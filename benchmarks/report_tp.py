@@ -96,7 +96,7 @@ def _profile_lines(data: dict) -> list:
                   "alone is the step's all-reduces (two per layer) and lm_head's all-gather, with the step's "
                   "shapes, replayed on their own in one CUDA graph (slowest rank). Where it exceeds the rest, the "
                   "collectives cost less inside the step than back to back, and the rest bounds them."]
-        if data["meta"].get("inductor_pdl"):
+        if data.get("meta", {}).get("inductor_pdl"):
             lines[-1] += (" With programmatic dependent launch a kernel may start before the one ahead of it "
                           "ends and wait inside for it: its column then includes that wait (inductor's fused "
                           "kernels most), and the rest can come out negative.")

@@ -181,3 +181,17 @@ def test_report_sets_the_collectives_alone_beside_the_other_kernels():
     row = next(line for line in lines if line.startswith("| marlin |"))
     assert row == "| marlin | 1 | 10.00 | 6.00 | 1.00 | 3.00 | 1.50 |"
     assert not any("negative idle time" in line for line in lines)
+    assert not any("programmatic dependent launch" in line for line in lines)
+    # with inductor's PDL on (meta), the report says what it does to the kernel columns
+    pdl = _profile_lines({"meta": {"inductor_pdl": True}, "runs": [{"kind": "marlin", "points": [point]}]})
+    assert any("With programmatic dependent launch a kernel may start" in line for line in pdl)
+
+
+def test_report_says_whether_inductor_ran_with_pdl():
+    from benchmarks.report_tp import _model_code
+
+    on = _model_code({"compiled": True, "fused_projections": True, "inductor_pdl": True})
+    off = _model_code({"compiled": True, "fused_projections": True, "inductor_pdl": False})
+    older = _model_code({"compiled": True, "fused_projections": True})
+    assert "with programmatic dependent launch" in on and "without programmatic dependent launch" in off
+    assert "programmatic" not in older and "programmatic" not in _model_code({"compiled": False})
