@@ -652,9 +652,9 @@ void take_if_no_global_reduction(const GemmArgs& variant, GemmPlan* plan) {
 // M = 32 / 64 / 128 10.0 / 12.2 / 16.4 -> 9.0 / 10.9 / 13.6 (FP16 14.3 at 128), 2048 x 4096 12-21%
 // faster, 8192 x 8192 at M = 32 / 64 (a global reduction before) 6% / 12% faster. Slower, and left
 // out by the rule: the larger layers whose 256-column columns already reduce in clusters
-// (11008 x 4096 +1-3%, 4096 x 12288 +4-16%), 16 rows on one block per SM (8192 x 8192 +7%; two
-// blocks: rows_16_narrow_two), 8192 x 8192 above 64 rows, where the 128-column plan falls back to
-// stream-K stripes, and layers deeper than
+// (11008 x 4096 +1-3%, 4096 x 12288 +4-16%), 16 rows on one block per SM (8192 x 8192 +7%; see
+// rows_16_narrow_two for two), 8192 x 8192 above 64
+// rows, where the 128-column plan falls back to stream-K stripes, and layers deeper than
 // kNarrowMaxK: 28672 x 8192 at M = 32 / 64 / 128 took 55.4 / 77.3 / 115.9 us on the 128-column
 // tile (clusters) against 50.9 / 74.0 / 114.1 on the 256-column one (global reduction); likely
 // because twice the column tiles each stream the whole depth of A. MARLIN_WG_TILE_N=256 keeps the
@@ -663,11 +663,10 @@ constexpr int kNarrowMaxK = 16384;
 
 // fp16 group 128 at 9-16 rows (one 16-row slice): the 128-column tile with two blocks per SM (the
 // instance held to 128 registers), 16 warps per SM where the 256-column tile runs 8. H200 A/B
-// (benchmarks/NOTES.md, twenty-sixth), new / old time at 12 / 16 rows: 7B down 0.95 / 0.91, 70B o
-// and qkv 0.97-0.99, the others within 1% (layers on the 512-column tile do not take it). Taken
-// where it plans, unless it would end columns through global memory that the 256-column plan
-// reduces in clusters or does not split (small_layer_small_m relies on those). Returns whether the
-// rule applied (9-16 rows).
+// (benchmarks/NOTES.md, twenty-sixth), new / old time at 12 / 16 rows: 7B down 0.95 / 0.91, the
+// ideal layer 0.93 at 12 rows, 70B o and qkv 0.98-0.99, the others within 1%. Taken where it plans,
+// unless it would end columns through global memory that the 256-column plan reduces in clusters or
+// does not split (small_layer_small_m relies on those). Returns whether the rule applied (9-16 rows).
 bool rows_16_narrow_two(const GemmArgs& args, GemmPlan* plan) {
   if (!args.wg16_narrow_two || args.m <= 8 || plan->m_blocks != 2) return false;
   GemmArgs narrow = args;
