@@ -69,7 +69,7 @@ def _verdict(x: Optional[dict]) -> str:
     return "" if not x or x.get("target") is None else f">= {x['target']}: {'met' if x['met'] else 'missed'}"
 
 
-def _pdl_note(meta: dict) -> str:
+def pdl_note(meta: dict) -> str:
     """Whether inductor's kernels ran with programmatic dependent launch (files before the flag say nothing)."""
     if "inductor_pdl" not in meta:
         return ""
@@ -82,7 +82,7 @@ def markdown(data: dict, figure_msg: str, extra_figures: tuple = ()) -> list[str
     md = [f"# End-to-end decode: {meta.get('model')} ({meta.get('layers')} layers) on {meta.get('gpu')}", ""]
     md += [f"torch {meta.get('torch')}, transformers {meta.get('transformers')}, git {str(meta.get('git_rev'))[:12]}"
            f"{' (dirty)' if meta.get('git_dirty') else ''}, {meta.get('date')}; compile backend {meta.get('backend')}"
-           f"{_pdl_note(meta)}", ""]
+           f"{pdl_note(meta)}", ""]
     if figure_msg.startswith("wrote "):
         name = figure_msg.split()[1]
         md += [f"![{name}]({name})", ""]
@@ -255,7 +255,7 @@ def report_serving(data: dict, stem: str, outdir: Path) -> list[str]:
     md = [f"# Serving: {meta.get('model')} ({meta.get('layers')} layers) on {meta.get('gpu')}", "",
           f"torch {meta.get('torch')}, transformers {meta.get('transformers')}, git {str(meta.get('git_rev'))[:12]}; "
           f"{meta.get('num_requests')} requests, median prompt {meta.get('prompt_median')}, "
-          f"median output {meta.get('output_median')} tokens; {_engine(meta)}{_pdl_note(meta)}", ""]
+          f"median output {meta.get('output_median')} tokens; {_engine(meta)}{pdl_note(meta)}", ""]
     if msgs:
         md += [f"![{stem}.png]({stem}.png)", ""]
     md += ["| kernel | rate req/s | TPOT ms (median) | TTFT ms (median) | TTFT p90 | out tok/s | TPOT x FP16 | TPOT x fused "
