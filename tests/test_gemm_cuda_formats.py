@@ -433,13 +433,63 @@ def test_plans_of_the_narrow_tile_tests(forced):
             r" m=(\d+) n=(\d+) k=(\d+) groups=(-?\d+) dtype=(\w+) bits=(\d) zeros=(\d) .* tile_n=(\d+) m_blocks=(\d+) kernel=(\w+) ",
             line).groups()
         fmt_ok = int(k) == 128 * int(groups) and bits == "4" and (zeros == "1" or dtype == "bf16")
-        if kernel == "small_m_wgmma" and m_blocks in ("4", "8") and fmt_ok:
-            # the planner's rule takes 128 columns on this small layer (forced: everywhere it can)
+        if kernel == "small_m_wgmma" and (m_blocks in ("4", "8") or (m_blocks == "2" and forced)) and fmt_ok:
+            # the planner's rule takes 128 columns on this small layer (forced: everywhere it can,
+            # 16-row slices included, there with two blocks per SM)
             assert tile_n == "128", line
             narrow_seen += 1
         elif kernel == "small_m_wgmma":
             assert tile_n == "256", line
     assert narrow_seen, r.stderr[-3000:]
+
+
+# The same formats at 9-16 rows (one 16-row slice): the 128-column tile with two blocks per SM on
+# layers of at most 24 tiles of 256 columns (marlin_gemm.cu, kFmtTwoMaxTiles): 8192 x 4096, and a
+# partial last tile (N = 4160 is 32 tiles of 128 columns and one chunk of 64); 8192 x 8192 (32
+# tiles) keeps the 256-column tile, where fp16 group 128 takes the narrow one.
+NARROW16_M = [9, 12, 16]
+NARROW16_N = [4096, 4160, 8192]
+
+
+@pytest.mark.parametrize("n", NARROW16_N)
+@pytest.mark.parametrize("fmt", NARROW_FORMATS, ids=[fmt_id(f) for f in NARROW_FORMATS])
+def test_narrow16_tile_formats(fmt, n):
+    layer = get_layer(8192, n, fmt)
+    for m in NARROW16_M:
+        check(layer, m)
+
+
+@pytest.mark.parametrize("knob", ["1", "0"])
+def test_plans_of_the_narrow16_tile_test(knob):
+    """The test above in a subprocess with the plan log: every call ran the wgmma variant's
+    16-row slice, on the 128-column tile with two blocks per SM where N <= 6144, else (and with
+    MARLIN_WG16_NARROW_TWO=0 everywhere) on the 256-column tile."""
+    import os
+    import re
+    import subprocess
+    import sys
+
+    if not wgmma_device():
+        pytest.skip("the wgmma variant runs on compute capability 9.0 only")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, MARLIN_LOG_PLAN="1", MARLIN_PREFILL="0", MARLIN_WG16_NARROW_TWO=knob)
+    cmd = [sys.executable, "-m", "pytest", __file__, "-q", "-s", "-p", "no:cacheprovider", "-k",
+           "test_narrow16_tile_formats"]
+    r = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=900)
+    n_tests = len(NARROW16_N) * len(NARROW_FORMATS)
+    assert r.returncode == 0 and re.search(rf"\b{n_tests} passed", r.stdout), r.stdout[-3000:] + r.stderr[-3000:]
+    lines = [l for l in r.stderr.splitlines() if l.startswith("marlin.gemm plan:")]
+    assert len(lines) == n_tests * len(NARROW16_M), (len(lines), r.stderr[-3000:])
+    narrow_seen = 0
+    for line in lines:
+        assert " kernel=small_m_wgmma " in line and " m_blocks=2 " in line, line
+        n = int(re.search(r" n=(\d+) ", line).group(1))
+        if knob == "1" and n <= 6144:
+            assert " tile_n=128 " in line and " blocks_per_sm=2 " in line, line
+            narrow_seen += 1
+        else:
+            assert " tile_n=256 " in line, line
+    assert narrow_seen == (2 * len(NARROW_FORMATS) * len(NARROW16_M) if knob == "1" else 0)
 
 
 # The small-batch instances of the other formats with 8-row mma.sync slices and 16- or 32-row wgmma

@@ -267,10 +267,15 @@ bool fixed_g128_instance(const Format& f, bool wg) {
 // zero points (fp16, bf16) in groups of 128 on their fixed-group instances and bf16 symmetric INT4
 // in groups of 128, at 17-64 rows (32- and 64-row slices), where narrow_tile_where_it_pays takes
 // the 128-column tile for fp16 group 128 (on 7B o and 70B o they ran 1.10-1.23x of fp16 g128 on
-// the 256-column tile, twice the parts per column; H200, benchmarks/NOTES.md twenty-fourth).
-bool fmt_narrow_instance(const Format& f, int mb) {
-  if ((mb != 4 && mb != 8) || f.group_mode == kPerColumn || f.group_shift != 3) return false;
+// the 256-column tile, twice the parts per column; H200, benchmarks/NOTES.md twenty-fourth); and at
+// 9-16 rows (16-row slice, MARLIN_INSTANTIATE_SMALLM_FMT_NARROW_TWO: two blocks per SM only) on
+// layers of at most kFmtTwoMaxTiles 256-column tiles (`two`: GemmArgs::wg16_narrow_two).
+bool fmt_narrow_format(const Format& f) {
+  if (f.group_mode == kPerColumn || f.group_shift != 3) return false;
   return fixed_g128_instance(f, true) || (f.bf16 && f.w == kU4);
+}
+bool fmt_narrow_instance(const Format& f, int mb, bool two) {
+  return (mb == 4 || mb == 8 || (mb == 2 && two)) && fmt_narrow_format(f);
 }
 
 // The other formats' small-batch instances (smallm_instances.cuh, MARLIN_INSTANTIATE_SMALLM_FORMATS_WG):
@@ -296,11 +301,15 @@ bool find_smallm_format_mb(const Format& f, int tile_n, bool one_block, Instance
     }
   }
   if constexpr (WG) {
-    if (tile_n == 128) {
+    if (tile_n == 128) {  // (plan_small_m asks only where fmt_narrow_instance holds)
+      if (!fmt_narrow_format(f)) return false;
       if constexpr (MB == 4 || MB == 8) {
-        if (!fmt_narrow_instance(f, MB)) return false;
         if (f.w == kU4Zp) return *out = make_smallm_instance<MB, 2, true, true, ET, kU4Zp, 0>(), true;
         if constexpr (std::is_same<ET, nv_bfloat16>::value) return *out = make_smallm_instance<MB, 2, true, true, ET, kU4, 1>(), true;
+      }
+      if constexpr (MB == 2) {
+        if (f.w == kU4Zp) return *out = make_smallm_instance<2, 2, true, true, ET, kU4Zp, 0, 2>(), true;
+        if constexpr (std::is_same<ET, nv_bfloat16>::value) return *out = make_smallm_instance<2, 2, true, true, ET, kU4, 1, 2>(), true;
       }
       return false;
     }
@@ -339,7 +348,7 @@ bool find_smallm_format_et(int mb, int tile_n, const Format& f, bool one_block, 
   }
 }
 
-// mma.sync: MB 1 or 2; wgmma: MB 2, 4, 8 or 16; 256 columns (wgmma at MB 4 / 8 also 128: fmt_narrow_instance).
+// mma.sync: MB 1 or 2; wgmma: MB 2, 4, 8 or 16; 256 columns (wgmma at MB 2 / 4 / 8 also 128: fmt_narrow_instance).
 bool find_smallm_format(int mb, int tile_n, bool wg, const Format& f, bool one_block, Instance* out) {
   if (tile_n != 256 && !(tile_n == 128 && wg)) return false;
   if (f.bf16)
@@ -353,7 +362,8 @@ bool find_smallm_format(int mb, int tile_n, bool wg, const Format& f, bool one_b
 // wgmma) x 256 or 512 columns x scales; MB = 16 with wgmma, 256 columns only; and with wgmma at
 // MB = 2-16 the 128-column tile, group 128 only. `one_block`: the 8-row, 256-column mma.sync
 // instances built for one block per SM (no 128-register bound), where the plan keeps one.
-bool find_smallm_instance(int mb, int tile_n, bool grouped, bool wg, bool one_block, Instance* out) {
+// `two`: the 16-row 128-column tile's instance held to 128 registers (two blocks per SM).
+bool find_smallm_instance(int mb, int tile_n, bool grouped, bool wg, bool one_block, bool two, Instance* out) {
   if (one_block && mb == 1 && tile_n == 256 && !wg) {
     *out = grouped ? make_smallm_instance<1, 4, true, false, half, kU4, 0, 1>()
                    : make_smallm_instance<1, 4, false, false, half, kU4, 0, 1>();
@@ -378,7 +388,9 @@ bool find_smallm_instance(int mb, int tile_n, bool grouped, bool wg, bool one_bl
   MARLIN_TRY(8, 8, true)
   MARLIN_TRY(16, 4, true)
   if (grouped && wg && tile_n == 128) {  // the 128-column tile: fp16 group 128 only
-    if (mb == 2) return *out = make_smallm_instance<2, 2, true, true>(), true;
+    if (mb == 2)
+      return *out = two ? make_smallm_instance<2, 2, true, true, half, kU4, 0, 2>() : make_smallm_instance<2, 2, true, true>(),
+             true;
     if (mb == 4) return *out = make_smallm_instance<4, 2, true, true>(), true;
     if (mb == 8) return *out = make_smallm_instance<8, 2, true, true>(), true;
     if (mb == 16) return *out = make_smallm_instance<16, 2, true, true>(), true;
@@ -545,7 +557,7 @@ std::string plan_small_m(const GemmArgs& args, int tile_n, GemmPlan* plan) {
   const bool wide = plan->wgmma && args.m > kWgSliceRows && (tile_n == 256 || tile_n == 128);
   plan->m_blocks = args.m <= 8 ? (plan->wgmma ? 2 : 1) : args.m <= 16 ? 2 : (args.m <= 32 || !plan->wgmma) ? 4 : wide ? wg_slice_rows(args) / 8 : 8;
   if (!f.base() && !plan->wgmma && plan->m_blocks > 2) plan->m_blocks = 2;  // their mma.sync slices: 8 or 16 rows
-  narrow = narrow && (f.base() || fmt_narrow_instance(f, plan->m_blocks));  // (wide holds for 128 or 256 alike)
+  narrow = narrow && (f.base() || fmt_narrow_instance(f, plan->m_blocks, args.wg16_narrow_two));  // (wide holds for 128 or 256 alike)
   if (narrow) tile_n = 128;
   plan->tile = TileConfig{128, tile_n};
   plan->m_slices = (args.m + 8 * plan->m_blocks - 1) / (8 * plan->m_blocks);
@@ -558,10 +570,9 @@ std::string plan_small_m(const GemmArgs& args, int tile_n, GemmPlan* plan) {
   Instance inst;
   // GemmArgs::wg16_narrow_two: the 16-row slice's 128-column tile held to 128 registers, two
   // blocks per SM whatever the layer's size (narrow_tile_where_it_pays: rows_16_narrow_two)
-  const bool narrow_two = args.wg16_narrow_two && narrow && f.base() && plan->m_blocks == 2;
-  const bool found = narrow_two ? (inst = make_smallm_instance<2, 2, true, true, half, kU4, 0, 2>(), true)
-                     : f.base() ? find_smallm_instance(plan->m_blocks, tile_n, grouped, plan->wgmma, one_block, &inst)
-                                : find_smallm_format(plan->m_blocks, tile_n, plan->wgmma, f, one_block, &inst);
+  const bool narrow_two = args.wg16_narrow_two && narrow && plan->m_blocks == 2;
+  const bool found = f.base() ? find_smallm_instance(plan->m_blocks, tile_n, grouped, plan->wgmma, one_block, narrow_two, &inst)
+                              : find_smallm_format(plan->m_blocks, tile_n, plan->wgmma, f, one_block, &inst);
   if (!found) return "marlin.gemm: internal error, no small-batch kernel for " + describe(args, plan->tile, plan->m_blocks);
   plan->one_block_regs = one_block && plan->m_blocks == 1 && !plan->wgmma && (f.base() ? tile_n == 256 : plan->group_sums);
   // some instances of the other formats take a partial last tile of whole 64-column chunks
@@ -652,9 +663,9 @@ void take_if_no_global_reduction(const GemmArgs& variant, GemmPlan* plan) {
 // M = 32 / 64 / 128 10.0 / 12.2 / 16.4 -> 9.0 / 10.9 / 13.6 (FP16 14.3 at 128), 2048 x 4096 12-21%
 // faster, 8192 x 8192 at M = 32 / 64 (a global reduction before) 6% / 12% faster. Slower, and left
 // out by the rule: the larger layers whose 256-column columns already reduce in clusters
-// (11008 x 4096 +1-3%, 4096 x 12288 +4-16%), 16 rows on one block per SM (8192 x 8192 +7%; see
-// rows_16_narrow_two for two), 8192 x 8192 above 64
-// rows, where the 128-column plan falls back to stream-K stripes, and layers deeper than
+// (11008 x 4096 +1-3%, 4096 x 12288 +4-16%), 16 rows on one block per SM (8192 x 8192 +7%; two
+// blocks: rows_16_narrow_two), 8192 x 8192 above 64 rows, where the 128-column plan falls back to
+// stream-K stripes, and layers deeper than
 // kNarrowMaxK: 28672 x 8192 at M = 32 / 64 / 128 took 55.4 / 77.3 / 115.9 us on the 128-column
 // tile (clusters) against 50.9 / 74.0 / 114.1 on the 256-column one (global reduction); likely
 // because twice the column tiles each stream the whole depth of A. MARLIN_WG_TILE_N=256 keeps the
@@ -663,10 +674,11 @@ constexpr int kNarrowMaxK = 16384;
 
 // fp16 group 128 at 9-16 rows (one 16-row slice): the 128-column tile with two blocks per SM (the
 // instance held to 128 registers), 16 warps per SM where the 256-column tile runs 8. H200 A/B
-// (benchmarks/NOTES.md, twenty-sixth), new / old time at 12 / 16 rows: 7B down 0.95 / 0.91, the
-// ideal layer 0.93 at 12 rows, 70B o and qkv 0.98-0.99, the others within 1%. Taken where it plans,
-// unless it would end columns through global memory that the 256-column plan reduces in clusters or
-// does not split (small_layer_small_m relies on those). Returns whether the rule applied (9-16 rows).
+// (benchmarks/NOTES.md, twenty-sixth), new / old time at 12 / 16 rows: 7B down 0.95 / 0.91, 70B o
+// and qkv 0.97-0.99, the others within 1% (layers on the 512-column tile do not take it). Taken
+// where it plans, unless it would end columns through global memory that the 256-column plan
+// reduces in clusters or does not split (small_layer_small_m relies on those). Returns whether the
+// rule applied (9-16 rows).
 bool rows_16_narrow_two(const GemmArgs& args, GemmPlan* plan) {
   if (!args.wg16_narrow_two || args.m <= 8 || plan->m_blocks != 2) return false;
   GemmArgs narrow = args;
@@ -676,13 +688,24 @@ bool rows_16_narrow_two(const GemmArgs& args, GemmPlan* plan) {
   return true;
 }
 
+// The other formats (zero points, bf16; groups of 128) take the 16-row rule's two-block tile only
+// on layers of at most kFmtTwoMaxTiles 256-column tiles. H200 A/B (benchmarks/NOTES.md,
+// twenty-seventh), 16 rows, time with the tile over without it, bf16 / zero points: 7B down 0.925 /
+// 0.941, Llama-3-8B down 0.948 / 0.961, 13B o 0.904 / 0.916, Llama-3-8B qkv 0.921 / 0.932, 13B down
+// 0.977 / 0.995 (20 tiles); on wider layers they gain nothing or lose, zero points most (their
+// dequantization constants take registers that the two-block bound of 128 lacks): 70B o (32 tiles)
+// 0.988 / 1.005, 13B qkv (60) 1.008 / 1.035, 7B gate_up, 70B down, 70B gate_up and the ideal
+// layer 1.00-1.09 (twenty-sixth). fp16 group 128 takes it wherever its 256-column plan would run.
+constexpr int kFmtTwoMaxTiles = 24;
+
 void narrow_tile_where_it_pays(const GemmArgs& args, GemmPlan* plan) {
   if (args.wg_tile_n != 0 || !plan->small_m || !plan->wgmma || plan->tile.tile_n != 256 || args.groups <= 1) return;
   Format f;
   if (!format_of(args, &f).empty()) return;
-  if (f.base() && rows_16_narrow_two(args, plan)) return;
+  const bool fmt_two = fmt_narrow_format(f) && args.n <= 256 * kFmtTwoMaxTiles;
+  if ((f.base() || fmt_two) && rows_16_narrow_two(args, plan)) return;
   if (plan->m_blocks < 4 || args.m > 2 * kWgSliceRows || args.k > kNarrowMaxK) return;
-  if (!(f.base() || fmt_narrow_instance(f, plan->m_blocks))) return;
+  if (!(f.base() || fmt_narrow_instance(f, plan->m_blocks, false))) return;
   if (weight_bytes_per_sm(args) >= kWgBytesPerSm && !plan->needs_partial) return;
   GemmArgs narrow = args;
   narrow.wg_tile_n = 128;

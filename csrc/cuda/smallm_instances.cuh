@@ -90,6 +90,13 @@ SmemAttrCache& smallm_cache() {
                                                                    bool, int);                               \
   template int smallm_max_clusters<MB, 2, true, true, ET, W, RG>(int, int);
 
+// The same at 16 rows (MB 2) held to 128 registers, two blocks per SM: the planner's 16-row rule
+// (rows_16_narrow_two in marlin_gemm.cu), as for fp16 group 128.
+#define MARLIN_INSTANTIATE_SMALLM_FMT_NARROW_TWO(ET, W, RG)                                                   \
+  template cudaError_t launch_smallm<2, 2, true, true, ET, W, RG, 2>(const KernelParams&, int, int, cudaStream_t, \
+                                                                     bool, int);                               \
+  template int smallm_max_clusters<2, 2, true, true, ET, W, RG, 2>(int, int);
+
 // A wgmma instance of another format with the group size fixed at 128 rows (RG 0: one scale row
 // per stage, read once per stage, the zero points' dequantization constants made once per stage),
 // for the planner's fixed_g128_instance: zero points (fp16, bf16) at every wgmma slice.
