@@ -107,6 +107,12 @@ FORMAT_CASES = [
     # a 64-row slice, bf16 at 24 rows with a partial last tile (N = 4160)
     (40, 4096, 4096, (torch.float16, 4, False, 128), None),
     (24, 4096, 4160, (torch.bfloat16, 4, True, 128), None),
+    # ... and its 16-row slice with two blocks per SM (layers of at most 24 tiles of 256 columns):
+    # bf16 zero points on 7B down (16 columns x 8 parts through global memory), bf16 at 12 rows
+    # with a partial last tile, fp16 zero points on 4096 x 6144
+    (16, 11008, 4096, (torch.bfloat16, 4, False, 128), None),
+    (12, 8192, 4160, (torch.bfloat16, 4, True, 128), None),
+    (16, 4096, 6144, (torch.float16, 4, False, 128), None),
     (100, 320, 1344, (torch.float16, 4, True, -1), None),  # tiled, fp16 per column, partial last tile
     (70, 1024, 1600, (torch.bfloat16, 8, True, 128), None),  # tiled, bf16 8-bit, partial last tile
 ]
@@ -194,8 +200,10 @@ def main():
     os.environ.setdefault("MARLIN_LOG_PLAN", "1")  # each call's plan (partition) goes to the log
     # above 64 rows the planner picks 64-row slices on layers this small; 128-row ones are checked here
     os.environ.setdefault("MARLIN_WG_SLICE", "128")
-    # the default cases keep the 256-column tile their comments describe; --narrow takes the 128-column one
-    os.environ.setdefault("MARLIN_WG_TILE_N", "128" if "--narrow" in sys.argv[1:] else "256")
+    # the default cases keep the 256-column tile their comments describe; --narrow takes the 128-column
+    # one; --formats leaves the tile to the planner (its cases name the plans they get)
+    if "--formats" not in sys.argv[1:]:
+        os.environ.setdefault("MARLIN_WG_TILE_N", "128" if "--narrow" in sys.argv[1:] else "256")
     torch.manual_seed(0)
     ok = True
     if any(f in sys.argv[1:] for f in ("--prefill", "--prefill-split", "--prefill-streamk", "--prefill-24")):
