@@ -14,6 +14,11 @@ weights (no download; benchmarks/e2e_model.py). Kernels:
   fp16            the model as built (nn.Linear, cuBLAS);
   fp16_fused      the same with q/k/v and gate/up each one nn.Linear (weights stacked), as
                   serving engines run FP16: the stricter baseline for the fused Marlin model;
+  fp16_kn, fp16_fused_kn
+                  fp16 / fp16_fused with every Linear's weight stored [K, N] (e2e_model.LinearKN:
+                  x @ W), the layout cuBLAS streams faster on some shapes. Where both layouts of
+                  a baseline ran, the speedups over it are over the faster one (as bench_gemm's
+                  FP16 is the faster of fp16 and fp16_kn);
   marlin          every Linear but lm_head replaced by MarlinLinear (group 128), q/k/v and
                   gate/up fused (marlin.fuse_projections);
   marlin_unfused  the same without fusion (transformers' own layer split);
@@ -56,13 +61,13 @@ import torch
 from .bench_gemm import dump_results
 from .bench_math import RESULTS_DIR
 from .e2e_model import (MODEL_SPECS, DecodeStep, build_model, compile_decode, compile_layers, decode_forward, free_memory,
-                        fuse_fp16, profile_step, set_inductor_pdl, time_generate, to_marlin, weight_bytes)
+                        fuse_fp16, profile_step, set_inductor_pdl, time_generate, to_kn, to_marlin, weight_bytes)
 from .e2e_slots import SlotStep
 from .provenance import collect_meta, dirty_warning
 from .timing import measure_copy_bandwidth
 
-# run in this order: each converts the model further (fp16_fused is undone after its points)
-KERNELS = ("fp16", "fp16_fused", "marlin_unfused", "marlin", "marlin_24")
+# run in this order: each converts the model further (the FP16 variants are undone after their points)
+KERNELS = ("fp16", "fp16_kn", "fp16_fused", "fp16_fused_kn", "marlin_unfused", "marlin", "marlin_24")
 MODES = ("eager", "graph", "compiled", "generate")
 DEFAULT_BATCHES = (1, 2, 4, 8, 16, 32, 64, 128)
 CHECK_TOL = 2e-2  # logits of a captured/compiled step vs eager: fp16 rounding differs, a wrong step is O(1)
@@ -248,25 +253,30 @@ def _one_line(p: dict) -> str:
 
 
 BASELINES = ("fp16", "fp16_fused")
+LAYOUTS = {"fp16": ("fp16", "fp16_kn"), "fp16_fused": ("fp16_fused", "fp16_fused_kn")}  # a baseline's kernels
+FP16_KERNELS = LAYOUTS["fp16"] + LAYOUTS["fp16_fused"]
 
 
 def speedups(points: list) -> list:
     """tokens/s of each kernel over each FP16 baseline that ran at the same (mode, batch): every
     kernel over "fp16" (transformers' layers, the issue's baseline; its targets), and the Marlin
-    kernels over "fp16_fused" too (entries with baseline "fp16_fused")."""
-    base = {(p["kernel"], p["mode"], p["batch"]): p for p in points if p["kernel"] in BASELINES and "tpot_ms" in p}
+    kernels over "fp16_fused" too (entries with baseline "fp16_fused"). A baseline is the faster
+    of its layouts that ran (LAYOUTS; the entry's "baseline_kernel" says which)."""
+    timed = {(p["kernel"], p["mode"], p["batch"]): p for p in points if p["kernel"] in FP16_KERNELS and "tpot_ms" in p}
     out = []
     for p in points:
         if "tpot_ms" not in p:
             continue
         for b in BASELINES:
-            ref = base.get((b, p["mode"], p["batch"]))
-            if ref is None or p["kernel"] == b or (b == "fp16_fused" and p["kernel"] in BASELINES):
+            refs = [timed[(k, p["mode"], p["batch"])] for k in LAYOUTS[b] if (k, p["mode"], p["batch"]) in timed]
+            if not refs or p["kernel"] in LAYOUTS[b] or (b == "fp16_fused" and p["kernel"] in FP16_KERNELS):
                 continue
+            ref = min(refs, key=lambda r: r["tpot_ms"])
             s = ref["tpot_ms"] / p["tpot_ms"]
-            target = TARGETS.get(p["batch"]) if p["kernel"] not in BASELINES else None
-            out.append({"kernel": p["kernel"], "mode": p["mode"], "batch": p["batch"], "baseline": b, "speedup": s,
-                        "target": target, "met": (s >= target) if target is not None else None})
+            target = TARGETS.get(p["batch"]) if p["kernel"] not in FP16_KERNELS else None
+            out.append({"kernel": p["kernel"], "mode": p["mode"], "batch": p["batch"], "baseline": b,
+                        "baseline_kernel": ref["kernel"], "speedup": s, "target": target,
+                        "met": (s >= target) if target is not None else None})
     return out
 
 
@@ -350,13 +360,16 @@ def main(argv=None) -> int:
     with torch.no_grad(), tqdm(total=total, desc="bench_e2e", unit="point") as bar:
         converted = "fp16"
         for kernel in args.kernels:
-            if kernel == "fp16_fused":
-                restore = fuse_fp16(model)
+            if kernel in FP16_KERNELS and kernel != "fp16":  # a variant of the FP16 model, undone after its points
+                undo = [fuse_fp16(model)] if kernel.startswith("fp16_fused") else []
+                if kernel.endswith("_kn"):
+                    undo.append(to_kn(model))
                 free_memory()
                 try:
                     run_kernel(model, kernel, args, dev, points, notes, bar, profiles)
                 finally:
-                    restore()
+                    for restore in reversed(undo):
+                        restore()
                 write(complete=False)
                 continue
             if kernel == "marlin_24":

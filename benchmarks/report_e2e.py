@@ -17,8 +17,9 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 STYLE = {"graph": "--", "compiled": "-", "eager": ":"}
-COLOR = {"fp16": "tab:gray", "fp16_fused": "tab:blue", "marlin": "tab:red", "marlin_unfused": "tab:orange",
-         "marlin_24": "tab:purple"}
+COLOR = {"fp16": "tab:gray", "fp16_kn": "tab:brown", "fp16_fused": "tab:blue", "fp16_fused_kn": "tab:cyan",
+         "marlin": "tab:red", "marlin_unfused": "tab:orange", "marlin_24": "tab:purple"}
+FP16_KERNELS = ("fp16", "fp16_kn", "fp16_fused", "fp16_fused_kn")
 FLOOR_FACTOR = 1.3  # the issue: FP16's decode step within 1.3x of its weight-read time at batch 1
 
 
@@ -103,12 +104,19 @@ def markdown(data: dict, figure_msg: str, extra_figures: tuple = ()) -> list[str
         speedup_fused = "" if not xf else f"{xf['speedup']:.2f}"
         md.append(f"| {p['kernel']} | {p['mode']} | {p['batch']} | {p['tpot_ms']:.3f} | {p['tokens_per_s']:.1f} | "
                   f"{p['ttft_ms']:.2f} | {speedup} | {_verdict(x)} | {speedup_fused} | {_verdict(xf)} |")
+    if any(p["kernel"].endswith("_kn") for p in points):  # bench_e2e counts each baseline's faster layout
+        refs = {(x["baseline"], x["mode"], x["batch"]): x.get("baseline_kernel", x["baseline"])
+                for x in data.get("speedups", [])}
+        counts = [f"{b} at {sum(k.endswith('_kn') for (bb, _, _), k in refs.items() if bb == b)} of "
+                  f"{sum(bb == b for bb, _, _ in refs)} (mode, batch) points" for b in ("fp16", "fp16_fused")]
+        md += ["", "x FP16 / x FP16 fused: over the faster layout of each baseline (nn.Linear's [N, K] weight, or the "
+               "[K, N] one of `fp16_kn` / `fp16_fused_kn`); the [K, N] layout was the faster for " + ", ".join(counts) + "."]
     floor = meta.get("fp16_weight_read_ms")
     if floor:
         md += ["", f"FP16 weight-read floor: {meta.get('fp16_weight_bytes', 0) / 1e9:.2f} GB of weights per step / "
                f"{meta.get('copy_bw_GBps', 0):.0f} GB/s copy bandwidth = {floor:.3f} ms."]
         for p in _ok(points):
-            if p["kernel"] in ("fp16", "fp16_fused") and p["batch"] == 1:
+            if p["kernel"] in FP16_KERNELS and p["batch"] == 1:
                 r = p["tpot_ms"] / floor
                 md.append(f"- {p['kernel']} {p['mode']} at batch 1: {p['tpot_ms']:.3f} ms = {r:.2f}x the floor "
                           f"({'within' if r <= FLOOR_FACTOR else 'above'} {FLOOR_FACTOR}x)")

@@ -205,6 +205,73 @@ def test_speedups_over_both_baselines():
     assert "| marlin | compiled | 1 | 4.000 | 250.0 | 1.00 | 2.50 | >= 2.5: met | 2.00 | >= 2.5: missed |" in md
 
 
+def test_fp16_kn_layout():
+    # to_kn: every nn.Linear (the fused ones and lm_head too) as a LinearKN holding W^T [K, N];
+    # the same logits up to the GEMM's summation order, and restore puts nn.Linear layers with the
+    # original weights back (exact: a transpose)
+    import torch
+
+    from benchmarks.e2e_model import LinearKN, build_model, fuse_fp16, to_kn, weight_bytes
+
+    model = build_model("tiny", None, torch.device("cpu"))
+    mlp = model.model.layers[1].mlp
+    w_down = mlp.down_proj.weight.clone()
+    ids = torch.randint(0, 1000, (2, 5), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ref = model(ids).logits.float()
+        nbytes = weight_bytes(model)
+        undo_fuse = fuse_fp16(model)
+        undo_kn = to_kn(model)
+        assert type(mlp.down_proj) is LinearKN and type(mlp.gate_up_proj) is LinearKN and type(model.lm_head) is LinearKN
+        assert not any(type(m) is torch.nn.Linear for m in model.modules())
+        assert torch.equal(mlp.down_proj.weight_kn, w_down.t()) and mlp.down_proj.weight_kn.is_contiguous()
+        assert weight_bytes(model) == nbytes  # the same weights, stacked and transposed
+        kn = model(ids).logits.float()
+        undo_kn()
+        undo_fuse()
+        assert type(mlp.down_proj) is torch.nn.Linear and torch.equal(mlp.down_proj.weight, w_down)
+        assert torch.equal(model(ids).logits.float(), ref)
+    assert ((kn - ref).norm() / ref.norm()).item() < 1e-2
+
+
+def test_speedups_over_the_faster_layout():
+    # each FP16 baseline is the faster of its layouts that ran: fp16_kn beats fp16 here, fp16_fused
+    # beats fp16_fused_kn; the layouts of a baseline get no speedup over it
+    pts = [{"kernel": k, "mode": "compiled", "batch": 1, "tpot_ms": t, "ttft_ms": 1.0, "tokens_per_s": 1e3 / t}
+           for k, t in (("fp16", 10.0), ("fp16_kn", 9.0), ("fp16_fused", 8.0), ("fp16_fused_kn", 8.5), ("marlin", 4.0))]
+    sp = {(s["kernel"], s["baseline"]): s for s in bench_e2e.speedups(pts)}
+    assert set(sp) == {("fp16_fused", "fp16"), ("fp16_fused_kn", "fp16"), ("marlin", "fp16"), ("marlin", "fp16_fused")}
+    assert sp[("marlin", "fp16")]["speedup"] == 2.25 and sp[("marlin", "fp16")]["baseline_kernel"] == "fp16_kn"
+    assert sp[("marlin", "fp16")]["met"] is False  # 2.25 < the batch-1 target of 2.5 over the faster layout
+    assert sp[("marlin", "fp16_fused")]["speedup"] == 2.0 and sp[("marlin", "fp16_fused")]["baseline_kernel"] == "fp16_fused"
+    assert sp[("fp16_fused_kn", "fp16")]["target"] is None
+    from benchmarks.report_e2e import markdown
+
+    md = "\n".join(markdown({"meta": {}, "points": pts, "speedups": list(sp.values())}, "no figure"))
+    assert "| marlin | compiled | 1 | 4.000 | 250.0 | 1.00 | 2.25 | >= 2.5: missed | 2.00 | >= 2.5: missed |" in md
+    assert "the [K, N] layout was the faster for fp16 at 1 of 1 (mode, batch) points, fp16_fused at 0 of 1" in md
+
+
+def test_dry_run_with_the_kn_layouts(tmp_path):
+    # fp16_kn and fp16_fused_kn run on the FP16 model and are undone before the Marlin conversion
+    out = tmp_path / "e2e.json"
+    argv = ["--dry-run", "--kernels", "marlin,fp16_fused_kn,fp16_kn,fp16", "--modes", "graph", "--out", str(out)]
+    assert bench_e2e.main(argv) == 0
+    data = json.loads(out.read_text())
+    assert list(dict.fromkeys(p["kernel"] for p in data["points"])) == ["fp16", "fp16_kn", "fp16_fused_kn", "marlin"]
+    for p in data["points"]:
+        assert p["graph_breaks"] == 0 and p["check_rel_err"] <= bench_e2e.CHECK_TOL
+    assert len({p["weight_bytes"] for p in data["points"] if p["kernel"].startswith("fp16")}) == 1
+    by = {(p["kernel"], p["batch"]): p["tpot_ms"] for p in data["points"]}
+    over_fp16 = [s for s in data["speedups"] if s["kernel"] == "marlin" and s["baseline"] == "fp16"]
+    assert len(over_fp16) == 2
+    for s in over_fp16:  # over the faster of the two layouts at its batch
+        faster = min(("fp16", "fp16_kn"), key=lambda k: by[(k, s["batch"])])
+        assert s["baseline_kernel"] == faster and s["speedup"] == pytest.approx(by[(faster, s["batch"])] / by[("marlin", s["batch"])])
+    assert report.report(out, tmp_path)[-1] == "wrote e2e.md"
+    assert "| fp16_fused_kn | graph | 3 |" in (tmp_path / "e2e.md").read_text()
+
+
 def test_decode_step_reads_the_static_cache():
     # The step must attend to the prompt in the static cache: transformers up to 5.1x names the
     # forward's cache argument past_key_values, 5.2x names it cache, and a wrong name is silently
