@@ -193,18 +193,41 @@ def graph_median_us(fn, reps: int = 20, rounds: int = 7) -> float:
     return sorted(times)[rounds // 2]
 
 
+def balanced_rounds(n: int) -> int:
+    """Rounds of one full balanced order design for n kernels (round_orders): n for even n, 2n for odd."""
+    return n if n % 2 == 0 else 2 * n
+
+
 def round_orders(kernels: list[str], rounds: int) -> list[list[str]]:
-    """The kernel order of each timing round: round r starts r places further along the list, so
-    that each kernel follows a different one from round to round (no kernel always inherits the
-    clocks and power state that the same neighbour left)."""
+    """The kernel order of each timing round, from a balanced (Williams) design: round r is the
+    sequence 0, 1, n-1, 2, n-2, ... shifted by r (mod n), and for an odd n the same rounds again
+    reversed. Over balanced_rounds(n) rounds every kernel runs once (twice for odd n) in every
+    position and right after every other kernel, so no kernel always inherits the clocks and power
+    state that the same neighbour left, nor always runs late in a round (a plain rotation keeps
+    each kernel's predecessor and leaves the last ones of the list late in most rounds). Fewer
+    rounds take the design's first rows, which still vary the predecessor; more repeat it."""
     n = len(kernels)
-    return [[kernels[(r + i) % n] for i in range(n)] for r in range(max(1, rounds))] if n else []
+    if n == 0:
+        return []
+    base, lo, hi = [0], 1, n - 1
+    while len(base) < n:
+        base.append(lo)
+        lo += 1
+        if len(base) < n:
+            base.append(hi)
+            hi -= 1
+    rows = [[(b + r) % n for b in base] for r in range(n)]
+    if n % 2:
+        rows += [row[::-1] for row in rows]
+    return [[kernels[i] for i in rows[r % len(rows)]] for r in range(max(1, rounds))]
 
 
 def measure_point(preps: dict, shape: str, k: int, n: int, m: int, dev: torch.device, *, rounds: int,
-                  budget_s: float, max_call_s: Optional[float], use_graph: bool, notes: list[str]) -> list[dict]:
+                  budget_s: float, max_call_s: Optional[float], use_graph: bool, notes: list[str],
+                  min_pooled: int = 9) -> list[dict]:
     """One point per kernel of ``preps`` at batch m: ``rounds`` rounds of budget_s / rounds each,
-    the kernels back to back in round_orders' order; time_us = median of the pooled samples.
+    the kernels back to back in round_orders' order; time_us = median of the pooled samples, at
+    least min_pooled of them per kernel (ceil(min_pooled / rounds) per round: 3 at 3 rounds).
 
     Why rounds: on an H200 the power limiter lowers the SM clock for a second or more after a
     heavy kernel (nvidia-smi reports the 'SW power cap' reason), and the 16-row large-layer calls
@@ -223,6 +246,7 @@ def measure_point(preps: dict, shape: str, k: int, n: int, m: int, dev: torch.de
                 res = measure(
                     prep.make_fn(a), prep.copies, dev, budget_s=budget_s / max(1, rounds),
                     max_call_s=max_call_s if kern == "torch_int4" else None, use_graph=use_graph,
+                    min_samples=max(1, -(-min_pooled // max(1, rounds))),
                 )
                 pooled[kern] += res["times_s"]
                 info[kern].update(timing=res["timing"], calls=res["calls"],

@@ -1,5 +1,6 @@
 """The benchmark scripts on CPU: pure helpers, the report on synthetic results, and dry runs."""
 
+import collections
 import json
 import math
 import os
@@ -102,9 +103,30 @@ def test_round_orders_rotate_the_kernels():
     ks = list(BM.KERNELS)
     orders = TM.round_orders(ks, 3)
     assert len(orders) == 3 and all(sorted(o) == sorted(ks) for o in orders)
-    assert [o[0] for o in orders] == ks[:3]  # a different kernel leads (and follows fp16) each round
+    assert [o[0] for o in orders] == ks[:3]  # a different kernel leads each round
     assert len({tuple(o) for o in orders}) == 3
-    assert TM.round_orders(ks, 0) == [ks] and TM.round_orders([], 2) == []
+    # and the first rows already change each kernel's predecessor (a plain rotation keeps it)
+    for k in ks:
+        before = {o[o.index(k) - 1] for o in orders if o.index(k) > 0}
+        assert len(before) == sum(o.index(k) > 0 for o in orders), (k, orders)
+    assert TM.round_orders(ks, 0) == TM.round_orders(ks, 1) and TM.round_orders(ks, 1)[0][:3] == [ks[0], ks[1], ks[-1]]
+    assert TM.round_orders([], 2) == []
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 5, 7, 8])
+def test_round_orders_balanced_design(n):
+    """Over balanced_rounds(n) rounds every kernel runs equally often in every position and right
+    after every other kernel: none always inherits the same neighbour's power state or runs late."""
+    ks = [f"k{i}" for i in range(n)]
+    rounds = TM.balanced_rounds(n)
+    assert rounds == (n if n % 2 == 0 else 2 * n)
+    orders = TM.round_orders(ks, rounds)
+    reps = rounds // n
+    for pos in range(n):
+        assert sorted(o[pos] for o in orders) == sorted(ks * reps)
+    pairs = collections.Counter((o[i], o[i + 1]) for o in orders for i in range(n - 1))
+    assert all(pairs[(a, b)] == reps for a in ks for b in ks if a != b), pairs
+    assert TM.round_orders(ks, 2 * rounds) == orders + orders  # more rounds repeat the design
 
 
 def test_measure_point_pools_the_rounds(monkeypatch):
