@@ -67,7 +67,7 @@ from typing import Callable, Iterable, Optional
 import torch
 
 from . import shapes as S
-from .bench_math import ALL_KERNELS, INT4_SANITY_TOL, KERNELS, L2_FACTOR, METHOD, PREFILL_ROUNDS_FROM_M, RESULTS_DIR, evaluate_targets, format_table, format_targets
+from .bench_math import ALL_KERNELS, INT4_SANITY_TOL, KERNELS, L2_FACTOR, METHOD, RESULTS_DIR, evaluate_targets, format_table, format_targets
 from .provenance import collect_meta, device_facts, dirty_warning
 from .timing import _free, balanced_rounds, measure_copy_bandwidth, measure_fp16_peak, measure_point
 from .gemm_prep import CorrectnessError, Prepared, prepare
@@ -118,10 +118,8 @@ def resolve_plan(args, sms: int) -> tuple[str, dict[str, tuple[int, int]], list[
         raise SystemExit(f"unknown kernel(s) {badk}; known: {list(ALL_KERNELS)}")
     if any(m <= 0 for m in ms):
         raise SystemExit("--ms must be positive")
-    if args.rounds < 1:
-        raise SystemExit(f"--rounds must be at least 1, got {args.rounds}")
-    if args.prefill_rounds < 0:
-        raise SystemExit(f"--prefill-rounds must be 0 (a balanced design) or more, got {args.prefill_rounds}")
+    if args.rounds < 0:
+        raise SystemExit(f"--rounds must be 0 (the whole balanced design) or more, got {args.rounds}")
     # fp16 first: speedups need it, and its time is the reference
     kernels = sorted(dict.fromkeys(kernels), key=ALL_KERNELS.index)
     return mode, {s: known[s] for s in names}, ms, kernels
@@ -151,15 +149,10 @@ def parse_args(argv=None):
         help="torch_int4 points whose first call takes longer are skipped (time null, noted in meta)",
     )
     p.add_argument(
-        "--rounds", type=int, default=3,
-        help="timing rounds per (shape, M); the kernels of one M run back to back, in an order that "
-        "rotates from round to round, and the samples of all rounds are pooled (default 3)",
-    )
-    p.add_argument(
-        "--prefill-rounds", type=int, default=0,
-        help=f"timing rounds per (shape, M) at M >= {PREFILL_ROUNDS_FROM_M}, where the GPU runs at its power limit and "
-        "a kernel's time depends on its place in the round; 0 (default): one full balanced design, every kernel once "
-        "in every position and after every other kernel (the number of kernels, twice that if it is odd)",
+        "--rounds", type=int, default=0,
+        help="timing rounds per (shape, M); the kernels of one M run back to back, in orders from a balanced "
+        "design, and the samples of all rounds are pooled; 0 (default): the whole design, every kernel once in "
+        "every position and right after every other kernel (the number of kernels, twice that if it is odd)",
     )
     p.add_argument("--no-graph", action="store_true", help="time plain loops only (no CUDA graphs)")
     p.add_argument("--seed", type=int, default=0)
@@ -206,7 +199,7 @@ def main(argv=None) -> int:
     l2 = facts["l2_bytes"]
     min_copies = 2 if dev.type != "cuda" else 1  # exercise the rotation in the dry run too
     budget_s = args.budget_ms * 1e-3 if dev.type == "cuda" else 2e-3
-    prefill_rounds = args.prefill_rounds or balanced_rounds(len(kernels))
+    rounds = args.rounds or balanced_rounds(len(kernels))
     print(f"{meta['gpu']}: {facts['sms']} SMs, L2 {l2 / 2**20:.0f} MiB; mode {mode}; {len(shape_map)} shapes x "
           f"{len(ms)} M x {len(kernels)} kernels -> {out_path}", flush=True)
     copy_bw = measure_copy_bandwidth(dev, nbytes=(2 << 30) if dev.type == "cuda" else (16 << 20))
@@ -219,9 +212,7 @@ def main(argv=None) -> int:
             "method": METHOD,
             "l2_factor": L2_FACTOR,
             "budget_ms": args.budget_ms,
-            "rounds": args.rounds,
-            "prefill_rounds": prefill_rounds,
-            "prefill_rounds_from_m": PREFILL_ROUNDS_FROM_M,
+            "rounds": rounds,
             "max_call_ms": args.max_call_ms,
             "graphs": not args.no_graph,
             "shapes": {s: list(kn) for s, kn in shape_map.items()},
@@ -260,7 +251,7 @@ def main(argv=None) -> int:
             for m in ms:
                 bar.set_description(f"{shape} M={m}")
                 shape_points += measure_point(
-                    preps, shape, k, n, m, dev, rounds=prefill_rounds if m >= PREFILL_ROUNDS_FROM_M else args.rounds, budget_s=budget_s,
+                    preps, shape, k, n, m, dev, rounds=rounds, budget_s=budget_s,
                     max_call_s=args.max_call_ms * 1e-3, use_graph=not args.no_graph, notes=notes,
                 )
                 bar.update(len(kernels))

@@ -74,13 +74,12 @@ CHECK_MAX_ELEMS = 1 << 26  # weights dequantized for the check, per shape (sampl
 INT4_SANITY_TOL = 5e-2  # torch_int4: relative error vs bf16 matmul of its own dequantized weights
 GRAPH_BELOW_S = 2e-3  # calls shorter than this are timed inside a CUDA graph
 MAX_GRAPH_CALLS = 2000
-PREFILL_ROUNDS_FROM_M = 256  # from here the GPU runs at its power limit: balanced rounds (bench_gemm)
 
 METHOD = (
     "per-call time = median over the samples of all rounds (at least 9 in all, up to 10 per round) of "
     "(CUDA-event time of a sample / calls in it); per (shape, M) the kernels run back to back in rounds "
-    "(budget split between them; 3 below M = 256, from M = 256 one full balanced design: every kernel "
-    "in every position and after every other kernel), the orders from a Williams design; "
+    "(budget split between them), the orders one full balanced (Williams) design: every kernel in "
+    "every position and right after every other kernel equally often; "
     "calls < 2 ms captured in a CUDA graph and replayed, longer calls timed as a plain loop; "
     "the samples of every kernel add up to about the same timed work (fewer samples where walking "
     "all weight copies takes more calls per sample), so that none runs a longer burst; "
