@@ -75,12 +75,20 @@ def measure(
     use_graph: bool = True,
     min_samples: int = 3,
     max_samples: int = 10,
+    t_call_s: Optional[float] = None,
 ) -> dict:
     """Per-call time of fn(i) (i selects the weight copy, cycled mod n_variants).
 
-    Returns {"time_us", "timing" ("graph" | "events" | "wall"), "samples", "calls", "spread"} where
-    spread = (max - min) / median of the sample times.  Raises Skipped if the first call takes
-    longer than max_call_s."""
+    Returns {"time_us", "timing" ("graph" | "events" | "wall"), "samples", "calls", "spread",
+    "t_call_s"} where spread = (max - min) / median of the sample times and t_call_s the one-call
+    estimate the samples were planned from.  Raises Skipped if the first call takes longer than
+    max_call_s.  t_call_s (a later round of the same kernel and point, measure_point): that
+    estimate again, so the first call and the estimate call are not run again (on the long calls
+    of large M they were most of a round's untimed work)."""
+    if t_call_s is not None and dev.type == "cuda":
+        samples, calls = _plan(t_call_s, budget_s, n_variants, min_samples, max_samples)
+        res = _sample(fn, n_variants, samples, calls, dev, use_graph and t_call_s < GRAPH_BELOW_S)
+        return {**res, "t_call_s": t_call_s}
     t0 = time.perf_counter()
     fn(0)
     _sync(dev)
@@ -109,8 +117,14 @@ def measure(
     end.synchronize()
     t_call = start.elapsed_time(end) * 1e-3
     samples, calls = _plan(t_call, budget_s, n_variants, min_samples, max_samples)
+    res = _sample(fn, n_variants, samples, calls, dev, use_graph and t_call < GRAPH_BELOW_S)
+    return {**res, "t_call_s": t_call}
 
-    if use_graph and t_call < GRAPH_BELOW_S:
+
+def _sample(fn, n_variants: int, samples: int, calls: int, dev, graph: bool) -> dict:
+    """The timed samples: replays of one captured CUDA graph, or a plain loop (also where the
+    capture fails, which the timing field then says)."""
+    if graph:
         try:
             return _measure_graph(fn, n_variants, samples, calls)
         except Exception as e:  # noqa: BLE001 - fall back to a plain loop, and say so
@@ -237,6 +251,7 @@ def measure_point(preps: dict, shape: str, k: int, n: int, m: int, dev: torch.de
     a = torch.randn(m, k, dtype=torch.float16, device=dev)
     pooled: dict[str, list[float]] = {kern: [] for kern in preps}
     info: dict[str, dict] = {kern: {"timing": None} for kern in preps}
+    t_call: dict[str, float] = {}  # each kernel's one-call estimate from its first round
     for order in round_orders(list(preps), rounds):
         for kern in order:
             prep = preps[kern]
@@ -246,8 +261,10 @@ def measure_point(preps: dict, shape: str, k: int, n: int, m: int, dev: torch.de
                 res = measure(
                     prep.make_fn(a), prep.copies, dev, budget_s=budget_s / max(1, rounds),
                     max_call_s=max_call_s if kern == "torch_int4" else None, use_graph=use_graph,
-                    min_samples=max(1, -(-min_pooled // max(1, rounds))),
+                    min_samples=max(1, -(-min_pooled // max(1, rounds))), t_call_s=t_call.get(kern),
                 )
+                if res.get("t_call_s") is not None:
+                    t_call[kern] = res["t_call_s"]
                 pooled[kern] += res["times_s"]
                 info[kern].update(timing=res["timing"], calls=res["calls"],
                                   samples=info[kern].get("samples", 0) + res["samples"])

@@ -150,6 +150,27 @@ def test_measure_point_pools_the_rounds(monkeypatch):
     assert by["torch_int4"]["time_us"] is None
 
 
+def test_measure_point_plans_later_rounds_from_the_first_estimate(monkeypatch):
+    """Round 1 of a kernel estimates its call time; later rounds get that estimate and with it the
+    kernel's min samples per round (at least 9 pooled: ceil(9 / rounds) per round)."""
+    seen = []
+
+    def fake_measure(fn, copies, dev, **kw):
+        k = fn(0)
+        seen.append((k, kw["t_call_s"], kw["min_samples"]))
+        t = {"fp16": 2e-6, "marlin_g128": 1e-6}[k]
+        return {"time_us": t * 1e6, "timing": "graph", "samples": 1, "calls": 1, "spread": 0.0,
+                "times_s": [t], "t_call_s": t * 3}
+
+    monkeypatch.setattr(TM, "measure", fake_measure)
+    preps = {k: GP.Prepared(k, 1, 1, (lambda k: lambda a: (lambda i: k))(k)) for k in ("fp16", "marlin_g128")}
+    TM.measure_point(preps, "s", 64, 64, 4, torch.device("cpu"), rounds=4, budget_s=1e-3,
+                     max_call_s=None, use_graph=True, notes=[])
+    assert [t for k, t, _ in seen if k == "fp16"] == [None, 6e-6, 6e-6, 6e-6]
+    assert [t for k, t, _ in seen if k == "marlin_g128"] == [None, 3e-6, 3e-6, 3e-6]
+    assert {m for _, _, m in seen} == {3}  # ceil(9 / 4)
+
+
 def test_shapes_table():
     assert S.BENCH_SHAPES["7B_qkv"] == (4096, 12288)
     assert S.BENCH_SHAPES["7B_o"] == (4096, 4096)
