@@ -9,7 +9,7 @@ checking the prefill kernel's rule.
 
 Kernels: fp16 (F.linear, nn.Linear's layout), fp16_kn (a @ W with W [K, N]), marlin g128 and per
 column (the planner's plan under the process's MARLIN_PREFILL). Each kernel's calls are captured in
-one CUDA graph (weights rotated past L2); the graphs are replayed in rounds whose order rotates, so
+one CUDA graph (weights rotated past L2); the graphs are replayed in rounds of a balanced order, so
 that every kernel sees the same clock and power state; the median per kernel. Prints time and
 speedup over the faster FP16; PROBE_OUT writes the points as JSON.
 """
@@ -42,7 +42,7 @@ def _graph(fn):
 
 
 def _time(graphs):
-    """Median per-call microseconds of each graph, replayed in rotating order."""
+    """Median per-call microseconds of each graph, replayed in the rounds of round_orders (balanced)."""
     samples = {name: [] for name in graphs}
     for order in round_orders(list(graphs), ROUNDS):
         for name in order:

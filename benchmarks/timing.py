@@ -246,7 +246,7 @@ def measure_point(preps: dict, shape: str, k: int, n: int, m: int, dev: torch.de
     Why rounds: on an H200 the power limiter lowers the SM clock for a second or more after a
     heavy kernel (nvidia-smi reports the 'SW power cap' reason), and the 16-row large-layer calls
     took 926 us right after 2 s of fp16 matmuls against 643 us after 3 s idle (benchmarks/NOTES.md,
-    session 8).  Timing every kernel of one M together, in rotating order, lets them share that
+    session 8).  Timing every kernel of one M together, in balanced orders, lets them share that
     state instead of charging it to whichever kernel runs after fp16's large-M points."""
     a = torch.randn(m, k, dtype=torch.float16, device=dev)
     pooled: dict[str, list[float]] = {kern: [] for kern in preps}
