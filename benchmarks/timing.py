@@ -82,24 +82,11 @@ def measure(
     Returns {"time_us", "timing" ("graph" | "events" | "wall"), "samples", "calls", "spread",
     "t_call_s"} where spread = (max - min) / median of the sample times and t_call_s the one-call
     estimate the samples were planned from.  Raises Skipped if the first call takes longer than
-    max_call_s.  t_call_s (a later round of the same kernel and point, measure_point): that
-    estimate again, so the first call and the estimate call are not run again (on the long calls
-    of large M they were most of a round's untimed work)."""
-    if t_call_s is not None and dev.type == "cuda":
-        samples, calls = _plan(t_call_s, budget_s, n_variants, min_samples, max_samples)
-        res = _sample(fn, n_variants, samples, calls, dev, use_graph and t_call_s < GRAPH_BELOW_S)
-        return {**res, "t_call_s": t_call_s}
-    t0 = time.perf_counter()
-    fn(0)
-    _sync(dev)
-    first = time.perf_counter() - t0
-    if max_call_s is not None and first > max_call_s:
-        raise Skipped(f"one call took {first * 1e3:.0f} ms > {max_call_s * 1e3:.0f} ms")
-
+    max_call_s.  t_call_s (a later round of the same kernel and point, measure_point; GPU only):
+    that estimate again, so the first call and the estimate call are not run again (on the long
+    calls of large M they were most of a round's untimed work)."""
     if dev.type != "cuda":  # CPU (dry run): wall clock, a handful of calls
-        t0 = time.perf_counter()
-        fn(1 % n_variants)
-        t_call = time.perf_counter() - t0
+        t_call = _estimate_call(fn, n_variants, dev, max_call_s)
         samples, calls = _plan(t_call, budget_s, n_variants, min_samples, max_samples)
         times, i = [], 0
         for _ in range(samples):
@@ -108,17 +95,33 @@ def measure(
                 fn(i % n_variants)
                 i += 1
             times.append((time.perf_counter() - t0) / calls)
-        return _summary(times, "wall", samples, calls)
+        return {**_summary(times, "wall", samples, calls), "t_call_s": t_call}
+    if t_call_s is None:
+        t_call_s = _estimate_call(fn, n_variants, dev, max_call_s)
+    samples, calls = _plan(t_call_s, budget_s, n_variants, min_samples, max_samples)
+    res = _sample(fn, n_variants, samples, calls, dev, use_graph and t_call_s < GRAPH_BELOW_S)
+    return {**res, "t_call_s": t_call_s}
 
+
+def _estimate_call(fn, n_variants: int, dev, max_call_s: Optional[float]) -> float:
+    """One call's time in seconds from a second call (CUDA events; wall clock on the CPU) after a
+    first one, which is the warm-up and, over max_call_s, raises Skipped."""
+    t0 = time.perf_counter()
+    fn(0)
+    _sync(dev)
+    first = time.perf_counter() - t0
+    if max_call_s is not None and first > max_call_s:
+        raise Skipped(f"one call took {first * 1e3:.0f} ms > {max_call_s * 1e3:.0f} ms")
+    if dev.type != "cuda":
+        t0 = time.perf_counter()
+        fn(1 % n_variants)
+        return time.perf_counter() - t0
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     fn(1 % n_variants)
     end.record()
     end.synchronize()
-    t_call = start.elapsed_time(end) * 1e-3
-    samples, calls = _plan(t_call, budget_s, n_variants, min_samples, max_samples)
-    res = _sample(fn, n_variants, samples, calls, dev, use_graph and t_call < GRAPH_BELOW_S)
-    return {**res, "t_call_s": t_call}
+    return start.elapsed_time(end) * 1e-3
 
 
 def _sample(fn, n_variants: int, samples: int, calls: int, dev, graph: bool) -> dict:
