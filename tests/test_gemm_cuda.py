@@ -155,6 +155,49 @@ def test_one_block_instances(knob):
         assert any(expected) and not all(expected)
 
 
+def test_eight_row_slice_two_block_line():
+    """At 1-8 rows (the mma.sync 8-row slice) the planner keeps one block per SM, on the instance
+    without the 128-register bound, unless one block would stream at least 2 MB of weights (128
+    stages of 128 x 256; marlin_gemm.cu two_blocks_pay): 8192 x 28672 (117 MB) runs one block per SM
+    on an H100 / H200, 8192 x 67584 (277 MB) two. (Both plans' results are checked on layers of
+    these sizes by test_llama_shapes: 70B gate_up takes one block, and the forced-plan tests.)"""
+    import os
+    import subprocess
+    import sys
+
+    code = (
+        "import torch, marlin\n"
+        "for k, n in ((8192, 28672), (8192, 67584)):\n"
+        "    b_q = torch.randint(-2**31, 2**31 - 1, (k // 16, 2 * n), dtype=torch.int32, device='cuda')\n"
+        "    b_s = torch.full((k // 128, n), 0.01, dtype=torch.float16, device='cuda')\n"
+        "    for m in (1, 8):\n"
+        "        marlin.gemm(torch.randn(m, k, dtype=torch.float16, device='cuda'), b_q, b_s)\n"
+        "    torch.cuda.synchronize()\n"
+        "    del b_q, b_s\n"
+    )
+    env = {key: v for key, v in os.environ.items() if not key.startswith("MARLIN_")}
+    env["MARLIN_LOG_PLAN"] = "1"
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    lines = [l for l in r.stderr.splitlines() if l.startswith("marlin.gemm plan:")]
+    assert len(lines) == 4, r.stderr[-3000:]
+    props = torch.cuda.get_device_properties(0)
+    hopper = (props.major, props.minor) == (9, 0)
+    two_seen = one_seen = False
+    for line in lines:
+        assert " m_blocks=1 kernel=small_m " in line and " tile_n=256 " in line, line
+        n, k = (int(v) for v in re.search(r" n=(\d+) k=(\d+) ", line).groups())
+        over = (n // 256) * (k // 128) * (128 * 256 // 2) >= (2 << 20) * props.multi_processor_count
+        if over:
+            two_seen = True
+            if hopper:  # (elsewhere shared memory may hold one block of this tile only)
+                assert " blocks_per_sm=2 " in line and " one_block_regs=1" not in line, line
+        else:
+            one_seen = True
+            assert " blocks_per_sm=1 " in line and " one_block_regs=1" in line, line
+    assert two_seen and one_seen
+
+
 def test_repeated_calls_are_bit_identical():
     layer = get_layer(4096, 4096, 128)
     a = torch.randn(33, 4096, device="cuda", dtype=torch.float16)

@@ -487,14 +487,25 @@ void plan_split(const GemmArgs& args, const Instance& inst, int k_tiles, int n_t
 // block per SM would stream at least kBytesFor2PerSm of weights (benchmarks/NOTES.md). (Tried for
 // the small-batch kernel: two blocks everywhere made 7B layers 10-15% slower.) MARLIN_BLOCKS_PER_SM=1
 // keeps one everywhere.
+// The 8-row mma.sync slice (1-8 rows) has a higher line, kBytesFor2PerSm8Rows (128 stages of 128 x
+// 256 per SM): there one block per SM, on the instance without the 128-register bound, streamed
+// most layers above the general line faster than two blocks (H200, benchmarks/NOTES.md,
+// twenty-ninth; fp16 group 128 at 1-8 rows: 13B gate_up, 8192 x 28672 and 70B down 7-14% faster,
+// Falcon-180B qkv / o 4-7%, 70B gate_up 0-4%; groups of 64, zero points and per column alike or
+// better), while on the layers above it two blocks stayed faster (Falcon-180B up / down 0-9%, the
+// 135168-deep ideal layer 5-12%).
 long long tiles_of(const GemmArgs& args, TileConfig tile, int m_slices) {
   return static_cast<long long>(m_slices) * ((args.n + tile.tile_n - 1) / tile.tile_n) * (args.k / tile.tile_k);
 }
-bool two_blocks_pay(const GemmArgs& args, TileConfig tile, int m_slices) {
+bool two_blocks_pay(const GemmArgs& args, TileConfig tile, int m_slices, bool eight_rows) {
   constexpr long long kBytesFor2PerSm = 64LL * 128 * 128 / 2;
+  constexpr long long kBytesFor2PerSm8Rows = 128LL * 128 * 256 / 2;
   const long long tile_bytes = static_cast<long long>(tile.tile_k) * tile.tile_n / 2;
-  return args.blocks_per_sm != 1 && tiles_of(args, tile, m_slices) * tile_bytes >= kBytesFor2PerSm * args.sms;
+  const long long line = eight_rows ? kBytesFor2PerSm8Rows : kBytesFor2PerSm;
+  return args.blocks_per_sm != 1 && tiles_of(args, tile, m_slices) * tile_bytes >= line * args.sms;
 }
+// The small-batch plan's 8-row mma.sync slice (two_blocks_pay's own line)
+bool eight_row_slice(const GemmPlan& plan) { return plan.small_m && !plan.wgmma && plan.m_blocks == 1; }
 
 // The 8-row mma.sync instances built for one block per SM (no 128-register bound) save ptxas's
 // recomputed addresses at every stage: measured on an H200 at 1-8 rows (NOTES.md, 2026-11-29,
@@ -502,8 +513,9 @@ bool two_blocks_pay(const GemmArgs& args, TileConfig tile, int m_slices) {
 // gate_up, 70B o / qkv), but 3% slower on 7B o, whose blocks stream 4 stages each. Taken where the
 // plan keeps one block per SM and the tiles make at least kOneBlockMinStages stages per SM.
 constexpr int kOneBlockMinStages = 8;
-bool one_block_regs_pay(const GemmArgs& args, TileConfig tile, int m_slices) {
-  return !two_blocks_pay(args, tile, m_slices) && tiles_of(args, tile, m_slices) >= kOneBlockMinStages * args.sms;
+bool one_block_regs_pay(const GemmArgs& args, const GemmPlan& plan) {
+  return !two_blocks_pay(args, plan.tile, plan.m_slices, eight_row_slice(plan)) &&
+         tiles_of(args, plan.tile, plan.m_slices) >= kOneBlockMinStages * args.sms;
 }
 
 // Fills the partition of a plan whose tile and instance are chosen.
@@ -518,7 +530,8 @@ std::string finish_plan(const GemmArgs& args, const Instance& inst, GemmPlan* pl
   const int n_tiles = (args.n + plan->tile.tile_n - 1) / plan->tile.tile_n;
   const long long total = static_cast<long long>(plan->m_slices) * n_tiles * k_tiles;
   if (total >= (1LL << 31)) return "marlin.gemm: problem too large for 32-bit tile indices; " + describe(args, plan->tile, plan->m_blocks);
-  if (plan->blocks_per_sm > 1 && !keep_two && !two_blocks_pay(args, plan->tile, plan->m_slices)) plan->blocks_per_sm = 1;
+  if (plan->blocks_per_sm > 1 && !keep_two && !two_blocks_pay(args, plan->tile, plan->m_slices, eight_row_slice(*plan)))
+    plan->blocks_per_sm = 1;
   const int blocks = static_cast<int>(std::min<long long>(static_cast<long long>(args.sms) * plan->blocks_per_sm, total));
   plan->tiles_per_block = static_cast<int>((total + blocks - 1) / blocks);
   plan->grid = static_cast<int>((total + plan->tiles_per_block - 1) / plan->tiles_per_block);
@@ -564,7 +577,7 @@ std::string plan_small_m(const GemmArgs& args, int tile_n, GemmPlan* plan) {
   if (!narrow) g128_as_runtime_group(args, *plan, &f);
   // the 8-row instances of the base format and the group-sum ones of the others have twins without
   // the 128-register bound, for plans with one block per SM
-  const bool one_block = args.one_block_regs && one_block_regs_pay(args, plan->tile, plan->m_slices);
+  const bool one_block = args.one_block_regs && one_block_regs_pay(args, *plan);
   plan->group_sums = fmt_group_sums(f, plan->m_blocks, plan->wgmma, one_block);
   plan->fixed_g128 = fixed_g128_instance(f, plan->wgmma);
   Instance inst;
