@@ -34,10 +34,12 @@ table and the check of the issue's speed targets.  What is timed and why (benchm
     no call finds its weights in L2 (in a model, each layer's weights are read once per token).
   * Calls shorter than 2 ms are captured in a CUDA graph (launch overhead excluded, as in a
     model run under CUDA graphs), longer ones are timed as a plain loop; CUDA events.
-  * All kernels of one (shape, M) are timed together, in rounds (default 3) whose kernel order
-    rotates, and the median is taken over the pooled samples (3 to 10 per round).  A GPU's power
-    limiter slows the clock for a while after heavy work, so timing one kernel's whole M sweep
-    after another's would charge one kernel for the other's power draw.
+  * All kernels of one (shape, M) are timed together, in rounds whose kernel orders come from a
+    balanced design (timing.round_orders; by default the whole design), and the median is taken
+    over the pooled samples (at least 9).  A GPU's power limiter slows the clock for a while after
+    heavy work, so timing one kernel's whole M sweep after another's would charge one kernel for the
+    other's power draw.  A point whose samples spread too widely is timed once more
+    (--retime-spread; timing.measure_point_steady).
   * Before a marlin kernel is timed on a shape, its output is checked against an fp32
     reference of ``a @ dequant(b_q, b_scales)`` (packing.unpack is the spec); a wrong result aborts
     the run and no results file is written.
@@ -69,7 +71,7 @@ import torch
 from . import shapes as S
 from .bench_math import ALL_KERNELS, INT4_SANITY_TOL, KERNELS, L2_FACTOR, METHOD, RESULTS_DIR, evaluate_targets, format_table, format_targets
 from .provenance import collect_meta, device_facts, dirty_warning
-from .timing import _free, balanced_rounds, measure_copy_bandwidth, measure_fp16_peak, measure_point
+from .timing import _free, balanced_rounds, measure_copy_bandwidth, measure_fp16_peak, measure_point_steady
 from .gemm_prep import CorrectnessError, Prepared, prepare
 
 
@@ -118,6 +120,8 @@ def resolve_plan(args, sms: int) -> tuple[str, dict[str, tuple[int, int]], list[
         raise SystemExit(f"unknown kernel(s) {badk}; known: {list(ALL_KERNELS)}")
     if any(m <= 0 for m in ms):
         raise SystemExit("--ms must be positive")
+    if args.retime_spread < 0:
+        raise SystemExit(f"--retime-spread must be 0 (never) or more, got {args.retime_spread}")
     if args.rounds < 0:
         raise SystemExit(f"--rounds must be 0 (the whole balanced design) or more, got {args.rounds}")
     # fp16 first: speedups need it, and its time is the reference
@@ -153,6 +157,11 @@ def parse_args(argv=None):
         help="timing rounds per (shape, M); the kernels of one M run back to back, in orders from a balanced "
         "design, and the samples of all rounds are pooled; 0 (default): the whole design, every kernel once in "
         "every position and right after every other kernel (the number of kernels, twice that if it is odd)",
+    )
+    p.add_argument(
+        "--retime-spread", type=float, default=0.5,
+        help="where a kernel's pooled samples spread more than this ((max - min) / median), time the whole point "
+        "(every kernel) once more and keep the run whose widest spread is smaller (default 0.5; 0: never)",
     )
     p.add_argument("--no-graph", action="store_true", help="time plain loops only (no CUDA graphs)")
     p.add_argument("--seed", type=int, default=0)
@@ -200,6 +209,8 @@ def main(argv=None) -> int:
     min_copies = 2 if dev.type != "cuda" else 1  # exercise the rotation in the dry run too
     budget_s = args.budget_ms * 1e-3 if dev.type == "cuda" else 2e-3
     rounds = args.rounds or balanced_rounds(len(kernels))
+    # (a CPU dry run's wall-clock samples spread far more than a GPU's: not re-timed)
+    retime_spread = args.retime_spread if dev.type == "cuda" else 0.0
     print(f"{meta['gpu']}: {facts['sms']} SMs, L2 {l2 / 2**20:.0f} MiB; mode {mode}; {len(shape_map)} shapes x "
           f"{len(ms)} M x {len(kernels)} kernels -> {out_path}", flush=True)
     copy_bw = measure_copy_bandwidth(dev, nbytes=(2 << 30) if dev.type == "cuda" else (16 << 20))
@@ -213,6 +224,7 @@ def main(argv=None) -> int:
             "l2_factor": L2_FACTOR,
             "budget_ms": args.budget_ms,
             "rounds": rounds,
+            "retime_spread": retime_spread,
             "max_call_ms": args.max_call_ms,
             "graphs": not args.no_graph,
             "shapes": {s: list(kn) for s, kn in shape_map.items()},
@@ -250,9 +262,10 @@ def main(argv=None) -> int:
             shape_points = []
             for m in ms:
                 bar.set_description(f"{shape} M={m}")
-                shape_points += measure_point(
+                shape_points += measure_point_steady(
                     preps, shape, k, n, m, dev, rounds=rounds, budget_s=budget_s,
                     max_call_s=args.max_call_ms * 1e-3, use_graph=not args.no_graph, notes=notes,
+                    retime_spread=retime_spread,
                 )
                 bar.update(len(kernels))
             for prep in preps.values():

@@ -1,4 +1,4 @@
-"""Timing of one benchmark point: CUDA-graph or loop sampling, rounds in rotating kernel order,
+"""Timing of one benchmark point: CUDA-graph or loop sampling, rounds in balanced kernel orders,
 medians; plus the device's measured copy bandwidth and FP16 tensor rate."""
 
 from __future__ import annotations
@@ -292,6 +292,35 @@ def measure_point(preps: dict, shape: str, k: int, n: int, m: int, dev: torch.de
             point.update(summary, rounds=max(1, rounds))
         out.append(point)
     return out
+
+
+def widest_spread(points: list[dict]) -> float:
+    """The largest spread ((max - min) / median of the pooled samples) among a point's timed kernels."""
+    spreads = [p["spread"] for p in points if p.get("time_us") is not None and p.get("spread") == p.get("spread")]
+    return max(spreads, default=0.0)
+
+
+def measure_point_steady(preps: dict, shape: str, k: int, n: int, m: int, dev: torch.device, *, retime_spread: float,
+                         notes: list[str], **kw) -> list[dict]:
+    """measure_point, and once more where a kernel's samples spread more than retime_spread: the run
+    whose widest spread is smaller is kept, whole (every kernel of the point from the same run, so
+    that they still share one stretch of the GPU's clocks and power state). 0 turns it off.
+
+    Why: something outside the benchmark now and then disturbs a stretch of a point's samples (on an
+    H200, bf16 on 7B qkv at M = 1 spread 1.9 and took 19.4 us where it takes 12.8, a 2:4 point
+    15.7 and 14.7 us against 11.0; benchmarks/NOTES.md, twenty-ninth), and where that stretch is
+    most of the samples the median moves with it. Most points spread 0.02-0.1."""
+    first = measure_point(preps, shape, k, n, m, dev, notes=notes, **kw)
+    worst = widest_spread(first)
+    if not retime_spread or worst <= retime_spread:
+        return first
+    second = measure_point(preps, shape, k, n, m, dev, notes=notes, **kw)
+    worst2 = widest_spread(second)
+    keep, which = (second, 2) if worst2 < worst else (first, 1)
+    for p in keep:
+        p["retimed"] = {"widest_spreads": [round(worst, 3), round(worst2, 3)], "kept_run": which}
+    notes.append(f"{shape} M={m}: re-timed (widest spread {worst:.2f}, then {worst2:.2f}); kept run {which}")
+    return keep
 
 
 def measure_copy_bandwidth(dev: torch.device, nbytes: int = 2 << 30, samples: int = 10) -> float:

@@ -604,3 +604,44 @@ def test_probe_2_4_plan_names():
     assert plan_env("wg+kw2") == {"MARLIN_2_4_WGMMA": "1", "MARLIN_2_4_KW": "2"}
     with pytest.raises(ValueError, match="unknown plan 'bogus'"):
         plan_env("p4+bogus")
+
+
+def _fake_point_runs(monkeypatch, spreads):
+    """measure_point replaced: run i returns both kernels with spread spreads[i] and time 10 + i."""
+    runs = []
+
+    def fake(preps, shape, k, n, m, dev, *, notes, **kw):
+        i = len(runs)
+        runs.append(kw)
+        return [{"shape": shape, "M": m, "kernel": kern, "time_us": 10.0 + i, "spread": spreads[i]} for kern in preps]
+
+    monkeypatch.setattr(TM, "measure_point", fake)
+    return runs
+
+
+@pytest.mark.parametrize("spreads,runs_expected,kept_time", [
+    ([0.1], 1, 10.0),          # calm: timed once
+    ([1.9, 0.05], 2, 11.0),    # disturbed, then calm: the second run kept
+    ([0.8, 1.5], 2, 10.0),     # disturbed twice: the calmer first run kept
+])
+def test_measure_point_steady_retimes_disturbed_points(monkeypatch, spreads, runs_expected, kept_time):
+    runs = _fake_point_runs(monkeypatch, spreads)
+    notes = []
+    pts = TM.measure_point_steady({"fp16": None, "marlin_g128": None}, "s", 64, 64, 4, torch.device("cpu"),
+                                  retime_spread=0.5, notes=notes, rounds=2)
+    assert len(runs) == runs_expected and all(r["rounds"] == 2 for r in runs)
+    assert {p["time_us"] for p in pts} == {kept_time}  # every kernel from the same run
+    if runs_expected == 1:
+        assert not notes and all("retimed" not in p for p in pts)
+    else:
+        assert len(notes) == 1 and "re-timed" in notes[0]
+        assert all(p["retimed"]["widest_spreads"] == spreads and p["retimed"]["kept_run"] == (1 if kept_time == 10.0 else 2)
+                   for p in pts)
+
+
+def test_measure_point_steady_off_and_untimed_points(monkeypatch):
+    runs = _fake_point_runs(monkeypatch, [3.0, 0.1])
+    TM.measure_point_steady({"fp16": None}, "s", 64, 64, 4, torch.device("cpu"), retime_spread=0, notes=[])
+    assert len(runs) == 1  # 0: never re-timed
+    assert TM.widest_spread([{"time_us": None, "spread": 9.0}, {"time_us": 1.0, "spread": float("nan")}]) == 0.0
+    assert TM.widest_spread([{"time_us": 1.0, "spread": 0.2}, {"time_us": 2.0, "spread": 0.7}]) == 0.7
