@@ -314,7 +314,9 @@ def measure_point_steady(preps: dict, shape: str, k: int, n: int, m: int, dev: t
     worst = widest_spread(first)
     if not retime_spread or worst <= retime_spread:
         return first
-    second = measure_point(preps, shape, k, n, m, dev, notes=notes, **kw)
+    notes2: list[str] = []  # (the second run's notes, less those the first already made)
+    second = measure_point(preps, shape, k, n, m, dev, notes=notes2, **kw)
+    notes += [note for note in notes2 if note not in notes]
     worst2 = widest_spread(second)
     keep, which = (second, 2) if worst2 < worst else (first, 1)
     for p in keep:

@@ -613,6 +613,7 @@ def _fake_point_runs(monkeypatch, spreads):
     def fake(preps, shape, k, n, m, dev, *, notes, **kw):
         i = len(runs)
         runs.append(kw)
+        notes.append(f"{shape} torch_int4 M={m}: skipped")  # the same note from every run
         return [{"shape": shape, "M": m, "kernel": kern, "time_us": 10.0 + i, "spread": spreads[i]} for kern in preps]
 
     monkeypatch.setattr(TM, "measure_point", fake)
@@ -631,10 +632,11 @@ def test_measure_point_steady_retimes_disturbed_points(monkeypatch, spreads, run
                                   retime_spread=0.5, notes=notes, rounds=2)
     assert len(runs) == runs_expected and all(r["rounds"] == 2 for r in runs)
     assert {p["time_us"] for p in pts} == {kept_time}  # every kernel from the same run
+    assert notes[0] == "s torch_int4 M=4: skipped" and notes.count(notes[0]) == 1  # not repeated by run 2
     if runs_expected == 1:
-        assert not notes and all("retimed" not in p for p in pts)
+        assert len(notes) == 1 and all("retimed" not in p for p in pts)
     else:
-        assert len(notes) == 1 and "re-timed" in notes[0]
+        assert len(notes) == 2 and "re-timed" in notes[1]
         assert all(p["retimed"]["widest_spreads"] == spreads and p["retimed"]["kept_run"] == (1 if kept_time == 10.0 else 2)
                    for p in pts)
 
