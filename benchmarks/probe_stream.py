@@ -185,10 +185,6 @@ def build():
         cuda_sources=SRC, functions=["run"], extra_cuda_cflags=["-O3", "-gencode=arch=compute_90a,code=sm_90a"])
 
 
-SHAPES = {"7B_o": (4096, 4096), "7B_down": (11008, 4096), "7B_qkv": (4096, 12288), "70B_o": (8192, 8192),
-          "70B_qkv": (8192, 10240), "7B_gateup": (4096, 22016), "70B_down": (28672, 8192), "70B_gateup": (8192, 57344)}
-
-
 def configs(stage_sweep: bool):
     """(kind, stages, blocks per SM, C) to time."""
     if stage_sweep:
@@ -200,6 +196,7 @@ def configs(stage_sweep: bool):
 
 def main(argv=None) -> int:
     from benchmarks.gemm_prep import prepare
+    from benchmarks.shapes import BENCH_SHAPES
     from benchmarks.timing import graph_median_us
 
     argv = sys.argv[1:] if argv is None else argv
@@ -209,7 +206,7 @@ def main(argv=None) -> int:
     props = torch.cuda.get_device_properties(dev)
     l2, sms = props.L2_cache_size, props.multi_processor_count
     res = []
-    for name, (k, n) in SHAPES.items():
+    for name, (k, n) in BENCH_SHAPES.items():  # the eight Llama layers of the full run
         kk = k // 128 * 128
         nbytes = kk * n // 2
         copies = max(2, -(-4 * l2 // nbytes))

@@ -296,7 +296,7 @@ def measure_point(preps: dict, shape: str, k: int, n: int, m: int, dev: torch.de
 
 def widest_spread(points: list[dict]) -> float:
     """The largest spread ((max - min) / median of the pooled samples) among a point's timed kernels."""
-    spreads = [p["spread"] for p in points if p.get("time_us") is not None and p.get("spread") == p.get("spread")]
+    spreads = [p["spread"] for p in points if p.get("time_us") is not None and not math.isnan(p.get("spread", math.nan))]
     return max(spreads, default=0.0)
 
 
