@@ -161,10 +161,6 @@ def test_eight_row_slice_two_block_line():
     stages of 128 x 256; marlin_gemm.cu two_blocks_pay): 8192 x 28672 (117 MB) runs one block per SM
     on an H100 / H200, 8192 x 67584 (277 MB) two. (Both plans' results are checked on layers of
     these sizes by test_llama_shapes: 70B gate_up takes one block, and the forced-plan tests.)"""
-    import os
-    import subprocess
-    import sys
-
     code = (
         "import torch, marlin\n"
         "for k, n in ((8192, 28672), (8192, 67584)):\n"
@@ -175,12 +171,9 @@ def test_eight_row_slice_two_block_line():
         "    torch.cuda.synchronize()\n"
         "    del b_q, b_s\n"
     )
-    env = {key: v for key, v in os.environ.items() if not key.startswith("MARLIN_")}
-    env["MARLIN_LOG_PLAN"] = "1"
-    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stderr[-3000:]
-    lines = [l for l in r.stderr.splitlines() if l.startswith("marlin.gemm plan:")]
-    assert len(lines) == 4, r.stderr[-3000:]
+    _, log = _snippet_subprocess(code, own_knobs_only=True)
+    lines = [l for l in log.splitlines() if l.startswith("marlin.gemm plan:")]
+    assert len(lines) == 4, log[-3000:]
     props = torch.cuda.get_device_properties(0)
     hopper = (props.major, props.minor) == (9, 0)
     two_seen = one_seen = False
@@ -275,6 +268,22 @@ def _pytest_subprocess(env_vars, select, path="tests/test_gemm_cuda.py"):
     cmd = [sys.executable, "-m", "pytest", path, "-q", "-s", "-p", "no:cacheprovider", "-k", select]
     r = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=1500)
     assert r.returncode == 0 and " passed" in r.stdout and "skipped" not in r.stdout, r.stdout[-3000:] + r.stderr[-3000:]
+    return r.stdout, r.stderr
+
+
+def _snippet_subprocess(code, env_vars=None, args=(), own_knobs_only=False):
+    """Runs the Python `code` (with `args` as sys.argv[1:]) in a fresh process with the plan log on
+    and `env_vars` set (the kernels' knobs are read once per process; own_knobs_only drops the
+    caller's other MARLIN_* settings, for tests of the default plans). Asserts it exited 0;
+    returns (stdout, stderr), the plan lines being in stderr."""
+    import os
+    import subprocess
+    import sys
+
+    env = {key: v for key, v in os.environ.items() if not (own_knobs_only and key.startswith("MARLIN_"))}
+    env.update(MARLIN_LOG_PLAN="1", **(env_vars or {}))
+    r = subprocess.run([sys.executable, "-c", code, *args], env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     return r.stdout, r.stderr
 
 
@@ -392,18 +401,12 @@ def test_first_calls_of_a_process_inside_graph_capture():
     queries) may come while a CUDA graph is being captured, as under torch.compile's
     reduce-overhead mode: in a fresh process, each plan kind captured without a warm-up call,
     then replayed onto poisoned output and compared with the fp64 reference and an eager call."""
-    import os
-    import subprocess
-    import sys
-
-    env = dict(os.environ, MARLIN_LOG_PLAN="1")
-    r = subprocess.run([sys.executable, "-c", _FIRST_CALLS_IN_CAPTURE], env=env, capture_output=True, text=True,
-                       timeout=600)
-    assert r.returncode == 0 and r.stdout.count("ok ") == 5, r.stdout[-3000:] + r.stderr[-3000:]
-    kernels = set(re.findall(r"^marlin\.gemm plan: .* kernel=(\w+)", r.stderr, re.M))
-    assert {"small_m", "tiled"} <= kernels, r.stderr[-3000:]
+    out, log = _snippet_subprocess(_FIRST_CALLS_IN_CAPTURE)
+    assert out.count("ok ") == 5, out[-3000:] + log[-3000:]
+    kernels = set(re.findall(r"^marlin\.gemm plan: .* kernel=(\w+)", log, re.M))
+    assert {"small_m", "tiled"} <= kernels, log[-3000:]
     if torch.cuda.get_device_capability() == (9, 0):
-        assert {"small_m_wgmma", "prefill_wgmma"} <= kernels and any(c for _, c in _plans(r.stderr)), r.stderr[-3000:]
+        assert {"small_m_wgmma", "prefill_wgmma"} <= kernels and any(c for _, c in _plans(log)), log[-3000:]
 
 
 def test_two_streams_at_once():
@@ -500,15 +503,10 @@ def _default_and_forced_plans(shapes, ms, env_vars, device="cuda"):
     """Runs _DEFAULT_AND_FORCED in a subprocess with env_vars and the plan log (the knobs are read
     once per process); returns the plan lines of the default calls and of the forced ones."""
     import json
-    import os
-    import subprocess
-    import sys
 
-    env = dict(os.environ, MARLIN_LOG_PLAN="1", **env_vars)
-    r = subprocess.run([sys.executable, "-c", _DEFAULT_AND_FORCED, json.dumps(shapes), json.dumps(ms), device],
-                       env=env, capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0 and "done" in r.stdout, r.stdout[-3000:] + r.stderr[-3000:]
-    lines = [l for l in r.stderr.splitlines() if l.startswith("marlin.gemm plan:")]
+    out, log = _snippet_subprocess(_DEFAULT_AND_FORCED, env_vars, (json.dumps(shapes), json.dumps(ms), device))
+    assert "done" in out, out[-3000:] + log[-3000:]
+    lines = [l for l in log.splitlines() if l.startswith("marlin.gemm plan:")]
     if device == "cuda":
         assert len(lines) == len(shapes) * len(ms) * 2, len(lines)
     return lines[0::2], lines[1::2]
