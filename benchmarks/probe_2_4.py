@@ -39,7 +39,8 @@ def plan_env(name: str) -> dict:
     3-stage instances (M <= 16); kw1 / kw2: one / two K warpgroups per block (the late-refill
     wgmma); pdl: programmatic dependent launch; mma: the mma.sync kernel where the sparse wgmma
     would run (sm_90a, M > 8); wg: the sparse wgmma, wgl: its late-refill variant (the default),
-    wge: its early-refill one, wg_<plan> / wgl_<plan> / wge_<plan>: with
+    wge: its early-refill one, fill8: the fill rule where the three-part rule (1-8 rows, many
+    column tiles) would run, wg_<plan> / wgl_<plan> / wge_<plan>: with
     another plan's knobs (e.g. wg_s1: 64-row block slices above 64 rows); a+b: both plans' knobs
     (e.g. mma+p4c: the mma.sync kernel with 4 parts in clusters)."""
     if "+" in name:
@@ -64,6 +65,8 @@ def plan_env(name: str) -> dict:
         return {"MARLIN_2_4_PDL": "1"}
     if name == "st3":
         return {"MARLIN_2_4_STAGES": "3"}
+    if name == "fill8":
+        return {"MARLIN_2_4_WAVE8": "0"}
     if name.startswith("kw"):
         return {"MARLIN_2_4_KW": name[2:]}
     if name.startswith("s"):
@@ -75,7 +78,7 @@ def plan_env(name: str) -> dict:
         if name[-1] in "gc":
             env["MARLIN_2_4_CLUSTERS"] = "0" if name.endswith("g") else "1"
         return env
-    raise ValueError(f"PROBE_PLANS: unknown plan {name!r} (auto, legacy, pdl, t128, t256, s1, s2, s4, st3, kw1, kw2, pN, pNg, pNc, mma, wg, wgl, wge, wg_<plan>, wgl_<plan>, wge_<plan>, a+b)")
+    raise ValueError(f"PROBE_PLANS: unknown plan {name!r} (auto, legacy, pdl, t128, t256, s1, s2, s4, st3, fill8, kw1, kw2, pN, pNg, pNc, mma, wg, wgl, wge, wg_<plan>, wgl_<plan>, wge_<plan>, a+b)")
 
 
 PLANS = os.environ.get("PROBE_PLANS", "auto,legacy").split(",")
@@ -91,6 +94,7 @@ _KNOBS = (
     "MARLIN_2_4_WGMMA",
     "MARLIN_2_4_WG_LATE",
     "MARLIN_2_4_KW",
+    "MARLIN_2_4_WAVE8",
     "MARLIN_LOG_PLAN",
 )
 

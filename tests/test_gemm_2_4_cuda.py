@@ -247,6 +247,39 @@ def test_long_k_runs_three_blocks_per_sm(m, monkeypatch, capfd):
     check_marlin_24(b_q, b_meta, b_s, k, n, torch.device("cuda"), ms=(m,))  # the 3-part plan; raises if wrong
 
 
+@pytest.mark.parametrize("g", [128, -1])
+def test_many_column_tiles_take_three_parts_on_three_stages(g, monkeypatch, capfd):
+    """At 1-8 rows on more than sms / 2 column tiles of 256 (K up to 128 stages of 128 rows; group
+    128 or per column) the planner runs three K parts through global memory on the 3-stage
+    instance (13B gate_up on the H200: 0.83-0.88x the time of the fill rule's 7-11 parts). Each
+    plan is checked on every tile against the fill rule's plan (MARLIN_2_4_WAVE8=0, which must
+    differ) and on sampled tiles against unpack_2_4 (the spec). Random words and valid metadata."""
+    from benchmarks.gemm_prep import check_marlin_24
+
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    k, n = 4096, 256 * (sms // 2 + 3)
+    b_q, b_meta, b_s = random_words_2_4(k, n, 128, seed=11)
+    if g == -1:
+        b_s = b_s[:1].contiguous()
+    monkeypatch.setenv("MARLIN_LOG_PLAN", "1")
+    for m in (1, 5, 8):
+        a = torch.randn(m, k, device="cuda", dtype=torch.float16)
+        plan_lines(capfd)
+        c = marlin.gemm_2_4(a, b_q, b_meta, b_s)
+        torch.cuda.synchronize()
+        lines = plan_lines(capfd)
+        assert len(lines) == 1, lines
+        assert all(f" {f} " in lines[0] for f in ("slice_rows=8", "stages=3", "tile_n=256", "parts=3", "cluster=0")), lines
+        monkeypatch.setenv("MARLIN_2_4_WAVE8", "0")
+        fill = marlin.gemm_2_4(a, b_q, b_meta, b_s)
+        torch.cuda.synchronize()
+        fill_line = plan_lines(capfd)[0]
+        monkeypatch.delenv("MARLIN_2_4_WAVE8")
+        assert " parts=3 " not in fill_line or " stages=4 " in fill_line, fill_line
+        assert torch.isfinite(c).all() and rel_err(c, fill) < 1e-3, (lines[0], fill_line)
+    check_marlin_24(b_q, b_meta, b_s, k, n, torch.device("cuda"), ms=(1, 5, 8))  # the rule's plans; raises if wrong
+
+
 def test_the_bound_catches_a_wrong_metadata_order():
     layer = get_layer(1024, 512, 128)
     swapped = layer.b_meta.view(-1, 2, 16, 2, 2).flip(3).reshape(layer.b_meta.shape).contiguous()

@@ -42,7 +42,8 @@ bool kernel_enabled() {
 // MARLIN_2_4_WGMMA=0 keeps them off, =1 takes them wherever they can run (M > 8, N % 256 == 0;
 // MARLIN_2_4_WARP_SLICES=2 then picks 128-row block slices above 64 rows; MARLIN_2_4_WG_LATE=0
 // their early-refill variant; MARLIN_2_4_KW=1 or 2 one or two K warpgroups per block on the
-// late-refill ones with one warp slice, instead of plan_24's rule); MARLIN_LOG_PLAN=1 prints the plan.
+// late-refill ones with one warp slice, instead of plan_24's rule); MARLIN_2_4_WAVE8=0 keeps plan_24's
+// fill rule at 1-8 rows on many column tiles instead of its three-part rule; MARLIN_LOG_PLAN=1 prints the plan.
 int env_or(const char* name, int fallback) {
   const char* env = std::getenv(name);
   return env != nullptr && *env != '\0' ? std::atoi(env) : fallback;
@@ -109,6 +110,7 @@ at::Tensor gemm_2_4_cuda(const at::Tensor& a, const at::Tensor& b_q, const at::T
   args.cluster_mode = env_or("MARLIN_2_4_CLUSTERS", -1);
   args.force_stages = env_or("MARLIN_2_4_STAGES", 0);
   args.force_kw = env_or("MARLIN_2_4_KW", 0);
+  args.wave8 = env_or("MARLIN_2_4_WAVE8", 1) != 0;
   args.prefill = env_or("MARLIN_PREFILL", -1);
   args.prefill_split = env_or("MARLIN_PREFILL_SPLIT", 0);
   args.prefill_lead = env_or("MARLIN_PREFILL_LEAD", -1);

@@ -135,7 +135,8 @@ namespace {
 // The stages of the ring of a plan's instance (marlin_24_instances.cuh): 3 for the late-refill
 // wgmma's one 64-row warp slice (88 KB, so that 2 blocks share an SM); 3 for its 16-row slice where
 // `wg_three` (the one-wave rule, or MARLIN_2_4_STAGES=3); 3 for the mma.sync 8- and 16-row slices of
-// the 256-column tile where `mma_three` (MARLIN_2_4_STAGES=3); else kStages.
+// the 256-column tile where `mma_three` (the three-part rule at 1-8 rows, or MARLIN_2_4_STAGES=3); else
+// kStages.
 int ring_stages(const Plan24& p, bool wg_three, bool mma_three) {
   if (p.wg == 2 && p.kw == 1 && p.ms == 1 && p.mb == 8) return 3;
   if (p.wg == 2 && p.kw == 1 && p.mb == 2 && wg_three) return 3;
@@ -302,6 +303,21 @@ std::string plan_24(const Args24& args, Plan24* plan) {
   // are long (kLongPartStages): 70B down at 1 / 3 rows 12 parts (3 blocks on an SM, 19 stages)
   // 31.9 / 33.6 us against 8 (2, 28) 30.4 / 31.2; 14336 x 4096 16 parts (2, 7 stages) 12.1 / 12.8
   // against 8 (1) 11.5 / 12.3.
+  // 1-8 rows on the 256-column tile (mma.sync), group 128 or per column, on more than sms / 2 column
+  // tiles with K up to kWaveMaxKTiles stages: three K parts through global memory on the 3-stage
+  // instance (4 blocks per SM), not balance()'s 7-11 parts (6-12 blocks on every SM): there fewer,
+  // longer streams with fewer partial sums were faster. H200 (probe_2_4, NOTES.md 2026-11-29
+  // (thirtieth)), 1 / 4 / 8 rows, this plan against the fill rule's: 13B gate_up (108 tiles)
+  // 21.5 / 22.3 / 24.0 against 25.2 / 27.0 / 27.3 us, 8192 x 28672 (112) 31.0 / 32.6 / 34.7
+  // against 34.8 / 36.8 / 40.5, 70B gate_up (224) 2-3% faster, 7B gate_up (86) 1-3%; on the
+  // 4-stage instance 1-8% slower than on 3 stages; Falcon-180B up (232 tiles, 116 stages) level.
+  // Two parts were 25% slower than three on 70B gate_up; long K (the ideal layer, 1056 stages)
+  // keeps the fill rule's deeper parts, measured there. MARLIN_2_4_WAVE8=0 keeps the fill rule.
+  constexpr int kWave8Parts = 3;
+  const bool forced_plan = args.force_parts || args.force_tile_n || args.force_ms || args.force_stages || args.cluster_mode != -1;
+  const bool wave8 = args.wave8 && !forced_plan && args.force_kw == 0 && !args.wgmma_force && !plan->wg && plan->mb == 1 &&
+                     plan->nw == 4 && plan->ms == 1 && !plan->fine && !args.legacy && 2 * tiles > args.sms &&
+                     k_tiles <= kWaveMaxKTiles && locks_ok && max_parts >= kWave8Parts;
   const bool placed = wide_tile && 2 * tiles <= args.sms && args.clusters && args.cluster_mode == -1 && args.force_parts == 0;
   const bool costed = placed && (plan->fine || rows_used < kPlacedMinRows);
 
@@ -309,7 +325,7 @@ std::string plan_24(const Args24& args, Plan24* plan) {
   // or why the shape cannot run.
   auto partition = [&](int kw, bool three_stages) -> std::string {
     plan->kw = kw;
-    plan->stages = ring_stages(*plan, args.force_stages == 3 || three_stages, args.force_stages == 3);
+    plan->stages = ring_stages(*plan, args.force_stages == 3 || three_stages, args.force_stages == 3 || wave8);
     const Instance inst = find_instance(args.bf16, plan->fine, plan->mb, plan->nw, plan->ms, plan->stages, plan->wg, plan->kw);
     // groups of 64 or 32, or zero points: a scale row and a zero-point row per strip and stage after
     // the ring, without zero points one row of 8s (marlin_24_kernel.cuh, StageScales)
@@ -325,7 +341,7 @@ std::string plan_24(const Args24& args, Plan24* plan) {
     bool best_cluster = false;
     double best_fill = -1.0, best_raw = -1.0, best_cost = -1.0;
     for (int parts = 1; parts <= max_parts; parts++) {
-      const int forced = args.force_parts > 0 ? std::min(args.force_parts, max_parts) : 0;
+      const int forced = args.force_parts > 0 ? std::min(args.force_parts, max_parts) : wave8 ? kWave8Parts : 0;
       const bool over = one_wave ? parts > kMaxClusterParts || 4 * parts > k_tiles
                                  : static_cast<long long>(parts) * parts * limit_rows > 16LL * k_tiles;
       if (forced > 0 && parts != forced) continue;
@@ -398,7 +414,6 @@ std::string plan_24(const Args24& args, Plan24* plan) {
   // 14336 x 4096, 5120 x 5120 and 4096 x 6144 too; where the slots stop the parts first (7B qkv
   // 4 parts, 70B o 7, 70B qkv 5) two warpgroups ran 5-30% slower.
   const bool kw2_ok = plan->wg == 2 && plan->ms == 1;
-  const bool forced_plan = args.force_parts || args.force_tile_n || args.force_ms || args.force_stages || args.cluster_mode != -1;
   const int kw = kw2_ok && args.force_kw == 2 ? 2 : 1;
   std::string why = partition(kw, wg_wave && plan->fine);
   if (!why.empty()) return why;

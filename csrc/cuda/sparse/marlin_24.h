@@ -45,6 +45,7 @@ struct Args24 {
   int force_ms = 0;
   int force_stages = 0;  // 3: the 3-stage instances where they exist (1-16 rows, 256-column tile: mma.sync, sparse wgmma's 16-row slice)
   int force_kw = 0;      // 1 or 2: one or two K warpgroups per block on the late-refill wgmma instances (one warp slice); 0 the planner's rule
+  bool wave8 = true;     // plan_24's three-part rule at 1-8 rows on many column tiles (MARLIN_2_4_WAVE8=0: the fill rule, for measurement)
   int cluster_mode = -1;
   // the prefill kernel's 2:4 instances (MARLIN_PREFILL, as for gemm): -1 its rule, 0 never, 1
   // wherever it can run (above 64 rows; for tests)

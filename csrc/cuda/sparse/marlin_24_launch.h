@@ -30,7 +30,8 @@ struct Params {
 };
 
 // Stages of the cp.async ring: 4, and 3 as a second instance at 8-16 rows on the 256-column
-// tile (less shared memory: 4 blocks per SM instead of 3; MARLIN_2_4_STAGES=3 selects it).
+// tile (less shared memory: 4 blocks per SM instead of 3; plan_24 takes it for its three-part rule
+// at 1-8 rows, MARLIN_2_4_STAGES=3 wherever it exists).
 constexpr int kStages = 4;
 
 // One compiled instance: its launch, shared memory, threads, and (once per device) its resident
