@@ -74,6 +74,12 @@ def formats_table(data: dict) -> list[str]:
     return lines
 
 
+def _batch_table(batches: list[int], rows: list[tuple[str, Callable[[int], str]]]) -> list[str]:
+    """A table with one column per batch and one row per (label, cell of a batch)."""
+    lines = ["| batch | " + " | ".join(str(b) for b in batches) + " |", "|---|" + "---|" * len(batches)]
+    return lines + [f"| {label} | " + " | ".join(cell(b) for b in batches) + " |" for label, cell in rows]
+
+
 def e2e_table(data: dict) -> list[str]:
     """Time per output token per batch: FP16 and fused FP16 (the faster weight layout of each), Marlin
     and Marlin 2:4, and the speedups over them."""
@@ -93,9 +99,7 @@ def e2e_table(data: dict) -> list[str]:
             ("Marlin x FP16 fused", lambda b: f"{faster('fp16_fused', b) / tpot[('marlin', b)]:.2f}x"),
             ("Marlin 2:4 ms per token", lambda b: f"{tpot[('marlin_24', b)]:.2f}"),
             ("2:4 x FP16 fused", lambda b: f"{faster('fp16_fused', b) / tpot[('marlin_24', b)]:.2f}x")]
-    lines = ["| batch | " + " | ".join(str(b) for b in batches) + " |", "|---|" + "---|" * len(batches)]
-    lines += [f"| {label} | " + " | ".join(cell(b) for b in batches) + " |" for label, cell in rows]
-    return lines
+    return _batch_table(batches, rows)
 
 
 def tp_table(two: dict, one: dict) -> list[str]:
@@ -111,9 +115,7 @@ def tp_table(two: dict, one: dict) -> list[str]:
             ("Marlin TP=2 x FP16 TP=2", lambda b: f"{t2[('marlin', b)] / t2[('fp16', b)]:.2f}x"),
             ("Marlin 2:4 TP=2 x FP16 TP=2", lambda b: f"{t2[('marlin_24', b)] / t2[('fp16', b)]:.2f}x"),
             ("Marlin on one GPU tokens/s", lambda b: f"{t1[('marlin', b)]:.1f}")]
-    lines = ["| batch | " + " | ".join(str(b) for b in batches) + " |", "|---|" + "---|" * len(batches)]
-    lines += [f"| {label} | " + " | ".join(cell(b) for b in batches) + " |" for label, cell in rows]
-    return lines
+    return _batch_table(batches, rows)
 
 
 # (files, function): every table of results that the README shows
