@@ -118,6 +118,26 @@ def tp_table(two: dict, one: dict) -> list[str]:
     return _batch_table(batches, rows)
 
 
+def serving_table(data: dict) -> list[str]:
+    """Per request rate: median time per output token of FP16, fused FP16, Marlin and Marlin 2:4, the
+    speedups over them, median time to first token, and the mean rows per decode step."""
+    point = {(p["kernel"], float(p["rate"])): p for p in data["points"]}
+    kinds = ("fp16", "fp16_fused", "marlin", "marlin_24")
+    lines = ["| request rate | FP16 / FP16 fused / Marlin / Marlin 2:4 TPOT (median) | Marlin x FP16 | Marlin x FP16 fused | "
+             "2:4 x FP16 fused | TTFT FP16 / fused / Marlin / 2:4 (median) | rows per step FP16 / fused / Marlin / 2:4 |",
+             "|---|---|---|---|---|---|---|"]
+    for rate in sorted({r for (k, r) in point if k == "marlin"}):
+        p = {k: point[(k, rate)] for k in kinds}
+        tpot = {k: p[k]["tpot_ms_median"] for k in kinds}
+        cells = [f"{rate:g} req/s", " / ".join(f"{tpot[k]:.2f}" for k in kinds) + " ms",
+                 f"{tpot['fp16'] / tpot['marlin']:.2f}x", f"{tpot['fp16_fused'] / tpot['marlin']:.2f}x",
+                 f"{tpot['fp16_fused'] / tpot['marlin_24']:.2f}x",
+                 " / ".join(f"{p[k]['ttft_ms_median']:.1f}" for k in kinds) + " ms",
+                 " / ".join(f"{p[k]['mean_rows']:.1f}" for k in kinds)]
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
 # (files, function): every table of results that the README shows
 TABLES: tuple[tuple[tuple[str, ...], Callable[..., list[str]]], ...] = (
     (("h200.json",), kernel_table),
@@ -126,6 +146,7 @@ TABLES: tuple[tuple[tuple[str, ...], Callable[..., list[str]]], ...] = (
     (("h200-formats.json",), formats_table),
     (("h100-80gb-hbm3-e2e.json",), e2e_table),
     (("h200-e2e.json",), e2e_table),
+    (("h100-80gb-hbm3-serving.json",), serving_table),
     (("h200x2-tp.json", "h200x1-tp.json"), tp_table),
 )
 
