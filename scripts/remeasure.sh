@@ -29,7 +29,9 @@ PY=${PYTHON:-python3}
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 t0=$(date +%s)
 say() { echo "[$(( $(date +%s) - t0 )) s] $*"; }
-gpu=$("$PY" -c "import torch; from benchmarks.bench_math import sanitize_gpu_name as s; print(s(torch.cuda.get_device_name(0)))" 2>/dev/null || echo gpu)
+# the results files' GPU name (h200, h100-80gb-hbm3), asked again after `build` (torch may not import before)
+gpu_slug() { "$PY" -c "import torch; from benchmarks.bench_math import sanitize_gpu_name as s; print(s(torch.cuda.get_device_name(0)))" 2>/dev/null || echo gpu; }
+gpu=$(gpu_slug)
 
 run() {  # step name, timeout in seconds, command...
   local step=$1 limit=$2; shift 2
@@ -44,7 +46,7 @@ format_kernels="fp16,fp16_kn,marlin_g128,marlin_direct,marlin_gcol,marlin_24_g12
 
 for step in "$@"; do
   case $step in
-    build) run build 600 bash scripts/setup_env.sh && gpu=$("$PY" -c "import torch; from benchmarks.bench_math import sanitize_gpu_name as s; print(s(torch.cuda.get_device_name(0)))") ;;
+    build) run build 600 bash scripts/setup_env.sh && gpu=$(gpu_slug) ;;
     tests-2_4) run tests-2_4 400 "$PY" -m pytest -q -n 12 -p no:cacheprovider tests/test_gemm_2_4_cuda.py \
                  tests/test_gemm_2_4_wgmma_cuda.py tests/test_gemm_2_4_prefill_cuda.py ;;
     tests-gemm) run tests-gemm 500 "$PY" -m pytest -q -n 12 -p no:cacheprovider tests/test_gemm_cuda.py \
