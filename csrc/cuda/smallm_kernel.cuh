@@ -336,6 +336,16 @@ __global__ void __launch_bounds__(kThreads, MINB) marlin_smallm_kernel(const Ker
   alignas(16) uint32_t s_cur[JW];              // this lane's scale pairs of the current group
   alignas(16) uint32_t z_cur[JW] = {};         // kZeros: its zero-point pairs, as s_cur
   U4Zero z_const[S::kZeroConstPerGroup ? JW : 1] = {};  // their dequantization constants (see the shape)
+  // kRaw, mma.sync: the correction matrix's A fragment. As a known constant ptxas rematerialises it
+  // at every k16 step (two FADD from uniform registers and two moves per step: ~16 of the 8-row
+  // slice's ~195 instructions per warp and stage), so the instances without the 128-register bound
+  // (MINB == 1) make it once from zeros that the compilers cannot see: four different sizes, never
+  // negative, shifted right by 31 (an empty asm does not stop ptxas, and one zero for all four lets
+  // it keep two registers and copy them into the fragment at every use). Under the bound the four
+  // registers cost spills (the 512-column tile: 24 -> 44 bytes), and the constant stays.
+  auto opaque_zero = [&](int size) { return MINB == 1 ? static_cast<uint32_t>(size) >> 31 : 0u; };
+  const uint32_t corr_frag[4] = {S::kCorrLo | opaque_zero(p.m), S::kCorrLo | opaque_zero(p.n), S::kCorrHi | opaque_zero(p.k),
+                                 S::kCorrHi | opaque_zero(p.m_slices)};
 
   // A lane's 16-byte word in shared memory holds one 32-bit entry per 16-column block of its
   // 64-column chunk (packed weights, scale pairs); a warp with kJW == 2 blocks reads its half.
@@ -587,14 +597,14 @@ __global__ void __launch_bounds__(kThreads, MINB) marlin_smallm_kernel(const Ker
       desc_lo += (stage * S::kStageInt4 * 16 + (kb / 4) * (S::kRows * 128) + (kb % 4) * 32) >> 4;
       const uint64_t desc = (desc_base & ~0xFFFFFFFFull) | desc_lo;
       const bool restart = S::kGroupSums && u == 0;  // compile-time once unrolled
-      uint32_t corr_frag[4] = {S::kCorrLo, S::kCorrLo, S::kCorrHi, S::kCorrHi};  // see compute()
+      uint32_t wg_corr[4] = {S::kCorrLo, S::kCorrLo, S::kCorrHi, S::kCorrHi};  // see compute()
       constexpr int N = 8 * MB;
 #pragma unroll
       for (int j = 0; j < JW; j++)
 #pragma unroll
         for (int r = 0; r < 4; r++) fence_operand(afrag[buf][j][r]);
 #pragma unroll
-      for (int r = 0; r < 4; r++) fence_operand(corr_frag[r]);
+      for (int r = 0; r < 4; r++) fence_operand(wg_corr[r]);
       wgmma_fence();
 #pragma unroll
       for (int j = 0; j < JW; j++) {
@@ -609,9 +619,9 @@ __global__ void __launch_bounds__(kThreads, MINB) marlin_smallm_kernel(const Ker
       }
       if constexpr (S::kRaw) {
         if (restart)
-          wgmma_m64k16_rs<N, false>(reinterpret_cast<float(&)[4 * MB]>(corr), corr_frag, desc);
+          wgmma_m64k16_rs<N, false>(reinterpret_cast<float(&)[4 * MB]>(corr), wg_corr, desc);
         else
-          wgmma_m64k16_rs<N, true>(reinterpret_cast<float(&)[4 * MB]>(corr), corr_frag, desc);
+          wgmma_m64k16_rs<N, true>(reinterpret_cast<float(&)[4 * MB]>(corr), wg_corr, desc);
       }
       wgmma_commit();
       wgmma_wait<1>();
@@ -639,7 +649,6 @@ __global__ void __launch_bounds__(kThreads, MINB) marlin_smallm_kernel(const Ker
       // fp16: -8 * 2^-24 on K rows 0..7 and -128 * 2^-24 on rows 8..15 (whose activations are
       // / 16): both exact fp16 subnormals, the same for every row of N (kZpSums: -1 and -16 times
       // 2^-24). bf16: -136 or -1 on every row (exact).
-      const uint32_t corr_frag[4] = {S::kCorrLo, S::kCorrLo, S::kCorrHi, S::kCorrHi};
 #pragma unroll
       for (int b = 0; b < MB; b++) {
         if (S::kGroupSums && first)
@@ -706,10 +715,11 @@ __global__ void __launch_bounds__(kThreads, MINB) marlin_smallm_kernel(const Ker
     if constexpr (S::kGroupSums) {
       if constexpr (WG) wgmma_drain(grp);  // the group's last wgmma must land before grp and corr are read
       const ET* sc = reinterpret_cast<const ET*>(s_cur);
-      constexpr float kRawScale = S::kSubnormal ? 16777216.f : 1.f;  // fp16's raw sums carry 2^-24
+      // fp16's raw sums carry 2^-24: it stays in tot until combine_column (one multiply per column
+      // instead of two per 16 columns at every group's end)
 #pragma unroll
       for (int j = 0; j < JW; j++) {
-        const float s_lo = E::to_float(sc[2 * j]) * kRawScale, s_hi = E::to_float(sc[2 * j + 1]) * kRawScale;
+        const float s_lo = E::to_float(sc[2 * j]), s_hi = E::to_float(sc[2 * j + 1]);
         if constexpr (S::kZpSums) {  // corr is -sum a (fp16: x 2^-24): each column's z (bf16: 128 + z) times it
           const ET* zc = reinterpret_cast<const ET*>(z_cur);
           float z_lo = E::to_float(zc[2 * j]), z_hi = E::to_float(zc[2 * j + 1]);
@@ -773,6 +783,13 @@ __global__ void __launch_bounds__(kThreads, MINB) marlin_smallm_kernel(const Ker
       for (int b = 0; b < MB; b++)
 #pragma unroll
         for (int e = 0; e < 4; e++) corr[b][e] = 0.f;
+    } else if constexpr (S::kGroupSums && S::kSubnormal) {  // apply_group left the raw sums' 2^-24 in tot
+#pragma unroll
+      for (int j = 0; j < JW; j++)
+#pragma unroll
+        for (int b = 0; b < MB; b++)
+#pragma unroll
+          for (int e = 0; e < 4; e++) tot[j][b][e] *= 16777216.f;
     }
     if constexpr (KW == 2) {
       float4* red = reinterpret_cast<float4*>(smem + S::kPipeInt4) + (wn + NW * jh) * (S::kAccFloats / 4) * 32 + lane;
