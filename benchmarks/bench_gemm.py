@@ -160,8 +160,9 @@ def parse_args(argv=None):
     )
     p.add_argument(
         "--retime-spread", type=float, default=0.5,
-        help="where a kernel's pooled samples spread more than this ((max - min) / median), time the whole point "
-        "(every kernel) once more and keep the run whose widest spread is smaller (default 0.5; 0: never)",
+        help="where a kernel's pooled samples spread more than this ((max - min) / median), or more than 0.4 of it "
+        "and 8x the median of the point's other kernels, time the whole point (every kernel) once more and keep "
+        "the run whose widest spread is smaller (default 0.5; 0: never)",
     )
     p.add_argument("--no-graph", action="store_true", help="time plain loops only (no CUDA graphs)")
     p.add_argument("--seed", type=int, default=0)

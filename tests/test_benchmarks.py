@@ -641,6 +641,36 @@ def test_measure_point_steady_retimes_disturbed_points(monkeypatch, spreads, run
                    for p in pts)
 
 
+@pytest.mark.parametrize("spreads,expected", [
+    ([0.42, 0.01, 0.03, 0.05, 0.02], True),   # one kernel disturbed while its rounds' others were calm (H200, 7B o M=64)
+    ([0.3, 0.2, 0.25, 0.28], False),          # a long layer: every kernel spreads alike
+    ([0.15, 0.005, 0.01], False),             # far above the others, but under the floor (0.4 x 0.5)
+    ([0.6, 0.5, 0.55], True),                 # above retime_spread itself
+    ([0.45], False),                          # one kernel: nothing to compare with
+])
+def test_disturbed_relative_to_the_other_kernels(spreads, expected):
+    pts = [{"time_us": 1.0, "spread": s} for s in spreads] + [{"time_us": None, "spread": 9.0}]
+    assert TM.disturbed(pts, 0.5) is expected
+    assert TM.disturbed(pts, 0) is False  # 0: never
+
+
+def test_measure_point_steady_retimes_a_relatively_disturbed_kernel(monkeypatch):
+    runs = []
+
+    def fake(preps, shape, k, n, m, dev, *, notes, **kw):
+        runs.append(kw)
+        spread = 0.42 if len(runs) == 1 else 0.03
+        return [{"shape": shape, "M": m, "kernel": kern, "time_us": 10.0 + len(runs), "spread": spread if kern == "marlin_g128" else 0.02}
+                for kern in preps]
+
+    monkeypatch.setattr(TM, "measure_point", fake)
+    notes = []
+    pts = TM.measure_point_steady({"fp16": None, "fp16_kn": None, "marlin_g128": None}, "s", 64, 64, 64,
+                                  torch.device("cpu"), retime_spread=0.5, notes=notes)
+    assert len(runs) == 2 and {p["time_us"] for p in pts} == {12.0}
+    assert notes == ["s M=64: re-timed (widest spread 0.42, then 0.03); kept run 2"]
+
+
 def test_measure_point_steady_off_and_untimed_points(monkeypatch):
     runs = _fake_point_runs(monkeypatch, [3.0, 0.1])
     TM.measure_point_steady({"fp16": None}, "s", 64, 64, 4, torch.device("cpu"), retime_spread=0, notes=[])
