@@ -19,6 +19,10 @@ checks, for every kernel, that
     around each 32-row strip's scale and zero-point code (17-26 per stage loop) kept ptxas from
     scheduling across the strips, and those kernels ran 1.08-1.16x slower at 1-16 rows on an H200
     (benchmarks/NOTES.md, 2026-11-29 nineteenth),
+  * the stage loops of the small-batch kernel's one-block 8-row instances make at most
+    MAX_ONE_BLOCK_8ROW_REMATS constants from uniform registers: ptxas rematerialised the raw
+    path's correction fragment at every k16 step, 1-3% of the time at 1-8 rows on an H200
+    (benchmarks/NOTES.md, 2026-11-29 thirty-second),
 and prints a per-kernel instruction summary. Exits non-zero if a kernel fails.
 
     python scripts/check_sass.py [path/to/_C.so]     # cuobjdump -sass
@@ -75,6 +79,8 @@ def check_kernel(name, body, arch):
         problems += stage_loop_problems(body)
     if FINE_24_KERNEL.search(name):
         problems += fine_24_loop_problems(body)
+    if ONE_BLOCK_8ROW_KERNEL.search(name) and arch == "sm_90a":
+        problems += one_block_8row_loop_problems(body)
     return ops, descs, problems
 
 
@@ -84,6 +90,15 @@ PREFILL_KERNEL = re.compile(r"marlin_prefill_kernel")
 FINE_24_KERNEL = re.compile(r"marlin_24_kernelI\w*Lb1EEEv")
 MAX_FINE_24_LOOP_BRANCHES = 8  # 4-6 on sm_90a with CUDA 13.0 (the group-128 kernels' mma.sync loops: 4)
 MMA_OP = r"\bHG?MMA\b"  # a stage loop's tensor-core instruction: mma.sync / mma.sp (HMMA) or wgmma (HGMMA)
+# marlin_smallm_kernel<MB = 1, NW, STAGES, GROUPED, WG = false, ET, W, RG, MINB = 1>: the 8-row
+# mma.sync instances without the 128-register bound (one block per SM)
+ONE_BLOCK_8ROW_KERNEL = re.compile(r"marlin_smallm_kernelILi1ELi\d+ELi\d+ELb[01]ELb0E\w+?ELi1EEEv")
+# A constant made in a stage loop from a negated uniform register (FADD Rn, -RZ, -URm): ptxas
+# rematerialised the raw path's correction fragment that way at every k16 step (two per step, 8 per
+# unrolled 4-stage loop), 1-3% of the time at 1-8 rows (benchmarks/NOTES.md, 2026-11-29
+# thirty-second); the fragment is now built once. fp16 zero points keep one per stage.
+REMAT_CONST = re.compile(r"\bFADD\b\s+R\d+,\s*-RZ,\s*-UR\d+")
+MAX_ONE_BLOCK_8ROW_REMATS = 4
 
 
 def instructions(body):
@@ -144,6 +159,17 @@ def fine_24_loop_problems(body):
         if branches > MAX_FINE_24_LOOP_BRANCHES:
             problems.append(f"{branches} branches in a {len(loop)}-instruction stage loop of a FINE 2:4 kernel "
                             f"(at most {MAX_FINE_24_LOOP_BRANCHES}: a branch on the format per strip?)")
+    return problems
+
+
+def one_block_8row_loop_problems(body):
+    """Constants rematerialised in the one-block 8-row instances' stage loops beyond the bound."""
+    problems = []
+    for loop in innermost_loops(body, MMA_OP):
+        remats = [t for t in loop if REMAT_CONST.search(t)]
+        if len(remats) > MAX_ONE_BLOCK_8ROW_REMATS:
+            problems.append(f"{len(remats)} constants made from uniform registers in a {len(loop)}-instruction stage loop "
+                            f"(at most {MAX_ONE_BLOCK_8ROW_REMATS}: the correction fragment rematerialised? {remats[0][:60]})")
     return problems
 
 

@@ -102,3 +102,32 @@ def test_fine_24_stage_loop_branches():
 def test_loop_summary_counts_the_stage_loop():
     (line,) = check_sass.loop_summary(_fine_24(3))
     assert line.startswith("9 instructions, 4 branches") and "HMUL2 3" in line and "HMMA 1" in line, line
+
+
+# the one-block 8-row small-batch instance's stage loop, with a constant made from a uniform
+# register at every k16 step (REMAT copies of "FADD R24, -RZ, -UR4")
+ONE_BLOCK = "marlin_smallm_kernelILi1ELi4ELi4ELb1ELb0E6__halfLi0ELi0ELi1EEEvNS_12KernelParamsE"
+
+
+def _one_block_loop(remats):
+    steps = "".join(f"""
+        /*{0x100 + 0x20 * i:04x}*/                   FADD R24, -RZ, -UR4 ;
+        /*{0x110 + 0x20 * i:04x}*/                   HMMA.16816.F32 R88, R24, R96, R88 ;""" for i in range(remats))
+    return f"""
+.L_x_1:
+        /*0000*/                   BAR.SYNC.DEFER_BLOCKING 0x0 ;
+        /*0010*/                   HMMA.16816.F32 R20, R76, R108, R20 ;{steps}
+        /*0ff0*/               @P0 BRA `(.L_x_1) ;
+        /*1000*/                   EXIT ;
+"""
+
+
+def test_one_block_8row_remats_flagged_beyond_one_per_stage():
+    assert check_sass.ONE_BLOCK_8ROW_KERNEL.search(ONE_BLOCK)
+    assert not check_sass.ONE_BLOCK_8ROW_KERNEL.search(ONE_BLOCK.replace("Li0ELi1EEEv", "Li0ELi2EEEv"))  # MINB 2
+    assert not check_sass.ONE_BLOCK_8ROW_KERNEL.search(ONE_BLOCK.replace("ELb1ELb0E", "ELb1ELb1E"))  # wgmma
+    assert check_sass.one_block_8row_loop_problems(_one_block_loop(4)) == []
+    problems = check_sass.one_block_8row_loop_problems(_one_block_loop(8))
+    assert len(problems) == 1 and "8 constants" in problems[0]
+    assert check_sass.check_kernel(ONE_BLOCK, _one_block_loop(8), "sm_90a")[2] == problems
+    assert check_sass.check_kernel(ONE_BLOCK, _one_block_loop(8), "sm_80")[2] == []  # the bound is sm_90a's
