@@ -96,8 +96,12 @@ class QuantizedLinearBase(nn.Module):
 
     # -- forward -------------------------------------------------------------------------------
     def _dtype_advice(self, got: torch.dtype) -> str:
-        """How to fix an input of dtype ``got`` (the subclass knows what its kernel takes)."""
-        raise NotImplementedError
+        """How to fix an input of dtype ``got``: run the model in the layer's dtype, or, where ``got``
+        is the other dtype the kernels compute in, build the layer in it."""
+        advice = f"the layer's compute dtype; run the model in that dtype, e.g. model.to({self.dtype})"
+        if got in (torch.float16, torch.bfloat16):
+            return advice + f", or build the layer with dtype={got}"
+        return advice + "; the kernels compute in torch.float16 or torch.bfloat16"
 
     def _flat_input(self, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """x [..., in_features] as [M, in_features], after checking its dtype (TypeError) and width

@@ -250,12 +250,6 @@ class MarlinLinear(QuantizedLinearBase):
         y = ops.gemm(a, self.b_q, self.b_scales, self.workspace, b_zeros=self.b_zeros, bits=self.bits)
         return self._output(y, x.shape[:-1])
 
-    def _dtype_advice(self, got: torch.dtype) -> str:
-        return (
-            f"the layer's compute dtype; run the model in that dtype, e.g. model.to({self.dtype}), "
-            f"or build the layer with dtype={got}"
-        )
-
     def extra_repr(self) -> str:
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
