@@ -306,8 +306,8 @@ def widest_spread(points: list[dict]) -> float:
 # A kernel whose spread stands this many times above the median of the point's other kernels, and
 # above this fraction of retime_spread, was disturbed too: on an H200 group 128 on 7B o at 64 rows
 # spread 0.42 (13.1 us) while the other six kernels of its rounds spread 0.01-0.05 and the same
-# kernel without a workspace took 10.3 us (benchmarks/NOTES.md, thirty-second). Calm points of the
-# committed files: widest spread up to ~8x the median of the others only where both are small.
+# kernel without a workspace took 10.3 us (benchmarks/NOTES.md, thirty-second). In the committed
+# H200 and H100 full and formats files this picks 2-6 of 108 points per file.
 RETIME_RELATIVE = 8.0
 RETIME_RELATIVE_FLOOR = 0.4
 
