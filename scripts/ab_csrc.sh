@@ -51,7 +51,5 @@ done
 "$PY" -m benchmarks.ab_compare "$out" | tee "$out/ab.md"
 
 if [ "${TESTS:-0}" = 1 ]; then
-  timeout 500 "$PY" -m pytest -q -n 12 -p no:cacheprovider tests/test_gemm_cuda.py tests/test_gemm_cuda_prefill.py \
-    tests/test_gemm_cuda_formats.py > "$out/tests.log" 2>&1
-  say "tests (new): rc=$? $(tail -1 "$out/tests.log")"
+  bash scripts/remeasure.sh "$out" tests-gemm  # the dense GPU suites, as for a re-measurement (log in OUTDIR/logs)
 fi

@@ -151,26 +151,31 @@ def stage_loop_problems(body):
     return problems
 
 
-def fine_24_loop_problems(body):
-    """Branches in the FINE 2:4 kernels' stage loops beyond MAX_FINE_24_LOOP_BRANCHES."""
+def loop_count_problems(body, pattern, limit, what):
+    """Stage loops (innermost HMMA / HGMMA loops) holding more than `limit` instructions that match
+    `pattern`; `what(n, loop_len, first_match)` words the problem."""
     problems = []
     for loop in innermost_loops(body, MMA_OP):
-        branches = sum(bool(re.search(r"\bBRA\b", t)) for t in loop)
-        if branches > MAX_FINE_24_LOOP_BRANCHES:
-            problems.append(f"{branches} branches in a {len(loop)}-instruction stage loop of a FINE 2:4 kernel "
-                            f"(at most {MAX_FINE_24_LOOP_BRANCHES}: a branch on the format per strip?)")
+        hits = [t for t in loop if re.search(pattern, t)]
+        if len(hits) > limit:
+            problems.append(what(len(hits), len(loop), hits[0]))
     return problems
+
+
+def fine_24_loop_problems(body):
+    """Branches in the FINE 2:4 kernels' stage loops beyond MAX_FINE_24_LOOP_BRANCHES."""
+    return loop_count_problems(
+        body, r"\bBRA\b", MAX_FINE_24_LOOP_BRANCHES,
+        lambda n, size, _: f"{n} branches in a {size}-instruction stage loop of a FINE 2:4 kernel "
+                           f"(at most {MAX_FINE_24_LOOP_BRANCHES}: a branch on the format per strip?)")
 
 
 def one_block_8row_loop_problems(body):
     """Constants rematerialised in the one-block 8-row instances' stage loops beyond the bound."""
-    problems = []
-    for loop in innermost_loops(body, MMA_OP):
-        remats = [t for t in loop if REMAT_CONST.search(t)]
-        if len(remats) > MAX_ONE_BLOCK_8ROW_REMATS:
-            problems.append(f"{len(remats)} constants made from uniform registers in a {len(loop)}-instruction stage loop "
-                            f"(at most {MAX_ONE_BLOCK_8ROW_REMATS}: the correction fragment rematerialised? {remats[0][:60]})")
-    return problems
+    return loop_count_problems(
+        body, REMAT_CONST, MAX_ONE_BLOCK_8ROW_REMATS,
+        lambda n, size, first: f"{n} constants made from uniform registers in a {size}-instruction stage loop "
+                               f"(at most {MAX_ONE_BLOCK_8ROW_REMATS}: the correction fragment rematerialised? {first[:60]})")
 
 
 def nvdisasm():
