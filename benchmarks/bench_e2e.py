@@ -69,6 +69,7 @@ from .timing import measure_copy_bandwidth
 # run in this order: each converts the model further (the FP16 variants are undone after their points)
 KERNELS = ("fp16", "fp16_kn", "fp16_fused", "fp16_fused_kn", "marlin_unfused", "marlin", "marlin_24")
 MODES = ("eager", "graph", "compiled", "generate")
+ATTENTIONS = ("sdpa", "marlin_decode")
 DEFAULT_BATCHES = (1, 2, 4, 8, 16, 32, 64, 128)
 CHECK_TOL = 2e-2  # logits of a captured/compiled step vs eager: fp16 rounding differs, a wrong step is O(1)
 # Issue 21 targets: decode tokens/s over FP16 (same mode), Llama-2-7B shape.
@@ -108,6 +109,10 @@ def parse_args(argv=None):
                    help="inductor's Triton kernels with programmatic dependent launch (torch._inductor.config."
                         "triton.enable_pdl; what compile_for_decode sets), for every kernel alike; default: on "
                         "where this torch has the option")
+    p.add_argument("--attention", choices=ATTENTIONS, default="sdpa",
+                   help="the models' attn_implementation, for every kernel alike: sdpa (transformers' SDPA; cuDNN "
+                        "on Hopper) or marlin_decode (marlin.attention's decode kernel for one-token steps, SDPA "
+                        "for prompts)")
     p.add_argument("--profile", action="store_true",
                    help="torch.profiler summary (time by kernel category) of a decode step per kernel, in the "
                         "compiled mode if it runs, else the graph mode's traced step, else eager")
@@ -328,7 +333,7 @@ def main(argv=None) -> int:
     meta.update(transformers=transformers.__version__, model=args.model, batches=args.batches,
                 modes=args.modes, kernels=args.kernels, backend=args.backend, samples=args.samples,
                 compile_scope=args.compile_scope, cache=args.cache, compile_mode=args.compile_mode,
-                profile_mode=args.profile_mode)
+                profile_mode=args.profile_mode, attention=args.attention)
     args.inductor_pdl = meta["inductor_pdl"] = set_inductor_pdl(args.inductor_pdl)
     warn = dirty_warning(meta)
     suffix = f"-{args.layers}L" if args.layers else ""
@@ -341,7 +346,7 @@ def main(argv=None) -> int:
     copy_bw = measure_copy_bandwidth(dev, nbytes=1 << 30) if dev.type == "cuda" else None
     meta["copy_bw_GBps"] = copy_bw
 
-    model = build_model(args.model, args.layers, dev, seed=args.seed)
+    model = build_model(args.model, args.layers, dev, seed=args.seed, attention=args.attention)
     meta["layers"] = model.config.num_hidden_layers
     fp16_bytes = weight_bytes(model)
     floor_ms = fp16_bytes / (copy_bw * 1e9) * 1e3 if copy_bw else None
@@ -376,7 +381,7 @@ def main(argv=None) -> int:
                 if converted != "fp16":  # the dense conversion replaced the FP16 weights: the same model anew
                     del model
                     free_memory()
-                    model = build_model(args.model, args.layers, dev, seed=args.seed)
+                    model = build_model(args.model, args.layers, dev, seed=args.seed, attention=args.attention)
                 to_marlin(model, fuse=True, sparsity="2:4")
                 converted = kernel
             elif kernel != "fp16" and converted == "fp16":

@@ -179,6 +179,8 @@ def parse_args(argv=None):
     p.add_argument("--inductor-pdl", action=argparse.BooleanOptionalAction, default=None,
                    help="inductor's Triton kernels with programmatic dependent launch (as bench_e2e --inductor-pdl; "
                         "default: on where this torch has the option)")
+    p.add_argument("--attention", choices=("sdpa", "marlin_decode"), default="sdpa",
+                   help="the models' attn_implementation, for every kernel alike (as bench_e2e --attention)")
     p.add_argument("--model", default="Llama-2-7B", choices=sorted(MODEL_SPECS))
     p.add_argument("--layers", type=int, default=None)
     p.add_argument("--kernels", default="fp16,marlin")
@@ -244,13 +246,13 @@ def main(argv=None) -> int:
     meta.update(transformers=transformers.__version__, engine=args.engine, model=args.model, rates=args.rates,
                 num_requests=args.num_requests, prompt_median=args.prompt_median, output_median=args.output_median,
                 warmup=not (args.dry_run or args.no_warmup), cuda_graph=args.cuda_graph,
-                warmup_requests=args.warmup_requests)
+                warmup_requests=args.warmup_requests, attention=args.attention)
     if args.engine == "transformers":
         meta.update(tf_compile_level=args.tf_compile_level, q_padding=args.q_padding, kv_padding=args.kv_padding)
     if args.engine == "slots":
         meta.update(slots=args.slots, kv_bucket=args.kv_bucket, compile=args.compile, backend=args.backend)
     meta["inductor_pdl"] = set_inductor_pdl(args.inductor_pdl)
-    model = build_model(args.model, args.layers, dev, seed=args.seed)
+    model = build_model(args.model, args.layers, dev, seed=args.seed, attention=args.attention)
     meta["layers"] = model.config.num_hidden_layers
     reqs = workload(args.num_requests, args.prompt_median, args.output_median, args.max_len,
                     model.config.vocab_size, args.seed)
@@ -329,7 +331,7 @@ def main(argv=None) -> int:
             if "marlin" in args.kernels:  # the dense conversion replaced the FP16 weights: the same model anew
                 del model
                 free_memory()
-                model = build_model(args.model, args.layers, dev, seed=args.seed)
+                model = build_model(args.model, args.layers, dev, seed=args.seed, attention=args.attention)
             to_marlin(model, fuse=True, sparsity="2:4")
             free_memory()
         try:

@@ -54,15 +54,20 @@ MODEL_SPECS = {cfg.name: _spec(cfg) for cfg in S.MODELS if cfg.name in _DEPTH_VO
 MODEL_SPECS["tiny"] = TINY
 
 
-def build_model(name: str, layers: Optional[int], dev: torch.device, seed: int = 0):
+def build_model(name: str, layers: Optional[int], dev: torch.device, seed: int = 0, attention: str = "sdpa"):
     """A transformers LlamaForCausalLM of the named shape (``layers`` overrides the depth), fp16,
-    random weights, eval mode, SDPA attention, on ``dev``."""
+    random weights, eval mode, on ``dev``; ``attention``: its attn_implementation ("sdpa", or
+    "marlin_decode": marlin's decode attention for one-token steps, SDPA for prompts)."""
     import transformers
 
+    if attention == "marlin_decode":
+        from marlin.integrations import hf_attention
+
+        hf_attention.register()
     spec = dict(MODEL_SPECS[name])
     if layers:
         spec["num_hidden_layers"] = layers
-    config = transformers.LlamaConfig(**spec, max_position_embeddings=4096, attn_implementation="sdpa")
+    config = transformers.LlamaConfig(**spec, max_position_embeddings=4096, attn_implementation=attention)
     prev = torch.get_default_dtype()
     torch.set_default_dtype(torch.float16)
     try:

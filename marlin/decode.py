@@ -77,6 +77,20 @@ def inductor_pdl_options(mode: Optional[str], options: Optional[dict]) -> dict:
     return {**mode_options, "triton.enable_pdl": True, **(options or {})}
 
 
+def _set_attention(model: nn.Module, attention: str) -> None:
+    if attention == "marlin_decode":
+        from .integrations import hf_attention
+
+        if not hf_attention.register():
+            raise ValueError("compile_for_decode: attention='marlin_decode' needs transformers' AttentionInterface")
+    elif attention != "sdpa":
+        raise ValueError(f"compile_for_decode: attention={attention!r}, expected 'marlin_decode', 'sdpa' or None")
+    if not hasattr(model, "set_attn_implementation"):
+        raise ValueError(f"compile_for_decode: {type(model).__name__} has no set_attn_implementation; "
+                         f"cannot set attention={attention!r}")
+    model.set_attn_implementation(attention)
+
+
 def compile_for_decode(
     model: nn.Module,
     *,
@@ -88,6 +102,7 @@ def compile_for_decode(
     options: Optional[dict] = None,
     compile_on_cpu: bool = False,
     pdl: Optional[bool] = None,
+    attention: Optional[str] = None,
 ) -> nn.Module:
     """Set up ``model`` (a transformers causal LM, usually with Marlin layers) so that
     ``model.generate`` decodes with a static cache and a compiled, CUDA-graphed step; returns it.
@@ -107,8 +122,13 @@ def compile_for_decode(
     ``triton.enable_pdl``, off otherwise; ``True``: on, or an error where it cannot be;
     ``False``: off.
 
+    ``attention``: the model's attn_implementation for the compiled steps: ``"marlin_decode"``
+    (marlin.integrations.hf_attention: marlin's decode attention kernel for one-token steps, which
+    reads only the visible part of the static cache; SDPA for prompts), ``"sdpa"``, or ``None``
+    (the default: leave the model's own).
+
     Raises TypeError for a model without ``generation_config``, ValueError for ``pdl=True`` with
-    another backend or a torch without the option.
+    another backend or a torch without the option, or for an ``attention`` the model cannot take.
     """
     from transformers import CompileConfig
 
@@ -123,6 +143,8 @@ def compile_for_decode(
         if backend != "inductor":
             raise ValueError(f"compile_for_decode: pdl=True needs backend='inductor', got backend={backend!r}")
         options, mode = inductor_pdl_options(mode, options), None
+    if attention is not None:
+        _set_attention(model, attention)
     report = fuse_projections(model) if fuse else None
     if report is not None and report.skipped:
         log.warning("compile_for_decode: %s", report)
