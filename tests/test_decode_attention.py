@@ -7,8 +7,8 @@ the wrong key/value head or a mask read from the wrong row shows up as an O(1) e
 
 The Triton kernel runs on CUDA, and on the CPU in Triton's interpreter (TRITON_INTERPRET=1, in a
 subprocess: the variable is read when the kernels are defined). The interpreter's bfloat16 tl.dot
-is broken in triton 3.9 (a plain 16x16 bf16 dot is off by 1e10 there), so it runs bf16 on the
-one-query-head-per-key-head path only; the GPU tests run every dtype on every path.
+is broken in triton 3.9 (a plain 16x16 bf16 dot is off by 1e10 there), so it runs fp16 and fp32;
+the GPU tests run every dtype.
 """
 
 from __future__ import annotations
@@ -181,9 +181,7 @@ _INTERPRET_SCRIPT = textwrap.dedent(
         b, h, hkv, n, d = shape
         # every mask kind in fp16, one each in the other dtypes (the interpreter is slow)
         for dtype, kind in [(torch.float16, "bool"), (torch.float16, "additive"), (torch.float16, "broadcast"),
-                            (torch.float16, "none"), (torch.bfloat16, "additive"), (torch.float32, "bool")]:
-            if dtype == torch.bfloat16 and h != hkv:
-                continue  # the interpreter's bf16 tl.dot is broken (module docstring)
+                            (torch.float16, "none"), (torch.float32, "bool")]:  # no bf16 (module docstring)
             for sms in (132, 2):  # 2: as many splits as the positions allow
                 q, k, v, mask, vis, bias = make_case(b, h, hkv, n, d, dtype, kind, seed=len(results))
                 out = launch(q, k, v, mask, d ** -0.5, sms)
@@ -202,7 +200,7 @@ def test_triton_kernel_in_interpreter():
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert len(results) >= 60
+    assert len(results) >= 55
     tol = {"torch.float16": 2e-3, "torch.bfloat16": 1.6e-2, "torch.float32": 1e-5}
     bad = [r for r in results if not (r[4] <= tol[r[1]] and r[5])]
     assert not bad, bad[:5]
@@ -277,6 +275,15 @@ def test_compile_for_decode_sets_the_attention():
         marlin.compile_for_decode(model, fuse=False, attention="flash", pdl=False)
 
 
+def test_compile_for_decode_auto_leaves_cpu_models_and_chosen_attentions():
+    model = _tiny_llama()
+    marlin.compile_for_decode(model, fuse=False, pdl=False)  # attention="auto"
+    assert model.config._attn_implementation == "sdpa"  # a CPU model: left as it is
+    model.set_attn_implementation("eager")
+    marlin.compile_for_decode(model, fuse=False, pdl=False)
+    assert model.config._attn_implementation == "eager"
+
+
 # ---- CUDA -----------------------------------------------------------------------------------------
 
 
@@ -327,7 +334,8 @@ def test_hf_marlin_decode_cuda_generate_compiled(dtype):
     attn = torch.ones_like(ids)
     attn[0, :4] = 0
     want = _generate(model, ids, attn)
-    marlin.compile_for_decode(model, fuse=False, attention=hf_attention.NAME)
+    marlin.compile_for_decode(model, fuse=False)  # "auto": marlin_decode on CUDA with Triton
+    assert model.config._attn_implementation == hf_attention.NAME
     got = _generate(model, ids, attn)
     err = max((x.float() - y.float()).abs().max().item() for x, y in zip(got.scores, want.scores))
     scale = max(y.float().abs().max().item() for y in want.scores)

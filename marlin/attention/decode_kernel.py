@@ -6,7 +6,9 @@ between them, in blocks of ``BLOCK_N`` positions, with an online softmax in floa
 cache is allocated for the longest sequence, and a decode step's mask hides everything past each
 sequence's length: SDPA reads (and cuDNN's kernel computes on) the whole cache, this reads only
 the visible range. The query heads that share one key/value head (grouped-query attention) are
-one program's rows, so each key and value is read once per step.
+one program's rows, so each key and value is read once per step; q.k and p.v are tensor-core dots
+with the rows padded to 16, also for one query head per key/value head (a float32 dot product per
+position there streamed at half SDPA's speed on an H200: benchmarks/NOTES.md).
 
 Where the splits are more than one, each program leaves its unnormalised sums, running maximum
 and denominator in float32 scratch and a second kernel combines them; with one split the first
@@ -57,7 +59,7 @@ def decode_attention_kernel(
     n_kv, split_len, scale_log2, masked_below,
     H_KV: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, SCAN: tl.constexpr, MASK_KIND: tl.constexpr,
-    SPLIT: tl.constexpr,
+    SPLIT: tl.constexpr, FP32: tl.constexpr, STAGES: tl.constexpr,
 ):
     bh = tl.program_id(0)
     split = tl.program_id(1)
@@ -67,36 +69,40 @@ def decode_attention_kernel(
     start = split * split_len
     end = tl.minimum(start + split_len, n_kv)
     m_row = b.to(tl.int64) * sm_b
-    lo, hi = _visible_range(Mask, m_row, sm_n, start, end, masked_below, MASK_KIND, SCAN)
-
     g = tl.arange(0, BLOCK_G)
     d = tl.arange(0, BLOCK_D)
     g_ok = g < GROUP
     d_ok = d < HEAD_DIM
     heads = hk * GROUP + g
+    # q's load is issued before the mask scan waits for its own
     q = tl.load(Q + b.to(tl.int64) * sq_b + heads[:, None] * sq_h + d[None, :], mask=g_ok[:, None] & d_ok[None, :],
                 other=0.0)
+    lo, hi = _visible_range(Mask, m_row, sm_n, start, end, masked_below, MASK_KIND, SCAN)
     k_base = K + b.to(tl.int64) * sk_b + hk.to(tl.int64) * sk_h
     v_base = V + b.to(tl.int64) * sv_b + hk.to(tl.int64) * sv_h
 
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-    for n0 in range(lo, hi, BLOCK_N):
+    for n0 in tl.range(lo, hi, BLOCK_N, num_stages=STAGES):
         offs = n0 + tl.arange(0, BLOCK_N)
         inr = offs < hi
         kv_mask = inr[:, None] & d_ok[None, :]
+        # keys, values and the mask of the block are all requested before any of them is used
         k = tl.load(k_base + offs[:, None].to(tl.int64) * sk_n + d[None, :], mask=kv_mask, other=0.0)
-        if GROUP == 1:  # one query row: a float32 dot product per position, no padded MMA
-            s = tl.sum(k.to(tl.float32) * q.to(tl.float32), axis=1)[None, :]
+        v = tl.load(v_base + offs[:, None].to(tl.int64) * sv_n + d[None, :], mask=kv_mask, other=0.0)
+        if MASK_KIND == 1:
+            keep = (tl.load(Mask + m_row + offs * sm_n, mask=inr, other=0) != 0) & inr
+        elif MASK_KIND == 2:
+            bias = tl.load(Mask + m_row + offs * sm_n, mask=inr, other=0.0).to(tl.float32) * 1.4426950408889634
+        if FP32:
+            s = tl.dot(q, tl.trans(k), input_precision="ieee")
         else:
             s = tl.dot(q, tl.trans(k))
         s = s * scale_log2
         if MASK_KIND == 1:
-            vis = tl.load(Mask + m_row + offs * sm_n, mask=inr, other=0) != 0
-            s = tl.where((vis & inr)[None, :], s, float("-inf"))
+            s = tl.where(keep[None, :], s, float("-inf"))
         elif MASK_KIND == 2:
-            bias = tl.load(Mask + m_row + offs * sm_n, mask=inr, other=0.0).to(tl.float32) * 1.4426950408889634
             s = tl.where(inr[None, :], s + bias[None, :], float("-inf"))
         else:
             s = tl.where(inr[None, :], s, float("-inf"))
@@ -105,9 +111,8 @@ def decode_attention_kernel(
         alpha = tl.exp2(m_i - m_use)
         p = tl.exp2(s - m_use[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = tl.load(v_base + offs[:, None].to(tl.int64) * sv_n + d[None, :], mask=kv_mask, other=0.0)
-        if GROUP == 1:
-            pv = tl.sum(p.reshape([BLOCK_N])[:, None] * v.to(tl.float32), axis=0)[None, :]
+        if FP32:
+            pv = tl.dot(p, v, input_precision="ieee")
         else:
             pv = tl.dot(p.to(v.dtype), v)
         acc = acc * alpha[:, None] + pv
@@ -148,13 +153,18 @@ def decode_attention_combine_kernel(
     tl.store(Out + b.to(tl.int64) * so_b + h * so_h + d, out.to(Out.dtype.element_ty), mask=d < HEAD_DIM)
 
 
+# the launch's tuning: key positions per block, warps per program, software-pipeline stages of the
+# block loop (benchmarks/bench_attention.py --tunings compares others)
+TUNING = {"block_n": 64, "warps": 4, "stages": 2, "min_split": 256}
+
+
 def launch(q, k, v, mask, scale: float, sms: int):
     """Runs the kernels on checked arguments (decode_op's shapes); returns the [B, H, D] output.
     ``sms``: the device's multiprocessor count (split_count). Works on CPU tensors under
     TRITON_INTERPRET=1 (the CPU tests)."""
     import torch
 
-    from .decode_op import BLOCK_N, masked_below, split_count, triton_pow2
+    from .decode_op import masked_below, split_count, triton_pow2
 
     b, h, d = q.shape
     hkv, n = k.shape[1], k.shape[2]
@@ -165,11 +175,12 @@ def launch(q, k, v, mask, scale: float, sms: int):
         if t.stride(-1) != 1:
             raise ValueError(f"marlin.decode_attention: {name} needs a unit stride in its last dim, got strides {t.stride()}")
     group = h // hkv
-    block_g = 1 if group == 1 else max(16, triton_pow2(group))
+    block_g = max(16, triton_pow2(group))  # an MMA's rows; one query head pads to 16 too (MMA loads stream faster)
     block_d = triton_pow2(d)
-    splits = split_count(b, hkv, n, sms)
+    block_n = TUNING["block_n"]
+    splits = split_count(b, hkv, n, sms, TUNING["min_split"])
     split_len = -(-n // splits)
-    split_len = -(-split_len // BLOCK_N) * BLOCK_N  # whole blocks per program
+    split_len = -(-split_len // block_n) * block_n  # whole blocks per program
     splits = -(-n // split_len) if n else 1
     if mask is None:
         kind, m_arg, sm_b, sm_n, below = 0, q, 0, 0, 0.0
@@ -188,8 +199,9 @@ def launch(q, k, v, mask, scale: float, sms: int):
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
         sm_b, sm_n, out.stride(0), out.stride(1),
         n, max(split_len, 1), scale * LOG2E, below,
-        H_KV=hkv, GROUP=group, BLOCK_G=block_g, HEAD_DIM=d, BLOCK_D=block_d, BLOCK_N=BLOCK_N, SCAN=256,
-        MASK_KIND=kind, SPLIT=splits > 1, num_warps=4,
+        H_KV=hkv, GROUP=group, BLOCK_G=block_g, HEAD_DIM=d, BLOCK_D=block_d, BLOCK_N=block_n, SCAN=256,
+        MASK_KIND=kind, SPLIT=splits > 1, FP32=q.dtype == torch.float32, STAGES=TUNING["stages"],
+        num_warps=TUNING["warps"],
     )
     if splits > 1:
         decode_attention_combine_kernel[(b * h,)](part_acc, part_ml, out, out.stride(0), out.stride(1), splits,

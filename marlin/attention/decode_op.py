@@ -23,9 +23,8 @@ import torch
 
 __all__ = ["decode_attention", "split_count", "masked_below"]
 
-# the Triton kernel's block of key positions, and how many of a sequence's positions one program
-# takes at least before the positions are split over more programs
-BLOCK_N = 64
+# how many of a sequence's positions one program takes at least before they are split over more
+# programs (decode_kernel.TUNING has the kernel's block of positions)
 MIN_SPLIT_LEN = 256
 MAX_SPLITS = 16
 
@@ -36,12 +35,12 @@ def masked_below(mask_dtype: torch.dtype) -> float:
     return float(torch.finfo(mask_dtype).min) / 2
 
 
-def split_count(batch: int, kv_heads: int, n_kv: int, sms: int) -> int:
+def split_count(batch: int, kv_heads: int, n_kv: int, sms: int, min_len: int = 0) -> int:
     """How many programs share one sequence and key/value head: enough to give each SM two
     programs, no fewer than MIN_SPLIT_LEN positions each, at most MAX_SPLITS. Shapes only (a
-    CUDA graph replays it)."""
+    CUDA graph replays it). ``min_len``: MIN_SPLIT_LEN where 0."""
     want = max(1, (2 * sms) // max(1, batch * kv_heads))
-    return max(1, min(want, math.ceil(n_kv / MIN_SPLIT_LEN), MAX_SPLITS))
+    return max(1, min(want, math.ceil(n_kv / (min_len or MIN_SPLIT_LEN)), MAX_SPLITS))
 
 
 def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor]) -> None:
