@@ -27,6 +27,9 @@ weights (no download; benchmarks/e2e_model.py). Kernels:
                   (random weights: the time does not depend on which ones are kept). Built
                   from a fresh copy of the FP16 model (same seed) when the dense kernels ran first.
 
+Attention (--attention, every kernel alike): marlin_decode by default, as compile_for_decode
+sets it (marlin's decode kernel for the one-token steps, SDPA for the prompts), or sdpa.
+
 For each (kernel, mode, batch): ttft_ms is the prefill of the prompt (eager, as generate() runs
 it; logits of the last token only); tpot_ms is the median over --samples blocks of the 64 decode
 steps at positions 64 .. 127, each block timed whole with CUDA events; tokens_per_s = batch /

@@ -76,13 +76,20 @@ def pdl_note(meta: dict) -> str:
     return f"; inductor's kernels {'with' if meta['inductor_pdl'] else 'without'} programmatic dependent launch"
 
 
+def attention_note(meta: dict) -> str:
+    """The models' attention (files before the option ran transformers' SDPA)."""
+    att = meta.get("attention", "sdpa")
+    what = {"sdpa": "transformers' SDPA", "marlin_decode": "marlin_decode (decode steps on marlin's decode attention)"}
+    return f"; attention {what.get(att, att)}"
+
+
 def markdown(data: dict, figure_msg: str, extra_figures: tuple = ()) -> list[str]:
     meta, points, sp = data["meta"], data.get("points", []), _over(data.get("speedups", []))
     fused = {(x["kernel"], x["mode"], x["batch"]): x for x in _over(data.get("speedups", []), "fp16_fused")}
     md = [f"# End-to-end decode: {meta.get('model')} ({meta.get('layers')} layers) on {meta.get('gpu')}", ""]
     md += [f"torch {meta.get('torch')}, transformers {meta.get('transformers')}, git {str(meta.get('git_rev'))[:12]}"
            f"{' (dirty)' if meta.get('git_dirty') else ''}, {meta.get('date')}; compile backend {meta.get('backend')}"
-           f"{pdl_note(meta)}", ""]
+           f"{pdl_note(meta)}{attention_note(meta)}", ""]
     if figure_msg.startswith("wrote "):
         name = figure_msg.split()[1]
         md += [f"![{name}]({name})", ""]
@@ -262,7 +269,7 @@ def report_serving(data: dict, stem: str, outdir: Path) -> list[str]:
     md = [f"# Serving: {meta.get('model')} ({meta.get('layers')} layers) on {meta.get('gpu')}", "",
           f"torch {meta.get('torch')}, transformers {meta.get('transformers')}, git {str(meta.get('git_rev'))[:12]}; "
           f"{meta.get('num_requests')} requests, median prompt {meta.get('prompt_median')}, "
-          f"median output {meta.get('output_median')} tokens; {_engine(meta)}{pdl_note(meta)}", ""]
+          f"median output {meta.get('output_median')} tokens; {_engine(meta)}{pdl_note(meta)}{attention_note(meta)}", ""]
     if msgs:
         md += [f"![{stem}.png]({stem}.png)", ""]
     md += ["| kernel | rate req/s | TPOT ms (median) | TTFT ms (median) | TTFT p90 | out tok/s | TPOT x FP16 | TPOT x fused "
