@@ -16,7 +16,8 @@ model: it sets up transformers' own machinery,
     uncompiled (its shape changes with the prompt);
 
 and first merges q/k/v and gate/up into one Marlin layer each (marlin.fuse_projections), so a
-layer runs four GEMMs instead of seven. Marlin layers are made for this: the op has a fake
+layer runs four GEMMs instead of seven, and on CUDA puts the decode steps' attention on marlin's
+decode kernel (marlin.integrations.hf_attention), which reads only the visible part of the cache. Marlin layers are made for this: the op has a fake
 kernel, and forward has no host synchronisation and no data-dependent control flow.
 
 transformers compiles decode steps only on accelerators; ``compile_on_cpu=True`` compiles on the
@@ -45,6 +46,7 @@ class DecodeSetup:
     fused: Optional[FuseReport]
     cache_implementation: str
     compile_config: Any  # transformers.CompileConfig
+    attention: Optional[str] = None  # the attn_implementation set ("marlin_decode", "sdpa"), None: left as it was
 
 
 def inductor_pdl_supported() -> bool:
@@ -174,5 +176,6 @@ def compile_for_decode(
     model.eval()
     model.generation_config.cache_implementation = "static"
     model.generation_config.compile_config = compile_config
-    model.marlin_decode = DecodeSetup(fused=report, cache_implementation="static", compile_config=compile_config)
+    model.marlin_decode = DecodeSetup(fused=report, cache_implementation="static", compile_config=compile_config,
+                                      attention=attention)
     return model

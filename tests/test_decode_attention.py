@@ -188,6 +188,15 @@ _INTERPRET_SCRIPT = textwrap.dedent(
                 ref = ref64(q, k, v, vis, bias, d ** -0.5)
                 err = (out.double() - ref).abs().max().item() / max(1.0, ref.abs().max().item())
                 results.append([list(shape), str(dtype), kind, sms, err, out.dtype == dtype])
+    # strided views: q's and v's last dim with stride 2, k one layer of a bigger cache
+    q, k, v, mask, vis, bias = make_case(2, 8, 2, 90, 64, torch.float16, "bool", seed=7)
+    q2 = torch.zeros(2, 8, 128, dtype=torch.float16); q2[..., ::2] = q
+    v2 = torch.zeros(2, 2, 90, 128, dtype=torch.float16); v2[..., ::2] = v
+    k2 = torch.stack([torch.zeros_like(k), k])[1]
+    out = launch(q2[..., ::2], k2, v2[..., ::2], mask, 0.125, 2)
+    ref = ref64(q, k, v, vis, bias, 0.125)
+    results.append([[2, 8, 2, 90, 64], "torch.float16", "strided", 2,
+                    (out.double() - ref).abs().max().item() / max(1.0, ref.abs().max().item()), True])
     print(json.dumps(results))
     """
 )
@@ -268,7 +277,7 @@ def test_hf_falls_back_to_sdpa_for_what_the_op_does_not_take(monkeypatch):
 def test_compile_for_decode_sets_the_attention():
     model = _tiny_llama()
     marlin.compile_for_decode(model, fuse=False, attention="marlin_decode", pdl=False)
-    assert model.config._attn_implementation == "marlin_decode"
+    assert model.config._attn_implementation == "marlin_decode" and model.marlin_decode.attention == "marlin_decode"
     marlin.compile_for_decode(model, fuse=False, attention="sdpa", pdl=False)
     assert model.config._attn_implementation == "sdpa"
     with pytest.raises(ValueError, match="attention='flash'"):
@@ -279,6 +288,7 @@ def test_compile_for_decode_auto_leaves_cpu_models_and_chosen_attentions():
     model = _tiny_llama()
     marlin.compile_for_decode(model, fuse=False, pdl=False)  # attention="auto"
     assert model.config._attn_implementation == "sdpa"  # a CPU model: left as it is
+    assert model.marlin_decode.attention is None
     model.set_attn_implementation("eager")
     marlin.compile_for_decode(model, fuse=False, pdl=False)
     assert model.config._attn_implementation == "eager"

@@ -171,9 +171,9 @@ def launch(q, k, v, mask, scale: float, sms: int):
     out = torch.empty((b, h, d), dtype=q.dtype, device=q.device)
     if b == 0 or h == 0:
         return out
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if t.stride(-1) != 1:
-            raise ValueError(f"marlin.decode_attention: {name} needs a unit stride in its last dim, got strides {t.stride()}")
+    # the kernels read head dims with unit stride (every cache transformers builds has it); other
+    # views are copied
+    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
     group = h // hkv
     block_g = max(16, triton_pow2(group))  # an MMA's rows; one query head pads to 16 too (MMA loads stream faster)
     block_d = triton_pow2(d)

@@ -2,7 +2,7 @@
 
     out = torch.ops.marlin.decode_attention(q, k, v, mask, scale)
 
-q [B, H, D], k and v [B, Hkv, N, D] (any strides with a unit last stride; H a multiple of Hkv:
+q [B, H, D], k and v [B, Hkv, N, D] (any strides; H a multiple of Hkv:
 grouped-query attention without repeating k and v), mask None or [B, N] / [1, N] (boolean, True =
 visible, or additive in any float dtype, broadcast over heads), scale the factor on q.k. Returns
 [B, H, D] in q's dtype: softmax(scale * q.k + mask) @ v per head, in float32 inside. A sequence
