@@ -255,6 +255,34 @@ def test_hf_marlin_decode_matches_sdpa_and_runs_the_op(monkeypatch):
     assert len(calls) == 10 and all(s == (3, 4, 64) for s in calls), calls
 
 
+@pytest.mark.parametrize("family, extra", [("Mistral", {"sliding_window": 4}), ("Qwen2", {}), ("Qwen3", {"head_dim": 32}),
+                                           ("Phi3", {"pad_token_id": 0})])
+def test_hf_marlin_decode_other_families(family, extra, monkeypatch):
+    """Other attention layouts transformers ships: a sliding window (its mask narrows the visible
+    range), Qwen3's q/k norms and explicit head size, Phi3's fused qkv: the same tokens as SDPA."""
+    transformers = pytest.importorskip("transformers")
+    from marlin.integrations import hf_attention
+
+    hf_attention.register()
+    torch.manual_seed(0)
+    cfg = getattr(transformers, family + "Config")(hidden_size=128, intermediate_size=256, num_attention_heads=4,
+                                                   num_key_value_heads=2, num_hidden_layers=2, vocab_size=100, **extra)
+    cfg._attn_implementation = "sdpa"
+    model = getattr(transformers, family + "ForCausalLM")(cfg).eval()
+    ids = torch.randint(1, 100, (2, 9), generator=torch.Generator().manual_seed(1))
+    attn = torch.ones_like(ids)
+    attn[0, :3] = 0
+    want = _generate(model, ids, attn)
+    calls = []
+    real = decode_op._reference
+    monkeypatch.setattr(decode_op, "_reference", lambda *a: calls.append(1) or real(*a))
+    model.set_attn_implementation(hf_attention.NAME)
+    got = _generate(model, ids, attn)
+    assert got.sequences.tolist() == want.sequences.tolist()
+    assert max((x - y).abs().max().item() for x, y in zip(got.scores, want.scores)) < 1e-4
+    assert len(calls) == 5 * 2  # every one-token step of both layers
+
+
 def test_hf_falls_back_to_sdpa_for_what_the_op_does_not_take(monkeypatch):
     from marlin.integrations import hf_attention
 
