@@ -50,6 +50,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--inductor-pdl", action=argparse.BooleanOptionalAction, default=None,
                    help="the compiled element-wise code's Triton kernels with programmatic dependent launch (as "
                         "bench_e2e --inductor-pdl; default: on where this torch has the option and the code is compiled)")
+    p.add_argument("--attention", choices=("sdpa", "marlin_decode"), default="marlin_decode",
+                   help="the decode step's attention, for every kind alike: marlin_decode (marlin's decode kernel, "
+                        "as compile_for_decode sets it; the default) or sdpa")
     p.add_argument("--profile-batches", default="",
                    help="comma-separated batches whose step is also profiled (torch.profiler over eager calls of the "
                         "step, kernel time by category: GEMMs, collectives, attention, element-wise; rank 0's)")
@@ -210,7 +213,8 @@ def weight_bytes(model: DecodeModel) -> int:
 
 def run_kind(kind: str, shape: LlamaShape, args, batches, rank, world, device) -> dict:
     max_len = args.prompt + args.steps
-    model = DecodeModel(shape, kind, max_len, rank, world, device, compile=compiled(args, device))
+    model = DecodeModel(shape, kind, max_len, rank, world, device, compile=compiled(args, device),
+                        attention=args.attention)
     out = {"kind": kind, "weight_bytes_per_rank": weight_bytes(model), "points": []}
     for batch in batches:
         point = time_point(model, args, batch, world, device)
@@ -250,7 +254,7 @@ def table(result: dict) -> str:
 def meta(device, world: int, shape: LlamaShape, args) -> dict:
     info = {"kind": "tp", "world_size": world, "shape": shape.__dict__, "prompt": args.prompt, "steps": args.steps,
             "repeats": args.repeats, "torch": torch.__version__, "fused_projections": True,
-            "compiled": compiled(args, device),
+            "compiled": compiled(args, device), "attention": args.attention,
             # profiled steps start together at a host barrier after a dropped warm-up step
             "profile_aligned": True,
             "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}

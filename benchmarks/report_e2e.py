@@ -79,7 +79,7 @@ def pdl_note(meta: dict) -> str:
 def attention_note(meta: dict) -> str:
     """The models' attention (files before the option ran transformers' SDPA)."""
     att = meta.get("attention", "sdpa")
-    what = {"sdpa": "transformers' SDPA", "marlin_decode": "marlin_decode (decode steps on marlin's decode attention)"}
+    what = {"sdpa": "SDPA", "marlin_decode": "marlin_decode (decode steps on marlin's decode attention)"}
     return f"; attention {what.get(att, att)}"
 
 

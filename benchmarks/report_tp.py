@@ -16,7 +16,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from benchmarks.report_e2e import pdl_note  # noqa: E402
+from benchmarks.report_e2e import attention_note, pdl_note  # noqa: E402
 
 __all__ = ["report_tp", "tokens_per_s"]
 
@@ -60,7 +60,7 @@ def _model_code(meta: dict) -> str:
         return "Separate q/k/v and gate/up layers, element-wise code eager."
     fused = "q/k/v and gate/up fused per rank" if meta.get("fused_projections") else "separate q/k/v and gate/up"
     code = "compiled (torch.compile)" + pdl_note(meta) if meta["compiled"] else "eager"
-    return f"{fused[0].upper()}{fused[1:]}, element-wise code {code}."
+    return f"{fused[0].upper()}{fused[1:]}, element-wise code {code}{attention_note(meta)}."
 
 
 def _profile_lines(data: dict) -> list:

@@ -18,8 +18,8 @@ As a serving engine runs a decoder, q/k/v are one column-parallel layer per rank
 another (each rank's q, k and v shards side by side), and the element-wise work between the
 GEMMs (residual add + RMSNorm, rotary, SiLU-mul) runs as torch.compile'd functions
 (``compile=True``), so that a layer is a dozen or so kernels instead of several times as many
-small eager ones (counted from the code, not profiled); attention (SDPA over the static cache),
-the cache writes and the collectives stay eager.
+small eager ones (counted from the code, not profiled); attention (SDPA, or marlin's decode kernel,
+over the static cache), the cache writes and the collectives stay eager.
 """
 
 from __future__ import annotations
@@ -108,15 +108,30 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+def sdpa_attention(q, cache_k, cache_v, mask, scale):
+    """q [B, H, 1, D] over the cache [B, Hkv, L, D] under mask [1, 1, 1, L]: [B, H, 1, D]."""
+    return F.scaled_dot_product_attention(q, cache_k, cache_v, attn_mask=mask, enable_gqa=True, scale=scale)
+
+
+def marlin_decode_attention(q, cache_k, cache_v, mask, scale):
+    """The same on marlin's decode kernel (only the visible positions are read): [B, H, D]."""
+    return torch.ops.marlin.decode_attention(q[:, :, 0], cache_k, cache_v, mask[:, 0, 0], scale)
+
+
+ATTENTIONS = {"sdpa": sdpa_attention, "marlin_decode": marlin_decode_attention}
+
+
 class Ops:
     """The element-wise functions a layer calls, compiled once per model (dynamic shapes: one
-    compilation serves every batch above 1) or plain."""
+    compilation serves every batch above 1) or plain, and its attention ("sdpa" or
+    "marlin_decode", eager either way)."""
 
-    def __init__(self, compile: bool):
+    def __init__(self, compile: bool, attention: str = "sdpa"):
         wrap = (lambda f: torch.compile(f, dynamic=True)) if compile else (lambda f: f)
         self.rms_norm, self.add_rms_norm = wrap(rms_norm), wrap(add_rms_norm)
         self.rotate_pair, self.silu_mul = wrap(rotate_pair), wrap(silu_mul)
         self.compiled = compile
+        self.attention = ATTENTIONS[attention]
 
 
 class Layer(nn.Module):
@@ -152,7 +167,7 @@ class Layer(nn.Module):
         q, k = ops.rotate_pair(q.view(b, self.heads, 1, self.hd), k.view(b, self.kv_heads, 1, self.hd), cos, sin)
         cache_k.index_copy_(2, pos, k)  # static cache [B, kv, L, hd]; pos is a device tensor [1]
         cache_v.index_copy_(2, pos, v.view(b, self.kv_heads, 1, self.hd))
-        att = F.scaled_dot_product_attention(q, cache_k, cache_v, attn_mask=mask, enable_gqa=True)
+        att = ops.attention(q, cache_k, cache_v, mask, self.hd ** -0.5)
         x, h = ops.add_rms_norm(x, self.o(att.reshape(b, self.heads * self.hd)), self.norm2.weight, eps)
         return x, self.down(ops.silu_mul(self.gate_up(h)))
 
@@ -161,7 +176,7 @@ class DecodeModel(nn.Module):
     """One rank's shard of a Llama-shaped decoder with a static KV cache of ``max_len`` positions."""
 
     def __init__(self, s: LlamaShape, kind: str, max_len: int, rank: int, world: int, device, group=None,
-                 compile: bool = False):
+                 compile: bool = False, attention: str = "sdpa"):
         super().__init__()
         if s.heads % world or s.kv_heads % world:
             raise ValueError(f"heads {s.heads} / kv heads {s.kv_heads} do not divide by world size {world}")
@@ -170,7 +185,7 @@ class DecodeModel(nn.Module):
             torch.randn(s.vocab, s.hidden, device=device, dtype=torch.float16, generator=gen), requires_grad=False
         )
         gen.manual_seed(1000 + rank)  # each rank's own shards
-        self.ops = Ops(compile)
+        self.ops = Ops(compile, attention)
         self.layers = nn.ModuleList(Layer(s, kind, rank, world, device, gen, self.ops, group) for _ in range(s.layers))
         self.norm = RMSNorm(s.hidden, s.rms_eps, device)
         head = random_linear("fp16", s.hidden, s.vocab // world, device, gen)

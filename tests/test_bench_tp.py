@@ -18,6 +18,7 @@ def test_dry_run_writes_every_kind(tmp_path, monkeypatch, capsys):
     result = json.loads(out.read_text())
     assert result["meta"]["world_size"] == 1 and result["meta"]["shape"]["layers"] == 2
     assert result["meta"]["inductor_pdl"] is False  # the dry run does not compile: nothing to launch
+    assert result["meta"]["attention"] == "marlin_decode"  # compile_for_decode's attention, the default
     runs = {r["kind"]: r for r in result["runs"]}
     assert set(runs) == {"fp16", "marlin", "marlin_24"}
     for run in runs.values():
@@ -87,6 +88,26 @@ def test_compiled_step_matches_the_eager_one(kind):
         torch.testing.assert_close(b[..., written, :].float(), a[..., written, :].float(), atol=2e-2, rtol=2e-2)
         assert not torch.equal(a[..., written, :], torch.zeros_like(a[..., written, :]))
     assert torch.equal(comp.ids, eager.ids)
+
+
+@pytest.mark.parametrize("kind", ["fp16", "marlin"])
+def test_decode_attention_step_matches_sdpa(kind):
+    """The step on marlin's decode attention writes the cache entries and picks the tokens of the
+    step on SDPA (the model's mask hides the cache past the position)."""
+    from benchmarks.tp_model import DecodeModel
+
+    models = [DecodeModel(bench_tp.TINY, kind, 8, 0, 1, torch.device("cpu"), attention=a)
+              for a in ("sdpa", "marlin_decode")]
+    for m in models:
+        torch.manual_seed(0)
+        m.prepare(3)
+        m.pos.fill_(4)
+        m.step()
+        m.step()
+    sdpa, mine = models
+    for a, b in ((sdpa.cache_k, mine.cache_k), (sdpa.cache_v, mine.cache_v)):
+        torch.testing.assert_close(b.float(), a.float(), atol=2e-3, rtol=2e-3)
+    assert torch.equal(sdpa.ids, mine.ids)
 
 
 def test_fused_qkv_layer_writes_the_rotated_k_of_its_k_rows():
