@@ -317,7 +317,7 @@ def test_tp_results_take_the_checkouts_revision_over_a_stale_git(monkeypatch):
     monkeypatch.setattr(PV, "_git_raw", lambda *a: "")
     monkeypatch.setenv("MARLIN_GIT_REV", "abc1234")
     monkeypatch.setenv("MARLIN_CSRC_TREE", work)
-    args = argparse.Namespace(prompt=4, steps=4, repeats=1, compile="off")
+    args = argparse.Namespace(prompt=4, steps=4, repeats=1, compile="off", attention="marlin_decode")
     git = bench_tp.meta(torch.device("cpu"), 1, bench_tp.TINY, args)["git"]
     assert git["git_rev"] == "abc1234" and git["provenance_source"] == "given" and git["git_dirty"] is False
 
