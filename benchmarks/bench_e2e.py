@@ -63,8 +63,8 @@ import torch
 
 from .bench_gemm import dump_results
 from .bench_math import RESULTS_DIR
-from .e2e_model import (MODEL_SPECS, DecodeStep, build_model, compile_decode, compile_layers, decode_forward, free_memory,
-                        fuse_fp16, profile_step, set_inductor_pdl, time_generate, to_kn, to_marlin, weight_bytes)
+from .e2e_model import (ATTENTIONS, MODEL_SPECS, DecodeStep, build_model, compile_decode, compile_layers,
+                        decode_forward, free_memory, fuse_fp16, profile_step, set_inductor_pdl, time_generate, to_kn, to_marlin, weight_bytes)
 from .e2e_slots import SlotStep
 from .provenance import collect_meta, dirty_warning
 from .timing import measure_copy_bandwidth
@@ -72,7 +72,6 @@ from .timing import measure_copy_bandwidth
 # run in this order: each converts the model further (the FP16 variants are undone after their points)
 KERNELS = ("fp16", "fp16_kn", "fp16_fused", "fp16_fused_kn", "marlin_unfused", "marlin", "marlin_24")
 MODES = ("eager", "graph", "compiled", "generate")
-ATTENTIONS = ("sdpa", "marlin_decode")
 DEFAULT_BATCHES = (1, 2, 4, 8, 16, 32, 64, 128)
 CHECK_TOL = 2e-2  # logits of a captured/compiled step vs eager: fp16 rounding differs, a wrong step is O(1)
 # Issue 21 targets: decode tokens/s over FP16 (same mode), Llama-2-7B shape.

@@ -47,7 +47,7 @@ import torch
 
 from .bench_gemm import dump_results
 from .bench_math import RESULTS_DIR
-from .e2e_model import MODEL_SPECS, build_model, free_memory, fuse_fp16, set_inductor_pdl, to_marlin
+from .e2e_model import ATTENTIONS, MODEL_SPECS, build_model, free_memory, fuse_fp16, set_inductor_pdl, to_marlin
 from .provenance import collect_meta
 
 # run in this order (fp16_fused is undone after its rates; marlin converts the model; marlin_24
@@ -179,7 +179,7 @@ def parse_args(argv=None):
     p.add_argument("--inductor-pdl", action=argparse.BooleanOptionalAction, default=None,
                    help="inductor's Triton kernels with programmatic dependent launch (as bench_e2e --inductor-pdl; "
                         "default: on where this torch has the option)")
-    p.add_argument("--attention", choices=("sdpa", "marlin_decode"), default=None,
+    p.add_argument("--attention", choices=ATTENTIONS, default=None,
                    help="the models' attn_implementation, for every kernel alike (as bench_e2e --attention); "
                         "default: marlin_decode on the slots engine, sdpa on the transformers engine (its continuous "
                         "batching takes only its own attentions)")

@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from .e2e_model import set_inductor_pdl
-from .tp_model import LLAMA2_70B, DecodeModel, LlamaShape, random_linear  # noqa: F401
+from .tp_model import ATTENTIONS, LLAMA2_70B, DecodeModel, LlamaShape, random_linear  # noqa: F401
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 TINY = LlamaShape(hidden=256, intermediate=512, heads=4, kv_heads=2, head_dim=64, vocab=512, layers=2)
@@ -50,7 +50,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--inductor-pdl", action=argparse.BooleanOptionalAction, default=None,
                    help="the compiled element-wise code's Triton kernels with programmatic dependent launch (as "
                         "bench_e2e --inductor-pdl; default: on where this torch has the option and the code is compiled)")
-    p.add_argument("--attention", choices=("sdpa", "marlin_decode"), default="marlin_decode",
+    p.add_argument("--attention", choices=tuple(ATTENTIONS), default="marlin_decode",
                    help="the decode step's attention, for every kind alike: marlin_decode (marlin's decode kernel, "
                         "as compile_for_decode sets it; the default) or sdpa")
     p.add_argument("--profile-batches", default="",

@@ -54,6 +54,10 @@ MODEL_SPECS = {cfg.name: _spec(cfg) for cfg in S.MODELS if cfg.name in _DEPTH_VO
 MODEL_SPECS["tiny"] = TINY
 
 
+# build_model's attentions (the benches' --attention choices)
+ATTENTIONS = ("sdpa", "marlin_decode")
+
+
 def build_model(name: str, layers: Optional[int], dev: torch.device, seed: int = 0, attention: str = "sdpa"):
     """A transformers LlamaForCausalLM of the named shape (``layers`` overrides the depth), fp16,
     random weights, eval mode, on ``dev``; ``attention``: its attn_implementation ("sdpa", or

@@ -26,6 +26,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from .decode_op import MIN_SPLIT_LEN, masked_below, split_count, triton_pow2
+
 LOG2E = 1.4426950408889634
 # (the kernels' names say "attention" and not "marlin": benchmarks/kernel_profile.py files them as
 # attention, not as GEMMs)
@@ -155,7 +157,7 @@ def decode_attention_combine_kernel(
 
 # the launch's tuning: key positions per block, warps per program, software-pipeline stages of the
 # block loop (benchmarks/bench_attention.py --tunings compares others)
-TUNING = {"block_n": 64, "warps": 4, "stages": 2, "min_split": 256}
+TUNING = {"block_n": 64, "warps": 4, "stages": 2, "min_split": MIN_SPLIT_LEN}
 
 
 def launch(q, k, v, mask, scale: float, sms: int):
@@ -163,8 +165,6 @@ def launch(q, k, v, mask, scale: float, sms: int):
     ``sms``: the device's multiprocessor count (split_count). Works on CPU tensors under
     TRITON_INTERPRET=1 (the CPU tests)."""
     import torch
-
-    from .decode_op import masked_below, split_count, triton_pow2
 
     b, h, d = q.shape
     hkv, n = k.shape[1], k.shape[2]

@@ -35,12 +35,12 @@ def masked_below(mask_dtype: torch.dtype) -> float:
     return float(torch.finfo(mask_dtype).min) / 2
 
 
-def split_count(batch: int, kv_heads: int, n_kv: int, sms: int, min_len: int = 0) -> int:
+def split_count(batch: int, kv_heads: int, n_kv: int, sms: int, min_len: int = MIN_SPLIT_LEN) -> int:
     """How many programs share one sequence and key/value head: enough to give each SM two
-    programs, no fewer than MIN_SPLIT_LEN positions each, at most MAX_SPLITS. Shapes only (a
-    CUDA graph replays it). ``min_len``: MIN_SPLIT_LEN where 0."""
+    programs, no fewer than ``min_len`` positions each, at most MAX_SPLITS. Shapes only (a CUDA
+    graph replays it)."""
     want = max(1, (2 * sms) // max(1, batch * kv_heads))
-    return max(1, min(want, math.ceil(n_kv / (min_len or MIN_SPLIT_LEN)), MAX_SPLITS))
+    return max(1, min(want, math.ceil(n_kv / min_len), MAX_SPLITS))
 
 
 def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor]) -> None:

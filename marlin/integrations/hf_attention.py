@@ -81,8 +81,7 @@ def register() -> bool:
         from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
     except ImportError:
         return False
-    import marlin.attention  # noqa: F401  (defines torch.ops.marlin.decode_attention)
-
+    # (torch.ops.marlin.decode_attention is defined by `import marlin`, which this package's import ran)
     AttentionInterface.register(NAME, marlin_decode_attention_forward)
     AttentionMaskInterface.register(NAME, sdpa_mask)
     return True
